@@ -1,0 +1,1 @@
+"""flywheel: train coding agents with reinforcement learning, in simulation and from real use."""

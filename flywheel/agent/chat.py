@@ -1,0 +1,182 @@
+"""The chat format: ChatML with Hermes-style tool calls, the convention of Qwen2.5/Qwen3 models.
+
+    <|im_start|>system\n...# Tools ... <tools>[schemas]</tools><|im_end|>\n
+    <|im_start|>user\nFix the failing test.<|im_end|>\n
+    <|im_start|>assistant\nLooking first.\n<tool_call>\n{"name": "grep", "arguments": {...}}\n</tool_call><|im_end|>\n
+    <|im_start|>user\n<tool_response>\n...\n</tool_response><|im_end|>\n
+
+`CHAT_TEMPLATE` is the Jinja template stored on the tokenizer (so `apply_chat_template` and any
+HF-compatible server render exactly this), and `render_message` produces the same text one
+message at a time, which is how the episode runner appends turns without re-tokenizing earlier
+ones. Consecutive tool results share one user turn, as in Qwen's template.
+
+`parse_assistant` turns generated text into content plus `ToolCall`s. A malformed call (bad JSON,
+unknown tool, wrong arguments, an unclosed tag) becomes an invalid `ToolCall` carrying the reason:
+it is answered with the error and counted, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from flywheel.env.tools import TOOL_SCHEMAS, ToolCall, validate_arguments
+
+IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END]
+# Single tokens too (not "special": they are part of the text the model writes and reads).
+MARKUP_TOKENS = [TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE]
+
+SYSTEM_PROMPT = (
+    "You are a coding agent working in a project folder. Use the tools to inspect and change files "
+    "and to run commands. If the request leaves out something you need, ask one short question. "
+    "Call finish when the task is done."
+)
+
+# Rendered by `tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=...)`.
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nCall tools inside <tool_call></tool_call> tags as JSON with name and arguments.\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- if (message.content or '') or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (call.function.name | tojson) + ', \"arguments\": ' }}"
+    "{%- if call.function.arguments is string %}{{- call.function.arguments }}"
+    "{%- else %}{{- call.function.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+GENERATION_PROMPT = f"{IM_START}assistant\n"
+
+
+def tool_schemas(names: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    return [TOOL_SCHEMAS[n] for n in (names or TOOL_SCHEMAS)]
+
+
+def _json(value: Any) -> str:
+    # Matches Jinja's `tojson` as HF renders it (json.dumps with default separators).
+    return json.dumps(value, ensure_ascii=False)
+
+
+def render_system(content: str, tools: Sequence[dict[str, Any]] | None) -> str:
+    if not tools:
+        return f"{IM_START}system\n{content}{IM_END}\n"
+    listed = "".join("\n" + _json(t) for t in tools)
+    return (
+        f"{IM_START}system\n{content}\n\n# Tools\n\nCall tools inside <tool_call></tool_call> tags as JSON "
+        f"with name and arguments.\n<tools>{listed}\n</tools>{IM_END}\n"
+    )
+
+
+def render_tool_call(call: dict[str, Any]) -> str:
+    args = call["function"]["arguments"]
+    args_text = args if isinstance(args, str) else _json(args)
+    return f'{TOOL_CALL_OPEN}\n{{"name": {_json(call["function"]["name"])}, "arguments": {args_text}}}\n{TOOL_CALL_CLOSE}'
+
+
+def render_assistant_body(message: dict[str, Any]) -> str:
+    """What the model writes for an assistant message (without the header, with the end tag)."""
+    text = message.get("content") or ""
+    for i, call in enumerate(message.get("tool_calls") or []):
+        text += ("\n" if text or i else "") + render_tool_call(call)
+    return text + IM_END
+
+
+def render_tool_results(contents: Sequence[str]) -> str:
+    """One user turn holding consecutive tool results, then nothing else."""
+    body = "".join(f"\n{TOOL_RESPONSE_OPEN}\n{c}\n{TOOL_RESPONSE_CLOSE}" for c in contents)
+    return f"{IM_START}user{body}{IM_END}\n"
+
+
+def render_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = False) -> str:
+    """The same text as CHAT_TEMPLATE, in Python (tests check the two agree)."""
+    out = []
+    i = 0
+    if messages and messages[0]["role"] == "system":
+        out.append(render_system(messages[0]["content"], tools))
+        i = 1
+    elif tools:
+        out.append(render_system("", tools))
+    while i < len(messages):
+        m = messages[i]
+        if m["role"] in ("user", "system"):
+            out.append(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n")
+        elif m["role"] == "assistant":
+            out.append(f"{IM_START}assistant\n{render_assistant_body(m)}\n")
+        elif m["role"] == "tool":
+            j = i
+            while j < len(messages) and messages[j]["role"] == "tool":
+                j += 1
+            out.append(render_tool_results([t["content"] for t in messages[i:j]]))
+            i = j
+            continue
+        else:
+            raise ValueError(f"unknown message role {m['role']!r}; expected system, user, assistant or tool")
+        i += 1
+    if add_generation_prompt:
+        out.append(GENERATION_PROMPT)
+    return "".join(out)
+
+
+_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)
+
+
+def parse_assistant(text: str, call_id_prefix: str = "call") -> tuple[str, list[ToolCall]]:
+    """Split generated assistant text into its prose and its tool calls (valid or not)."""
+    text = text.removesuffix(IM_END)
+    calls = []
+    for i, match in enumerate(_CALL_RE.finditer(text)):
+        call_id = f"{call_id_prefix}_{i}"
+        body, closed = match.group(1).strip(), bool(match.group(2))
+        if not closed:
+            calls.append(ToolCall(call_id, "?", {}, error="unclosed <tool_call> tag"))
+            continue
+        calls.append(parse_call(body, call_id))
+    first = text.find(TOOL_CALL_OPEN)
+    content = (text if first < 0 else text[:first]).rstrip("\n")
+    return content, calls
+
+
+def parse_call(body: str, call_id: str) -> ToolCall:
+    try:
+        payload = json.loads(body)
+    except json.JSONDecodeError as exc:
+        return ToolCall(call_id, "?", {}, error=f"bad JSON in tool call: {exc.msg} at char {exc.pos}")
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return ToolCall(call_id, "?", {}, error='a tool call must be {"name": ..., "arguments": {...}}')
+    name, arguments = payload["name"], payload.get("arguments", {})
+    if isinstance(arguments, str):  # some models double-encode the arguments
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return ToolCall(call_id, name, {}, error="arguments is a string that is not JSON")
+    error = validate_arguments(name, arguments)
+    return ToolCall(call_id, name, arguments if isinstance(arguments, dict) else {}, error=error)
+
+
+def openai_tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

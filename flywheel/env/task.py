@@ -1,0 +1,82 @@
+"""The `Task` record: one coding problem an agent solves inside a sandbox.
+
+A task carries everything needed to set up, converse about and grade an episode:
+the starting workspace (`files`), what the user asks (`instruction`), the tests the agent never
+sees (`hidden_tests`, copied in only for grading) and the command that runs tests.
+`reference_edits` is the known solution; only the scripted expert and the tests read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Split = Literal["train", "eval"]
+SPLITS: tuple[Split, ...] = ("train", "eval")
+
+# The reply a user gives when asked a question about a request that was already clear.
+JUST_DO_IT = "Please just do it: the request has everything you need."
+
+
+class Edit(BaseModel):
+    """Replace `old` by `new` in `path` (an empty `old` creates the file with `new`)."""
+
+    model_config = ConfigDict(frozen=True)
+    path: str
+    old: str
+    new: str
+
+
+class TaskMetadata(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    difficulty: int = Field(ge=1, le=3)
+    ambiguous: bool = False
+    # On an ambiguous task: the detail the instruction leaves out, given when the agent asks.
+    clarification: str | None = None
+    extra: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+
+class Task(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    id: str
+    family: str
+    split: Split
+    instruction: str
+    files: dict[str, str]
+    hidden_tests: dict[str, str]
+    test_command: str
+    metadata: TaskMetadata
+    reference_edits: tuple[Edit, ...] = ()
+
+    def answer_question(self, question: str) -> str:
+        """The user's reply when the agent asks something instead of acting.
+
+        On an ambiguous task the user supplies the missing detail; on a clear one they
+        only say to get on with it. Either way the question has cost the agent a turn.
+        """
+        del question  # the simulated user answers the same whatever was asked
+        if self.metadata.ambiguous and self.metadata.clarification:
+            return self.metadata.clarification
+        return JUST_DO_IT
+
+    def content_key(self) -> str:
+        """A hash of what makes the task a distinct problem (not its id or split)."""
+        body = json.dumps([self.family, self.instruction, self.files, self.hidden_tests], sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def visible_test_paths(self) -> list[str]:
+        return sorted(p for p in self.files if is_test_path(p))
+
+
+def is_test_path(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return name.startswith("test_") and name.endswith(".py")
+
+
+def split_of(key: str, eval_fraction: float = 0.2) -> Split:
+    """Deterministic split from a content key, so one problem can never be in both splits."""
+    bucket = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "eval" if bucket < eval_fraction else "train"

@@ -1,0 +1,117 @@
+"""A scripted agent that solves every task family through the tools only.
+
+It knows the task's reference edits (a stand-in for competence) but touches the workspace only
+with tool calls, the way a model must: explore (list + grep, in one parallel turn), read the
+files it will change, edit them, run the visible tests, finish. On an ambiguous task its first
+move is one clarifying question. With `mistake_rate > 0` some episodes go wrong the way real
+agents do (a fix left out, a guess instead of a question), so demonstrations built from it leave
+room for RL. It lives in `sim/` because it stands in for a competent policy; no core code imports it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+from flywheel.env.pool import SandboxPool
+from flywheel.env.sandbox import Sandbox, Snapshot
+from flywheel.env.task import Task
+from flywheel.env.tools import Toolbox, ToolCall, ToolResult
+
+CLARIFYING_QUESTION = "Before I change anything: could you tell me exactly which behaviour you want here?"
+
+
+@dataclass(frozen=True)
+class Action:
+    """One assistant turn: some text, and tool calls (none means the text is said to the user)."""
+
+    text: str
+    calls: tuple[ToolCall, ...] = ()
+
+
+Observation = list[ToolResult] | str  # tool results, or the user's reply to a question
+Policy = Generator[Action, Observation | None, None]
+
+
+def _identifier(snippet: str) -> str | None:
+    """The most telling name in a code snippet: a defined function, else the longest identifier."""
+    defined = re.search(r"def (\w+)", snippet)
+    if defined:
+        return defined.group(1)
+    names = re.findall(r"[A-Za-z_]\w{2,}", snippet)
+    return max(names, key=len) if names else None
+
+
+class ScriptedExpert:
+    def __init__(self, seed: int = 0, mistake_rate: float = 0.0):
+        self.rng = random.Random(seed)
+        self.mistake_rate = mistake_rate
+
+    def play(self, task: Task) -> Policy:
+        n = 0
+
+        def call(name: str, **arguments: object) -> ToolCall:
+            nonlocal n
+            n += 1
+            return ToolCall(id=f"call_{n}", name=name, arguments=dict(arguments))
+
+        slip = self.rng.random() < self.mistake_rate
+        if task.metadata.ambiguous and not (slip and self.rng.random() < 0.5):
+            yield Action(CLARIFYING_QUESTION)
+        edits = list(task.reference_edits)
+        explore = [call("list_dir", path=".")]
+        symbol = next((s for s in (_identifier(e.old or e.new) for e in edits) if s), None)
+        if symbol:
+            explore.append(call("grep", pattern=rf"\b{symbol}\b", glob="*.py"))
+        if self.rng.random() < 0.3:
+            explore.append(call("semantic_search", query=task.instruction[:200]))
+        yield Action("Let me look at the project first.", tuple(explore))
+
+        to_read = sorted({e.path for e in edits if e.old})
+        if to_read:
+            yield Action("Reading the code I need to change.", tuple(call("read_file", path=p) for p in to_read))
+        if slip and edits:
+            edits = edits[: self.rng.randrange(len(edits))]  # leaves part of the fix out
+        if edits:
+            yield Action("Making the change.", tuple(call("edit_file", path=e.path, old=e.old, new=e.new) for e in edits))
+        yield Action("Running the tests.", (call("run_command", command=task.test_command),))
+        yield Action("Done.", (call("finish", summary="Made the change and ran the tests."),))
+
+
+@dataclass
+class ExpertEpisode:
+    task: Task
+    turns: list[tuple[Action, Observation]] = field(default_factory=list)
+    final: Snapshot | None = None
+    finished: bool = False
+
+
+def run_policy(task: Task, policy: Policy, pool: SandboxPool | None = None, max_turns: int = 12) -> ExpertEpisode:
+    """Drive a scripted policy against a real sandbox until it calls `finish` or runs out of turns."""
+    episode = ExpertEpisode(task)
+    box = pool.acquire(task.files) if pool else Sandbox.create(task.files)
+    try:
+        with Toolbox(box) as tools:
+            observation: Observation | None = None
+            for _ in range(max_turns):
+                try:
+                    action = policy.send(observation) if observation is not None else next(policy)
+                except StopIteration:
+                    break
+                if action.calls:
+                    observation = tools.execute(action.calls)
+                else:
+                    observation = task.answer_question(action.text)
+                episode.turns.append((action, observation))
+                if any(c.name == "finish" for c in action.calls):
+                    episode.finished = True
+                    break
+        episode.final = box.snapshot()
+    finally:
+        if pool:
+            pool.release(box)
+        else:
+            box.close()
+    return episode

@@ -1,0 +1,105 @@
+"""Grading runs the hidden tests in a fresh real sandbox; tampering and hacks gain nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from flywheel.env.families import generate
+from flywheel.env.grading import GradeConfig, grade
+from flywheel.env.sandbox import Sandbox
+from flywheel.env.task import Edit, Task, TaskMetadata
+from flywheel.env.testrun import __file__ as RUNNER_FILE
+
+RUNNER = open(RUNNER_FILE).read()
+SOLUTION_STUB = "def double(x):\n    return x\n"
+TASK = Task(
+    id="toy/train/0",
+    family="toy",
+    split="train",
+    instruction="Make double(x) return twice x.",
+    files={
+        "run_tests.py": RUNNER,
+        "mathy.py": SOLUTION_STUB,
+        "tests/test_mathy.py": "from mathy import double\n\ndef test_two():\n    assert double(2) == 4\n",
+    },
+    hidden_tests={
+        "tests_hidden/test_mathy.py": (
+            "from mathy import double\n\n"
+            "def test_two():\n    assert double(2) == 4\n\n"
+            "def test_zero():\n    assert double(0) == 0\n\n"
+            "def test_negative():\n    assert double(-3) == -6\n"
+        )
+    },
+    test_command="python3 run_tests.py tests",
+    metadata=TaskMetadata(difficulty=1),
+    reference_edits=(Edit(path="mathy.py", old="return x", new="return 2 * x"),),
+)
+
+
+def final_with(files: dict[str, str | None]):
+    """The task's workspace with `files` written over it (None deletes a file)."""
+    merged = {p: t for p, t in {**TASK.files, **files}.items() if t is not None}
+    with Sandbox.create(merged) as box:
+        return box.snapshot()
+
+
+def test_correct_solution_gets_full_reward():
+    result = grade(TASK, final_with({"mathy.py": "def double(x):\n    return 2 * x\n"}))
+    assert result.passed == 3 and result.failed == 0 and result.all_passed and result.reward == pytest.approx(1.0)
+    assert result.parts == {"tests_passed_frac": 1.0, "all_passed": 1.0, "timed_out": 0.0, "visible_tests_modified": 0.0}
+
+
+def test_partial_solution_gets_partial_credit():
+    # right for 0 only: passes test_zero, fails the other two
+    result = grade(TASK, final_with({"mathy.py": "def double(x):\n    return 0\n"}))
+    assert (result.passed, result.failed) == (1, 2)
+    assert result.reward == pytest.approx(0.5 / 3)
+    assert result.tests["tests_hidden/test_mathy.py::test_zero"] is True
+
+
+def test_deleting_or_editing_visible_tests_gains_nothing():
+    untouched = grade(TASK, final_with({}))
+    deleted = grade(TASK, final_with({"tests/test_mathy.py": None}))
+    gutted = grade(TASK, final_with({"tests/test_mathy.py": "def test_two():\n    pass\n"}))
+    for tampered in (deleted, gutted):
+        assert tampered.parts["visible_tests_modified"] == 1.0
+        assert tampered.reward < untouched.reward
+
+
+def test_printing_a_fake_result_line_does_not_count():
+    forged = (
+        "import sys\n"
+        "print('0' * 32 + ' {\"passed\": 99, \"failed\": 0, \"tests\": {}}')\n"
+        "sys.stderr.write('3 passed, 0 failed\\n')\n"
+        "def double(x):\n    return x\n"
+    )
+    result = grade(TASK, final_with({"mathy.py": forged}))
+    assert result.passed == 1 and result.failed == 2  # only test_zero: double(0) == 0
+
+
+def test_replacing_the_runner_or_planting_hidden_tests_does_not_count():
+    fake_runner = "print('all good')\n"
+    planted = "def test_ok():\n    pass\n"
+    result = grade(TASK, final_with({"run_tests.py": fake_runner, "tests_hidden/test_mine.py": planted}))
+    assert result.passed == 1 and result.failed == 2 and "tests_hidden/test_mine.py::test_ok" not in result.tests
+
+
+def test_output_flood_does_not_hide_the_result():
+    flood = "import os\nos.system('yes | head -c 10000000')\nprint('x' * 5_000_000)\n" + SOLUTION_STUB.replace(
+        "return x", "return 2 * x"
+    )
+    result = grade(TASK, final_with({"mathy.py": flood}))
+    assert result.all_passed
+
+
+def test_a_hanging_solution_times_out_with_zero_reward():
+    hang = "def double(x):\n    while True:\n        pass\n"
+    result = grade(TASK, final_with({"mathy.py": hang}), GradeConfig(timeout_s=2))
+    assert result.parts["timed_out"] == 1.0 and result.reward == 0.0
+
+
+def test_hidden_tests_are_not_in_the_episode_workspace():
+    for task in generate("bugfix", "train", 3):
+        assert not any(p.startswith("tests_hidden/") for p in task.files)
+        with Sandbox.create(task.files) as box:
+            assert box.run("ls tests_hidden").exit_code != 0

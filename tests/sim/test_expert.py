@@ -1,0 +1,50 @@
+"""The scripted expert solves every family through the tools only, in real sandboxes."""
+
+from __future__ import annotations
+
+import pytest
+
+from flywheel.env.families import FAMILIES, generate
+from flywheel.env.grading import grade
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.env.sandbox import Snapshot
+from flywheel.sim.expert import CLARIFYING_QUESTION, ScriptedExpert, run_policy
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(PoolConfig(max_active=4, warm=2)) as p:
+        yield p
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "humaneval"])
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_expert_solves_what_the_untouched_workspace_fails(pool, family, difficulty):
+    if family == "humaneval" and difficulty != 2:
+        pytest.skip("HumanEval tasks have one difficulty level")
+    expert = ScriptedExpert(seed=difficulty)
+    for task in generate(family, "eval", 2, seed=7, difficulty=difficulty):
+        untouched = grade(task, Snapshot.of_files(task.files))
+        assert not untouched.all_passed, f"{task.id}: hidden tests pass without any change"
+        episode = run_policy(task, expert.play(task), pool)
+        assert episode.finished
+        tool_names = {c.name for action, _ in episode.turns for c in action.calls}
+        assert {"edit_file", "run_command", "finish"} <= tool_names
+        result = grade(task, episode.final)
+        assert result.all_passed, f"{task.id}: expert failed: {result.log or result.tests}"
+        assert result.parts["visible_tests_modified"] == 0.0
+
+
+def test_expert_asks_first_on_ambiguous_tasks_and_gets_the_detail(pool):
+    task = generate("ambiguous", "train", 1, seed=3)[0]
+    episode = run_policy(task, ScriptedExpert().play(task), pool)
+    first_action, reply = episode.turns[0]
+    assert first_action.text == CLARIFYING_QUESTION and not first_action.calls
+    assert reply == task.metadata.clarification
+
+
+def test_expert_with_mistakes_fails_some_tasks(pool):
+    expert = ScriptedExpert(seed=0, mistake_rate=1.0)
+    tasks = generate("bugfix", "train", 4, seed=11, difficulty=2)
+    results = [grade(t, run_policy(t, expert.play(t), pool).final) for t in tasks]
+    assert sum(r.all_passed for r in results) < len(tasks)

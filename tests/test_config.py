@@ -1,0 +1,45 @@
+"""Every config file in the repo parses; overrides and errors behave."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flywheel.cli import DemoConfig
+from flywheel.config import ConfigError, load_config, parse_override, write_resolved
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# Which model reads which file: a new config file must be added here, or this test fails.
+MODELS = {"demo.toml": DemoConfig}
+
+
+def test_every_config_file_parses():
+    files = sorted(p.name for p in CONFIGS.glob("*.toml"))
+    assert files, "no configs found"
+    for name in files:
+        assert name in MODELS, f"configs/{name} has no model in tests/test_config.py"
+        load_config(MODELS[name], CONFIGS / name)
+
+
+def test_overrides_are_toml_values():
+    assert parse_override("pool.max_active=3") == (["pool", "max_active"], 3)
+    assert parse_override("families=['bugfix']") == (["families"], ["bugfix"])
+    assert parse_override("run_dir=runs/x") == (["run_dir"], "runs/x")
+    config = load_config(DemoConfig, CONFIGS / "demo.toml", ["pool.max_active=3", "tasks_per_family=5"])
+    assert config.pool.max_active == 3 and config.tasks_per_family == 5
+
+
+def test_errors_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(DemoConfig, tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="tasks_per_famly"):
+        load_config(DemoConfig, None, ["tasks_per_famly=3"])
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_override("no-equals-sign")
+
+
+def test_resolved_config_is_written(tmp_path):
+    config = load_config(DemoConfig, None, ["seed=4"])
+    out = write_resolved(config, tmp_path / "run")
+    assert DemoConfig.model_validate_json(out.read_text()) == config
