@@ -19,7 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from flywheel.env.families import generate
 from flywheel.env.sandbox import INTERPRETER_DIR, SANDBOX_UID, Sandbox, SandboxConfig
+from flywheel.env.tools import Toolbox, ToolCall
 
 FILES = {
     "main.py": "print('hi')\n",
@@ -99,7 +101,7 @@ def sandbox_processes() -> int:
 
 
 def workspace_dirs(root: Path) -> set[str]:
-    return {p.name for p in root.iterdir() if p.name != INTERPRETER_DIR} if root.exists() else set()
+    return {p.name for p in root.iterdir() if not p.name.startswith(".")} if root.exists() else set()
 
 
 def bench_leaks(config: SandboxConfig, episodes: int) -> dict[str, int | float]:
@@ -126,6 +128,60 @@ def bench_leaks(config: SandboxConfig, episodes: int) -> dict[str, int | float]:
     }
 
 
+def bench_tools(config: SandboxConfig, n: int = 200) -> dict:
+    """Per-call cost of each file tool through the Toolbox (validation, path checks, result text),
+    on a real task workspace, next to the bare operation it wraps; and one turn of four
+    reads/searches run concurrently versus one after another."""
+    task = generate("crossfile", "train", 1, seed=0, difficulty=3)[0]
+    path = next(e.path for e in task.reference_edits if e.old)
+    symbol = task.metadata.extra.get("new_name") or task.metadata.extra.get("template") or "def"
+    with Sandbox.create(task.files, config) as box, Toolbox(box) as tools:
+        def call(name: str, **arguments) -> None:
+            result = tools.call(ToolCall("b", name, arguments))
+            assert result.ok, result.content
+
+        call("semantic_search", query="warm up: load the model, build the index")
+        call("edit_file", path="bench_note.py", old="", new="# bench")
+        flip = [False]
+
+        def edit() -> None:  # alternate between two contents so every edit is a real change
+            old, new = ("# BENCH", "# bench") if flip[0] else ("# bench", "# BENCH")
+            flip[0] = not flip[0]
+            call("edit_file", path="bench_note.py", old=old, new=new)
+
+        overhead = {
+            "read_file": percentiles(timed(lambda: call("read_file", path=path), n))[0],
+            # An identifier search, as agents mostly grep; a Unicode class (\w) costs rg ~4 ms more
+            # to compile, reported separately.
+            "grep": percentiles(timed(lambda: call("grep", pattern=rf"\b{symbol}\b", glob="*.py"), n))[0],
+            "grep_unicode_class": percentiles(timed(lambda: call("grep", pattern=r"def \w+", glob="*.py"), n))[0],
+            "edit_file": percentiles(timed(edit, n))[0],
+            "semantic_search": percentiles(timed(lambda: call("semantic_search", query="where is the total computed"), n // 4))[0],
+        }
+        host = box.resolve(path)
+        baseline = {
+            "read_text": percentiles(timed(host.read_text, n))[0],
+            "rg_process": percentiles(timed(lambda: subprocess.run(["rg", "-j1", "-n", rf"\b{symbol}\b",
+                                                                    str(box.workspace)], capture_output=True), n))[0],
+        }
+        turn = [
+            ToolCall("1", "semantic_search", {"query": "report formatting"}),
+            ToolCall("2", "grep", {"pattern": rf"\b{symbol}\b"}),
+            ToolCall("3", "grep", {"pattern": "return"}),
+            ToolCall("4", "read_file", {"path": path}),
+        ]
+        rounds = max(5, n // 10)
+        sequential = percentiles(timed(lambda: [tools.call(c) for c in turn], rounds))[0]
+        parallel = percentiles(timed(lambda: tools.execute(turn), rounds))[0]
+    return {
+        "tool_overhead_ms_p50": overhead,
+        "tool_baseline_ms_p50": baseline,
+        "parallel_turn_ms_p50": parallel,
+        "sequential_turn_ms_p50": sequential,
+        "parallel_tool_speedup": round(sequential / parallel, 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--episodes", type=int, default=10_000)
@@ -136,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     for step, fn in [
         ("create/destroy", lambda: bench_create_destroy(config)),
         ("run true", lambda: bench_run_true(config)),
+        ("tools", lambda: bench_tools(config)),
         ("concurrent", lambda: bench_concurrent(config, args.concurrent)),
         ("leaks", lambda: bench_leaks(config, args.episodes)),
     ]:

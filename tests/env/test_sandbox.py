@@ -287,7 +287,7 @@ def test_jail_setup_failure_is_a_sandbox_error(config: SandboxConfig):
         root = config.resolved_root()
         os.chmod(root, 0o700)  # now bwrap, running as nobody, cannot reach the workspace
         try:
-            with pytest.raises(SandboxError, match="failed to start.*Permission denied"):
+            with pytest.raises(SandboxError, match="failed to start"):
                 sb.run("true")
         finally:
             os.chmod(root, 0o711)
