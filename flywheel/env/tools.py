@@ -183,6 +183,20 @@ def _footprint(call: ToolCall) -> tuple[set[str], set[str]]:
             return set(), set()
 
 
+def _launch_order(calls: Sequence[ToolCall], deps: list[list[int]]) -> list[int]:
+    """Call order, except that semantic searches start last when nothing waits on them.
+
+    A search holds the GIL for most of its run (tokenizing, module calls); started first, it makes
+    the greps queued behind it wait a whole GIL switch interval (5 ms) before they can even spawn
+    rg. Started last, the greps' processes are already running on the other core while it works.
+    Every call is still submitted after the calls it depends on, which keeps `execute` deadlock-free.
+    """
+    searches = {i for i, c in enumerate(calls) if c.name == "semantic_search"}
+    if any(j in searches for d in deps for j in d):
+        return list(range(len(calls)))
+    return [i for i in range(len(calls)) if i not in searches] + sorted(searches)
+
+
 def _overlaps(a: set[str], b: set[str]) -> bool:
     return bool(a and b) and (_EVERYTHING in a or _EVERYTHING in b or not a.isdisjoint(b))
 
@@ -226,14 +240,14 @@ class Toolbox:
     def execute(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run one turn's calls concurrently where they do not conflict; results in call order.
 
-        Deadlock-free: a call only waits on calls submitted before it, and the pool's FIFO
-        queue starts those first.
+        Deadlock-free: a call only waits on calls submitted before it (see `_launch_order`), and
+        the pool's FIFO queue starts those first.
         """
-        futures: list[Future[ToolResult]] = []
-        for i, call in enumerate(calls):
-            deps = [futures[j] for j in range(i) if _conflicts(calls[j], call)]
-            futures.append(self._pool.submit(self._after, deps, call))
-        return [f.result() for f in futures]
+        deps = [[j for j in range(i) if _conflicts(calls[j], call)] for i, call in enumerate(calls)]
+        futures: dict[int, Future[ToolResult]] = {}
+        for i in _launch_order(calls, deps):
+            futures[i] = self._pool.submit(self._after, [futures[j] for j in deps[i]], calls[i])
+        return [futures[i].result() for i in range(len(calls))]
 
     def _after(self, deps: list[Future[ToolResult]], call: ToolCall) -> ToolResult:
         for dep in deps:
@@ -291,7 +305,10 @@ class Toolbox:
 
     def grep(self, pattern: str, path: str = ".", glob: str | None = None) -> str:
         target = self.sandbox.resolve(path)
-        argv = [_rg(), "--line-number", "--no-heading", "--color=never", "--max-columns=200", "--no-config"]
+        # One thread: workspaces are small, and rg's thread pool start-up costs more than it saves.
+        # Ignore files above the workspace must not change what the agent sees.
+        argv = [_rg(), "-j1", "--no-ignore-parent", "--no-config", "--line-number", "--no-heading",
+                "--color=never", "--max-columns=200"]
         if glob:
             argv += ["--glob", glob]
         argv += ["-e", pattern, "--", str(target.relative_to(self.sandbox.workspace))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flywheel.env.sandbox import Sandbox
-from flywheel.env.tools import TOOL_SCHEMAS, Toolbox, ToolCall, _conflicts, validate_arguments
+from flywheel.env.tools import TOOL_SCHEMAS, Toolbox, ToolCall, _conflicts, _launch_order, validate_arguments
 
 FILES = {
     "pkg/__init__.py": "",
@@ -188,3 +188,17 @@ def test_semantic_search_finds_by_meaning_and_stays_current(tools):
 def test_run_command_reports_exit_code(tools):
     result = one(tools, "run_command", command="echo out; echo err >&2; exit 3")
     assert result.ok and "out" in result.content and "err" in result.content and "exit code 3" in result.content
+
+
+def test_searches_launch_last_unless_something_waits_on_them():
+    search = ToolCall("s", "semantic_search", {"query": "q"})
+    grep = ToolCall("g", "grep", {"pattern": "x"})
+    read = ToolCall("r", "read_file", {"path": "a.py"})
+    edit = ToolCall("e", "edit_file", {"path": "a.py", "old": "", "new": ""})
+
+    def order(calls):
+        deps = [[j for j in range(i) if _conflicts(calls[j], c)] for i, c in enumerate(calls)]
+        return _launch_order(calls, deps)
+
+    assert order([search, grep, read]) == [1, 2, 0]
+    assert order([search, grep, edit]) == [0, 1, 2]  # the edit must wait for the search: keep order
