@@ -4,6 +4,9 @@
     flywheel tasks show   bugfix/train/s0/d1/0
     flywheel tasks export --family implement --split eval --n 50 --out tasks.jsonl
     flywheel demo         [--config configs/demo.toml] [--set tasks_per_family=3]
+    flywheel bootstrap    [--config configs/bootstrap.toml] [--set sft.epochs=1]
+    flywheel eval         --checkpoint production --split eval --json
+    flywheel registry list|show|promote [V] [--alias production] [--root runs/registry]
 
 Subcommands are added as stages land; each reads a typed config (TOML + `--set` overrides).
 """
@@ -106,6 +109,91 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if solved == len(rows) else 1
 
 
+def cmd_registry(args: argparse.Namespace) -> int:
+    from flywheel.model.registry import Registry  # noqa: PLC0415  (each command imports its own stage)
+
+    root = Path(args.root)
+    if not (root / "registry.sqlite").is_file():
+        raise ValueError(f"no registry at {root} (no registry.sqlite); pass --root, e.g. --root runs/registry")
+    if args.action != "list" and args.ref is None:
+        raise ValueError(f"`flywheel registry {args.action}` needs a version (3 or v3) or an alias; "
+                         "`flywheel registry list` prints them")
+    with Registry(root) as registry:
+        if args.action == "show":
+            ckpt = registry.get(args.ref)
+            print(json.dumps(ckpt.model_dump(mode="json"), indent=2))
+            for path in sorted(p for p in ckpt.path.rglob("*") if p.is_file()):
+                print(f"{path.stat().st_size:>12,}  {path.relative_to(ckpt.path)}")
+            return 0
+        if args.action == "promote":
+            new = registry.get(args.ref).version
+            old = next((c.version for c in registry.list() if args.alias in c.aliases), None)
+            registry.set_alias(args.alias, new)
+            print(f"{args.alias}: {'(none)' if old is None else f'v{old}'} -> v{new}")
+            return 0
+        print(f"{'version':>7} {'parent':>6}  {'created':<19}  {'aliases':<22} metrics")
+        for c in registry.list():
+            created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_at))
+            parent = "" if c.parent is None else f"v{c.parent}"
+            metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(c.metrics.items()))
+            print(f"{f'v{c.version}':>7} {parent:>6}  {created:<19}  {','.join(c.aliases):<22} {_short(metrics, 80)}".rstrip())
+    return 0
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from flywheel.rl.bootstrap import BootstrapConfig, bootstrap, train_tasks  # noqa: PLC0415
+    from flywheel.sim.expert import demonstrations  # noqa: PLC0415  (sim: the CLI supplies the demonstrator)
+
+    config = load_config(BootstrapConfig, args.config, args.set)
+    write_resolved(config, config.run_dir)
+    tasks = train_tasks(config)
+    print(f"demonstrations: the scripted expert on {len(tasks)} training tasks "
+          f"({config.demo_mistake_rate:.0%} deliberately imperfect)")
+    start = time.perf_counter()
+    with SandboxPool(config.pool) as pool:
+        demos = demonstrations(tasks, pool, mistake_rate=config.demo_mistake_rate, seed=config.seed)
+    print(f"demonstrations: {len(demos)} in {time.perf_counter() - start:.0f} s")
+    bootstrap(config, demos)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+
+    from flywheel.agent.episode import EpisodeConfig  # noqa: PLC0415
+    from flywheel.agent.evaluate import evaluate  # noqa: PLC0415
+    from flywheel.env.families import task_set  # noqa: PLC0415
+    from flywheel.model.engine import LocalEngine  # noqa: PLC0415
+    from flywheel.model.registry import Registry  # noqa: PLC0415
+
+    torch.set_num_threads(args.threads)
+    with Registry(Path(args.root)) as registry:
+        checkpoint = registry.get(args.checkpoint)
+        model, tokenizer = registry.load(checkpoint.version)
+    families = args.families.split(",") if args.families else list(FAMILIES)
+    tasks = task_set(families, args.split, args.n, seed=args.seed, difficulty=args.difficulty)
+    episode = EpisodeConfig(temperature=args.temperature)
+    with LocalEngine(model, version=checkpoint.version) as engine, SandboxPool() as pool:
+        report, _ = evaluate(tasks, engine, tokenizer, pool, episode, progress=not args.json)
+    report["checkpoint"] = checkpoint.version
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"v{checkpoint.version} on {len(tasks)} {args.split} tasks: pass rate {report['pass_rate']:.3f} "
+          f"[{report['pass_rate_ci'][0]:.3f}, {report['pass_rate_ci'][1]:.3f}], valid tool calls "
+          f"{report['valid_tool_call_rate']:.3f}, mean turns {report['mean_turns']:.1f}, mean tokens {report['mean_tokens']:.0f}")
+    for family, row in report["per_family"].items():
+        lo, hi = row["pass_rate_ci"]
+        print(f"  {family:<12} {row['pass_rate']:.3f} [{lo:.3f}, {hi:.3f}]  ({row['episodes']} episodes)")
+    return 0
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
+    """`--config FILE` and repeated `--set key.sub=value`, for commands that read a typed config."""
+    parser.add_argument("--config", default=None, help=f"a TOML file, e.g. {example}")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flywheel", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,9 +210,32 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.set_defaults(func=cmd_tasks)
 
     demo = sub.add_parser("demo", help="run the main job on the embedded default")
-    demo.add_argument("--config", default=None, help="a TOML file, e.g. configs/demo.toml")
-    demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    add_config_arguments(demo, "configs/demo.toml")
     demo.set_defaults(func=cmd_demo)
+
+    registry = sub.add_parser("registry", help="list, inspect and promote checkpoints")
+    registry.add_argument("action", choices=["list", "show", "promote"])
+    registry.add_argument("ref", nargs="?", help="with show/promote: a version (3 or v3) or an alias")
+    registry.add_argument("--alias", default="production", help="with promote: the alias to move")
+    registry.add_argument("--root", default="runs/registry", help="the registry folder")
+    registry.set_defaults(func=cmd_registry)
+
+    boot = sub.add_parser("bootstrap", help="train version 0: tokenizer, tiny MoE, SFT on demonstrations, eval")
+    add_config_arguments(boot, "configs/bootstrap.toml")
+    boot.set_defaults(func=cmd_bootstrap)
+
+    ev = sub.add_parser("eval", help="pass rate per family with 95% intervals, tool-call validity")
+    ev.add_argument("--checkpoint", default="production", help="a version (3 or v3) or an alias")
+    ev.add_argument("--split", default="eval", choices=SPLITS)
+    ev.add_argument("--families", default=None, help="comma-separated; default: the procedural families")
+    ev.add_argument("--n", type=int, default=24, help="tasks per family")
+    ev.add_argument("--difficulty", type=int, choices=[1, 2, 3])
+    ev.add_argument("--seed", type=int, default=1)
+    ev.add_argument("--temperature", type=float, default=0.7)
+    ev.add_argument("--threads", type=int, default=2)
+    ev.add_argument("--root", default="runs/registry", help="the registry folder")
+    ev.add_argument("--json", action="store_true", help="print the report as JSON")
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 

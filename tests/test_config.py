@@ -8,10 +8,11 @@ import pytest
 
 from flywheel.cli import DemoConfig
 from flywheel.config import ConfigError, load_config, parse_override, write_resolved
+from flywheel.rl.bootstrap import BootstrapConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Which model reads which file: a new config file must be added here, or this test fails.
-MODELS = {"demo.toml": DemoConfig}
+MODELS = {"demo.toml": DemoConfig, "bootstrap.toml": BootstrapConfig}
 
 
 def test_every_config_file_parses():

@@ -14,7 +14,9 @@ import random
 import re
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any
 
+from flywheel.agent.chat import SYSTEM_PROMPT, openai_tool_call
 from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import Sandbox, Snapshot
 from flywheel.env.task import Task
@@ -115,3 +117,32 @@ def run_policy(task: Task, policy: Policy, pool: SandboxPool | None = None, max_
         else:
             box.close()
     return episode
+
+
+def demonstration_messages(task: Task, episode: ExpertEpisode) -> list[dict[str, Any]]:
+    """A scripted episode as OpenAI-style chat messages, for supervised fine-tuning."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
+                                      {"role": "user", "content": task.instruction}]
+    for action, observation in episode.turns:
+        messages.append({"role": "assistant", "content": action.text,
+                         "tool_calls": [openai_tool_call(c) for c in action.calls]})
+        if any(c.name == "finish" for c in action.calls):
+            break
+        if isinstance(observation, str):
+            messages.append({"role": "user", "content": observation})
+        else:
+            messages += [{"role": "tool", "tool_call_id": r.call_id, "content": r.content} for r in observation]
+    return messages
+
+
+def demonstrations(tasks: list[Task], pool: SandboxPool, mistake_rate: float = 0.0, seed: int = 0,
+                   workers: int = 8) -> list[list[dict[str, Any]]]:
+    """Expert episodes on `tasks` as chat messages, run concurrently (commands are subprocesses)."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    def one(i: int) -> list[dict[str, Any]]:
+        expert = ScriptedExpert(seed=seed * 100_003 + i, mistake_rate=mistake_rate)
+        return demonstration_messages(tasks[i], run_policy(tasks[i], expert.play(tasks[i]), pool))
+
+    with ThreadPoolExecutor(workers) as executor:
+        return list(executor.map(one, range(len(tasks))))

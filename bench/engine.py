@@ -1,0 +1,186 @@
+"""Engine benchmark: continuous batching against `model.generate` on the same model, prompts and lengths.
+
+    python bench/engine.py                      # full run (~3-5 min on 2 cores)
+    python bench/engine.py --requests 32        # quicker
+
+Prints one JSON object on stdout; progress goes to stderr.
+
+The workload is agent turns as rollouts produce them: each prompt is the first turn of a real task
+(`initial_prompt`, several families), tokenized with a tokenizer trained on those tasks, and each
+request generates until its natural end of turn. An untrained model has no natural end of turn, so
+each request is given the length of a real assistant turn instead (the scripted expert's
+demonstrations, tokenized), drawn at random, and generation is cut there (`max_tokens` for the
+engine). `model.generate` cannot stop rows of a batch individually (short of sampling EOS), so a
+static batch runs for as long as its longest row: that is the cost continuous batching removes.
+Only useful tokens (each request's own length) are counted, for both.
+
+`speedup_b32_fixed_length` gives every request the same length, so static batching wastes nothing
+and only raw decoding speed (per-step overhead, cache handling) is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+from transformers import GenerationConfig
+
+from flywheel.agent.chat import IM_END, render_assistant_body, render_messages, tool_schemas
+from flywheel.agent.episode import initial_prompt
+from flywheel.env.families import generate
+from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
+from flywheel.model.factory import ModelConfig, build_model, parameter_count
+from flywheel.model.tokenizer import train_tokenizer
+from flywheel.sim.expert import ScriptedExpert, demonstration_messages, run_policy
+
+FAMILIES = ("bugfix", "implement", "crossfile", "ambiguous", "humaneval")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def workload(tasks_per_family: int, seed: int) -> tuple[list[str], list[str], list[list[dict]]]:
+    """Prompts (first agent turn), assistant turn bodies and whole demonstrations of real tasks."""
+    expert = ScriptedExpert(seed=seed, mistake_rate=0.2)
+    prompts, turns, demos = [], [], []
+    for family in FAMILIES:
+        for task in generate(family, "train", tasks_per_family, seed=seed):
+            prompts.append(initial_prompt(task))
+            messages = demonstration_messages(task, run_policy(task, expert.play(task)))
+            demos.append(messages)
+            turns += [render_assistant_body(m) for m in messages if m["role"] == "assistant"]
+    return prompts, turns, demos
+
+
+def run_engine(model, prompts: list[list[int]], lengths: list[int], batch: int, params: SamplingParams) -> float:
+    """Seconds to finish every request with at most `batch` in flight (continuous batching)."""
+    with LocalEngine(model, EngineConfig(max_batch=batch, max_prefill_per_step=batch)) as engine:
+        t0 = time.perf_counter()
+        futures = [engine.submit(p, SamplingParams(params.temperature, params.top_p, n)) for p, n in zip(prompts, lengths, strict=True)]
+        done = [f.result() for f in futures]
+        elapsed = time.perf_counter() - t0
+    produced = [len(g.token_ids) for g in done]
+    if produced != lengths:
+        raise RuntimeError(f"engine produced {produced}, asked for {lengths}")
+    return elapsed
+
+
+def run_hf(model, prompts: list[list[int]], lengths: list[int], batch: int, params: SamplingParams, pad_id: int) -> float:
+    """Seconds for `model.generate` over static batches of `batch` left-padded prompts."""
+    gen_config = GenerationConfig(do_sample=params.temperature > 0, temperature=params.temperature or None,
+                                  top_p=params.top_p, top_k=None, pad_token_id=pad_id, eos_token_id=None)
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch):
+        rows, want = prompts[start : start + batch], lengths[start : start + batch]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
+                             max_new_tokens=max(want), min_new_tokens=max(want))
+        if out.shape[1] != width + max(want):
+            raise RuntimeError(f"generate stopped early: {out.shape[1] - width} of {max(want)} tokens")
+    return time.perf_counter() - t0
+
+
+def compare(model, prompts, lengths, batch, params, pad_id, repeats: int = 1) -> dict[str, float]:
+    """Best of `repeats` for each side, alternating the order, so a burst of load on this shared
+    machine during one run does not decide the ratio."""
+    useful = sum(lengths)
+    engine_runs, hf_runs = [], []
+    for r in range(repeats):
+        first, second = (engine_runs, hf_runs) if r % 2 == 0 else (hf_runs, engine_runs)
+        for runs in (first, second):
+            if runs is engine_runs:
+                runs.append(run_engine(model, prompts, lengths, batch, params))
+            else:
+                runs.append(run_hf(model, prompts, lengths, batch, params, pad_id))
+    engine_s, hf_s = min(engine_runs), min(hf_runs)
+    out = {"engine_tokens_per_s": round(useful / engine_s, 1), "hf_tokens_per_s": round(useful / hf_s, 1),
+           "speedup": round(hf_s / engine_s, 2), "requests": len(prompts), "useful_tokens": useful}
+    log(f"  batch {batch}: {out}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per side")
+    parser.add_argument("--requests", type=int, default=96, help="requests at batch 8 and 32 (batch 1 uses --requests-b1)")
+    parser.add_argument("--requests-b1", type=int, default=6)
+    parser.add_argument("--tasks-per-family", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rng = random.Random(args.seed)
+
+    t0 = time.perf_counter()
+    log("building the workload (tasks, expert demonstrations, tokenizer) ...")
+    prompt_texts, turn_texts, demos = workload(args.tasks_per_family, args.seed)
+    corpus = prompt_texts + [render_messages(d, tool_schemas()) for d in demos]
+    tokenizer = train_tokenizer(corpus)
+    model = build_model(ModelConfig(), tokenizer)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prompt_pool = [encode(p) for p in prompt_texts]
+    turn_lengths = [len(encode(t)) for t in turn_texts]
+    assert all(encode(t)[-1] == tokenizer.convert_tokens_to_ids(IM_END) for t in turn_texts[:3])
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    pad_id = tokenizer.pad_token_id
+
+    def draw(n: int, fixed: int | None = None) -> tuple[list[list[int]], list[int]]:
+        return ([rng.choice(prompt_pool) for _ in range(n)],
+                [fixed or rng.choice(turn_lengths) for _ in range(n)])
+
+    log("warm-up ...")
+    warm_prompts, warm_lengths = draw(4)
+    compare(model, warm_prompts, [min(n, 16) for n in warm_lengths], 4, params, pad_id)
+
+    results = {}
+    for batch, n in ((1, args.requests_b1), (8, args.requests), (32, args.requests)):
+        log(f"batch {batch}, {n} requests ...")
+        results[batch] = compare(model, *draw(n), batch, params, pad_id, args.repeats)
+    fixed = round(statistics.mean(turn_lengths))
+    log(f"batch 32, fixed length {fixed} ...")
+    results["fixed"] = compare(model, *draw(args.requests, fixed), 32, params, pad_id, args.repeats)
+
+    report = {
+        "engine_tokens_per_s": {f"b{b}": results[b]["engine_tokens_per_s"] for b in (1, 8, 32)},
+        "hf_tokens_per_s": {f"b{b}": results[b]["hf_tokens_per_s"] for b in (1, 8, 32)},
+        "speedup_b1": results[1]["speedup"],
+        "speedup_b8": results[8]["speedup"],
+        "speedup_b32": results[32]["speedup"],
+        "speedup_b32_fixed_length": results["fixed"]["speedup"],
+        "target_speedup_b32": 3.0,
+        "fixed_length_tokens": fixed,
+        "fixed_length": results["fixed"],
+        "runs": {f"b{b}": results[b] for b in (1, 8, 32)},
+        "model": {"parameters": parameter_count(model), "config": ModelConfig().model_dump(), "vocab": len(tokenizer)},
+        "workload": {
+            "families": list(FAMILIES),
+            "prompts": len(prompt_pool),
+            "prompt_tokens_mean": round(statistics.mean(len(p) for p in prompt_pool), 1),
+            "turn_tokens": {"n": len(turn_lengths), "mean": round(statistics.mean(turn_lengths), 1),
+                            "median": statistics.median(turn_lengths), "max": max(turn_lengths)},
+        },
+        "settings": {"threads": torch.get_num_threads(), "repeats": args.repeats, "temperature": args.temperature, "top_p": args.top_p,
+                     "dtype": "float32", "device": "cpu", "torch": torch.__version__},
+        "total_s": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""One agent episode: the model and the tools in a multi-turn loop, recorded as a `Trajectory`.
+
+    prompt = system + tools + instruction
+    repeat up to max_turns:
+        generate until <|im_end|>         (tokens, logprobs, versions kept as generated)
+        tool calls?  run them in parallel, append <tool_response>s as one user turn
+        no calls?    it spoke to the user: append the user's reply (costs a turn)
+        finish?      stop
+    grade the final workspace with the hidden tests
+
+Token in, token out: each appended turn is tokenized on its own and added after the generated
+tokens; earlier turns are never re-tokenized, so the trainer sees exactly what the engine saw.
+Nothing is dropped: an invalid tool call is answered with its error, counted, and costs
+`invalid_call_penalty`; running out of turns or tokens, a sandbox failure or an abort each end
+the episode with an explicit status and a defined reward.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel, ConfigDict
+from transformers import PreTrainedTokenizerBase
+
+from flywheel.agent.chat import (
+    GENERATION_PROMPT,
+    IM_END,
+    IM_START,
+    SYSTEM_PROMPT,
+    parse_assistant,
+    render_messages,
+    render_tool_results,
+    tool_schemas,
+)
+from flywheel.agent.trajectory import Status, Trajectory
+from flywheel.env.grading import GradeConfig, grade
+from flywheel.env.pool import SandboxPool
+from flywheel.env.sandbox import SandboxError
+from flywheel.env.task import Task
+from flywheel.env.tools import Toolbox, ToolConfig
+from flywheel.model.engine import Engine, SamplingParams
+
+
+class EpisodeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_turns: int = 8  # each turn is one generation; questions to the user count too
+    max_tokens: int = 4096  # whole sequence, prompt included; longer episodes end as truncated
+    max_tokens_per_turn: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_invalid_turns: int = 3  # consecutive turns of only invalid calls before the episode stops (tool_error)
+    invalid_call_penalty: float = 0.1  # per invalid call, so emitting broken calls is never free
+    max_invalid_penalty: float = 0.5
+    truncated_reward: float | None = None  # None: grade the workspace anyway; a number: use it instead
+    grade: GradeConfig = GradeConfig()
+    tools: ToolConfig = ToolConfig()
+
+
+def initial_prompt(task: Task) -> str:
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.instruction}]
+    return render_messages(messages, tool_schemas(), add_generation_prompt=True)
+
+
+def user_turn(text: str) -> str:
+    """Appended after a generated `<|im_end|>`: the newline the template puts there, the user's
+    message, and the header of the next assistant turn."""
+    return f"\n{IM_START}user\n{text}{IM_END}\n{GENERATION_PROMPT}"
+
+
+def tool_turn(contents: list[str]) -> str:
+    return "\n" + render_tool_results(contents) + GENERATION_PROMPT
+
+
+class _Recorder:
+    """Accumulates the per-token arrays of one episode."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    def context(self, ids: list[int]) -> None:
+        self.tokens += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        self.tokens += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.versions += versions
+
+
+def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, pool: SandboxPool,
+                config: EpisodeConfig | None = None, group_id: str = "") -> Trajectory:
+    config = config or EpisodeConfig()
+    start = time.perf_counter()
+    timings = {"generate_s": 0.0, "tools_s": 0.0, "grade_s": 0.0}
+    rec = _Recorder()
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    rec.context(encode(initial_prompt(task)))
+    prompt_len = len(rec.tokens)
+    turns = n_calls = n_invalid = invalid_streak = 0
+    asked = False
+    status, error = Status.TRUNCATED, ""
+    box = pool.acquire(task.files)
+    try:
+        with Toolbox(box, config.tools) as tools:
+            while turns < config.max_turns:
+                budget = config.max_tokens - len(rec.tokens)
+                if budget <= 0:
+                    break
+                params = SamplingParams(config.temperature, config.top_p, min(budget, config.max_tokens_per_turn),
+                                        stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),))
+                t0 = time.perf_counter()
+                gen = engine.submit(rec.tokens, params).result()
+                timings["generate_s"] += time.perf_counter() - t0
+                rec.generated(gen.token_ids, gen.logprobs, gen.versions)
+                turns += 1
+                if gen.finish_reason == "aborted":
+                    status, error = Status.ABORTED, "generation aborted"
+                    break
+                if gen.finish_reason != "stop":
+                    break  # the turn hit its token cap mid-message: truncated
+                content, calls = parse_assistant(tokenizer.decode(gen.token_ids), call_id_prefix=f"call_{turns}")
+                if not calls:
+                    asked = True
+                    rec.context(encode(user_turn(task.answer_question(content))))
+                    continue
+                t0 = time.perf_counter()
+                results = tools.execute(calls)
+                timings["tools_s"] += time.perf_counter() - t0
+                n_calls += len(calls)
+                invalid = sum(not c.valid for c in calls)
+                n_invalid += invalid
+                invalid_streak = invalid_streak + 1 if invalid == len(calls) else 0
+                if any(c.valid and c.name == "finish" for c in calls):
+                    status = Status.FINISHED
+                    break
+                if invalid_streak >= config.max_invalid_turns:
+                    status = Status.TOOL_ERROR
+                    break
+                rec.context(encode(tool_turn([r.content for r in results])))
+            final = box.snapshot()
+    except SandboxError as exc:
+        status, error, final = Status.SANDBOX_ERROR, str(exc), None
+    finally:
+        pool.release(box)
+
+    parts: dict[str, float] = {}
+    reward = 0.0
+    if final is not None and not (status == Status.TRUNCATED and config.truncated_reward is not None):
+        t0 = time.perf_counter()
+        graded = grade(task, final, config.grade)
+        timings["grade_s"] = time.perf_counter() - t0
+        parts.update(graded.parts)
+        reward = graded.reward
+    elif status == Status.TRUNCATED:
+        reward = float(config.truncated_reward or 0.0)
+    penalty = min(config.max_invalid_penalty, config.invalid_call_penalty * n_invalid)
+    parts["invalid_tool_calls"] = float(n_invalid)
+    parts["invalid_call_penalty"] = -penalty
+    timings["total_s"] = time.perf_counter() - start
+    return Trajectory(
+        task_id=task.id, family=task.family, tokens=rec.tokens, loss_mask=rec.mask, logprobs=rec.logprobs,
+        versions=rec.versions, prompt_len=prompt_len, status=status, reward=reward - penalty, reward_parts=parts,
+        turns=turns, tool_calls=n_calls, invalid_tool_calls=n_invalid, asked_question=asked, timings=timings,
+        group_id=group_id, error=error,
+    )

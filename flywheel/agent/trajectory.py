@@ -1,0 +1,61 @@
+"""The `Trajectory` record: exactly what the model saw and produced in one episode.
+
+Per-token arrays all have the length of `tokens`:
+- `loss_mask`  1 where the model generated the token, 0 for prompt and tool-output tokens
+- `logprobs`   the behaviour logprob of each generated token (0.0 where the mask is 0)
+- `versions`   the policy version that generated each token (-1 where the mask is 0)
+
+The record lives in `agent/` (not `rl/`, as DESIGN.md first placed it) because the episode runner
+produces it and `agent` may not import `rl`; the Learner and Orchestrator import it from here.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, Field, model_validator
+
+
+class Status(StrEnum):
+    FINISHED = "finished"  # the agent called finish
+    TRUNCATED = "truncated"  # ran out of turns or tokens
+    TOOL_ERROR = "tool_error"  # stopped after too many turns of only invalid tool calls
+    SANDBOX_ERROR = "sandbox_error"  # the sandbox itself failed; not the agent's doing
+    ABORTED = "aborted"  # cancelled from outside (shutdown)
+
+
+class Trajectory(BaseModel):
+    task_id: str
+    family: str
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    prompt_len: int  # tokens of the first prompt (system + instruction)
+    status: Status
+    reward: float
+    reward_parts: dict[str, float]
+    turns: int
+    tool_calls: int
+    invalid_tool_calls: int
+    asked_question: bool  # replied to the user instead of calling a tool at least once
+    timings: dict[str, float] = Field(default_factory=dict)
+    group_id: str = ""  # episodes of one task sampled together (GRPO group)
+    error: str = ""  # what went wrong, for sandbox_error / aborted
+
+    @model_validator(mode="after")
+    def _equal_lengths(self) -> Trajectory:
+        n = len(self.tokens)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"trajectory {self.task_id}: {name} has {len(getattr(self, name))} entries, tokens {n}")
+        return self
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def version_span(self) -> tuple[int, int]:
+        """(oldest, newest) policy version among generated tokens."""
+        vs = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        return (min(vs), max(vs)) if vs else (-1, -1)

@@ -1,0 +1,481 @@
+"""The inference Engine: batched sampling with a KV cache, continuous batching, live weight swaps.
+
+    submit(prompt) ──> queue ──admit (prefill, ≤ max_batch)──> active batch ──decode step──> finished?
+                                  ^                                 │  every token: id, logprob, version
+    update_weights(w, v) ──> pending ──(next step boundary)──> load w, rebuild KV of all active
+                                                                     sequences under w, resume
+
+One background thread owns the model and runs the loop; `submit` and `update_weights` are safe
+to call from any thread. Sequences join the batch as others finish (continuous batching), so a
+long answer never holds a slot that a short one has left. A weight update pauses the loop between
+two decode steps: in-flight sequences keep their tokens, their cache is recomputed under the new
+weights, and generation resumes; each token records the version that produced it.
+
+Logprobs are of the temperature-scaled distribution (log_softmax(logits / T)), before top-p, the
+convention the Learner uses for importance ratios; with T=0 (greedy) they are of T=1.
+
+The KV cache is left-padded: row i holds its tokens right-aligned, an attention mask marks the
+padding, and position ids count real tokens only, so rows of different lengths decode together.
+It is preallocated with headroom along time and written in place (`_KVLayer`), so a decode step
+moves only the new keys and values, not a copy of the whole cache as `DynamicCache`'s concat
+does; the cache is copied only when the batch changes shape (a row joins or leaves, a swap).
+Sampling is vectorized over the batch: no per-row Python sampling loop or per-row host syncs.
+
+`Engine` is the small interface; `LocalEngine` implements it in-process. An OpenAI-compatible
+HTTP engine (vLLM, SGLang) can implement the same four methods.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token, under the weights of its version
+    versions: list[int]  # the policy version that produced each token
+    finish_reason: str  # "stop" (a stop token, included in token_ids), "length" or "aborted"
+
+
+class Engine(Protocol):
+    @property
+    def version(self) -> int: ...
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]: ...
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, timeout_s: float = 60.0) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_batch: int = 32  # more rows amortize per-step overhead; each row costs KV memory
+    max_prefill_per_step: int = 8  # admissions per step: bounds the stall a burst of prompts causes
+    seed: int = 0
+
+
+@dataclass
+class _Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    future: Future[Generation]
+    tokens: list[int] = field(default_factory=list)  # prompt + generated; the last one is not yet cached
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class _KVLayer(DynamicLayer):
+    """One layer's KV cache in a buffer [batch, kv_heads, capacity, head_dim] written in place.
+
+    `update` writes the new keys and values at `length` and returns views of the first
+    `length + new` positions, so the attention sees exactly what a concatenating cache would.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self.buf_k, self.buf_v, self.length = keys, values, length
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self.buf_k.shape[-2]:
+            raise EngineError(f"KV cache overflow: {end} > capacity {self.buf_k.shape[-2]}; the engine must grow it first")
+        self.buf_k[:, :, self.length : end] = key_states
+        self.buf_v[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self.buf_k[:, :, :end], self.buf_v[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+def _capacity(width: int) -> int:
+    """Time capacity for `width` cached positions: headroom so most steps write in place."""
+    return (width + max(64, width // 2) + 63) // 64 * 64
+
+
+class _BatchCache:
+    """The KV cache, mask and positions of the active batch, all left-padded to one time width.
+
+    keys/values per layer: [batch, kv_heads, capacity, head_dim]; mask: [batch, capacity] (1 = real
+    token; columns ≥ width unused); positions: [batch] (the position id of each row's next token).
+    """
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, width: int):
+        self.layers, self.mask, self.width = layers, mask, width
+        self.positions = mask[:, :width].sum(-1)  # [batch]
+
+    @staticmethod
+    def allocate(like: list[tuple[torch.Tensor, torch.Tensor]], batch: int, capacity: int) -> tuple[list, torch.Tensor]:
+        layers = [(k.new_zeros((batch, k.shape[1], capacity, k.shape[3])), v.new_zeros((batch, v.shape[1], capacity, v.shape[3])))
+                  for k, v in like]
+        return layers, torch.zeros((batch, capacity), dtype=torch.long)
+
+    @classmethod
+    def from_parts(cls, parts: list[_BatchCache]) -> _BatchCache:
+        """Stack several caches row-wise, right-aligning each in time (one copy of each)."""
+        width = max(p.width for p in parts)
+        batch = sum(p.mask.shape[0] for p in parts)
+        layers, mask = cls.allocate(parts[0].layers, batch, _capacity(width))
+        row = 0
+        for p in parts:
+            rows, shift = p.mask.shape[0], width - p.width
+            for (k, v), (pk, pv) in zip(layers, p.layers, strict=True):
+                k[row : row + rows, :, shift:width] = pk[:, :, : p.width]
+                v[row : row + rows, :, shift:width] = pv[:, :, : p.width]
+            mask[row : row + rows, shift:width] = p.mask[:, : p.width]
+            row += rows
+        return cls(layers, mask, width)
+
+    def select(self, keep: list[int]) -> _BatchCache:
+        """Only rows `keep`, dropping time columns that are padding in every one of them."""
+        index = torch.tensor(keep)
+        mask = self.mask[:, : self.width].index_select(0, index)
+        first = int((mask.sum(0) > 0).nonzero()[0])
+        width = self.width - first
+        layers, new_mask = self.allocate(self.layers, len(keep), _capacity(width))
+        for (k, v), (ok, ov) in zip(layers, self.layers, strict=True):
+            k[:, :, :width] = ok[:, :, first : self.width].index_select(0, index)
+            v[:, :, :width] = ov[:, :, first : self.width].index_select(0, index)
+        new_mask[:, :width] = mask[:, first:]
+        return _BatchCache(layers, new_mask, width)
+
+    def place(self, part: _BatchCache, rows: list[int]) -> None:
+        """Write `part` (no wider than this cache) into `rows` in place, right-aligned: only its data moves."""
+        index, shift = torch.tensor(rows), self.width - part.width
+        for (k, v), (pk, pv) in zip(self.layers, part.layers, strict=True):
+            k[index, :, shift : self.width] = pk[:, :, : part.width]
+            v[index, :, shift : self.width] = pv[:, :, : part.width]
+        self.mask[index, : self.width] = 0
+        self.mask[index, shift : self.width] = part.mask[:, : part.width]
+        self.positions[index] = part.positions
+
+    def padding_columns(self) -> int:
+        """Leading time columns that are padding in every row."""
+        return int((self.mask[:, : self.width].sum(0) > 0).nonzero()[0])
+
+    def reserve(self, new: int) -> None:
+        """Make room for `new` more positions, growing the buffers (one copy) only when full."""
+        if self.width + new <= self.mask.shape[1]:
+            return
+        layers, mask = self.allocate(self.layers, self.mask.shape[0], _capacity(self.width + new))
+        for (k, v), (ok, ov) in zip(layers, self.layers, strict=True):
+            k[:, :, : self.width] = ok[:, :, : self.width]
+            v[:, :, : self.width] = ov[:, :, : self.width]
+        mask[:, : self.width] = self.mask[:, : self.width]
+        self.layers, self.mask = layers, mask
+
+    def hf_cache(self) -> DynamicCache:
+        cache = DynamicCache()
+        cache.layers = [_KVLayer(k, v, self.width) for k, v in self.layers]
+        cache.layer_class_to_replicate = None
+        return cache
+
+
+class LocalEngine:
+    """In-process engine over a Hugging Face causal LM."""
+
+    def __init__(self, model: PreTrainedModel, config: EngineConfig | None = None, version: int = 0):
+        self.model = model.eval()
+        self.config = config or EngineConfig()
+        self._version = version
+        self._pad_id = 0
+        self._inbox: queue.Queue[_Sequence] = queue.Queue()
+        self._weights: queue.Queue[tuple[Mapping[str, torch.Tensor], int, threading.Event]] = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._active: list[_Sequence] = []
+        self._admitting: list[_Sequence] = []  # taken from the inbox, not yet in the batch
+        self._cache: _BatchCache | None = None  # of the rows in `_active`, in order
+        self._free: list[int] = []  # rows of `_active` that finished; their slots wait for a newcomer or compaction
+        self._generator = torch.Generator().manual_seed(self.config.seed)
+        text = model.config.get_text_config(decoder=True)
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        empty = torch.empty(0, kv_heads, 0, head_dim, dtype=model.dtype)
+        self._layer_shapes = [(empty, empty)] * text.num_hidden_layers  # templates for `_BatchCache.allocate`
+        self.steps = 0
+        self.swaps = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self._applying: threading.Event | None = None  # the weight update being applied
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # ---- public interface ----
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]:
+        self._check_alive()
+        if not prompt_ids:
+            raise ValueError("empty prompt: an engine request needs at least one token")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be ≥ 1, got {params.max_tokens}")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError(f"need temperature ≥ 0 and 0 < top_p ≤ 1, got {params.temperature} and {params.top_p}")
+        seq = _Sequence(list(prompt_ids), params, Future())
+        self._inbox.put(seq)
+        self._wake.set()
+        if self._error is not None or self._closed:  # the loop ended while we queued: nobody will serve it
+            self._fail_queued()
+        return seq.future
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        futures = [self.submit(p, params) for p in prompts]
+        return [f.result() for f in futures]
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, timeout_s: float = 60.0) -> None:
+        """Swap weights at the next step boundary; in-flight sequences resume under them."""
+        self._check_alive()
+        done = threading.Event()
+        self._weights.put((weights, version, done))
+        self._wake.set()
+        if not done.wait(timeout_s):
+            raise EngineError(f"weight update to version {version} not applied within {timeout_s} s; "
+                              "the engine loop is stuck or dead")
+        self._check_alive()
+
+    def close(self) -> None:
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+        for seq in self._active + self._admitting + self._drain_inbox():
+            self._finish(seq, "aborted")
+        self._active, self._admitting, self._cache, self._free = [], [], None, []
+        while not self._weights.empty():
+            self._weights.get_nowait()[2].set()  # their update_weights raise: the engine is closed
+
+    def __enter__(self) -> LocalEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineError(f"engine loop died: {self._error!r}; build a new engine") from self._error
+        if self._closed:
+            raise EngineError("engine is closed; build a new one")
+
+    # ---- the loop ----
+
+    def _drain_inbox(self) -> list[_Sequence]:
+        items = []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _fail_queued(self) -> None:
+        for seq in self._drain_inbox():
+            if self._error is not None:
+                seq.future.set_exception(EngineError(f"engine loop died: {self._error!r}"))
+            else:
+                self._finish(seq, "aborted")
+
+    def _loop(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stop.is_set():
+                    if not self._active and self._inbox.empty() and self._weights.empty():
+                        self._wake.wait(0.05)
+                        self._wake.clear()
+                        continue
+                    self._step()
+        except BaseException as exc:  # recorded: submitters and update_weights raise it loudly
+            self._error = exc
+            for seq in self._active + self._admitting + self._drain_inbox():
+                if not seq.future.done():
+                    seq.future.set_exception(EngineError(f"engine loop died: {exc!r}"))
+            if self._applying is not None:
+                self._applying.set()
+            while not self._weights.empty():
+                self._weights.get_nowait()[2].set()
+
+    def _step(self) -> None:
+        while not self._weights.empty():
+            weights, version, done = self._weights.get_nowait()
+            self._applying = done  # if loading fails, the handler in `_loop` releases its waiter
+            self.model.load_state_dict(weights, strict=True)
+            self._version = version
+            self.swaps += 1
+            self._compact()
+            if self._active:
+                self._rebuild_cache()
+            done.set()
+            self._applying = None
+        admitted = self._admitting
+        while len(self._active) - len(self._free) + len(admitted) < self.config.max_batch and len(admitted) < self.config.max_prefill_per_step:
+            try:
+                admitted.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        if admitted:
+            self._admit(admitted)
+            self._admitting = []
+        self._compact()
+        if self._active:
+            self._decode()
+
+    def _forward(self, input_ids: torch.Tensor, cache: _BatchCache, positions: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One model call appending to `cache`. input_ids, positions and mask (None: all real) [batch, new].
+        Returns the last logits [batch, vocab]."""
+        new = input_ids.shape[1]
+        cache.reserve(new)
+        cache.mask[:, cache.width : cache.width + new] = 1 if mask is None else mask
+        hf_cache = cache.hf_cache()
+        out = self.model(input_ids=input_ids, attention_mask=cache.mask[:, : cache.width + new], position_ids=positions,
+                         cache=hf_cache, use_cache=True, logits_to_keep=1)
+        cache.width += new
+        cache.positions += new if mask is None else mask.sum(-1)
+        return out.logits[:, -1, :].float()
+
+    def _prefill(self, rows: list[list[int]]) -> tuple[torch.Tensor, _BatchCache]:
+        """Run left-padded `rows` through the model into a new cache of their own."""
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [batch, width]; padding gets 0, it is masked anyway
+        layers, buf_mask = _BatchCache.allocate(self._layer_shapes, len(rows), _capacity(width))
+        cache = _BatchCache(layers, buf_mask, 0)
+        return self._forward(ids, cache, positions, mask), cache
+
+    def _admit(self, seqs: list[_Sequence]) -> None:
+        logits, cache = self._prefill([s.prompt for s in seqs])
+        for s in seqs:
+            s.tokens = list(s.prompt)
+        free = self._free[: len(seqs)]
+        live = len(self._active) - len(self._free)
+        if live and len(free) == len(seqs) and self._cache is not None and cache.width <= self._cache.width:
+            self._cache.place(cache, free)  # reuse finished rows' slots: no copy of the rest of the batch
+            for i, s in zip(free, seqs, strict=True):
+                self._active[i] = s
+            self._free = self._free[len(seqs) :]
+        else:
+            self._compact()
+            self._cache = _BatchCache.from_parts([self._cache, cache]) if self._active else cache
+            self._active.extend(seqs)
+        self._sample(seqs, logits)
+
+    def _rebuild_cache(self) -> None:
+        """Recompute the KV cache of every active sequence under the current weights."""
+        _, self._cache = self._prefill([s.tokens[:-1] for s in self._active])
+
+    def _decode(self) -> None:
+        assert self._cache is not None
+        last = torch.tensor([[s.tokens[-1]] for s in self._active])  # [batch, 1]
+        logits = self._forward(last, self._cache, self._cache.positions.unsqueeze(1))
+        self.steps += 1
+        self._sample(self._active, logits)
+
+    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for each of `seqs` (rows of `logits`), then retire finished rows."""
+        temperatures = [s.params.temperature for s in seqs]
+        top_ps = [s.params.top_p for s in seqs]
+        choice, logp = sample_tokens(logits, temperatures, top_ps, self._generator)
+        for s, tok, lp in zip(seqs, choice.tolist(), logp.tolist(), strict=True):
+            s.tokens.append(tok)
+            s.logprobs.append(lp)
+            s.versions.append(self._version)
+        self._retire()
+
+    def _retire(self) -> None:
+        """Finish rows that hit a stop token or max_tokens; their slots are freed, not yet compacted."""
+        free = set(self._free)
+        for i, s in enumerate(self._active):
+            if i in free:
+                continue
+            if s.tokens[-1] in s.params.stop_token_ids:
+                self._finish(s, "stop")
+            elif len(s.tokens) - len(s.prompt) >= s.params.max_tokens:
+                self._finish(s, "length")
+            else:
+                continue
+            self._free.append(i)
+
+    def _compact(self) -> None:
+        """Drop free rows, and leading padding once it is a quarter of the width (one copy each time).
+
+        Deferred from `_retire` so that a newcomer admitted in the next step takes a free slot in place."""
+        if self._cache is None or (not self._free and self._cache.padding_columns() * 4 < self._cache.width):
+            return
+        free = set(self._free)
+        keep = [i for i in range(len(self._active)) if i not in free]
+        self._active = [self._active[i] for i in keep]
+        self._cache = self._cache.select(keep) if keep else None
+        self._free = []
+
+    def _finish(self, seq: _Sequence, reason: str) -> None:
+        if not seq.future.done():
+            seq.future.set_result(Generation(seq.generated, seq.logprobs, seq.versions, reason))
+
+
+def sample_tokens(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence[float],
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of `logits` [batch, vocab] and its logprob under log_softmax(logits / T).
+
+    Temperature 0 is greedy (logprob at T=1). top_p keeps the smallest set of most likely tokens
+    whose probability reaches top_p. Vectorized over rows: no per-row Python work or host syncs.
+    """
+    temps = torch.tensor([t or 1.0 for t in temperatures], dtype=logits.dtype).unsqueeze(1)  # [batch, 1]
+    logp = torch.log_softmax(logits / temps, dim=-1)  # [batch, vocab]
+    greedy = [t == 0 for t in temperatures]
+    if all(greedy):
+        choice = logits.argmax(-1)
+    else:
+        probs = logp.exp()
+        if any(p < 1.0 for p in top_ps):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            top_p = torch.tensor(top_ps, dtype=probs.dtype).unsqueeze(1)
+            sorted_probs[sorted_probs.cumsum(-1) - sorted_probs > top_p] = 0  # the most likely token always stays
+            choice = order.gather(1, torch.multinomial(sorted_probs, 1, generator=generator)).squeeze(1)
+        else:
+            choice = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        if any(greedy):
+            choice = torch.where(torch.tensor(greedy), logits.argmax(-1), choice)
+    return choice, logp.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def wait_all(futures: Sequence[Future[Generation]], timeout_s: float) -> list[Generation]:
+    deadline = time.monotonic() + timeout_s
+    return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]

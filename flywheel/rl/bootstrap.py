@@ -1,0 +1,97 @@
+"""Bootstrap version 0 of the policy: tokenizer, model, SFT on demonstrations, eval, register.
+
+    flywheel bootstrap [--config configs/bootstrap.toml] [--set sft.epochs=1]
+
+1. train a byte-level BPE tokenizer on the demonstrations and task texts
+2. build the tiny MoE model
+3. supervised fine-tuning on the demonstrations (progress bar with tokens/s)
+4. evaluate on held-out tasks of the easiest level of each family
+5. register it as version 0, alias `production`
+
+The demonstrations come from the caller (the CLI uses the scripted expert in `sim/`, some of its
+episodes deliberately imperfect so that RL has room to show a gain); this module only trains.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from flywheel.agent.chat import render_messages, tool_schemas
+from flywheel.agent.episode import EpisodeConfig
+from flywheel.agent.evaluate import evaluate
+from flywheel.env.families import FAMILIES, task_set
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.model.engine import EngineConfig, LocalEngine
+from flywheel.model.factory import ModelConfig, build_model, parameter_count
+from flywheel.model.registry import Checkpoint, Registry
+from flywheel.model.tokenizer import train_tokenizer
+from flywheel.rl.sft import SFTConfig, encode_conversation, train_sft
+
+
+class BootstrapConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    families: list[str] = Field(default_factory=lambda: list(FAMILIES))
+    train_tasks_per_family: int = 150
+    train_difficulties: list[int] = Field(default_factory=lambda: [1, 2])
+    demo_mistake_rate: float = 0.25  # imperfect demonstrations: a realistic start that leaves room for RL
+    eval_tasks_per_family: int = 24
+    eval_difficulty: int = 1
+    vocab_size: int = 4096
+    seed: int = 0
+    threads: int = 2
+    run_dir: Path = Path("runs/bootstrap")
+    registry_root: Path = Path("runs/registry")
+    sft_time_budget_s: float = 330.0  # keeps the whole bootstrap within 8 minutes on 2 cores
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    episode: EpisodeConfig = Field(default_factory=lambda: EpisodeConfig(temperature=0.7, max_turns=8))
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+
+def train_tasks(config: BootstrapConfig):
+    return [t for d in config.train_difficulties
+            for t in task_set(config.families, "train", config.train_tasks_per_family // len(config.train_difficulties),
+                              seed=config.seed, difficulty=d)]
+
+
+def eval_tasks(config: BootstrapConfig):
+    return task_set(config.families, "eval", config.eval_tasks_per_family, seed=config.seed + 1,
+                    difficulty=config.eval_difficulty)
+
+
+def bootstrap(config: BootstrapConfig, demonstrations: Sequence[list[dict[str, Any]]], log=print) -> Checkpoint:
+    torch.set_num_threads(config.threads)
+    start = time.perf_counter()
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    corpus = [render_messages(m, tool_schemas()) for m in demonstrations]
+    tokenizer = train_tokenizer(corpus, vocab_size=config.vocab_size)
+    log(f"tokenizer: {len(tokenizer)} tokens, trained on {len(corpus)} demonstrations")
+    model = build_model(config.model, tokenizer)
+    log(f"model: Qwen3-MoE, {parameter_count(model) / 1e6:.2f}M parameters, "
+        f"{config.model.num_experts} experts top-{config.model.experts_per_token}")
+    examples = [encode_conversation(m, tokenizer) for m in demonstrations]
+    lengths = sorted(len(t) for t, _ in examples)
+    log(f"sft: {len(examples)} demonstrations, median {lengths[len(lengths) // 2]} tokens, max {lengths[-1]}")
+    metrics = train_sft(model, examples, config.sft, tokenizer.pad_token_id, time_budget_s=config.sft_time_budget_s)
+    log(f"sft: loss {metrics['sft_loss_first']:.3f} -> {metrics['sft_loss_final']:.3f}, "
+        f"{metrics['sft_tokens_per_s']:,.0f} tokens/s, {metrics['sft_seconds']:.0f} s")
+    with LocalEngine(model, config.engine) as engine, SandboxPool(config.pool) as pool:
+        report, _ = evaluate(eval_tasks(config), engine, tokenizer, pool, config.episode)
+    log(f"eval (difficulty {config.eval_difficulty}): pass rate {report['pass_rate']:.2f} "
+        f"{tuple(round(x, 2) for x in report['pass_rate_ci'])}, valid tool calls {report['valid_tool_call_rate']:.2f}")
+    metrics.update({"eval_pass_rate": report["pass_rate"], "eval_valid_tool_call_rate": report["valid_tool_call_rate"],
+                    "bootstrap_seconds": time.perf_counter() - start})
+    (config.run_dir / "eval.json").write_text(json.dumps(report, indent=2))
+    registry = Registry(config.registry_root)
+    checkpoint = registry.register(model, tokenizer, parent=None, metrics=metrics, aliases=["production"],
+                                   note="bootstrap: SFT on scripted demonstrations")
+    log(f"registered v{checkpoint.version} as production at {checkpoint.path}")
+    return checkpoint

@@ -1,0 +1,146 @@
+"""Episodes: real sandboxes, real tools, real grading; the engine scripted or a real tiny model."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from flywheel.agent.chat import IM_END, render_messages, tool_schemas
+from flywheel.agent.episode import EpisodeConfig, initial_prompt, run_episode
+from flywheel.agent.trajectory import Status
+from flywheel.env.families import generate
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.model.engine import EngineConfig, Generation, LocalEngine, SamplingParams
+from flywheel.model.factory import ModelConfig, build_model
+from flywheel.model.tokenizer import train_tokenizer
+
+
+class ScriptedEngine:
+    """An Engine that answers each turn with the next scripted text (to test the runner's bookkeeping)."""
+
+    def __init__(self, tokenizer, turns: list[str], version: int = 3):
+        self.tokenizer, self.turns, self._version, self.prompts = tokenizer, list(turns), version, []
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, prompt_ids, params: SamplingParams) -> Future:
+        self.prompts.append(list(prompt_ids))
+        ids = self.tokenizer(self.turns.pop(0), add_special_tokens=False)["input_ids"][: params.max_tokens]
+        stop = bool(ids) and ids[-1] in params.stop_token_ids
+        future: Future = Future()
+        future.set_result(Generation(ids, [-0.5] * len(ids), [self._version] * len(ids), "stop" if stop else "length"))
+        return future
+
+    def update_weights(self, weights, version, timeout_s=60.0) -> None:
+        self._version = version
+
+    def close(self) -> None:
+        pass
+
+
+def call(name: str, **arguments) -> str:
+    import json
+
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def task():
+    return generate("bugfix", "train", 1, seed=5, difficulty=1)[0]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(task):
+    corpus = [initial_prompt(task), call("read_file", path="a.py") + IM_END] * 10
+    corpus += [render_messages([{"role": "user", "content": t.instruction}]) for t in generate("bugfix", "train", 20)]
+    return train_tokenizer(corpus, vocab_size=800)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(PoolConfig(max_active=8, warm=2)) as p:
+        yield p
+
+
+def test_expert_like_script_solves_and_records_every_token(task, tokenizer, pool):
+    (edit,) = task.reference_edits
+    turns = [
+        "Looking.\n" + call("read_file", path=edit.path) + IM_END,
+        call("edit_file", path=edit.path, old=edit.old, new=edit.new) + IM_END,
+        call("run_command", command=task.test_command) + IM_END,
+        call("finish", summary="fixed") + IM_END,
+    ]
+    engine = ScriptedEngine(tokenizer, turns)
+    traj = run_episode(task, engine, tokenizer, pool)
+    assert traj.status == Status.FINISHED and traj.turns == 4 and traj.tool_calls == 4
+    assert traj.reward_parts["all_passed"] == 1.0 and traj.reward == pytest.approx(1.0)
+    assert len(traj.tokens) == len(traj.loss_mask) == len(traj.logprobs) == len(traj.versions)
+    # Token in, token out: each prompt the engine saw is a prefix of the final sequence,
+    # and every generated token sits in the sequence with mask 1 and the engine's version.
+    for prompt in engine.prompts:
+        assert traj.tokens[: len(prompt)] == prompt
+    generated = [t for t, m in zip(traj.tokens, traj.loss_mask, strict=True) if m]
+    assert tokenizer.decode(generated).count("<tool_call>") == 4
+    assert {v for v, m in zip(traj.versions, traj.loss_mask, strict=True) if m} == {3}
+    assert traj.prompt_len == len(engine.prompts[0])
+
+
+def test_invalid_calls_are_answered_counted_and_penalized(task, tokenizer, pool):
+    turns = [
+        '<tool_call>\n{"name": "read_file", "arguments": {"path": 1}\n</tool_call>' + IM_END,  # bad JSON
+        call("delete_repo") + IM_END,  # unknown tool
+        call("finish") + IM_END,
+    ]
+    engine = ScriptedEngine(tokenizer, turns)
+    traj = run_episode(task, engine, tokenizer, pool)
+    assert traj.status == Status.FINISHED and traj.invalid_tool_calls == 2
+    assert traj.reward_parts["invalid_tool_calls"] == 2.0 and traj.reward_parts["invalid_call_penalty"] == pytest.approx(-0.2)
+    assert traj.reward == pytest.approx(-0.2)  # the untouched workspace fails, and the broken calls cost
+    second_prompt = tokenizer.decode(engine.prompts[1])
+    assert "error: invalid tool call: bad JSON" in second_prompt  # the model was told
+
+
+def test_only_invalid_calls_end_in_tool_error(task, tokenizer, pool):
+    engine = ScriptedEngine(tokenizer, ["<tool_call>\nnot json\n</tool_call>" + IM_END] * 5)
+    traj = run_episode(task, engine, tokenizer, pool, EpisodeConfig(max_invalid_turns=3))
+    assert traj.status == Status.TOOL_ERROR and traj.turns == 3 and traj.invalid_tool_calls == 3
+    assert traj.reward < 0
+
+
+def test_a_question_gets_the_user_answer_and_costs_a_turn(tokenizer, pool):
+    ambiguous = generate("ambiguous", "train", 1, seed=2, difficulty=1)[0]
+    engine = ScriptedEngine(tokenizer, ["Which format do you want?" + IM_END, call("finish") + IM_END])
+    traj = run_episode(ambiguous, engine, tokenizer, pool)
+    assert traj.asked_question and traj.turns == 2
+    assert ambiguous.metadata.clarification in tokenizer.decode(engine.prompts[1])
+
+
+def test_running_out_of_turns_or_tokens_is_truncated(task, tokenizer, pool):
+    engine = ScriptedEngine(tokenizer, [call("list_dir") + IM_END] * 3)
+    traj = run_episode(task, engine, tokenizer, pool, EpisodeConfig(max_turns=3))
+    assert traj.status == Status.TRUNCATED and traj.turns == 3 and "all_passed" in traj.reward_parts
+    engine = ScriptedEngine(tokenizer, ["x" * 5000 + IM_END])
+    traj = run_episode(task, engine, tokenizer, pool, EpisodeConfig(max_tokens_per_turn=50, truncated_reward=-1.0))
+    assert traj.status == Status.TRUNCATED and traj.generated_tokens == 50 and traj.reward == -1.0
+
+
+def test_real_model_episode_logprobs_match_one_forward_pass_over_the_trajectory(task, tokenizer, pool):
+    """Token in, token out with a real model: recomputing the whole trajectory in one forward pass
+    reproduces every generated token's logprob, so nothing was re-tokenized between turns."""
+    config = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         num_experts=4, experts_per_token=2, moe_intermediate_size=64)
+    model = build_model(config, tokenizer)
+    with LocalEngine(model, EngineConfig(max_batch=4)) as engine:
+        traj = run_episode(task, engine, tokenizer, pool, EpisodeConfig(max_turns=3, max_tokens_per_turn=40))
+    assert traj.generated_tokens > 0 and len(traj.tokens) <= EpisodeConfig().max_tokens
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([traj.tokens])).logits[0]
+    logp = torch.log_softmax(logits.float(), -1)
+    positions = [i for i, m in enumerate(traj.loss_mask) if m]
+    recomputed = torch.stack([logp[i - 1, traj.tokens[i]] for i in positions])
+    assert torch.allclose(recomputed, torch.tensor([traj.logprobs[i] for i in positions]), atol=1e-3)
+    assert set(tool_schemas()[0]["function"]) >= {"name", "parameters"}

@@ -1,0 +1,241 @@
+"""LocalEngine against full forward passes of a real tiny Qwen3-MoE (no mocks, CPU, float32).
+
+Every check compares the engine with the plain model: logprobs with a full forward over the same
+tokens, greedy tokens with one-at-a-time decoding without a cache. No timing assertions; waits
+have timeouts so a broken engine fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
+from flywheel.model.engine import EngineConfig, EngineError, Generation, LocalEngine, SamplingParams, wait_all
+from flywheel.model.factory import ModelConfig, build_model
+from flywheel.model.tokenizer import train_tokenizer
+
+TIMEOUT_S = 120.0
+TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
+            experts_per_token=2, moe_intermediate_size=64)
+CODE = [
+    "def add(a, b):\n    return a + b\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n        self.items.append(x)\n",
+    "import os\nfor name in sorted(os.listdir('.')):\n    print(name)\n",
+    "def test_add():\n    assert add(2, 3) == 5\n",
+]
+
+
+def conversation(instruction: str, reply: str) -> str:
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction},
+                {"role": "assistant", "content": reply,
+                 "tool_calls": [{"id": "c1", "type": "function",
+                                 "function": {"name": "read_file", "arguments": {"path": "main.py"}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": CODE[0]}]
+    return render_messages(messages, tool_schemas())
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    corpus = [conversation(f"Fix the bug in function {i}.", f"Looking at file {i} first.") for i in range(6)] + CODE * 4
+    return train_tokenizer(corpus, vocab_size=600)
+
+
+def tiny_model(tokenizer, seed: int):
+    model = build_model(ModelConfig(**TINY, seed=seed), tokenizer)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)  # spread the logits so greedy argmax is never a near-tie between batched and single runs
+    return model
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model(tokenizer, seed=0)
+
+
+@pytest.fixture(scope="module")
+def other_weights(tokenizer):
+    return {k: v.clone() for k, v in tiny_model(tokenizer, seed=1).state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    texts = [conversation("Fix the failing test.", "Reading."), "def add(a, b):", CODE[1], "import os\n",
+             conversation("Rename the helper.", "Searching for it."), "x", CODE[3] + CODE[2]]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def engine_for(model, **config) -> LocalEngine:
+    return LocalEngine(copy.deepcopy(model), EngineConfig(**config))  # update_weights loads into the engine's model
+
+
+def full_logprobs(model, prompt: list[int], generated: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log p(generated[i] | prompt + generated[:i]) from one forward pass without a cache."""
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [generated, vocab]
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return logp.gather(1, torch.tensor(generated).unsqueeze(1)).squeeze(1)
+
+
+def greedy_reference(model, prompt: list[int], max_tokens: int, stop: tuple[int, ...] = ()) -> Generation:
+    """One sequence at a time, no cache, no padding: the plainest possible greedy decoder."""
+    tokens: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+            if tokens[-1] in stop:
+                return Generation(tokens, [], [], "stop")
+    return Generation(tokens, [], [], "length")
+
+
+def wait_until(condition, timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_a_full_forward_pass(model, prompts, temperature):
+    with engine_for(model, max_batch=4, max_prefill_per_step=2) as engine:
+        futures = [engine.submit(p, SamplingParams(temperature=temperature, max_tokens=12 + i)) for i, p in enumerate(prompts)]
+        gens = wait_all(futures, TIMEOUT_S)
+    for prompt, gen in zip(prompts, gens, strict=True):
+        assert gen.finish_reason == "length" and gen.versions == [0] * len(gen.token_ids)
+        expected = full_logprobs(model, prompt, gen.token_ids, temperature)
+        torch.testing.assert_close(torch.tensor(gen.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_greedy_logprobs_are_of_temperature_one(model, prompts):
+    with engine_for(model) as engine:
+        gen = engine.submit(prompts[0], SamplingParams(temperature=0, max_tokens=6)).result(TIMEOUT_S)
+    torch.testing.assert_close(torch.tensor(gen.logprobs), full_logprobs(model, prompts[0], gen.token_ids), atol=1e-4, rtol=0)
+
+
+def test_weight_swap_mid_generation_rebuilds_the_cache(model, other_weights, prompts):
+    new_model = copy.deepcopy(model)
+    new_model.load_state_dict(other_weights)
+    with engine_for(model, max_batch=8) as engine:
+        futures = [engine.submit(p, SamplingParams(temperature=1.0, max_tokens=400)) for p in prompts[:4]]
+        wait_until(lambda: engine.steps > 3)
+        swapper = threading.Thread(target=engine.update_weights, args=(other_weights, 1))
+        swapper.start()
+        swapper.join(TIMEOUT_S)
+        assert not swapper.is_alive() and engine.version == 1 and engine.swaps == 1
+        gens = wait_all(futures, TIMEOUT_S)
+    for prompt, gen in zip(prompts[:4], gens, strict=True):
+        before = gen.versions.count(0)
+        assert 0 < before < len(gen.versions), "the swap should land mid-generation"
+        assert gen.versions == [0] * before + [1] * (len(gen.versions) - before)
+        old = full_logprobs(model, prompt, gen.token_ids[:before])
+        new = full_logprobs(new_model, prompt, gen.token_ids)[before:]
+        torch.testing.assert_close(torch.tensor(gen.logprobs[:before]), old, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(gen.logprobs[before:]), new, atol=1e-4, rtol=0)
+
+
+def test_continuous_batching_matches_one_at_a_time_greedy(model, prompts):
+    lengths = [5, 30, 9, 17, 3, 24, 12]
+    # A stop token that greedy decoding reaches mid-way in some sequences but not all.
+    free = [greedy_reference(model, p, n).token_ids for p, n in zip(prompts, lengths, strict=True)]
+    stop = free[1][len(free[1]) // 2]
+    expected = [greedy_reference(model, p, n, (stop,)) for p, n in zip(prompts, lengths, strict=True)]
+    assert {"stop", "length"} == {g.finish_reason for g in expected}
+
+    with engine_for(model, max_batch=3, max_prefill_per_step=2) as engine:  # 7 requests: most wait for a slot
+        futures = [engine.submit(p, SamplingParams(temperature=0, max_tokens=n, stop_token_ids=(stop,)))
+                   for p, n in zip(prompts, lengths, strict=True)]
+        gens = wait_all(futures, TIMEOUT_S)
+    for want, got, n in zip(expected, gens, lengths, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.finish_reason == want.finish_reason
+        if got.finish_reason == "stop":
+            assert got.token_ids[-1] == stop and stop not in got.token_ids[:-1]
+        else:
+            assert len(got.token_ids) == n
+
+
+def test_mixed_greedy_and_sampled_rows_share_a_batch(model, prompts):
+    with engine_for(model, max_batch=8) as engine:
+        futures = [engine.submit(p, SamplingParams(temperature=0 if i % 2 else 1.0, max_tokens=8)) for i, p in enumerate(prompts)]
+        gens = wait_all(futures, TIMEOUT_S)
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
+        if i % 2:
+            assert g.token_ids == greedy_reference(model, p, 8).token_ids
+
+
+def test_tiny_top_p_is_greedy(model, prompts):
+    with engine_for(model, max_batch=8) as engine:
+        gens = wait_all([engine.submit(p, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10)) for p in prompts], TIMEOUT_S)
+    for p, g in zip(prompts, gens, strict=True):
+        assert g.token_ids == greedy_reference(model, p, 10).token_ids
+
+
+def test_top_p_samples_only_inside_the_nucleus(model, prompts):
+    top_p = 0.6
+    with engine_for(model, max_batch=8) as engine:
+        gens = wait_all([engine.submit(p, SamplingParams(temperature=1.5, top_p=top_p, max_tokens=25)) for p in prompts], TIMEOUT_S)
+    for prompt, gen in zip(prompts, gens, strict=True):
+        ids = torch.tensor([prompt + gen.token_ids])
+        with torch.no_grad():
+            probs = torch.softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / 1.5, dim=-1)
+        for row, token in zip(probs, gen.token_ids, strict=True):
+            more_likely = row[row > row[token]].sum()
+            assert more_likely < top_p + 1e-5, "sampled a token outside the nucleus"
+
+
+def test_stop_token_is_included_and_max_tokens_gives_length(model, prompts, tokenizer):
+    first = greedy_reference(model, prompts[2], 1).token_ids[0]
+    with engine_for(model) as engine:
+        stopped = engine.submit(prompts[2], SamplingParams(temperature=0, max_tokens=50, stop_token_ids=(first,))).result(TIMEOUT_S)
+        capped = engine.submit(prompts[2], SamplingParams(temperature=1.0, max_tokens=7, stop_token_ids=())).result(TIMEOUT_S)
+        one = engine.submit([tokenizer.convert_tokens_to_ids(IM_END)], SamplingParams(max_tokens=1)).result(TIMEOUT_S)
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    assert len(capped.token_ids) == 7 and capped.finish_reason == "length"
+    assert len(one.token_ids) == 1 and one.finish_reason == "length"
+
+
+def test_bad_requests_raise_value_error(model):
+    with engine_for(model) as engine:
+        with pytest.raises(ValueError, match="empty prompt"):
+            engine.submit([], SamplingParams())
+        with pytest.raises(ValueError, match="max_tokens"):
+            engine.submit([1, 2], SamplingParams(max_tokens=0))
+        with pytest.raises(ValueError, match="top_p"):
+            engine.submit([1, 2], SamplingParams(top_p=0))
+
+
+def test_a_dead_loop_fails_loudly(model, prompts):
+    bad = {k: torch.zeros(3, 3) for k in model.state_dict()}
+    with engine_for(model, max_batch=2) as engine:
+        futures = [engine.submit(p, SamplingParams(max_tokens=100_000)) for p in prompts[:4]]  # two running, two queued
+        wait_until(lambda: engine.steps > 1)
+        with pytest.raises(EngineError, match="died"):
+            engine.update_weights(bad, version=1, timeout_s=TIMEOUT_S)
+        for f in futures:
+            with pytest.raises(EngineError, match="died"):
+                f.result(TIMEOUT_S)
+        with pytest.raises(EngineError, match="died"):
+            engine.submit(prompts[0], SamplingParams())
+        with pytest.raises(EngineError, match="died"):
+            engine.update_weights(bad, version=2, timeout_s=TIMEOUT_S)
+
+
+def test_close_aborts_in_flight_and_queued_requests(model, prompts):
+    engine = engine_for(model, max_batch=2)
+    futures = [engine.submit(p, SamplingParams(max_tokens=100_000)) for p in prompts[:3]]
+    wait_until(lambda: engine.steps > 2)
+    engine.close()
+    gens = wait_all(futures, TIMEOUT_S)
+    assert [g.finish_reason for g in gens] == ["aborted"] * 3
+    assert all(len(g.token_ids) > 0 for g in gens[:2]) and gens[2].token_ids == []
+    assert all(len(g.token_ids) == len(g.logprobs) == len(g.versions) for g in gens)
+    with pytest.raises(EngineError, match="closed"):
+        engine.submit(prompts[0], SamplingParams())
