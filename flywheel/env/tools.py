@@ -243,10 +243,19 @@ class Toolbox:
         Deadlock-free: a call only waits on calls submitted before it (see `_launch_order`), and
         the pool's FIFO queue starts those first.
         """
+        if not calls:
+            return []
         deps = [[j for j in range(i) if _conflicts(calls[j], call)] for i, call in enumerate(calls)]
+        order = _launch_order(calls, deps)
         futures: dict[int, Future[ToolResult]] = {}
-        for i in _launch_order(calls, deps):
+        for i in order[:-1]:
             futures[i] = self._pool.submit(self._after, [futures[j] for j in deps[i]], calls[i])
+        # The last call runs in the caller's thread: one thread hand-off less, and torch work (a
+        # semantic search is launched last) runs ~1.7x faster in the main thread here (8 vs 14 ms) than
+        # in a worker thread, where its OpenMP team competes with the one the main thread keeps.
+        last = order[-1]
+        futures[last] = Future()
+        futures[last].set_result(self._after([futures[j] for j in deps[last]], calls[last]))
         return [futures[i].result() for i in range(len(calls))]
 
     def _after(self, deps: list[Future[ToolResult]], call: ToolCall) -> ToolResult:
