@@ -31,7 +31,7 @@ class SFTConfig(BaseModel):
     warmup_steps: int = 20
     weight_decay: float = 0.0
     batch_tokens: int = 16384  # tokens per optimizer step (padding included)
-    max_seq_len: int = 3072  # longer demonstrations are skipped, and counted
+    max_seq_len: int = 3072  # longer demonstrations are cut to this prefix, and counted
     grad_clip: float = 1.0
     seed: int = 0
 
@@ -104,8 +104,11 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
               pad_id: int, time_budget_s: float | None = None) -> dict[str, float]:
     """Train in place. Returns metrics; shows a progress bar with loss and tokens/s."""
     rng = random.Random(config.seed)
-    kept = [e for e in examples if len(e[0]) <= config.max_seq_len and sum(e[1]) > 0]
-    skipped = len(examples) - len(kept)
+    # Longer demonstrations are cut to their first max_seq_len tokens: a prefix is still a valid
+    # example (its assistant tokens keep their loss), and short sequences buy many more steps.
+    kept = [(t[: config.max_seq_len], m[: config.max_seq_len]) for t, m in examples]
+    kept = [e for e in kept if sum(e[1]) > 0]
+    truncated = sum(len(t) > config.max_seq_len for t, _ in examples)
     batches = pack_batches([len(t) for t, _ in kept], config.batch_tokens, rng)
     total_steps = max(1, math.ceil(len(batches) * config.epochs))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
@@ -154,5 +157,5 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
         "sft_tokens_per_s": tokens_seen / max(elapsed, 1e-9),
         "sft_seconds": elapsed,
         "sft_examples": float(len(kept)),
-        "sft_skipped_too_long": float(skipped),
+        "sft_truncated": float(truncated),
     }
