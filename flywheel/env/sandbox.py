@@ -312,6 +312,7 @@ class Sandbox:
                 stderr=subprocess.STDOUT,
                 close_fds=True,
                 start_new_session=True,  # our own process group, killed as a whole on timeout
+                env={},  # bwrap clears it anyway; and the child never reads a process-wide `environ`
             )
         except OSError as exc:
             raise SandboxError(f"cannot start bwrap for sandbox {self.workspace.name}: {exc}") from exc

