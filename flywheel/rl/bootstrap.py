@@ -51,7 +51,7 @@ class BootstrapConfig(BaseModel):
     sft_time_budget_s: float = 330.0  # keeps the whole bootstrap within 8 minutes on 2 cores
     model: ModelConfig = Field(default_factory=ModelConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
-    episode: EpisodeConfig = Field(default_factory=lambda: EpisodeConfig(temperature=0.7, max_turns=8))
+    episode: EpisodeConfig = Field(default_factory=lambda: EpisodeConfig(temperature=0.7, max_turns=8, max_tokens_per_turn=256))
     pool: PoolConfig = Field(default_factory=PoolConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
 

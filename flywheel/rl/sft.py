@@ -27,11 +27,11 @@ from flywheel.agent.episode import tool_turn, user_turn
 class SFTConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     epochs: float = 3.0
-    lr: float = 3e-3  # high for a tiny model trained for minutes; lower it for real checkpoints
+    lr: float = 5e-3  # high for a tiny model trained for minutes; lower it for real checkpoints
     warmup_steps: int = 20
     weight_decay: float = 0.0
-    batch_tokens: int = 16384  # tokens per optimizer step (padding included)
-    max_seq_len: int = 3072  # longer demonstrations are cut to this prefix, and counted
+    batch_tokens: int = 8192  # tokens per optimizer step (padding included); fewer = more steps per minute
+    max_seq_len: int = 1100  # longer demonstrations are cut to this prefix (counted): more steps, but later turns are seen less
     grad_clip: float = 1.0
     seed: int = 0
 
