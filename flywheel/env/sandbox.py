@@ -643,7 +643,6 @@ def _ensure_root(root: Path) -> None:
 
 
 @functools.cache
-@functools.cache
 def _reachable_bwrap(bwrap: str, root: Path) -> str:
     """A bwrap path the sandbox user can execute, with the shared libraries it loads.
 
@@ -675,6 +674,7 @@ def _reachable_bwrap(bwrap: str, root: Path) -> str:
     return str(target)
 
 
+@functools.cache
 def _interpreter_source(root: Path) -> tuple[str, str]:
     """(host path to bind, path inside the jail) for the interpreter prefix.
 
