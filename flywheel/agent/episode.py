@@ -108,6 +108,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
     turns = n_calls = n_invalid = invalid_streak = 0
     asked = False
     status, error = Status.TRUNCATED, ""
+    stop = (tokenizer.convert_tokens_to_ids(IM_END),)
     box = pool.acquire(task.files)
     try:
         with Toolbox(box, config.tools) as tools:
@@ -116,7 +117,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                 if budget <= 0:
                     break
                 params = SamplingParams(config.temperature, config.top_p, min(budget, config.max_tokens_per_turn),
-                                        stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),))
+                                        stop_token_ids=stop)
                 t0 = time.perf_counter()
                 gen = engine.submit(rec.tokens, params).result()
                 timings["generate_s"] += time.perf_counter() - t0
@@ -153,15 +154,16 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
         pool.release(box)
 
     parts: dict[str, float] = {}
-    reward = 0.0
-    if final is not None and not (status == Status.TRUNCATED and config.truncated_reward is not None):
+    if final is None:  # the sandbox failed: nothing to grade
+        reward = 0.0
+    elif status == Status.TRUNCATED and config.truncated_reward is not None:
+        reward = config.truncated_reward
+    else:
         t0 = time.perf_counter()
         graded = grade(task, final, config.grade)
         timings["grade_s"] = time.perf_counter() - t0
         parts.update(graded.parts)
         reward = graded.reward
-    elif status == Status.TRUNCATED:
-        reward = float(config.truncated_reward or 0.0)
     penalty = min(config.max_invalid_penalty, config.invalid_call_penalty * n_invalid)
     parts["invalid_tool_calls"] = float(n_invalid)
     parts["invalid_call_penalty"] = -penalty
