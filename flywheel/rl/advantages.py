@@ -1,0 +1,120 @@
+"""Advantages: how much better an episode did than the policy usually does on the same thing.
+
+One reward per episode in, one advantage per episode out; the Learner gives that advantage to
+every generated token of the episode. The baseline an episode is compared with depends on how
+the data was collected:
+
+    method       advantage of episode i                    data
+    grpo         (r_i - mean_g) / (std_g + eps)            groups: one task sampled G times (simulated RL)
+    dr_grpo      r_i - mean_g                              groups
+    rloo         r_i - mean of the other members of g      groups
+    family_loo   r_i - mean of the other episodes of the   ungrouped: one episode per prompt (real-time
+                 same task family in the batch             RL, where users ask each thing once)
+
+    from flywheel.rl.advantages import AdvantageConfig
+    advantages = AdvantageConfig(method="rloo").compute(rewards, groups)
+
+A group whose rewards are all equal carries no signal (every advantage is 0, so it adds nothing
+to the gradient but still costs a forward and backward pass); `group_has_signal` and
+`zero_signal_groups` let the orchestrator count them and, if it wants, drop or resample them.
+
+Departures from the papers:
+- GRPO (Shao et al. 2024) divides by the group's standard deviation; we use the sample standard
+  deviation (Bessel's correction), as TRL and verl do.
+- Dr.GRPO (Liu et al. 2025) also removes the per-sequence length normalisation of the loss. Here
+  that is a separate choice, `LossConfig.aggregation` in `flywheel.rl.loss`; `dr_grpo` is only the
+  advantage without the std division (the same as `grpo` with `scale_by_std=False`).
+- RLOO (Ahmadian et al. 2024) is undefined for a group of one; a lone episode (and a family seen
+  once, for `family_loo`) gets advantage 0: with nothing to compare it with, it teaches nothing,
+  rather than pushing the policy in the direction of its raw reward.
+- Groups (families) whose rewards are all equal get exactly 0, not the float residue of
+  `r - mean(r)`, which `/ (std + eps)` would turn into noise.
+- `family_loo` is our stand-in for a learned value baseline in real-time RL: families differ in
+  how hard they are, so comparing with the same family removes most of the reward's variance that
+  the policy cannot change. It is not scaled by a standard deviation.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+AdvantageMethod = Literal["grpo", "dr_grpo", "rloo", "family_loo"]
+GROUPED_METHODS = ("grpo", "dr_grpo", "rloo")
+SIGNAL_TOLERANCE = 1e-9  # rewards closer than this count as equal: sums of the same parts may differ in the last bit
+
+
+class AdvantageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    method: AdvantageMethod = "grpo"
+    scale_by_std: bool = True  # grpo only: unit-scale advantages per group; off = Dr.GRPO, which does not upweight near-unanimous groups
+    eps: float = Field(default=1e-6, gt=0)  # grpo only: keeps a group of near-equal rewards from exploding
+
+    def compute(self, rewards: Sequence[float], groups: Sequence[str],
+                families: Sequence[str] | None = None) -> list[float]:
+        return compute_advantages(rewards, groups, families, self.method, scale_by_std=self.scale_by_std, eps=self.eps)
+
+
+def group_has_signal(rewards: Sequence[float]) -> bool:
+    """Whether the rewards of one group differ, so that its advantages are not all zero."""
+    return len(rewards) > 1 and max(rewards) - min(rewards) > SIGNAL_TOLERANCE
+
+
+def zero_signal_groups(rewards: Sequence[float], groups: Sequence[str]) -> int:
+    """How many groups have rewards that are all equal (a group of one counts: it has no signal either)."""
+    if len(rewards) != len(groups):
+        raise ValueError(f"{len(rewards)} rewards but {len(groups)} group ids; give one group id per episode")
+    members: dict[str, list[float]] = defaultdict(list)
+    for r, g in zip(rewards, groups, strict=True):
+        members[g].append(r)
+    return sum(not group_has_signal(rs) for rs in members.values())
+
+
+def compute_advantages(rewards: Sequence[float], groups: Sequence[str], families: Sequence[str] | None = None,
+                       method: AdvantageMethod = "grpo", *, scale_by_std: bool = True, eps: float = 1e-6) -> list[float]:
+    """One advantage per episode, in the order of `rewards`.
+
+    groups: the group id of each episode (used by grpo, dr_grpo, rloo); families: the task family of
+    each episode (used by family_loo, which ignores groups)."""
+    n = len(rewards)
+    for i, r in enumerate(rewards):
+        if not math.isfinite(r):
+            raise ValueError(f"reward of episode {i} is {r}; rewards must be finite: fix the grader or reward "
+                             "distiller that produced it, a NaN here would poison the whole batch")
+    if method == "family_loo":
+        if families is None or len(families) != n:
+            raise ValueError(f"family_loo needs one family per episode ({n}), got "
+                             f"{'none' if families is None else len(families)}: pass families=[t.family for t in batch]")
+        keys = families
+    elif method in GROUPED_METHODS:
+        if len(groups) != n:
+            raise ValueError(f"{n} rewards but {len(groups)} group ids; give one group id per episode")
+        if "" in groups:
+            raise ValueError(f"episode {list(groups).index('')} has no group id; {method} compares episodes sampled "
+                             "together for one task: set Trajectory.group_id, or use method='family_loo' for ungrouped data")
+        keys = groups
+    else:
+        raise ValueError(f"unknown advantage method {method!r}; use one of {GROUPED_METHODS + ('family_loo',)}")
+
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, key in enumerate(keys):
+        members[key].append(i)
+    advantages = [0.0] * n
+    for idx in members.values():
+        rs = [rewards[i] for i in idx]
+        if not group_has_signal(rs):
+            continue  # all equal or alone: exactly 0
+        total, size = math.fsum(rs), len(rs)
+        if method in ("rloo", "family_loo"):
+            for i in idx:
+                advantages[i] = rewards[i] - (total - rewards[i]) / (size - 1)
+        else:
+            scale = statistics.stdev(rs) + eps if method == "grpo" and scale_by_std else 1.0
+            for i in idx:
+                advantages[i] = (rewards[i] - total / size) / scale
+    return advantages

@@ -1,0 +1,332 @@
+"""The Learner: turns a batch of graded trajectories into one new policy version.
+
+    train_step(trajectories, advantages)
+      loss masks        each trajectory's loss_mask (zeroed for truncated episodes if truncated="mask")
+      minibatches       `minibatches` contiguous chunks of the batch, one optimizer step each
+      micro-batches     each chunk packed into forwards of <= micro_batch_tokens padded tokens
+      proximal pass     no-grad forward of every micro-batch under the current weights: logp_prox,
+                        entropy (and logp_ref under the reference model when kl_coef > 0)
+      for epoch in ppo_epochs, for minibatch:
+          forward + backward per micro-batch, loss divided by the whole minibatch's denominator
+          loss or grad norm not finite?  skip the step and count it: no NaN reaches the weights
+          clip the grad norm, AdamW step
+      version += 1 if any step was taken; weights() is what the engine loads next
+
+The loss is decoupled PPO (`flywheel.rl.loss`). The proximal policy is the weights at the start of
+`train_step`. With ppo_epochs = minibatches = 1 (the default) there is one optimizer step and the
+proximal policy equals the current one when the loss is taken: the ratio is exactly 1, clipping
+never engages, and only the behaviour weight pi_prox / pi_behaviour corrects for the staleness of
+tokens the engine sampled under older versions. Raise ppo_epochs or minibatches to take several
+steps per batch; then later steps move away from the proximal policy and clipping bounds them.
+The proximal pass costs one extra no-grad forward per micro-batch; it is what makes a stale
+token's weight pi_prox / pi_behaviour rather than pi_theta / pi_behaviour, which would change as
+the update proceeds.
+
+Logprobs are of the temperature-scaled distribution log_softmax(logits / T), computed in float32,
+the convention of the engine's behaviour logprobs (`flywheel.model.engine`); set `temperature` to
+the sampling temperature (1.0 for greedy).
+
+Departures from AReaL and PPO: no value model or GAE (the advantage of an episode is given to all
+its generated tokens); minibatches are contiguous chunks of the batch in the order given, the same
+in every epoch (episodes of one GRPO group stay together), not reshuffled; the learning rate is
+constant (no schedule, so there is no scheduler state to resume).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import PreTrainedModel
+
+from flywheel.agent.trajectory import Status, Trajectory
+from flywheel.rl.loss import LossConfig, loss_denominator, policy_loss
+from flywheel.rl.sft import pack_batches
+
+
+class LearnerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lr: float = Field(default=1e-4, gt=0)  # for the tiny model; real checkpoints want ~1e-6
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(default=0.0, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    micro_batch_tokens: int = Field(default=8192, gt=0)  # padded tokens per forward: bounds activation memory, does not change the gradient
+    ppo_epochs: int = Field(default=1, ge=1)  # passes over each batch; more = more learning per sampled token, more drift from the proximal policy
+    minibatches: int = Field(default=1, ge=1)  # optimizer steps per epoch; capped at the number of trajectories
+    temperature: float = Field(default=1.0, gt=0)  # the episodes' sampling temperature (1.0 for greedy), so logprobs match the engine's
+    truncated: Literal["keep", "mask"] = "keep"  # keep: learn from truncated episodes with their reward; mask: give them no loss
+    seed: int = 0  # order of micro-batches
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+
+@dataclass
+class MicroBatch:
+    """One forward's worth of right-padded trajectories; all tensors [batch, seq] unless noted."""
+    ids: torch.Tensor  # long, padding 0 (never attended to, never in the loss)
+    attention: torch.Tensor  # long, 1 on real tokens
+    mask: torch.Tensor  # float, 1 on tokens that carry loss
+    logp_behaviour: torch.Tensor  # float32, as the engine recorded them
+    advantages: torch.Tensor  # [batch] float32
+    logp_prox: torch.Tensor | None = None  # float32, filled by `proximal_pass`
+    logp_ref: torch.Tensor | None = None  # float32, filled by `proximal_pass` when there is a reference model
+
+
+def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, temperature: float = 1.0,
+                   entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 logprob [batch, seq] of each token given those before it, and if asked the entropy
+    [batch, seq] of the distribution that predicted it. Nothing predicts token 0: its entries are 0.
+
+    ids, attention: [batch, seq], right-padded, so positions are the natural ones."""
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # [batch, seq-1, vocab]: position t predicts token t+1
+    if temperature != 1.0:
+        logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)  # [batch, seq-1]
+    picked = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [batch, seq-1]
+    logp = torch.nn.functional.pad(picked - logz, (1, 0))  # [batch, seq]
+    if not entropy:
+        return logp, None
+    expected = (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [batch, seq-1]
+    return logp, torch.nn.functional.pad(logz - expected, (1, 0))
+
+
+def staleness_histogram(trajectories: Sequence[Trajectory], version: int) -> dict[int, int]:
+    """Generated tokens by staleness: `version` minus the version that generated each token."""
+    counts: Counter[int] = Counter()
+    for t in trajectories:
+        for i, (v, m) in enumerate(zip(t.versions, t.loss_mask, strict=True)):
+            if not m:
+                continue
+            if v < 0 or v > version:
+                raise ValueError(f"trajectory {t.task_id}: generated token {i} has version {v}, learner is at {version}; "
+                                 "each generated token needs the version that sampled it, no newer than the learner's "
+                                 "(resume the learner with load_state, or fix the episode recorder)")
+            counts[version - v] += 1
+    return dict(sorted(counts.items()))
+
+
+def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[float], masks: Sequence[Sequence[int]],
+                       micro_batch_tokens: int, rng: random.Random,
+                       device: torch.device | str = "cpu") -> list[MicroBatch]:
+    """Pack trajectories so that each micro-batch's padded size (rows x longest) is within the budget.
+
+    A trajectory longer than the budget gets a micro-batch of its own: a sequence is never split."""
+    batches = []
+    for rows in pack_batches([len(t.tokens) for t in trajectories], micro_batch_tokens, rng):
+        width = max(len(trajectories[i].tokens) for i in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.float32)
+        behaviour = torch.zeros((len(rows), width), dtype=torch.float32)
+        for r, i in enumerate(rows):
+            t, n = trajectories[i], len(trajectories[i].tokens)
+            ids[r, :n] = torch.tensor(t.tokens)
+            attention[r, :n] = 1
+            mask[r, :n] = torch.tensor(masks[i], dtype=torch.float32)
+            behaviour[r, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
+        adv = torch.tensor([advantages[i] for i in rows], dtype=torch.float32)
+        batches.append(MicroBatch(ids.to(device), attention.to(device), mask.to(device), behaviour.to(device), adv.to(device)))
+    return batches
+
+
+@torch.no_grad()
+def proximal_pass(model: PreTrainedModel, batches: Sequence[MicroBatch], temperature: float,
+                  ref_model: PreTrainedModel | None = None) -> torch.Tensor:
+    """Fill each micro-batch's logp_prox (and logp_ref) under the current weights; returns the
+    entropy summed over loss tokens (0-dim tensor)."""
+    entropy = torch.zeros((), device=batches[0].ids.device) if batches else torch.zeros(())
+    for b in batches:
+        b.logp_prox, ent = token_logprobs(model, b.ids, b.attention, temperature, entropy=True)
+        entropy += torch.where(b.mask > 0, ent, 0.0).sum()
+        if ref_model is not None:
+            b.logp_ref, _ = token_logprobs(ref_model, b.ids, b.attention, temperature)
+    return entropy
+
+
+def accumulate_gradients(model: PreTrainedModel, batches: Sequence[MicroBatch], config: LossConfig, temperature: float,
+                         denominator: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward and backward over the micro-batches of one optimizer step, adding into `.grad`.
+
+    denominator: `loss_denominator` summed over the same micro-batches, so the accumulated gradient
+    equals that of one forward over all of them. Returns the step's loss (detached) and the
+    statistics of `policy_loss`, summed (is_weight_max: the max)."""
+    total = torch.zeros((), device=denominator.device)
+    stats: dict[str, torch.Tensor] = {}
+    for b in batches:
+        if b.logp_prox is None:
+            raise ValueError("micro-batch has no proximal logprobs; run proximal_pass on it before accumulate_gradients")
+        logp, _ = token_logprobs(model, b.ids, b.attention, temperature)
+        loss, s = policy_loss(logp, b.logp_prox, b.logp_behaviour, b.advantages, b.mask, config, b.logp_ref, denominator)
+        loss.backward()
+        total += loss.detach()
+        merge_stats(stats, s)
+    return total, stats
+
+
+def merge_stats(into: dict[str, torch.Tensor], stats: Mapping[str, torch.Tensor]) -> None:
+    """Add `policy_loss` statistics into `into` (sums add, is_weight_max takes the max)."""
+    for key, value in stats.items():
+        if key not in into:
+            into[key] = value
+        else:
+            into[key] = torch.maximum(into[key], value) if key == "is_weight_max" else into[key] + value
+
+
+class Learner:
+    """Owns the policy's weights and optimizer, and the version number of the weights."""
+
+    def __init__(self, model: PreTrainedModel, config: LearnerConfig, ref_model: PreTrainedModel | None = None,
+                 version: int = 0):
+        if config.loss.kl_coef > 0 and ref_model is None:
+            raise ValueError(f"loss.kl_coef={config.loss.kl_coef} needs a reference model: pass ref_model "
+                             "(e.g. the version-0 checkpoint) or set loss.kl_coef=0")
+        self.model = model
+        self.config = config
+        self.ref_model = ref_model.eval().requires_grad_(False) if ref_model is not None and config.loss.kl_coef > 0 else None
+        self.version = version
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+                                           weight_decay=config.weight_decay)
+        self.optimizer_steps = 0
+        self.skipped_steps = 0  # steps not taken because the loss or a gradient was not finite
+        self._rng = random.Random(config.seed)
+
+    def loss_mask(self, trajectory: Trajectory) -> list[int]:
+        """The trajectory's loss mask after the `truncated` policy."""
+        if trajectory.loss_mask and trajectory.loss_mask[0]:
+            raise ValueError(f"trajectory {trajectory.task_id}: token 0 has loss mask 1, but nothing predicts the "
+                             "first token; a trajectory starts with its prompt")
+        if self.config.truncated == "mask" and trajectory.status == Status.TRUNCATED:
+            return [0] * len(trajectory.tokens)
+        return list(trajectory.loss_mask)
+
+    def train_step(self, trajectories: Sequence[Trajectory], advantages: Sequence[float]) -> dict[str, float]:
+        """Learn from one batch; returns its metrics. Advantages: one per trajectory (`flywheel.rl.advantages`).
+
+        Metrics: loss (mean over steps taken), entropy (of the proximal policy, per loss token),
+        kl, clip_low_frac / clip_high_frac, is_weight_mean / is_weight_max (pi_prox / pi_behaviour
+        before the cap), is_truncated_frac / is_masked_frac, grad_norm (before clipping; token
+        statistics over the steps taken), optimizer_steps, skipped_steps (non-finite, this call),
+        skipped_steps_total, version, staleness/<k> (generated tokens k versions old),
+        staleness_mean / _max, sequences, loss_tokens, tokens_per_s, seconds."""
+        if not trajectories:
+            raise ValueError("train_step got no trajectories; wait for a batch before stepping")
+        if len(advantages) != len(trajectories):
+            raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages; give one per trajectory")
+        start = time.perf_counter()
+        config = self.config
+        staleness = staleness_histogram(trajectories, self.version)
+        masks = [self.loss_mask(t) for t in trajectories]
+        device = next(self.model.parameters()).device
+        n, k = len(trajectories), min(config.minibatches, len(trajectories))
+        chunks = [range(j * n // k, (j + 1) * n // k) for j in range(k)]
+        minibatches = [make_micro_batches([trajectories[i] for i in c], [advantages[i] for i in c], [masks[i] for i in c],
+                                          config.micro_batch_tokens, self._rng, device) for c in chunks]
+
+        was_training = self.model.training
+        self.model.train()  # same mode in the proximal and the training pass, so their logprobs agree exactly
+        entropy = sum((proximal_pass(self.model, mbs, config.temperature, self.ref_model) for mbs in minibatches),
+                      torch.zeros((), device=device))
+        # Denominators stay on device: dividing by them forces no host sync.
+        denominators = [sum((loss_denominator(b.mask, config.loss) for b in mbs), torch.zeros((), device=device))
+                        for mbs in minibatches]
+        totals: dict[str, torch.Tensor] = {}
+        losses: list[torch.Tensor] = []
+        grad_norms: list[torch.Tensor] = []
+        skipped = 0
+        for _ in range(config.ppo_epochs):
+            for mbs, denominator in zip(minibatches, denominators, strict=True):
+                self.optimizer.zero_grad(set_to_none=True)
+                loss, stats = accumulate_gradients(self.model, mbs, config.loss, config.temperature, denominator)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+                if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # the one host sync per step
+                    skipped += 1  # before the optimizer touches anything: weights and Adam moments stay as they were
+                    self.optimizer.zero_grad(set_to_none=True)
+                    continue
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                losses.append(loss)
+                grad_norms.append(grad_norm)
+                merge_stats(totals, stats)
+        self.model.train(was_training)
+        taken = len(losses)
+        self.optimizer_steps += taken
+        self.skipped_steps += skipped
+        if taken:
+            self.version += 1
+        elapsed = time.perf_counter() - start
+
+        loss_tokens = sum(float(b.mask.sum()) for mbs in minibatches for b in mbs)
+        batch_tokens = sum(len(t.tokens) for t in trajectories)
+        stale_tokens = sum(staleness.values())
+        nan = float("nan")
+
+        def per_token(key: str) -> float:
+            seen = float(totals["tokens"]) if totals else 0.0
+            return float(totals[key]) / seen if seen else nan
+
+        metrics = {
+            "loss": float(torch.stack(losses).mean()) if losses else nan,
+            "entropy": float(entropy) / loss_tokens if loss_tokens else nan,
+            "kl": per_token("kl_sum"),
+            "clip_low_frac": per_token("clipped_low"),
+            "clip_high_frac": per_token("clipped_high"),
+            "is_weight_mean": per_token("is_weight_sum"),
+            "is_weight_max": float(totals["is_weight_max"]) if totals else nan,
+            "is_truncated_frac": per_token("is_capped") if config.loss.behaviour_mode == "truncate" else 0.0,
+            "is_masked_frac": per_token("is_capped") if config.loss.behaviour_mode == "mask" else 0.0,
+            "grad_norm": float(torch.stack(grad_norms).mean()) if grad_norms else nan,  # before clipping
+            "optimizer_steps": float(taken),
+            "skipped_steps": float(skipped),
+            "skipped_steps_total": float(self.skipped_steps),
+            "version": float(self.version),
+            "sequences": float(len(trajectories)),
+            "loss_tokens": loss_tokens,
+            "tokens_per_s": batch_tokens / max(elapsed, 1e-9),  # batch tokens (prompt included) per second of train_step
+            "seconds": elapsed,
+            "staleness_mean": sum(s * c for s, c in staleness.items()) / stale_tokens if stale_tokens else nan,
+            "staleness_max": float(max(staleness)) if staleness else nan,
+        }
+        metrics.update({f"staleness/{s}": float(c) for s, c in staleness.items()})
+        return metrics
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights (the model's state_dict) for `Engine.update_weights`.
+
+        A copy, so the engine may load it while training goes on; tied tensors stay one tensor."""
+        copies: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        out = {}
+        for name, tensor in self.model.state_dict().items():
+            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+            if key not in copies:
+                copies[key] = tensor.detach().clone()
+            out[name] = copies[key]
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """Everything resuming needs: weights, optimizer moments, version and counters.
+
+        A snapshot (later steps do not change it) that `torch.save` can write."""
+        return {
+            "version": self.version,
+            "weights": self.weights(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizer_steps": self.optimizer_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Resume from what `state()` returned: the model gets its weights, the optimizer its moments."""
+        missing = {"version", "weights", "optimizer", "optimizer_steps", "skipped_steps"} - set(state)
+        if missing:
+            raise ValueError(f"learner state lacks {sorted(missing)}; give what Learner.state() returned")
+        self.model.load_state_dict(state["weights"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+        self.skipped_steps = int(state["skipped_steps"])

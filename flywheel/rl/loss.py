@@ -1,0 +1,155 @@
+"""The policy loss: token-level decoupled PPO with clip-higher, a capped behaviour weight and optional KL.
+
+Asynchronous RL trains on tokens that older policies generated (the engine keeps sampling while
+the Learner updates). Decoupled PPO (AReaL, Fu et al. 2025) separates the two policies that
+standard PPO conflates: the *behaviour* policy that sampled the token (its logprob comes with the
+trajectory) and the *proximal* policy that the update is kept close to (the Learner's weights at
+the start of the batch). Per generated token t with advantage A:
+
+    r_t = exp(logp_t - logp_prox_t)                       trust region, has the gradient
+    w_t = exp(logp_prox_t - logp_behaviour_t)             off-policy correction, a constant
+    w_t = min(w_t, cap)              behaviour_mode="truncate" (TIS, Yao et al. 2025)
+    drop t if w_t > cap              behaviour_mode="mask"
+    pg_t = -w_t * min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A)     clip-higher (DAPO, Yu et al. 2025)
+    kl_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1          k3 estimator, if a reference is given
+    loss_t = pg_t + kl_coef * kl_t
+
+then aggregated over tokens with loss mask 1:
+
+    token-mean             sum_t loss_t / (tokens in the batch)
+    seq-mean-token-mean    mean over sequences of (sum of the sequence's loss_t / its tokens)
+
+With one optimizer step per batch the proximal policy *is* the current one when the loss is taken,
+so r_t = 1, clipping never engages and only w_t corrects for staleness; clipping matters with
+several optimizer steps per batch (`LearnerConfig.ppo_epochs`, `minibatches`).
+
+Micro-batching: pass the whole optimizer step's `loss_denominator` (summed over its micro-batches)
+as `denominator`, and the gradients accumulated over micro-batches equal one big batch's.
+
+Departures from the papers:
+- No dual-clip (Ye et al. 2020) for negative advantages with huge ratios: the proximal policy is
+  at most one batch old, so r_t stays near 1, and the behaviour weight is capped separately.
+- "mask" keeps dropped tokens in the denominator (as AReaL does): masking a stale token makes the
+  step smaller instead of giving the remaining tokens more weight, and the denominator is known
+  before any logprob is computed.
+- The KL term is applied to every loss token without the behaviour weight (as in GRPO and verl),
+  although the tokens come from the behaviour policy, not the current one.
+- Log-ratios are clamped to [-20, 20] before exponentiating, so an extreme token gives a large
+  finite number instead of inf (a clamped token has no gradient). NaN is not clamped: it
+  propagates to the loss, and the Learner then skips the step.
+- Truncated episodes are not this function's concern: the Learner zeroes their loss mask or keeps
+  them (`LearnerConfig.truncated`), and a reward override for them is set where episodes are
+  graded (`EpisodeConfig.truncated_reward`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_LOG_RATIO = 20.0
+
+
+class LossConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    clip_low: float = Field(default=0.2, gt=0, lt=1)  # ratio floor 1 - clip_low (binds for negative advantages)
+    clip_high: float = Field(default=0.28, gt=0)  # ratio ceiling 1 + clip_high; above clip_low lets unlikely good tokens grow, which keeps entropy from collapsing
+    behaviour_cap: float = 2.0  # cap on pi_prox / pi_behaviour; higher = less bias from stale tokens, more variance
+    behaviour_mode: Literal["truncate", "mask"] = "truncate"  # truncate: weight min(w, cap); mask: drop tokens with w > cap
+    kl_coef: float = Field(default=0.0, ge=0)  # > 0 needs a reference model (the Learner's ref_model)
+    aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"  # token-mean: long answers weigh more per sequence
+
+    @model_validator(mode="after")
+    def _cap_at_least_one(self) -> LossConfig:
+        if self.behaviour_cap < 1.0:
+            raise ValueError(f"behaviour_cap={self.behaviour_cap} would shrink on-policy tokens (weight 1); "
+                             "set loss.behaviour_cap >= 1 (2 is the TIS default)")
+        return self
+
+
+def behaviour_weights(logp_prox: torch.Tensor, logp_behaviour: torch.Tensor, mask: torch.Tensor,
+                      config: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(raw weight w, weight used in the loss, tokens kept), all [batch, seq] float, no gradient.
+
+    Positions with mask 0 get weight 1 and are not kept, whatever their logprobs hold."""
+    on = mask > 0
+    log_w = torch.where(on, logp_prox.detach().float() - logp_behaviour.detach().float(), 0.0)
+    raw = log_w.clamp(max=MAX_LOG_RATIO).exp()
+    if config.behaviour_mode == "truncate":
+        return raw, raw.clamp(max=config.behaviour_cap), on.float()
+    kept = on & ~(raw > config.behaviour_cap)  # a NaN weight is kept, so that it reaches the loss and the step is skipped
+    return raw, torch.where(kept, raw, 0.0), kept.float()
+
+
+def loss_denominator(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """What `policy_loss` divides by: loss tokens (token-mean) or sequences with any (seq-mean-token-mean).
+
+    A 0-dim tensor on mask's device: summing it over micro-batches needs no host sync."""
+    on = (mask > 0).float()  # [batch, seq]
+    if config.aggregation == "token-mean":
+        return on.sum()
+    return (on.sum(dim=1) > 0).float().sum()
+
+
+def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, config: LossConfig, logp_ref: torch.Tensor | None = None,
+                denominator: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss to minimise and its statistics.
+
+    logp (with gradient), logp_prox, logp_behaviour, logp_ref, mask: [batch, seq], position t holding
+    the logprob of token t; advantages: [batch] or [batch, seq]. denominator: see `loss_denominator`;
+    default this batch's own.
+
+    The statistics are detached 0-dim tensors, sums over loss tokens so that micro-batches add up
+    (divide by `tokens`): tokens, clipped_low, clipped_high, is_weight_sum, is_capped (truncated or
+    masked), kl_sum; and is_weight_max."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)  # [batch, 1], broadcast over the sequence
+    if logp.shape != mask.shape or logp_prox.shape != mask.shape or logp_behaviour.shape != mask.shape:
+        raise ValueError(f"logp {tuple(logp.shape)}, logp_prox {tuple(logp_prox.shape)}, logp_behaviour "
+                         f"{tuple(logp_behaviour.shape)} and mask {tuple(mask.shape)} must all be [batch, seq]")
+    if advantages.shape[0] != mask.shape[0]:
+        raise ValueError(f"advantages has {advantages.shape[0]} rows, mask {mask.shape[0]}; give one advantage per sequence")
+    on = mask > 0
+    logp = logp.float()
+    advantages = torch.where(on, advantages.float().detach().expand(mask.shape), 0.0)  # [batch, seq]
+    raw_w, w, kept = behaviour_weights(logp_prox, logp_behaviour, mask, config)
+    # where, not multiply: a masked position's inf or NaN must not leak into the loss or its gradient
+    log_ratio = torch.where(on, logp - logp_prox.detach().float(), 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = log_ratio.exp()  # [batch, seq]
+    clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
+    pg = -w * torch.minimum(ratio * advantages, clipped * advantages)
+    per_token = torch.where(kept > 0, pg, 0.0)
+    kl = torch.zeros_like(per_token)
+    if logp_ref is not None:
+        delta = torch.where(on, logp_ref.detach().float() - logp, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        kl = delta.exp() - delta - 1
+        per_token = per_token + config.kl_coef * kl
+    elif config.kl_coef > 0:
+        raise ValueError(f"kl_coef={config.kl_coef} but no logp_ref: give reference logprobs or set loss.kl_coef=0")
+    per_token = torch.where(on, per_token, 0.0)
+
+    if denominator is None:
+        denominator = loss_denominator(mask, config)
+    denominator = denominator.clamp(min=1)  # an all-masked batch has loss 0, not 0/0
+    if config.aggregation == "token-mean":
+        loss = per_token.sum() / denominator
+    else:
+        per_seq = per_token.sum(dim=1) / on.float().sum(dim=1).clamp(min=1)  # [batch]
+        loss = per_seq.sum() / denominator
+
+    with torch.no_grad():
+        onf = on.float()
+        ratio_d = ratio.detach()
+        stats = {
+            "tokens": onf.sum(),
+            "clipped_low": (onf * ((advantages < 0) & (ratio_d < 1 - config.clip_low)).float()).sum(),
+            "clipped_high": (onf * ((advantages > 0) & (ratio_d > 1 + config.clip_high)).float()).sum(),
+            "is_weight_sum": torch.where(on, raw_w, 0.0).sum(),
+            "is_weight_max": torch.where(on, raw_w, 0.0).amax() if on.numel() else torch.zeros(()),
+            "is_capped": (onf * (raw_w > config.behaviour_cap).float()).sum(),
+            "kl_sum": torch.where(on, kl.detach(), 0.0).sum(),
+        }
+    return loss, stats

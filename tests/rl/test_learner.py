@@ -1,0 +1,254 @@
+"""The Learner on a real tiny Qwen3-MoE (CPU, float32): it learns, micro-batching does not change the
+gradient, non-finite steps never reach the weights, staleness is counted, state resumes."""
+
+from __future__ import annotations
+
+import copy
+import io
+import random
+
+import pytest
+import torch
+
+from flywheel.agent.trajectory import Status, Trajectory
+from flywheel.model.factory import ModelConfig, build_model
+from flywheel.model.tokenizer import train_tokenizer
+from flywheel.rl.learner import (
+    Learner,
+    LearnerConfig,
+    accumulate_gradients,
+    make_micro_batches,
+    proximal_pass,
+    staleness_histogram,
+    token_logprobs,
+)
+from flywheel.rl.loss import LossConfig, loss_denominator
+from flywheel.rl.sft import masked_ce_loss
+
+TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, num_experts=4,
+                   experts_per_token=2, moe_intermediate_size=32)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(["def add(a, b):\n    return a + b\n", "for x in items:\n    print(x)\n"] * 10, vocab_size=300)
+
+
+@pytest.fixture
+def model(tokenizer):
+    return build_model(TINY, tokenizer)
+
+
+def trajectory(model, length: int, seed: int, version: int = 0, status: Status = Status.FINISHED) -> Trajectory:
+    """prompt (5 tokens), generated, tool output (3), generated; behaviour logprobs from `model` itself."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.config.vocab_size, (length,), generator=g).tolist()
+    gen = length - 8
+    mask = [0] * 5 + [1] * (gen // 2) + [0] * 3 + [1] * (gen - gen // 2)
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, ids, torch.ones_like(ids))
+    return Trajectory(task_id=f"t{seed}", family="f", tokens=tokens, loss_mask=mask,
+                      logprobs=[lp if m else 0.0 for lp, m in zip(logp[0].tolist(), mask, strict=True)],
+                      versions=[version if m else -1 for m in mask], prompt_len=5, status=status, reward=0.0,
+                      reward_parts={}, turns=2, tool_calls=1, invalid_tool_calls=0, asked_question=False, group_id="g")
+
+
+def generated_logprob(model, t: Trajectory) -> float:
+    ids = torch.tensor([t.tokens])
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, ids, torch.ones_like(ids))
+    return sum(lp for lp, m in zip(logp[0].tolist(), t.loss_mask, strict=True) if m)
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_token_logprobs_are_next_token_logprobs_in_float32_unaffected_by_padding(model):
+    short, long = trajectory(model, 14, seed=1), trajectory(model, 25, seed=2)
+    mbs = make_micro_batches([short, long], [0.0, 0.0], [short.loss_mask, long.loss_mask], 10_000, random.Random(0))
+    (b,) = mbs
+    logp, entropy = token_logprobs(model, b.ids, b.attention, entropy=True)
+    assert logp.dtype == torch.float32 and logp.shape == b.ids.shape and torch.equal(logp[:, 0], torch.zeros(2))
+    with torch.no_grad():
+        nll, count = masked_ce_loss(model, b.ids, b.mask.long(), b.attention)  # an independent next-token loss
+    assert -(logp * b.mask).sum().item() == pytest.approx(nll.item(), rel=1e-5) and count == b.mask.sum()
+    for row, t in enumerate(sorted([short, long], key=lambda t: len(t.tokens))):  # padding changes nothing
+        generated = [lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m]
+        torch.testing.assert_close(logp[row][b.mask[row] > 0], torch.tensor(generated), rtol=1e-5, atol=1e-5)
+    assert ((entropy[:, 1:] > 0) & (entropy[:, 1:] <= torch.log(torch.tensor(float(model.config.vocab_size))) + 1e-4)).all()
+    hot, _ = token_logprobs(model, b.ids, b.attention, temperature=2.0)
+    with torch.no_grad():
+        logits = model(input_ids=b.ids, attention_mask=b.attention).logits[:, :-1]
+    expected = torch.log_softmax(logits / 2.0, -1).gather(-1, b.ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(hot[:, 1:], expected)
+
+
+def test_positive_advantage_raises_the_sequence_logprob(model):
+    good, bad = trajectory(model, 24, seed=1), trajectory(model, 30, seed=2)
+    before = generated_logprob(model, good), generated_logprob(model, bad)
+    learner = Learner(model, LearnerConfig(lr=3e-3))
+    for _ in range(4):
+        metrics = learner.train_step([good, bad], [1.0, -1.0])
+    assert generated_logprob(model, good) > before[0] + 1.0
+    assert generated_logprob(model, bad) < before[1] - 1.0
+    assert learner.version == 4 and metrics["version"] == 4 and metrics["optimizer_steps"] == 1
+
+
+def test_one_step_per_batch_has_ratio_one_and_on_policy_weight_one(model):
+    batch = [trajectory(model, n, seed=n) for n in (14, 21, 27)]
+    metrics = Learner(model, LearnerConfig(micro_batch_tokens=48)).train_step(batch, [1.0, -0.5, 0.25])
+    # proximal == current weights: no clipping; behaviour == proximal up to padding noise: w = 1
+    assert metrics["clip_low_frac"] == metrics["clip_high_frac"] == 0.0
+    assert metrics["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    n = sum(t.generated_tokens for t in batch)
+    assert metrics["loss"] == pytest.approx(-(1.0 * 6 + -0.5 * 13 + 0.25 * 19) / n, abs=1e-5)
+    assert metrics["loss_tokens"] == n
+
+
+def test_several_steps_per_batch_engage_the_clip(model):
+    batch = [trajectory(model, 24, seed=s) for s in range(4)]
+    config = LearnerConfig(lr=2e-2, ppo_epochs=3, minibatches=2, loss=LossConfig(clip_low=0.05, clip_high=0.05))
+    metrics = Learner(model, config).train_step(batch, [1.0, -1.0, 1.0, -1.0])
+    assert metrics["optimizer_steps"] == 6 and metrics["version"] == 1
+    assert metrics["clip_low_frac"] > 0 and metrics["clip_high_frac"] > 0
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batching_by_token_budget_gives_the_gradient_of_one_batch(tokenizer, aggregation):
+    model = build_model(TINY, tokenizer)
+    batch = [trajectory(model, n, seed=n) for n in (12, 20, 25, 31, 16)]
+    # off-policy behaviour logprobs, so that the behaviour weight is not 1 everywhere
+    batch = [t.model_copy(update={"logprobs": [lp - 0.3 * (i % 3) if m else 0.0 for i, (lp, m) in
+                                               enumerate(zip(t.logprobs, t.loss_mask, strict=True))]}) for t in batch]
+    advantages = [1.0, -0.5, 0.3, -1.2, 0.7]
+    config = LossConfig(aggregation=aggregation, behaviour_cap=1.2)
+
+    def gradient(budget: int, shared_denominator: bool = True) -> tuple[dict[str, torch.Tensor], int]:
+        model.zero_grad(set_to_none=True)
+        mbs = make_micro_batches(batch, advantages, [t.loss_mask for t in batch], budget, random.Random(0))
+        proximal_pass(model, mbs, temperature=1.0)
+        if shared_denominator:
+            denominator = sum(loss_denominator(b.mask, config) for b in mbs)
+            accumulate_gradients(model, mbs, config, 1.0, denominator)
+        else:  # each micro-batch normalised on its own: not the big batch's gradient
+            for b in mbs:
+                accumulate_gradients(model, [b], config, 1.0, loss_denominator(b.mask, config))
+        assert all(b.ids.numel() <= budget or b.ids.shape[0] == 1 for b in mbs)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, len(mbs)
+
+    whole, n_whole = gradient(10_000)
+    split, n_split = gradient(40)
+    assert n_whole == 1 and n_split >= 4
+    assert whole.keys() == split.keys()
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-6)
+    naive, _ = gradient(40, shared_denominator=False)
+    assert any(not torch.allclose(naive[n], whole[n], rtol=1e-3, atol=1e-5) for n in whole)
+
+
+def test_staleness_histogram_counts_generated_tokens_by_age(model):
+    batch = [trajectory(model, 20, seed=1, version=3), trajectory(model, 18, seed=2, version=1)]
+    mixed = batch[1].model_copy(update={"versions": [-1] * 5 + [1] * 5 + [-1] * 3 + [2] * 5})
+    assert staleness_histogram([batch[0], mixed], version=3) == {0: 12, 1: 5, 2: 5}
+    learner = Learner(model, LearnerConfig(), version=3)
+    metrics = learner.train_step([batch[0], mixed], [1.0, -1.0])
+    assert (metrics["staleness/0"], metrics["staleness/1"], metrics["staleness/2"]) == (12, 5, 5)
+    assert metrics["staleness_max"] == 2 and metrics["staleness_mean"] == pytest.approx((5 + 10) / 22)
+    with pytest.raises(ValueError, match="version 5"):
+        staleness_histogram([trajectory(model, 20, seed=1, version=5)], version=4)
+
+
+@pytest.mark.parametrize("poison", ["advantage", "behaviour_logprob"])
+def test_a_non_finite_step_is_skipped_counted_and_leaves_the_weights(model, poison):
+    batch = [trajectory(model, 20, seed=1), trajectory(model, 24, seed=2)]
+    advantages = [1.0, -1.0]
+    if poison == "advantage":
+        advantages = [float("nan"), -1.0]
+    else:
+        logprobs = list(batch[1].logprobs)
+        logprobs[6] = float("nan")  # a generated token
+        batch[1] = batch[1].model_copy(update={"logprobs": logprobs})
+    learner = Learner(model, LearnerConfig(lr=1e-2, ppo_epochs=2))
+    before = params(model)
+    metrics = learner.train_step(batch, advantages)
+    assert metrics["skipped_steps"] == 2 and metrics["optimizer_steps"] == 0 and learner.skipped_steps == 2
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert learner.version == 0 and not learner.optimizer.state  # Adam moments untouched too
+    clean = [trajectory(model, 20, seed=1), trajectory(model, 24, seed=2)]
+    metrics = learner.train_step(clean, [1.0, -1.0])
+    assert metrics["optimizer_steps"] == 2 and metrics["skipped_steps_total"] == 2 and learner.version == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_truncated_episodes_are_kept_or_masked(model):
+    batch = [trajectory(model, 20, seed=1), trajectory(model, 24, seed=2, status=Status.TRUNCATED)]
+    kept = Learner(model, LearnerConfig(truncated="keep")).train_step(batch, [1.0, -1.0])
+    masked = Learner(model, LearnerConfig(truncated="mask")).train_step(batch, [1.0, -1.0])
+    assert kept["loss_tokens"] == 12 + 16 and masked["loss_tokens"] == 12
+
+
+def test_state_resumes_weights_and_optimizer(tokenizer):
+    model = build_model(TINY, tokenizer)
+    batch = [trajectory(model, 20, seed=1), trajectory(model, 24, seed=2)]
+    config = LearnerConfig(lr=1e-2)
+    learner = Learner(model, config)
+    learner.train_step(batch, [1.0, -1.0])
+    state = torch.load(_saved(learner.state()), weights_only=False)  # through the disk, as a run folder holds it
+
+    def resumed(load: bool) -> dict[str, torch.Tensor]:
+        twin = Learner(build_model(TINY.model_copy(update={"seed": 7}), tokenizer), config)
+        if load:
+            twin.load_state(state)
+            assert twin.version == 1 and twin.optimizer_steps == 1
+        else:  # the same weights with a fresh optimizer
+            twin.model.load_state_dict(state["weights"], strict=True)
+        twin.train_step(batch, [1.0, -1.0])
+        return params(twin.model)
+
+    learner.train_step(batch, [1.0, -1.0])
+    assert learner.version == 2
+    same, fresh = resumed(load=True), resumed(load=False)
+    assert all(torch.allclose(same[n], p, atol=1e-6) for n, p in model.named_parameters())
+    assert not all(torch.allclose(fresh[n], p, atol=1e-6) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="Learner.state"):
+        learner.load_state({"version": 3})
+
+
+def _saved(obj) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_weights_are_a_detached_copy_with_ties_kept(model):
+    learner = Learner(model, LearnerConfig())
+    weights = learner.weights()
+    assert weights.keys() == model.state_dict().keys()
+    assert weights["lm_head.weight"] is weights["model.embed_tokens.weight"]
+    before = weights["lm_head.weight"].clone()
+    learner.train_step([trajectory(model, 20, seed=1)], [1.0])
+    assert torch.equal(weights["lm_head.weight"], before)
+    assert not torch.equal(model.lm_head.weight.detach(), before)
+
+
+def test_kl_needs_a_reference_model_and_measures_drift(model):
+    config = LearnerConfig(lr=1e-2, loss=LossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="ref_model"):
+        Learner(model, config)
+    learner = Learner(model, config, ref_model=copy.deepcopy(model))
+    batch = [trajectory(model, 20, seed=1), trajectory(model, 24, seed=2)]
+    first = learner.train_step(batch, [1.0, -1.0])
+    for _ in range(3):
+        last = learner.train_step(batch, [1.0, -1.0])
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6) and last["kl"] > 1e-4
