@@ -1,0 +1,218 @@
+"""The eval gate's statistics: may the candidate replace production? Pure: the caller runs the evals.
+
+    gate = Gate(GateConfig())
+    decision = gate.decide(candidate_results, production_results)   # {task id: {metric: value}}
+    if decision.passed: start the A/B test
+
+Both versions are evaluated on the same held-out tasks, so results are paired per task. Pairing
+removes the between-task variance (a hard task is hard for both), which is most of it: the test
+sees only the per-task differences d_i = candidate_i - production_i.
+
+Non-inferiority, not superiority: a candidate trained on a day of live data rarely moves held-out
+pass rate measurably, and the gate's job is to stop regressions. It passes when the one-sided
+(1 - alpha) lower confidence bound of mean(d) is above -margin.
+
+Method, by the kind of result:
+- 0/1 outcomes (pass/fail): Tango's score test for paired proportions (Tango 1998, Stat Med 17),
+  inverted by bisection for the interval. Its variance is taken under the null hypothesis, so it
+  keeps its level at rates near 0 and 1, where the t interval on 0/1 differences does not (at 200
+  tasks and a 10% discordance rate the t interval passes a candidate exactly `margin` worse ~10% of
+  the time instead of 5%; Tango's test ~5%, see tests/live/test_gate.py).
+- anything else (rewards, rates): the t interval of the paired differences (normal approximation
+  of their mean, Student's t quantile with n - 1 df).
+Below `min_tasks` pairs the gate fails closed, with a reason saying to add eval tasks. Identical
+versions pass when there are enough tasks for the margin: with no discordant pair Tango's bound is
+-margin at n = z^2 (1 - margin) / margin, i.e. 52 tasks for a 0.05 margin at alpha 0.05.
+
+Behaviour checks (`RateLimitCheck`) bound a rate of the candidate alone, on a subset of tasks, e.g.
+clarifying questions on clear (non-ambiguous) tasks at most 20%. They compare the point estimate
+with the limit, so they also fail closed; the Wilson interval is reported for context.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from flywheel.agent.evaluate import passed, wilson_interval
+from flywheel.agent.trajectory import Trajectory
+from flywheel.env.task import Task
+from flywheel.live.stats import mean_and_variance, t_quantile, z_quantile
+
+TaskResults = Mapping[str, Mapping[str, float | bool | None]]  # task id -> metric -> value (None: n/a)
+
+
+def task_results(tasks: Sequence[Task], trajectories: Sequence[Trajectory]) -> dict[str, dict[str, float | bool | None]]:
+    """Per-task results for `Gate.decide` from one eval episode per task, with the keys the default checks read."""
+    by_task = {t.id: t for t in tasks}
+    out: dict[str, dict[str, float | bool | None]] = {}
+    for t in trajectories:
+        if t.task_id in out:
+            raise ValueError(f"task {t.task_id} has several eval episodes; the gate pairs one result per task")
+        if t.task_id not in by_task:
+            raise ValueError(f"episode of task {t.task_id}, which is not among the tasks given")
+        out[t.task_id] = {
+            "passed": float(passed(t)),
+            "valid_tool_call_rate": (t.tool_calls - t.invalid_tool_calls) / t.tool_calls if t.tool_calls else None,
+            "asked_question": t.asked_question,
+            "ambiguous": by_task[t.task_id].metadata.ambiguous,
+        }
+    return out
+
+
+class GateResult(BaseModel):
+    passed: bool
+    # None where the check could not be computed (too few tasks); it then fails.
+    diff: float | None  # non-inferiority: mean(candidate - production); rate limit: rate - limit
+    ci_low: float | None  # two-sided (1 - 2 alpha) interval; its low end is the one-sided (1 - alpha) bound
+    ci_high: float | None
+    n: int
+    reason: str
+    method: str = ""  # tango | t | wilson
+    check: str = ""
+
+
+def non_inferiority(candidate: Sequence[float], production: Sequence[float], margin: float,
+                    alpha: float = 0.05, min_n: int = 20) -> GateResult:
+    """Paired test that candidate is not worse than production by more than `margin` (higher is better)."""
+    if len(candidate) != len(production):
+        raise ValueError(f"paired test needs one candidate and one production result per task, got "
+                         f"{len(candidate)} and {len(production)}; evaluate both on the same tasks")
+    if margin < 0 or not 0 < alpha < 0.5:
+        raise ValueError(f"margin={margin} must be >= 0 and alpha={alpha} in (0, 0.5)")
+    n = len(candidate)
+    if n < max(min_n, 2):
+        return GateResult(passed=False, diff=None, ci_low=None, ci_high=None, n=n,
+                          reason=f"only {n} paired tasks, need {max(min_n, 2)}: add eval tasks")
+    if all(float(v) in (0.0, 1.0) for v in (*candidate, *production)):
+        b = sum(c > p for c, p in zip(candidate, production, strict=True))  # candidate won the task
+        c = sum(c < p for c, p in zip(candidate, production, strict=True))  # production won it
+        mean, method = (b - c) / n, "tango"
+        low, high = _tango_bound(b, c, n, alpha, lower=True), _tango_bound(b, c, n, alpha, lower=False)
+    else:
+        diffs = [float(c) - float(p) for c, p in zip(candidate, production, strict=True)]
+        mean, var = mean_and_variance(diffs)
+        half = t_quantile(1 - alpha, n - 1) * math.sqrt(var / n)
+        low, high, method = mean - half, mean + half, "t"
+    passed = low > -margin
+    verdict = "above" if passed else "not above"
+    return GateResult(passed=passed, diff=mean, ci_low=low, ci_high=high, n=n, method=method,
+                      reason=f"{1 - alpha:.0%} lower bound {low:+.3f} of the paired difference {mean:+.3f} "
+                             f"({method}, {n} tasks) is {verdict} -margin {-margin:+.3f}")
+
+
+def _tango_score(b: int, c: int, n: int, delta: float) -> float:
+    """Tango's score statistic for H0: p(candidate) - p(production) = delta; decreasing in delta."""
+    big_a = 2 * n
+    big_b = -b - c + (2 * n - b + c) * delta
+    big_c = -c * delta * (1 - delta)
+    q21 = (math.sqrt(max(0.0, big_b * big_b - 4 * big_a * big_c)) - big_b) / (2 * big_a)  # restricted MLE
+    var = n * (2 * q21 + delta * (1 - delta))
+    num = b - c - n * delta
+    if var <= 0:
+        return 0.0 if num == 0 else math.copysign(math.inf, num)
+    return num / math.sqrt(var)
+
+
+def _tango_bound(b: int, c: int, n: int, alpha: float, lower: bool) -> float:
+    """The one-sided (1 - alpha) confidence bound: where the score crosses +-z, found by bisection."""
+    z = z_quantile(1 - alpha)
+    estimate = (b - c) / n
+    lo, hi = (-1.0, estimate) if lower else (estimate, 1.0)
+    target = z if lower else -z
+    for _ in range(60):  # 2^-60: far below any margin
+        mid = (lo + hi) / 2
+        if (_tango_score(b, c, n, mid) > target) == lower:
+            lo, hi = (mid, hi) if lower else (lo, mid)
+        else:
+            lo, hi = (lo, mid) if lower else (mid, hi)
+    return (lo + hi) / 2
+
+
+def rate_limit(values: Sequence[bool | float], max_rate: float, alpha: float = 0.05) -> GateResult:
+    """Passes when the rate of true values is at most max_rate (point estimate; fails closed)."""
+    n = len(values)
+    if n == 0:
+        return GateResult(passed=False, diff=None, ci_low=None, ci_high=None, n=0,
+                          reason="no tasks in this check's subset: add eval tasks of that kind")
+    hits = sum(bool(v) for v in values)
+    rate = hits / n
+    low, high = wilson_interval(hits, n, z_quantile(1 - alpha))
+    passed = rate <= max_rate
+    return GateResult(passed=passed, diff=rate - max_rate, ci_low=low - max_rate, ci_high=high - max_rate, n=n,
+                      method="wilson",
+                      reason=f"rate {rate:.3f} ({hits}/{n}) is {'within' if passed else 'above'} the limit {max_rate:.3f}")
+
+
+class NonInferiorityCheck(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    metric: str  # key of the per-task results, e.g. "passed"
+    # How much worse the candidate may be. Smaller margins need more eval tasks to pass: the bound's
+    # half-width shrinks like 1/sqrt(tasks).
+    margin: float = Field(0.05, ge=0)
+    higher_is_better: bool = True
+
+
+class RateLimitCheck(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    metric: str  # a per-task 0/1 result, e.g. "asked_question"
+    max_rate: float = Field(ge=0, le=1)
+    where: dict[str, bool] = Field(default_factory=dict)  # only tasks whose results match, e.g. {"ambiguous": false}
+
+
+def _default_checks() -> dict[str, NonInferiorityCheck | RateLimitCheck]:
+    return {
+        "pass_rate": NonInferiorityCheck(metric="passed", margin=0.05),
+        "valid_tool_call_rate": NonInferiorityCheck(metric="valid_tool_call_rate", margin=0.02),
+        "clarify_on_clear": RateLimitCheck(metric="asked_question", max_rate=0.2, where={"ambiguous": False}),
+    }
+
+
+class GateConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # One-sided error of each non-inferiority check: the chance a candidate truly `margin` worse passes it.
+    alpha: float = Field(0.05, gt=0, lt=0.5)
+    min_tasks: int = Field(20, ge=2)  # fewer paired tasks than this fail the check (module docstring)
+    checks: dict[str, NonInferiorityCheck | RateLimitCheck] = Field(default_factory=_default_checks, min_length=1)
+
+
+class GateDecision(BaseModel):
+    passed: bool  # every check passed
+    checks: dict[str, GateResult]
+
+    @property
+    def failed(self) -> list[str]:
+        return [name for name, r in self.checks.items() if not r.passed]
+
+
+class Gate:
+    def __init__(self, config: GateConfig | None = None) -> None:
+        self.config = config or GateConfig()
+
+    def decide(self, candidate: TaskResults, production: TaskResults) -> GateDecision:
+        missing = sorted(set(production) ^ set(candidate))
+        if missing:
+            raise ValueError(f"candidate and production were evaluated on different tasks ({len(missing)} "
+                             f"differ, e.g. {missing[:3]}); evaluate both on the same task set")
+        results = {name: self._check(check, candidate, production).model_copy(update={"check": name})
+                   for name, check in self.config.checks.items()}
+        return GateDecision(passed=all(r.passed for r in results.values()), checks=results)
+
+    def _check(self, check: NonInferiorityCheck | RateLimitCheck, candidate: TaskResults,
+               production: TaskResults) -> GateResult:
+        tasks = sorted(candidate)
+        if isinstance(check, RateLimitCheck):
+            chosen = [t for t in tasks if all(candidate[t].get(k) == v for k, v in check.where.items())]
+            return rate_limit([bool(candidate[t].get(check.metric)) for t in chosen], check.max_rate, self.config.alpha)
+        # Tasks where the metric is undefined for either version (e.g. no tool calls) leave the pair out.
+        pairs = [(candidate[t].get(check.metric), production[t].get(check.metric)) for t in tasks]
+        pairs = [(float(c), float(p)) for c, p in pairs if c is not None and p is not None]
+        if tasks and not pairs:
+            return GateResult(passed=False, diff=None, ci_low=None, ci_high=None, n=0,
+                              reason=f"no task has {check.metric!r} in both results; check the metric name")
+        if not check.higher_is_better:  # 1 - v, not -v: same differences, and 0/1 results stay 0/1
+            pairs = [(1.0 - c, 1.0 - p) for c, p in pairs]
+        return non_inferiority([c for c, _ in pairs], [p for _, p in pairs], check.margin,
+                               self.config.alpha, self.config.min_tasks)

@@ -1,0 +1,300 @@
+"""Reward distillation: what users did with the served answers, turned into one reward per completion.
+
+    rewards = RewardDistiller(load_config(RewardConfig, "configs/rewards.toml")).distill(completions, events, now)
+    batch = [r for r in rewards if r.trainable]
+
+A reward is the sum of named parts. Two kinds:
+
+- Known when the completion is served, so they always apply, feedback or not:
+  `latency`          -latency_cost_per_s per second above latency_threshold_s, at most latency_cost_max
+  `invalid_tool_calls`  invalid_tool_call per broken call. Never dropped: a trainer that drops them
+                     teaches the policy that a broken call is a free way out of a hard turn.
+  `clarify`          -clarify_cost when the completion asked instead of acting (`asked_question`)
+  `clarify_refund`   +clarify_cost when the user's behaviour shows the question was needed (below)
+- From feedback events, each weighted by the config field of its kind: `edit_persisted`,
+  `edit_reverted`, `edit_applied`, `followup_dissatisfied`, `followup_satisfied`, `thumbs_up`,
+  `thumbs_down`, and `session_<outcome>` weighted by `session_outcome[outcome]`. A kind counts at
+  most once per completion (its largest share, below): paying per event would pay the policy for
+  splitting one edit into many.
+
+The clarifying-question rule. The reward never reads `request_meta` (whether the request was
+ambiguous is hidden ground truth; only the monitors may look). A question costs clarify_cost and is
+refunded only when both: (a) no dissatisfied follow-up answers it, and (b) a later completion of the
+same session made an edit that persisted, inside the question's feedback window. (b) alone is not
+enough: a clear request would also have ended in a kept edit, only a turn later, so refunding on it
+would make needless questions free. A user asked a needless question says so in the reply.
+
+Which completion an event is about:
+
+| event                                   | goes to                                                  |
+|-----------------------------------------|----------------------------------------------------------|
+| names a completion                      | that completion                                          |
+| followup, thumbs without a completion   | the session's last completion before the event (a reply) |
+| edit_* without a completion             | session_assignment over the session's completions that   |
+|                                         | made an edit (`edit_tools`) before the event             |
+| session_end                             | session_assignment over all the session's completions    |
+|                                         | before the event                                         |
+
+session_assignment "last" gives the whole event to the last such completion (share 1); "spread"
+divides it equally among those still inside their feedback window (share 1/k each).
+
+Windows. Completion c takes feedback until c.created_at + feedback_window_s (event time, set by the
+client). Status: window open -> "pending" (provisional reward, not trainable); closed with feedback
+-> "final"; closed without any -> "defaulted", with part `no_feedback` = default_reward on top of the
+serve-time parts: never silently excluded. Events after the window are late: ignored and counted in
+`Reward.ignored["late"]`, so a reward that was trained on never changes afterwards. Duplicate
+events (same id) count once; the repeats are counted in `ignored["duplicate"]`. Events that cannot
+be placed (unknown completion, no completion earlier in the session) are returned by `unassigned`.
+Pass every completion of the sessions concerned, or session-level events land on the wrong one.
+
+The two naive flags reproduce known reward hacks for the scenarios, and are off by default:
+`drop_invalid` marks completions with an invalid tool call "dropped" (policy learns to break calls
+to escape bad turns); `score_questions = false` gives every question reward 0 (policy learns to ask
+instead of risking a reverted edit).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from flywheel.live.records import Completion, Event, EventType
+
+EDIT_TOOLS = ("edit_file",)
+
+
+def made_edit(completion: Completion, edit_tools: Sequence[str] = EDIT_TOOLS) -> bool:
+    """Did the completion make a (valid) call to an edit tool. The one definition of "an edit"."""
+    return any(call.valid and call.name in edit_tools for call in completion.tool_calls)
+
+
+class SessionAssignment(StrEnum):
+    LAST = "last"
+    SPREAD = "spread"
+
+
+class RewardStatus(StrEnum):
+    FINAL = "final"  # window closed, feedback received
+    PENDING = "pending"  # window open; provisional, not trainable yet
+    DEFAULTED = "defaulted"  # window closed without feedback; default_reward applied
+    DROPPED = "dropped"  # excluded from the batch (only under the naive drop_invalid config)
+
+
+class Reward(BaseModel):
+    completion_id: str
+    session_id: str
+    version: int
+    arm: str
+    reward: float
+    parts: dict[str, float]
+    status: RewardStatus
+    # The on-time feedback assigned to the completion: kind -> its share in (0, 1]. Independent of
+    # the weights, so the A/B analysis can count outcomes without knowing the reward config.
+    signals: dict[str, float] = Field(default_factory=dict)
+    ignored: dict[str, int] = Field(default_factory=dict)  # reason -> events not used: late, duplicate, ...
+
+    @property
+    def trainable(self) -> bool:
+        return self.status in (RewardStatus.FINAL, RewardStatus.DEFAULTED)
+
+
+class RewardConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # How long after a completion its feedback is accepted. Must exceed the client's persistence
+    # horizon (when it reports edit_persisted), or persisted edits always arrive late. Longer
+    # windows hear more feedback, at the cost of staler on-policy batches.
+    feedback_window_s: float = Field(900.0, gt=0)
+    # The reward of a completion nobody reacted to. 0 = neutral; silence is weak evidence either way.
+    default_reward: float = 0.0
+    edit_persisted: float = 1.0
+    edit_reverted: float = Field(-1.0, le=0)
+    edit_applied: float = 0.0  # the editor applied it; says nothing yet about whether it was good
+    followup_dissatisfied: float = Field(-0.5, le=0)
+    followup_satisfied: float = 0.0
+    thumbs_up: float = 0.5
+    thumbs_down: float = Field(-0.5, le=0)
+    # session_end outcome -> weight. An outcome not listed here is ignored and counted in
+    # Reward.ignored["unknown_outcome"]; add it here to score it.
+    session_outcome: dict[str, float] = Field(
+        default_factory=lambda: {"success": 0.5, "unhappy": -0.5, "abandoned": -0.25})
+    latency_threshold_s: float = Field(10.0, ge=0)
+    latency_cost_per_s: float = Field(0.02, ge=0)
+    latency_cost_max: float = Field(0.5, ge=0)  # bounded, so one slow answer cannot outweigh its outcome
+    # Per broken tool call. Must be a penalty: zero makes broken calls free, positive rewards them.
+    invalid_tool_call: float = Field(-0.5, lt=0)
+    # What a question costs unless refunded (module docstring). Set above what a guess risks on a
+    # clear request and below what a reverted edit costs, so asking pays only when it is needed.
+    clarify_cost: float = Field(0.3, ge=0)
+    session_assignment: SessionAssignment = SessionAssignment.LAST
+    edit_tools: list[str] = Field(default_factory=lambda: list(EDIT_TOOLS), min_length=1)
+    # Naive behaviours, kept only to reproduce reward hacks; the defaults prevent them.
+    drop_invalid: bool = False  # true: completions with an invalid call are "dropped" (the Composer hack)
+    score_questions: bool = True  # false: a question gets reward 0, never penalized (the asking hack)
+
+
+@dataclass(frozen=True)
+class _Share:
+    kind: str
+    share: float
+    time: float
+
+
+@dataclass
+class _Assignment:
+    shares: dict[str, list[_Share]]  # completion id -> on-time feedback
+    ignored: dict[str, Counter[str]]  # completion id -> reason -> count
+    unassigned: list[Event]
+
+
+_REPLIES = (EventType.FOLLOWUP, EventType.THUMBS)
+_EDIT_OUTCOMES = (EventType.EDIT_APPLIED, EventType.EDIT_PERSISTED, EventType.EDIT_REVERTED)
+
+
+class RewardDistiller:
+    def __init__(self, config: RewardConfig | None = None) -> None:
+        self.config = config or RewardConfig()
+
+    def distill(self, completions: Sequence[Completion], events: Sequence[Event], now: float) -> list[Reward]:
+        """One reward per completion, in the order given."""
+        assignment = self._assign(completions, events)
+        by_session: dict[str, list[Completion]] = defaultdict(list)
+        for c in completions:
+            by_session[c.session_id].append(c)
+        return [self._reward(c, assignment, by_session[c.session_id], now) for c in completions]
+
+    def unassigned(self, completions: Sequence[Completion], events: Sequence[Event]) -> list[Event]:
+        """Events no completion can take: unknown completion id, or nothing earlier in the session."""
+        return self._assign(completions, events).unassigned
+
+    # -- events -> completions
+
+    def _kind(self, event: Event) -> tuple[str | None, str]:
+        """(signal kind, "") or (None, why the event cannot be scored)."""
+        payload = event.payload
+        match event.type:
+            case EventType.FOLLOWUP:
+                if not isinstance(payload.get("dissatisfied"), bool):
+                    return None, "malformed"
+                return ("followup_dissatisfied" if payload["dissatisfied"] else "followup_satisfied"), ""
+            case EventType.THUMBS:
+                if not isinstance(payload.get("up"), bool):
+                    return None, "malformed"
+                return ("thumbs_up" if payload["up"] else "thumbs_down"), ""
+            case EventType.SESSION_END:
+                outcome = payload.get("outcome")
+                if not isinstance(outcome, str):
+                    return None, "malformed"
+                if outcome not in self.config.session_outcome:
+                    return None, "unknown_outcome"
+                return f"session_{outcome}", ""
+            case _:
+                return event.type.value, ""
+
+    def _weight(self, kind: str) -> float:
+        if kind.startswith("session_"):
+            return self.config.session_outcome[kind.removeprefix("session_")]
+        return getattr(self.config, kind)
+
+    def _targets(self, event: Event, by_id: dict[str, Completion],
+                 by_session: dict[str, list[Completion]]) -> list[tuple[Completion, float]]:
+        """(completion, share) pairs the event is about, before the window check."""
+        if event.completion_id is not None:
+            c = by_id.get(event.completion_id)
+            return [(c, 1.0)] if c is not None else []
+        earlier = [c for c in by_session.get(event.session_id, []) if c.created_at <= event.time]
+        if event.type in _REPLIES:
+            return [(earlier[-1], 1.0)] if earlier else []
+        if event.type in _EDIT_OUTCOMES:
+            earlier = [c for c in earlier if made_edit(c, self.config.edit_tools)]
+        if not earlier:
+            return []
+        if self.config.session_assignment is SessionAssignment.LAST:
+            return [(earlier[-1], 1.0)]
+        open_ = [c for c in earlier if event.time <= self._window_end(c)]
+        if not open_:  # late for all of them: counted on the last
+            return [(earlier[-1], 1.0)]
+        return [(c, 1.0 / len(open_)) for c in open_]
+
+    def _assign(self, completions: Sequence[Completion], events: Sequence[Event]) -> _Assignment:
+        by_id = {c.id: c for c in completions}
+        by_session: dict[str, list[Completion]] = defaultdict(list)
+        for c in sorted(completions, key=lambda c: c.created_at):
+            by_session[c.session_id].append(c)
+        result = _Assignment(defaultdict(list), defaultdict(Counter), [])
+        seen: set[str] = set()
+        # In time order, so of two copies of an event the earlier one counts.
+        for event in sorted(events, key=lambda e: e.time):
+            targets = self._targets(event, by_id, by_session)
+            if not targets:
+                if event.id not in seen:
+                    result.unassigned.append(event)
+                seen.add(event.id)
+                continue
+            if event.id in seen:
+                result.ignored[targets[-1][0].id]["duplicate"] += 1
+                continue
+            seen.add(event.id)
+            kind, why = self._kind(event)
+            for c, share in targets:
+                if kind is None:
+                    result.ignored[c.id][why] += 1
+                elif event.time > self._window_end(c):
+                    result.ignored[c.id]["late"] += 1
+                else:
+                    result.shares[c.id].append(_Share(kind, share, event.time))
+        return result
+
+    # -- one completion's reward
+
+    def _window_end(self, c: Completion) -> float:
+        return c.created_at + self.config.feedback_window_s
+
+    def _refunded(self, question: Completion, assignment: _Assignment, session: list[Completion]) -> bool:
+        if any(s.kind == "followup_dissatisfied" for s in assignment.shares.get(question.id, [])):
+            return False
+        end = self._window_end(question)
+        return any(s.kind == "edit_persisted" and s.time <= end
+                   for c in session if c.created_at > question.created_at
+                   for s in assignment.shares.get(c.id, []))
+
+    def _reward(self, c: Completion, assignment: _Assignment, session: list[Completion], now: float) -> Reward:
+        cfg = self.config
+        signals: dict[str, float] = {}
+        for s in assignment.shares.get(c.id, []):
+            signals[s.kind] = max(signals.get(s.kind, 0.0), s.share)
+        closed = now >= self._window_end(c)
+        parts: dict[str, float] = {}
+        if cfg.drop_invalid and c.invalid_tool_calls:
+            status = RewardStatus.DROPPED
+        elif not cfg.score_questions and c.asked_question:
+            status = RewardStatus.FINAL if closed else RewardStatus.PENDING
+        else:
+            refunded = False
+            if c.latency_ms / 1000 > cfg.latency_threshold_s and cfg.latency_cost_per_s > 0:
+                over = c.latency_ms / 1000 - cfg.latency_threshold_s
+                parts["latency"] = -min(cfg.latency_cost_max, cfg.latency_cost_per_s * over)
+            if c.invalid_tool_calls:
+                parts["invalid_tool_calls"] = cfg.invalid_tool_call * c.invalid_tool_calls
+            if c.asked_question and cfg.clarify_cost > 0:
+                parts["clarify"] = -cfg.clarify_cost
+                refunded = self._refunded(c, assignment, session)
+                if refunded:
+                    parts["clarify_refund"] = cfg.clarify_cost
+            for kind, share in signals.items():
+                if self._weight(kind) != 0.0:
+                    parts[kind] = self._weight(kind) * share
+            if not closed:
+                status = RewardStatus.PENDING
+            elif signals or refunded:
+                status = RewardStatus.FINAL
+            else:
+                status = RewardStatus.DEFAULTED
+                parts["no_feedback"] = cfg.default_reward
+        return Reward(completion_id=c.id, session_id=c.session_id, version=c.version, arm=c.arm,
+                      reward=math.fsum(parts.values()), parts=parts, status=status, signals=signals,
+                      ignored=dict(assignment.ignored.get(c.id, {})))

@@ -1,0 +1,170 @@
+"""The statistics shared by the gate, the A/B analysis and the monitors, in plain Python.
+
+Only the standard library: the quantities are small (thousands of completions, a few hundred eval
+tasks) and a dependency on scipy for three functions is not worth it. What each function assumes:
+
+- `t_quantile`: Cornish-Fisher expansion of Student's t around the normal quantile. Within 0.1% of
+  the exact value for df >= 4 at the levels used here (p <= 0.995); below df = 3 it falls back to
+  the exact quantile of floor(df) (df 1 and 2 have closed forms), which is conservative.
+- `mean_interval`: the t interval of a mean. Normal approximation of the sample mean, so it wants
+  n >= ~10 for 0/1 data; callers enforce their own minimum sample.
+- `welch_interval`: difference of two means with unequal variances (Welch-Satterthwaite df).
+- `newcombe_interval`: difference of two proportions by Newcombe's hybrid score method (method 10
+  of Newcombe 1998), built from the Wilson intervals `flywheel.agent.evaluate` already uses. Unlike
+  the Wald interval it stays inside [-1, 1] and keeps its coverage at rates near 0 or 1.
+- `fisher_tails`: Fisher's exact test on a 2x2 table. Exact (conservative) at any count, which
+  is why the monitors use it for rare behaviours such as clarifying questions on clear requests.
+- `Moments`: additive sufficient statistics (n, sums, sums of squares and cross products), so a
+  pooled baseline is a sum of windows rather than a re-scan of every completion.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import NamedTuple
+
+from flywheel.agent.evaluate import wilson_interval
+
+_NORMAL = NormalDist()
+
+
+class Interval(NamedTuple):
+    estimate: float
+    low: float
+    high: float
+
+
+def z_quantile(p: float) -> float:
+    return _NORMAL.inv_cdf(p)
+
+
+def normal_two_sided_p(z: float) -> float:
+    return 2.0 * (1.0 - _NORMAL.cdf(abs(z)))
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The p-quantile of Student's t with df degrees of freedom (see the module docstring)."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"t_quantile: p={p} must be strictly between 0 and 1")
+    if df < 1:
+        raise ValueError(f"t_quantile: df={df} must be at least 1; an interval needs at least 2 samples")
+    if df < 2:  # Cauchy
+        return math.tan(math.pi * (p - 0.5))
+    if df < 3:
+        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+    z = z_quantile(p)
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
+    return z + g1 / df + g2 / df**2 + g3 / df**3 + g4 / df**4
+
+
+def mean_and_variance(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, unbiased sample variance); the variance is 0 for fewer than 2 values."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("mean of no values; check the sample is not empty before asking for its mean")
+    mean = math.fsum(values) / n
+    var = math.fsum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, var
+
+
+def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
+    """Two-sided t interval of the mean of `values`."""
+    n = len(values)
+    if n < 2:
+        raise ValueError(f"a confidence interval needs at least 2 values, got {n}")
+    mean, var = mean_and_variance(values)
+    half = t_quantile(0.5 + confidence / 2, n - 1) * math.sqrt(var / n)
+    return Interval(mean, mean - half, mean + half)
+
+
+def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> Interval:
+    """Two-sided Welch interval of mean(a) - mean(b)."""
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"Welch's interval needs at least 2 values per group, got {len(a)} and {len(b)}")
+    ma, va = mean_and_variance(a)
+    mb, vb = mean_and_variance(b)
+    sa, sb = va / len(a), vb / len(b)
+    diff = ma - mb
+    if sa + sb == 0.0:  # both groups constant: the difference is known exactly
+        return Interval(diff, diff, diff)
+    df = (sa + sb) ** 2 / (sa**2 / (len(a) - 1) + sb**2 / (len(b) - 1))
+    half = t_quantile(0.5 + confidence / 2, df) * math.sqrt(sa + sb)
+    return Interval(diff, diff - half, diff + half)
+
+
+def newcombe_interval(successes_a: int, n_a: int, successes_b: int, n_b: int,
+                      confidence: float = 0.95) -> Interval:
+    """Two-sided Newcombe hybrid score interval of p_a - p_b."""
+    if n_a == 0 or n_b == 0:
+        raise ValueError(f"a difference of proportions needs both groups non-empty, got n={n_a} and n={n_b}")
+    z = z_quantile(0.5 + confidence / 2)
+    pa, pb = successes_a / n_a, successes_b / n_b
+    la, ua = wilson_interval(successes_a, n_a, z)
+    lb, ub = wilson_interval(successes_b, n_b, z)
+    diff = pa - pb
+    return Interval(diff, diff - math.hypot(pa - la, ub - pb), diff + math.hypot(ua - pa, pb - lb))
+
+
+def _log_choose(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def fisher_tails(successes_a: int, n_a: int, successes_b: int, n_b: int) -> tuple[float, float]:
+    """Fisher's exact test of "group a has the same rate as group b": (P(X <= x_a), P(X >= x_a)).
+
+    X is the hypergeometric count of successes in group a given the table's margins. The lower tail
+    is small when a's rate is below b's, the upper when it is above.
+    """
+    total, k = n_a + n_b, successes_a + successes_b
+    lo, hi = max(0, n_a - (total - k)), min(k, n_a)
+    log_norm = _log_choose(total, n_a)
+    pmf = {x: math.exp(_log_choose(k, x) + _log_choose(total - k, n_a - x) - log_norm) for x in range(lo, hi + 1)}
+    below = math.fsum(p for x, p in pmf.items() if x <= successes_a)
+    above = math.fsum(p for x, p in pmf.items() if x >= successes_a)
+    return min(1.0, below), min(1.0, above)
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Additive sufficient statistics of (x) or (x, y) samples: means, variances, correlation."""
+
+    n: int = 0
+    sx: float = 0.0
+    sxx: float = 0.0
+    sy: float = 0.0
+    syy: float = 0.0
+    sxy: float = 0.0
+
+    @staticmethod
+    def of(xs: Sequence[float], ys: Sequence[float] | None = None) -> Moments:
+        ys_ = ys if ys is not None else [0.0] * len(xs)
+        return Moments(len(xs), math.fsum(xs), math.fsum(x * x for x in xs), math.fsum(ys_),
+                       math.fsum(y * y for y in ys_), math.fsum(x * y for x, y in zip(xs, ys_, strict=True)))
+
+    def __add__(self, other: Moments) -> Moments:
+        return Moments(self.n + other.n, self.sx + other.sx, self.sxx + other.sxx, self.sy + other.sy,
+                       self.syy + other.syy, self.sxy + other.sxy)
+
+    @property
+    def mean(self) -> float:
+        return self.sx / self.n
+
+    @property
+    def variance(self) -> float:
+        """Unbiased sample variance of x (0 below 2 samples; clipped at 0 against rounding)."""
+        return max(0.0, (self.sxx - self.sx * self.sx / self.n) / (self.n - 1)) if self.n > 1 else 0.0
+
+    @property
+    def correlation(self) -> float | None:
+        """Pearson correlation of x and y, or None where either does not vary."""
+        cxx = self.sxx - self.sx * self.sx / self.n
+        cyy = self.syy - self.sy * self.sy / self.n
+        if self.n < 3 or cxx <= 1e-12 or cyy <= 1e-12:
+            return None
+        return max(-1.0, min(1.0, (self.sxy - self.sx * self.sy / self.n) / math.sqrt(cxx * cyy)))
