@@ -7,6 +7,7 @@
     flywheel bootstrap    [--config configs/bootstrap.toml] [--set sft.epochs=1]
     flywheel eval         --checkpoint production --split eval --json
     flywheel registry list|show|promote [V] [--alias production] [--root runs/registry]
+    flywheel serve        [--config configs/serve.toml] [--set port=8001]
 
 Subcommands are added as stages land; each reads a typed config (TOML + `--set` overrides).
 """
@@ -188,6 +189,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+
+    from flywheel.live.server import LiveServer, ServeConfig, run_forever  # noqa: PLC0415
+
+    config = load_config(ServeConfig, args.config, args.set)
+    # The keys stay out of the run folder: only how many there are and their scopes are written.
+    write_resolved(config.model_copy(update={"keys": {f"<key {i}>": v for i, v in enumerate(config.keys.values())}}),
+                   config.run_dir)
+    torch.set_num_threads(config.threads)
+    server = LiveServer.from_config(config)
+    d = server.deployment
+    candidate = f", candidate v{d.candidate} for {d.candidate_fraction:.0%} of sessions" if d.candidate is not None else ""
+    print(f"serving production v{d.production}{candidate} on http://{config.host}:{config.port}/v1 "
+          f"(store {config.store_path})", flush=True)
+    run_forever(server)
+    return 0
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
     """`--config FILE` and repeated `--set key.sub=value`, for commands that read a typed config."""
     parser.add_argument("--config", default=None, help=f"a TOML file, e.g. {example}")
@@ -236,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--root", default="runs/registry", help="the registry folder")
     ev.add_argument("--json", action="store_true", help="print the report as JSON")
     ev.set_defaults(func=cmd_eval)
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible server with A/B routing and the events endpoint")
+    add_config_arguments(serve, "configs/serve.toml")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

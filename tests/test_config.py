@@ -8,11 +8,20 @@ import pytest
 
 from flywheel.cli import DemoConfig
 from flywheel.config import ConfigError, load_config, parse_override, write_resolved
+from flywheel.live.rewards import RewardConfig
+from flywheel.live.server import ServeConfig
 from flywheel.rl.bootstrap import BootstrapConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Which model reads which file: a new config file must be added here, or this test fails.
-MODELS = {"demo.toml": DemoConfig, "bootstrap.toml": BootstrapConfig}
+MODELS = {
+    "demo.toml": DemoConfig,
+    "bootstrap.toml": BootstrapConfig,
+    "rewards.toml": RewardConfig,
+    "rewards_naive_drop_invalid.toml": RewardConfig,
+    "rewards_naive_edits_only.toml": RewardConfig,
+    "serve.toml": ServeConfig,
+}
 
 
 def test_every_config_file_parses():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flywheel.env.tools import TOOL_SCHEMAS, ToolCall, validate_arguments
@@ -114,6 +114,15 @@ def render_tool_results(contents: Sequence[str]) -> str:
 def render_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = False) -> str:
     """The same text as CHAT_TEMPLATE, in Python (tests check the two agree)."""
+    return "".join(render_turns(messages, tools, add_generation_prompt))
+
+
+def render_turns(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                 add_generation_prompt: bool = False) -> list[str]:
+    """`render_messages` as its turns: each piece starts with <|im_start|>, and they join to the whole.
+
+    Because a tokenizer splits on special tokens before anything else, the pieces can be tokenized
+    one by one (and cached: the server tokenizes the long tools prompt once) with the same ids."""
     out = []
     i = 0
     if messages and messages[0]["role"] == "system":
@@ -139,14 +148,17 @@ def render_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str
         i += 1
     if add_generation_prompt:
         out.append(GENERATION_PROMPT)
-    return "".join(out)
+    return out
 
 
 _CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)
 
 
-def parse_assistant(text: str, call_id_prefix: str = "call") -> tuple[str, list[ToolCall]]:
-    """Split generated assistant text into its prose and its tool calls (valid or not)."""
+def parse_assistant(text: str, call_id_prefix: str = "call",
+                    schemas: Mapping[str, dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
+    """Split generated assistant text into its prose and its tool calls (valid or not).
+
+    Calls are validated against `schemas` (by name), by default the agent's own tools."""
     text = text.removesuffix(IM_END)
     calls = []
     for i, match in enumerate(_CALL_RE.finditer(text)):
@@ -155,13 +167,13 @@ def parse_assistant(text: str, call_id_prefix: str = "call") -> tuple[str, list[
         if not closed:
             calls.append(ToolCall(call_id, "?", {}, error="unclosed <tool_call> tag"))
             continue
-        calls.append(parse_call(body, call_id))
+        calls.append(parse_call(body, call_id, schemas))
     first = text.find(TOOL_CALL_OPEN)
     content = (text if first < 0 else text[:first]).rstrip("\n")
     return content, calls
 
 
-def parse_call(body: str, call_id: str) -> ToolCall:
+def parse_call(body: str, call_id: str, schemas: Mapping[str, dict[str, Any]] | None = None) -> ToolCall:
     try:
         payload = json.loads(body)
     except json.JSONDecodeError as exc:
@@ -174,7 +186,7 @@ def parse_call(body: str, call_id: str) -> ToolCall:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             return ToolCall(call_id, name, {}, error="arguments is a string that is not JSON")
-    error = validate_arguments(name, arguments)
+    error = validate_arguments(name, arguments, schemas)
     return ToolCall(call_id, name, arguments if isinstance(arguments, dict) else {}, error=error)
 
 

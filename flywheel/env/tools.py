@@ -24,7 +24,7 @@ import subprocess
 import sysconfig
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,25 +113,39 @@ TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
     ]
 }
 
-_JSON_TYPES: dict[str, type | tuple[type, ...]] = {"string": str, "integer": int, "object": dict, "boolean": bool}
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str, "integer": int, "number": (int, float), "object": dict, "boolean": bool, "array": list,
+    "null": type(None),
+}
 
 
-def validate_arguments(name: str, arguments: Any) -> str | None:
-    """The reason a call's arguments do not fit its tool's schema, or None when they do."""
-    if name not in TOOL_SCHEMAS:
-        return f"unknown tool {name!r}; the tools are: {', '.join(TOOL_SCHEMAS)}"
+def validate_arguments(name: str, arguments: Any, schemas: Mapping[str, dict[str, Any]] | None = None) -> str | None:
+    """The reason a call's arguments do not fit its tool's schema, or None when they do.
+
+    `schemas` (OpenAI function-calling form, by name) defaults to the agent's own tools; the server
+    passes the tools a request declared. Checked: required arguments, the JSON type of each argument
+    that declares one, and unknown arguments where `additionalProperties` is false (ours all are).
+    """
+    schemas = TOOL_SCHEMAS if schemas is None else schemas
+    if name not in schemas:
+        return f"unknown tool {name!r}; the tools are: {', '.join(schemas) or '(none declared)'}"
     if not isinstance(arguments, dict):
         return f"arguments of {name} must be a JSON object, got {type(arguments).__name__}"
-    params = TOOL_SCHEMAS[name]["function"]["parameters"]
-    missing = [k for k in params["required"] if k not in arguments]
+    params = schemas[name]["function"].get("parameters") or {}
+    properties = params.get("properties") or {}
+    missing = [k for k in params.get("required", []) if k not in arguments]
     if missing:
         return f"{name} is missing required argument(s): {', '.join(missing)}"
     for key, value in arguments.items():
-        spec = params["properties"].get(key)
+        spec = properties.get(key)
         if spec is None:
-            return f"{name} has no argument {key!r}; it takes: {', '.join(params['properties'])}"
-        expected = _JSON_TYPES[spec["type"]]
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            if params.get("additionalProperties", True) is False:
+                return f"{name} has no argument {key!r}; it takes: {', '.join(properties)}"
+            continue
+        expected = _JSON_TYPES.get(spec.get("type")) if isinstance(spec, dict) and isinstance(spec.get("type"), str) else None
+        if expected is None:  # no type, a union of types, or a keyword we do not check
+            continue
+        if not isinstance(value, expected) or (expected in (int, (int, float)) and isinstance(value, bool)):
             return f"argument {key!r} of {name} must be a {spec['type']}, got {type(value).__name__}"
     return None
 

@@ -1,0 +1,252 @@
+"""Live-server benchmark: event ingestion through the SDK against raw SQLite, and the server's overhead per completion.
+
+    python bench/live.py                        # full run (~1-2 min on 2 idle cores, plus the server's start)
+    python bench/live.py --events 50000         # quicker
+
+Prints one JSON object on stdout; progress goes to stderr.
+
+Events: `flywheel serve` runs as its own process (as deployed) on a registry holding one
+default-size model; the benchmark pre-stores completions, then emits `--events` feedback events
+naming them through `EventClient` (batches of `--batch`) and times from the first emit until
+`flush` returns, i.e. until the server has acknowledged every event after its durable commit
+(synchronous FULL, as configured). The baseline inserts the same events straight into a fresh
+SQLite file with the same schema, the same batch size and the same synchronous setting:
+`events_vs_raw_sqlite` is the share of raw SQLite's rate the whole path (SDK, HTTP, JSON,
+validation, completion lookup, commit) keeps. Target: events_per_s >= 20,000 on a 2-core VM.
+
+Overhead: a LiveServer in this process; each sample is one completion through HTTP (keep-alive,
+the body the openai client sends) and one straight `submit` to the very engine the server uses,
+same prompt, greedy, same length, alternating. `server_overhead_ms` is the difference of each pair;
+`server_overhead_same_request_ms` subtracts the engine time the server measured for that very
+request, which is immune to the engine's own variance. Target: p50 <= 5 ms. The figures include
+the load of whatever else runs on the machine (`load_average` is reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import torch
+
+from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
+from flywheel.client import EventClient
+from flywheel.env.families import generate
+from flywheel.live.records import Completion
+from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.store import SCHEMA, LiveStore
+from flywheel.model.engine import SamplingParams
+from flywheel.model.factory import ModelConfig, build_model
+from flywheel.model.registry import PRODUCTION, Registry
+from flywheel.model.tokenizer import train_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+KEYS = {"bench-key": ["inference", "events", "admin"]}
+FAMILIES = ("bugfix", "implement", "crossfile", "ambiguous")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def percentiles(ms: list[float]) -> tuple[float, float]:
+    s = sorted(ms)
+    return round(s[len(s) // 2], 3), round(s[min(len(s) - 1, int(0.99 * len(s)))], 3)
+
+
+def conversations(n: int) -> list[list[dict]]:
+    """First turns of real tasks: system prompt and the task's instruction."""
+    tasks = [t for family in FAMILIES for t in generate(family, "train", n, seed=0)]
+    return [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": t.instruction}] for t in tasks]
+
+
+def build_registry(root: Path, chats: list[list[dict]]) -> None:
+    tokenizer = train_tokenizer([render_messages(c, tool_schemas()) for c in chats], vocab_size=2048)
+    Registry(root).register(build_model(ModelConfig(), tokenizer), tokenizer, aliases=[PRODUCTION])
+
+
+def make_events(n: int, completions: list[Completion], seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    kinds = [("edit_applied", {}), ("edit_persisted", {}), ("followup", {"dissatisfied": True}),
+             ("followup", {"dissatisfied": False}), ("thumbs", {"up": True})]
+    out = []
+    for i in range(n):
+        c = completions[rng.randrange(len(completions))]
+        kind, payload = kinds[i % len(kinds)]
+        out.append({"id": f"ev-{seed}-{i}", "type": kind, "session_id": c.session_id, "completion_id": c.id,
+                    "time": 1e9 + i, "payload": payload})
+    return out
+
+
+def bench_raw_sqlite(path: Path, events: list[dict], batch: int) -> float:
+    """Events/s inserting straight into SQLite: same schema, batch size and synchronous setting."""
+    db = sqlite3.connect(str(path), isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    for statement in SCHEMA:
+        db.execute(statement)
+    t0 = time.perf_counter()
+    for start in range(0, len(events), batch):
+        db.execute("BEGIN IMMEDIATE")
+        db.executemany(
+            "INSERT OR IGNORE INTO events (id, type, session_id, completion_id, time, received_at, payload) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(e["id"], e["type"], e["session_id"], e["completion_id"], e["time"], time.time(), json.dumps(e["payload"]))
+             for e in events[start : start + batch]])
+        db.execute("COMMIT")
+    elapsed = time.perf_counter() - t0
+    db.close()
+    return len(events) / elapsed
+
+
+def bench_events(registry_root: Path, run_dir: Path, n: int, batch: int, threads: int) -> dict:
+    completions = [Completion(id=f"c{i}", session_id=f"s{i % 200}", user_id="u", version=0, prompt_ids=[1],
+                              completion_ids=[2], logprobs=[-0.1], latency_ms=1.0, created_at=1e9) for i in range(1000)]
+    with LiveStore(run_dir / "live.sqlite") as store:
+        for c in completions:
+            store.add_completion(c)
+    port = free_port()
+    cmd = [sys.executable, "-m", "flywheel.cli", "serve", "--config", str(REPO / "configs" / "serve.toml"),
+           "--set", f"registry_root={json.dumps(str(registry_root))}", "--set", f"run_dir={json.dumps(str(run_dir))}",
+           "--set", f"port={port}", "--set", f"threads={threads}", "--set", f"max_events_per_batch={max(batch, 5000)}"]
+    log("events: starting `flywheel serve` ...")
+    server = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, server)
+        events = make_events(n, completions, seed=1)
+        log(f"events: {n} through the SDK in batches of {batch} ...")
+        client = EventClient(url, "dev-events-key", batch_size=batch, flush_interval_s=0.02, max_queue=n + 1)
+        t0 = time.perf_counter()
+        for e in events:
+            client.emit(e["type"], e["session_id"], e["completion_id"], e["payload"], event_id=e["id"], at=e["time"])
+        emit_s = time.perf_counter() - t0
+        if not client.flush(timeout_s=600):
+            raise RuntimeError(f"events not acknowledged within 600 s: {client.stats}")
+        elapsed = time.perf_counter() - t0
+        stats = client.stats
+        client.close()
+    finally:
+        server.terminate()
+        server.wait(30)
+    if stats.accepted != n:
+        raise RuntimeError(f"only {stats.accepted} of {n} events accepted: {stats}; {client.last_error}")
+    with LiveStore(run_dir / "live.sqlite") as store:
+        stored = store.count_events()
+    log("events: the same events straight into SQLite ...")
+    raw = bench_raw_sqlite(run_dir / "raw.sqlite", make_events(n, completions, seed=2), batch)
+    sdk = n / elapsed
+    return {"events_per_s": round(sdk), "raw_sqlite_events_per_s": round(raw), "events_vs_raw_sqlite": round(sdk / raw, 3),
+            "target_events_per_s": 20000, "emit_us_per_event": round(emit_s / n * 1e6, 2), "events": n,
+            "batch": batch, "stored": stored, "retries": stats.retries, "dropped": stats.dropped}
+
+
+def bench_overhead(registry_root: Path, run_dir: Path, requests: int, max_tokens: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    config = ServeConfig(registry_root=registry_root, run_dir=run_dir, keys=KEYS, candidate_fraction=0.0, threads=threads)
+    server = LiveServer.from_config(config)
+    chats = conversations(2)
+    engine = server.router.engine(server.deployment.production)
+    tokenizer = server.router.tokenizer(server.deployment.production)
+    stop = (tokenizer.convert_tokens_to_ids(IM_END),)
+    pairs, same_request, engine_ms, server_ms, openai_ms = [], [], [], [], []
+    with serve_in_thread(server) as running, httpx.Client(base_url=running.url, timeout=60,
+                                                           headers={"authorization": "Bearer bench-key"}) as http:
+        api = openai.OpenAI(base_url=f"{running.url}/v1", api_key="bench-key", max_retries=0)
+        log(f"overhead: {requests} completions through the server and straight to the engine ...")
+        for i in range(requests + 5):  # the first 5 warm up
+            chat = chats[i % len(chats)]
+            body = json.dumps({"model": "flywheel", "messages": chat, "tools": tool_schemas(), "max_tokens": max_tokens,
+                               "temperature": 0})
+            prompt = tokenizer(render_messages(chat, tool_schemas(), add_generation_prompt=True),
+                               add_special_tokens=False)["input_ids"]
+            t0 = time.perf_counter()
+            alone = engine.submit(prompt, SamplingParams(0.0, 1.0, max_tokens, stop)).result()
+            e = (time.perf_counter() - t0) * 1000
+            t0 = time.perf_counter()
+            response = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+            s = (time.perf_counter() - t0) * 1000
+            t0 = time.perf_counter()
+            api.chat.completions.create(model="flywheel", messages=chat, tools=tool_schemas(), max_tokens=max_tokens,
+                                        temperature=0)
+            o = (time.perf_counter() - t0) * 1000
+            result = response.json()
+            if result["usage"]["completion_tokens"] != len(alone.token_ids):
+                raise RuntimeError("the server and the engine alone generated different lengths; the comparison is void")
+            if i >= 5:
+                engine_ms.append(e)
+                server_ms.append(s)
+                openai_ms.append(o)
+                pairs.append(s - e)
+                same_request.append(s - result["flywheel"]["engine_ms"])
+    server.close()
+    (p50, p99), (sp50, sp99) = percentiles(pairs), percentiles(same_request)
+    return {"server_overhead_ms_p50": p50, "server_overhead_ms_p99": p99, "target_server_overhead_ms_p50": 5.0,
+            "server_overhead_same_request_ms_p50": sp50, "server_overhead_same_request_ms_p99": sp99,
+            "engine_alone_ms_p50": percentiles(engine_ms)[0], "through_server_ms_p50": percentiles(server_ms)[0],
+            "through_openai_client_ms_p50": percentiles(openai_ms)[0], "requests": requests, "max_tokens": max_tokens,
+            "prompt_tokens_mean": round(sum(len(tokenizer(render_messages(c, tool_schemas(), add_generation_prompt=True),
+                                                          add_special_tokens=False)["input_ids"]) for c in chats) / len(chats))}
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`flywheel serve` exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"`flywheel serve` not healthy within {timeout_s} s")
+
+
+def free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=200_000)
+    parser.add_argument("--batch", type=int, default=1000, help="events per SDK batch (and per raw SQLite transaction)")
+    parser.add_argument("--requests", type=int, default=200, help="completion pairs for the overhead")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the server's event loop needs the other core)")
+    parser.add_argument("--only", choices=["events", "overhead"], help="run one half")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="flywheel-bench-live-") as tmp:
+        root = Path(tmp)
+        log("building a registry with one default-size model ...")
+        build_registry(root / "registry", conversations(6))
+        events = overhead = {}
+        if args.only != "overhead":
+            events = bench_events(root / "registry", root / "events", args.events, args.batch, args.threads)
+        if args.only != "events":
+            overhead = bench_overhead(root / "registry", root / "overhead", args.requests, args.max_tokens, args.threads)
+    report = {**{k: events[k] for k in ("events_per_s", "events_vs_raw_sqlite") if k in events},
+              **{k: overhead[k] for k in ("server_overhead_ms_p50", "server_overhead_ms_p99") if k in overhead},
+              "events": events, "overhead": overhead,
+              "settings": {"synchronous": "FULL", "threads": args.threads, "cpus": os.cpu_count(),
+                           "load_average": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__},
+              "total_s": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,763 @@
+"""The live server: the policy behind an OpenAI-compatible API, and the endpoint users' reactions come back to.
+
+    flywheel serve --config configs/serve.toml          # or, in-process: serve_in_thread(LiveServer(...))
+
+    POST /v1/chat/completions  [inference] ──Router: session ──> arm, version ──> that version's Engine
+                                            ──> parse tool calls ──> LiveStore.add_completion ──> response (id = completion id)
+    GET  /v1/models            [inference]  the routed name and every served version
+    POST /v1/events            [events]     a batch; per event accepted | duplicate | rejected (reason); 200 only after commit
+    GET|POST /v1/admin/deployment [admin]   read or change production / candidate / candidate_fraction
+    POST /v1/admin/deployment/sync [admin]  re-read the Registry's aliases (after `flywheel registry promote`)
+    GET  /health                            no key needed
+
+Keys: `Authorization: Bearer KEY`; each key has scopes (`inference`, `events`, `admin`) from the
+config's `[keys]` table. No or unknown key: 401; a key without the endpoint's scope: 403. Errors are
+JSON in OpenAI's shape `{"error": {"message", "type", "code", "param"}}`, always 4xx for a bad
+request (too large: 413; not JSON or not the schema: 400), never 500.
+
+Who is asking: the session id comes from the `X-Session-Id` header, else a `session_id` body field
+(`extra_body={"session_id": ...}` in the openai client), else `metadata["session_id"]`; a request
+without one gets a fresh id (so it is routed at random) returned in the response. The user id is the
+OpenAI `user` field, else `X-User-Id`, else `metadata["user_id"]`. The rest of `metadata` is kept as
+the completion's `request_meta` (task family, ambiguous: what the monitors group by). Sessions are
+routed by the current `Deployment` (sticky A/B split, see flywheel/live/deploy.py); a request whose
+`model` is a served version ("v3") is pinned to it and recorded with arm `pinned`.
+
+Every completion is committed to the LiveStore before its response is sent, and the response's `id`
+is the completion's id: the id clients put in their events. Responses also carry a `flywheel` field
+(version, arm, session_id) that strict clients ignore.
+
+Departures from OpenAI's API, each refused with a 400 that says so rather than silently ignored:
+`n` > 1, `stop` sequences (the model ends its turn with <|im_end|>), `tool_choice` other than
+"auto"/"none", `response_format` other than text, images. `top_logprobs` lists are empty (the engine
+returns the sampled token's logprob only). Other sampling knobs (penalties, seed) are ignored.
+Streaming sends server-sent events in OpenAI's chunk format, but the chunks are cut from the whole
+answer: the Engine protocol has no per-token callback, so the first byte arrives when the last token
+is generated. A tool call the model wrote badly is still returned in `tool_calls` (name "?" when it
+could not be read) with an extra `error` field, and recorded as invalid: a client answers it with
+the error, as the episode runner does, and nothing is dropped.
+
+The prompt is rendered from the messages with the chat template on every request (the API is
+stateless); the Completion stores exactly the prompt ids the engine saw, so the Learner trains on
+the tokens that were served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flywheel.agent.chat import IM_END, IM_START, parse_assistant, render_turns
+from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
+from flywheel.live.records import Completion, CompletionToolCall, Event
+from flywheel.live.store import Ingest, LiveStore
+from flywheel.model.engine import EngineConfig, EngineError, LocalEngine, SamplingParams
+from flywheel.model.registry import CANDIDATE, Registry
+
+log = logging.getLogger(__name__)
+
+Scope = Literal["inference", "events", "admin"]
+SCOPES: tuple[Scope, ...] = ("inference", "events", "admin")
+_MAX_ID_CHARS = 200
+_VERSION_NAME = re.compile(r"v(\d+)")
+
+
+class ServeConfig(BaseModel):
+    """`flywheel serve`: where the models and the live data are, who may call, and the request limits."""
+
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
+    registry_root: Path = Path("runs/registry")
+    run_dir: Path = Path("runs/live")  # live.sqlite (completions, events, deployments) and config.json
+    model_name: str = "flywheel"  # the name clients pass as `model` to be routed by the deployment
+    # API key -> scopes. The repo's serve.toml holds development keys only; a real deployment writes
+    # its own file (keys are compared by SHA-256 digest, never logged, and left out of config.json).
+    keys: dict[str, list[Scope]] = Field(default_factory=dict)
+    # Share of sessions routed to the Registry's `candidate` at start, unless the live store recorded
+    # a later choice for that same candidate (then that choice stands).
+    candidate_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)  # larger requests get 413
+    max_events_per_batch: int = Field(default=5000, ge=1)  # larger batches get 413; the SDK splits and resends
+    default_max_tokens: int = Field(default=256, ge=1)
+    max_tokens_limit: int = Field(default=2048, ge=1)  # a request asking for more gets 400
+    max_context_tokens: int = Field(default=8192, ge=16)  # prompt + max_tokens; the model's position limit
+    # FULL fsyncs each commit: an acknowledged event survives power loss. NORMAL survives a crash of
+    # the server only and saves about 1 ms per committed batch.
+    synchronous: Literal["NORMAL", "FULL"] = "FULL"
+    # Completions: NORMAL keeps an fsync (1-5 ms) off every response; a completion is still committed
+    # before its response is sent, so a crash of the server never loses one a client holds the id of.
+    completions_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    require_known_completion: bool = True  # refuse events naming a completion this store never served
+    threads: int = Field(default=2, ge=1)  # torch threads for the engines
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @field_validator("keys")
+    @classmethod
+    def _keys(cls, keys: dict[str, list[Scope]]) -> dict[str, list[Scope]]:
+        for key, scopes in keys.items():
+            if not key.strip():
+                raise ValueError("an API key is empty; use a long random string, e.g. `python -c 'import secrets; "
+                                 "print(secrets.token_urlsafe(24))'`")
+            if not scopes:
+                raise ValueError(f"a key has no scopes; give it some of {list(SCOPES)}")
+        return keys
+
+    @model_validator(mode="after")
+    def _limits(self) -> ServeConfig:
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens {self.default_max_tokens} exceeds max_tokens_limit "
+                             f"{self.max_tokens_limit}; lower the first or raise the second")
+        return self
+
+    @property
+    def store_path(self) -> Path:
+        return self.run_dir / "live.sqlite"
+
+
+# ---- the request schema (OpenAI's chat completions, the parts we serve)
+
+
+class ApiError(Exception):
+    """An error response: status, OpenAI error type and a message that says the fix."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "code": self.code,
+                                       "param": self.param}}, status_code=self.status)
+
+
+class _TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class _Function(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class _MessageToolCall(BaseModel):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: _Function
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+    tool_calls: list[_MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The dict `render_messages` takes (developer is OpenAI's newer name for system)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return message
+
+    @model_validator(mode="after")
+    def _content(self) -> ChatMessage:
+        if self.role != "assistant" and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+
+class _FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        if parameters is None:
+            return None
+        properties = parameters.get("properties", {})
+        if not isinstance(properties, dict) or not all(isinstance(v, dict) for v in properties.values()):
+            raise ValueError("parameters.properties must be an object of JSON schemas")
+        required = parameters.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError("parameters.required must be a list of argument names")
+        return parameters
+
+
+class _ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: _FunctionSpec
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # other OpenAI fields (penalties, seed, ...) are accepted and ignored
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    # Kept as sent, so the system prompt renders them byte for byte as the client wrote them.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    n: int | None = Field(default=1, ge=1, le=1)
+    stop: str | list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    user: str | None = Field(default=None, max_length=_MAX_ID_CHARS)
+    metadata: dict[str, Any] | None = None
+    session_id: str | None = Field(default=None, max_length=_MAX_ID_CHARS)  # extra_body
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(tools or []):
+            try:
+                _ToolSpec.model_validate(tool)
+            except ValidationError as exc:
+                raise ValueError(f"tools[{i}] is not {{'type': 'function', 'function': {{'name', 'parameters'}}}}: "
+                                 f"{_first_error(exc)}") from None
+        return tools
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop: str | list[str] | None) -> None:
+        if stop:
+            raise ValueError("stop sequences are not supported: the model ends its turn with <|im_end|>; leave stop unset")
+        return None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return fmt
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors(include_url=False)[0]
+    where = ".".join(str(p) for p in err["loc"])
+    return f"{where}: {err['msg']}" if where else err["msg"]
+
+
+def _errors(exc: ValidationError, limit: int = 3) -> str:
+    parts = []
+    for err in exc.errors(include_url=False)[:limit]:
+        where = ".".join(str(p) for p in err["loc"])
+        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
+    more = exc.error_count() - limit
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+# ---- the server
+
+
+class LiveServer:
+    """The server's state: the Router (deployment + engines), the LiveStore, keys and limits.
+
+    `app` is the FastAPI application; run it with `serve_in_thread` (tests, simulated users) or
+    `run_forever` (the CLI). The Python methods (`set_deployment`, `sync_from_registry`) do what the
+    admin endpoints do.
+    """
+
+    def __init__(self, config: ServeConfig, router: Router, store: LiveStore | None = None,
+                 registry: Registry | None = None):
+        """`store` defaults to the config's (run_dir/live.sqlite); `registry`, if given, gets the aliases moved."""
+        if not config.keys:
+            raise ValueError("no API keys configured: add a [keys] table to the serve config, e.g. "
+                             '`"my-long-random-key" = ["inference", "events"]`')
+        self.config = config
+        self.router = router
+        self.store = store or open_store(config)
+        self.registry = registry
+        self._scopes = {hashlib.sha256(k.encode()).digest(): frozenset(v) for k, v in config.keys.items()}
+        self._encoders: dict[int, PromptEncoder] = {}  # by version: a checkpoint's tokenizer never changes
+        self.app = create_app(self)
+
+    @classmethod
+    def from_config(cls, config: ServeConfig) -> LiveServer:
+        """Open the Registry and the live store, and serve the Registry's production (and candidate)."""
+        if not (config.registry_root / "registry.sqlite").is_file():
+            raise ValueError(f"no registry at {config.registry_root}; run `flywheel bootstrap` first or set registry_root")
+        registry = Registry(config.registry_root)
+        store = open_store(config)
+        deployment = deployment_from_registry(registry, _resume_fraction(store, registry, config.candidate_fraction))
+        router = Router(registry_loader(registry, config.engine), deployment)
+        store.record_deployment(deployment.production, deployment.candidate, deployment.candidate_fraction, "serve start")
+        return cls(config, router, store, registry)
+
+    @property
+    def deployment(self) -> Deployment:
+        return self.router.deployment
+
+    def set_deployment(self, deployment: Deployment, note: str = "") -> Deployment:
+        """Serve `deployment` now (loading and unloading engines); returns the previous one.
+
+        Moves the Registry's aliases too, when the server has a Registry, and records the change."""
+        previous = self.router.deploy(deployment, self.registry)
+        self.store.record_deployment(deployment.production, deployment.candidate, deployment.candidate_fraction, note)
+        return previous
+
+    def sync_from_registry(self, candidate_fraction: float | None = None) -> Deployment:
+        """Serve what the Registry's aliases say now (someone ran `flywheel registry promote`)."""
+        if self.registry is None:
+            raise ValueError("this server has no Registry to sync from; call set_deployment instead")
+        if candidate_fraction is None:  # keep the current split, or start one at the configured share
+            current = self.deployment
+            candidate_fraction = current.candidate_fraction if current.candidate is not None else self.config.candidate_fraction
+        deployment = deployment_from_registry(self.registry, candidate_fraction)
+        self.set_deployment(deployment, "synced from registry")
+        return deployment
+
+    def authorize(self, request: Request, scope: Scope) -> None:
+        header = request.headers.get("authorization", "")
+        kind, _, key = header.partition(" ")
+        if kind.lower() != "bearer" or not key.strip():
+            raise ApiError(401, "missing API key: send `Authorization: Bearer KEY`", "authentication_error", "missing_api_key")
+        scopes = self._scopes.get(hashlib.sha256(key.strip().encode()).digest())
+        if scopes is None:
+            raise ApiError(401, "invalid API key", "authentication_error", "invalid_api_key")
+        if scope not in scopes:
+            raise ApiError(403, f"this key lacks the {scope!r} scope (it has {sorted(scopes)}); use a key with it",
+                           "permission_error", "insufficient_scope")
+
+    def close(self) -> None:
+        self.router.close()
+        self.store.close()
+        if self.registry is not None:
+            self.registry.close()
+
+    def __enter__(self) -> LiveServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the work behind the endpoints
+
+    async def complete(self, request: Request, body: bytes) -> Response:
+        started, created = time.perf_counter(), time.time()
+        req = _parse_chat(body)
+        session_id, user_id, meta = _identity(req, request)
+        pinned = self._pinned_version(req.model)
+        try:
+            lease = self.router.checkout(session_id, pinned)
+        except NotServed as exc:
+            if pinned is not None:
+                raise ApiError(404, f"{exc}; ask for {self.config.model_name!r} to be routed", code="model_not_found",
+                               param="model") from None
+            raise ApiError(503, f"{exc}; the deployment is changing, retry", "server_error") from None
+        try:
+            tools = req.tools if req.tools and req.tool_choice != "none" else None
+            encoder = self._encoders.get(lease.version)
+            if encoder is None:
+                encoder = self._encoders[lease.version] = PromptEncoder(lease.tokenizer)
+            prompt_ids = encoder.encode([m.as_template_message() for m in req.messages], tools)
+            params = self._sampling(req, len(prompt_ids), lease.tokenizer)
+            engine_started = time.perf_counter()
+            try:
+                generation = await asyncio.wrap_future(lease.engine.submit(prompt_ids, params))
+            except EngineError as exc:  # the engine's loop died or it was closed: not the request's fault
+                log.error("engine for v%d failed: %s", lease.version, exc)
+                raise ApiError(503, f"the engine serving v{lease.version} failed ({exc}); retry later",
+                               "server_error", "engine_failed") from None
+            engine_ms = (time.perf_counter() - engine_started) * 1000
+        finally:
+            self.router.release(lease)
+        if generation.finish_reason == "aborted" or set(generation.versions) != {lease.version}:
+            raise ApiError(503, f"v{lease.version} stopped or changed weights mid-answer (it was retired); retry",
+                           "server_error", "engine_aborted")
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        answer = lease.tokenizer.decode(generation.token_ids, skip_special_tokens=False)
+        schemas = {t["function"]["name"]: t for t in tools or []}
+        content, calls = parse_assistant(answer, call_id_prefix=f"call_{completion_id[9:21]}", schemas=schemas)
+        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
+        completion = Completion(
+            id=completion_id, session_id=session_id, user_id=user_id, version=lease.version,
+            prompt_ids=prompt_ids, completion_ids=generation.token_ids, logprobs=generation.logprobs,
+            latency_ms=(time.perf_counter() - started) * 1000,
+            tool_calls=[CompletionToolCall(name=c.name, arguments=c.arguments, valid=c.valid, error=c.error or "")
+                        for c in calls],
+            content=content, finish_reason=finish, arm=lease.arm, created_at=created, request_meta=meta,
+        )
+        # Committed before the response exists: a client can never hold an id the store lacks.
+        await run_in_threadpool(self.store.add_completion, completion)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = [_openai_call(c) for c in calls]
+        logprobs = _logprobs(generation.token_ids, generation.logprobs, lease.tokenizer) if req.logprobs else None
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(generation.token_ids),
+                 "total_tokens": len(prompt_ids) + len(generation.token_ids)}
+        head = {"id": completion_id, "created": int(created), "model": req.model,
+                "system_fingerprint": f"flywheel-v{lease.version}",
+                "flywheel": {"version": lease.version, "arm": lease.arm, "session_id": session_id,
+                             "engine_ms": round(engine_ms, 3)}}
+        headers = {"x-session-id": session_id, "x-flywheel-version": str(lease.version)}
+        if req.stream:
+            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            chunks = _stream_chunks(head, message, finish, logprobs, usage if include_usage else None)
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+        payload = {**head, "object": "chat.completion", "usage": usage,
+                   "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}]}
+        return Response(json.dumps(payload), media_type="application/json", headers=headers)
+
+    def ingest(self, body: bytes) -> dict[str, Any]:
+        """Parse a batch, check each event, store the good ones in one transaction, say what became of each."""
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
+            raise ApiError(400, f"body is not JSON: {exc}; send {{\"events\": [...]}}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("events"), list):
+            raise ApiError(400, 'body must be {"events": [event, ...]}', param="events")
+        items = data["events"]
+        if len(items) > self.config.max_events_per_batch:
+            raise ApiError(413, f"{len(items)} events in one batch; send at most {self.config.max_events_per_batch}",
+                           code="batch_too_large")
+        rejected: list[dict[str, Any]] = []
+        valid: list[tuple[int, Event]] = []
+        for i, item in enumerate(items):
+            try:
+                valid.append((i, Event.model_validate(item)))
+            except ValidationError as exc:
+                event_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
+                rejected.append({"index": i, "id": event_id, "reason": _errors(exc)})
+        accepted, duplicate = [], []
+        outcomes = self.store.add_events([e for _, e in valid]) if valid else []
+        for (i, event), (outcome, reason) in zip(valid, outcomes, strict=True):
+            if outcome == Ingest.ACCEPTED:
+                accepted.append(event.id)
+            elif outcome == Ingest.DUPLICATE:
+                duplicate.append(event.id)
+            else:
+                rejected.append({"index": i, "id": event.id, "reason": reason})
+        rejected.sort(key=lambda r: r["index"])
+        return {"accepted": accepted, "duplicate": duplicate, "rejected": rejected}
+
+    def _pinned_version(self, model: str) -> int | None:
+        if model == self.config.model_name:
+            return None
+        match = _VERSION_NAME.fullmatch(model)
+        if match is None:
+            raise ApiError(404, f"model {model!r} does not exist; use {self.config.model_name!r} (routed) or a served "
+                           f"version: {', '.join(f'v{v}' for v in self.router.served_versions())}",
+                           code="model_not_found", param="model")
+        return int(match.group(1))
+
+    def _sampling(self, req: ChatRequest, prompt_len: int, tokenizer: Any) -> SamplingParams:
+        max_tokens = req.max_completion_tokens or req.max_tokens or self.config.default_max_tokens
+        if max_tokens > self.config.max_tokens_limit:
+            raise ApiError(400, f"max_tokens {max_tokens} exceeds this server's limit {self.config.max_tokens_limit}",
+                           param="max_tokens")
+        if prompt_len + max_tokens > self.config.max_context_tokens:
+            raise ApiError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context "
+                           f"of {self.config.max_context_tokens} tokens; shorten the conversation or max_tokens",
+                           code="context_length_exceeded", param="messages")
+        temperature = 1.0 if req.temperature is None else req.temperature
+        return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
+                              max_tokens=max_tokens, stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),))
+
+
+class PromptEncoder:
+    """A conversation's prompt ids, tokenizing each turn once (the tools prompt is ~700 tokens, ~1-3 ms).
+
+    Exact, not approximate: every turn `render_turns` yields starts with <|im_start|>, an added token
+    the tokenizer splits on before BPE, so the ids of the pieces concatenate to the ids of the whole
+    text (tests compare the two). A tokenizer without <|im_start|> as an added token gets the whole
+    text tokenized every time.
+    """
+
+    def __init__(self, tokenizer: Any, cache_size: int = 4096):
+        self.tokenizer = tokenizer
+        self.piecewise = IM_START in tokenizer.get_added_vocab()
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()  # least recently used first
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        turns = render_turns(messages, tools, add_generation_prompt=True)
+        if not self.piecewise:
+            return self.tokenizer("".join(turns), add_special_tokens=False)["input_ids"]
+        ids: list[int] = []
+        for turn in turns:
+            ids += self._turn(turn)
+        return ids
+
+    def _turn(self, text: str) -> list[int]:
+        with self._lock:
+            ids = self._cache.get(text)
+            if ids is not None:
+                self._cache.move_to_end(text)
+                return ids
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        with self._lock:
+            self._cache[text] = ids
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return ids
+
+
+def _parse_chat(body: bytes) -> ChatRequest:
+    try:
+        return ChatRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise ApiError(400, f"invalid chat completion request: {_errors(exc)}") from None
+
+
+def _identity(req: ChatRequest, request: Request) -> tuple[str, str, dict[str, Any]]:
+    """(session id, user id, request_meta) from the headers, body fields and metadata, in that order."""
+    meta = dict(req.metadata or {})
+    session_id = request.headers.get("x-session-id") or req.session_id or meta.pop("session_id", None)
+    meta.pop("session_id", None)
+    user_id = req.user or request.headers.get("x-user-id") or meta.pop("user_id", None)
+    meta.pop("user_id", None)
+    for name, value in (("session id", session_id), ("user id", user_id)):
+        if value is not None and (not isinstance(value, str) or len(value) > _MAX_ID_CHARS):
+            raise ApiError(400, f"the {name} must be a string of at most {_MAX_ID_CHARS} characters", param=name)
+    return session_id or f"anon-{uuid.uuid4().hex}", user_id or "anonymous", meta
+
+
+def _openai_call(call: Any) -> dict[str, Any]:
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    if call.error is not None:
+        out["error"] = call.error  # not OpenAI's: the reason the call is invalid (answer it with this)
+    return out
+
+
+def _logprobs(token_ids: list[int], logprobs: list[float], tokenizer: Any) -> dict[str, Any]:
+    content = []
+    for token_id, logprob in zip(token_ids, logprobs, strict=True):
+        token = tokenizer.decode([token_id], skip_special_tokens=False)
+        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
+    return {"content": content}
+
+
+def _stream_chunks(head: dict[str, Any], message: dict[str, Any], finish: str, logprobs: dict[str, Any] | None,
+                   usage: dict[str, int] | None) -> Iterator[bytes]:
+    base = {**head, "object": "chat.completion.chunk"}
+
+    def event(delta: dict[str, Any], finish_reason: str | None = None, lp: dict[str, Any] | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n".encode()
+
+    yield event({"role": "assistant", "content": ""})
+    if message["content"] or logprobs is not None:
+        yield event({"content": message["content"] or ""}, lp=logprobs)
+    for i, call in enumerate(message.get("tool_calls", [])):
+        yield event({"tool_calls": [{"index": i, **call}]})
+    yield event({}, finish)
+    if usage is not None:
+        yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+def _resume_fraction(store: LiveStore, registry: Registry, default: float) -> float:
+    """The fraction last chosen for the current candidate, if the store has one; else `default`."""
+    history = store.deployments()
+    if not history:
+        return default
+    try:
+        candidate = registry.get(CANDIDATE).version
+    except KeyError:  # CheckpointNotFound: no candidate alias
+        return default
+    last = history[-1]
+    return last["fraction"] if last["candidate"] == candidate else default
+
+
+def open_store(config: ServeConfig) -> LiveStore:
+    return LiveStore(config.store_path, synchronous=config.synchronous,
+                     completions_synchronous=config.completions_synchronous,
+                     require_known_completion=config.require_known_completion)
+
+
+def registry_loader(registry: Registry, engine: EngineConfig) -> EngineLoader:
+    """Load a version from the Registry into its own LocalEngine."""
+
+    def load(version: int) -> tuple[LocalEngine, Any]:
+        model, tokenizer = registry.load(version)
+        return LocalEngine(model, engine, version=version), tokenizer
+
+    return load
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing (413) past `limit` bytes without reading further."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise ApiError(400, "Content-Length is not a number")
+        if int(length) > limit:
+            raise ApiError(413, f"body of {length} bytes exceeds the limit of {limit}; send less per request",
+                           code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"body exceeds the limit of {limit} bytes; send less per request", code="body_too_large")
+    return bytes(body)
+
+
+def create_app(server: LiveServer) -> FastAPI:
+    app = FastAPI(title="flywheel", docs_url=None, redoc_url=None, openapi_url=None)
+    limit = server.config.max_body_bytes
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return ApiError(400, f"invalid request: {exc.errors()[:3]}").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a bad request: logged with its traceback, answered in the same JSON shape.
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        server.authorize(request, "inference")
+        names = [server.config.model_name] + [f"v{v}" for v in server.router.served_versions()]
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "flywheel"}
+                                           for n in names]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        server.authorize(request, "inference")
+        return await server.complete(request, await _read_body(request, limit))
+
+    @app.post("/v1/events")
+    async def events(request: Request) -> Response:
+        server.authorize(request, "events")
+        body = await _read_body(request, limit)
+        # Parsing, validation and the commit run off the event loop, so completions keep flowing.
+        result = await run_in_threadpool(server.ingest, body)
+        return Response(json.dumps(result), media_type="application/json")
+
+    @app.get("/v1/admin/deployment")
+    async def get_deployment(request: Request) -> dict[str, Any]:
+        server.authorize(request, "admin")
+        return {"deployment": server.deployment.model_dump(), "served_versions": server.router.served_versions()}
+
+    @app.post("/v1/admin/deployment")
+    async def post_deployment(request: Request) -> dict[str, Any]:
+        server.authorize(request, "admin")
+        body = await _read_body(request, limit)
+        try:
+            deployment = Deployment.model_validate_json(body)
+        except ValidationError as exc:
+            raise ApiError(400, f"invalid deployment: {_errors(exc)}") from None
+        try:
+            previous = await run_in_threadpool(server.set_deployment, deployment, "admin endpoint")
+        except KeyError as exc:  # CheckpointNotFound: a version the registry does not hold
+            raise ApiError(404, str(exc), code="version_not_found") from None
+        return {"deployment": deployment.model_dump(), "previous": previous.model_dump(),
+                "served_versions": server.router.served_versions()}
+
+    @app.post("/v1/admin/deployment/sync")
+    async def sync_deployment(request: Request) -> dict[str, Any]:
+        server.authorize(request, "admin")
+        try:
+            deployment = await run_in_threadpool(server.sync_from_registry)
+        except (KeyError, ValueError) as exc:
+            raise ApiError(409, str(exc), code="registry_unusable") from None
+        return {"deployment": deployment.model_dump(), "served_versions": server.router.served_versions()}
+
+    return app
+
+
+# ---- running it
+
+
+class RunningServer:
+    """A LiveServer's app under uvicorn on a background thread (tests, benchmarks, simulated users)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn  # noqa: PLC0415  (only what runs a server needs it)
+
+        # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
+        # and without it every response waits ~40 ms for a delayed ACK (Nagle).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))  # bound here so the port is known (port 0: any free one) before serving
+        self.host, self.port = host, sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {host}:{self.port}; see its log above")
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve_in_thread(server: LiveServer, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+    """Start `server` on loopback in this process; `.url` is its base URL (append /v1 for openai)."""
+    return RunningServer(server.app, host, port)
+
+
+def run_forever(server: LiveServer) -> None:
+    """Serve on the configured host and port until SIGINT/SIGTERM, then close the server."""
+    import uvicorn  # noqa: PLC0415
+
+    try:
+        uvicorn.run(server.app, host=server.config.host, port=server.config.port, log_level="info",
+                    access_log=False, lifespan="off")
+    finally:
+        server.close()
