@@ -13,13 +13,22 @@ tokens; earlier turns are never re-tokenized, so the trainer sees exactly what t
 Nothing is dropped: an invalid tool call is answered with its error, counted, and costs
 `invalid_call_penalty`; running out of turns or tokens, a sandbox failure or an abort each end
 the episode with an explicit status and a defined reward.
+
+An episode can outlive its process: with `on_turn`, the runner hands out an `EpisodeState` at
+every turn boundary (tokens, logprobs, versions, counters and the workspace files), and
+`run_episode(..., resume=state)` continues from it in a fresh sandbox holding those files. The
+Orchestrator writes these states down, so a run killed mid-rollout resumes its in-flight episodes
+where they were instead of dropping or restarting them.
 """
 
 from __future__ import annotations
 
+import base64
 import time
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
 from flywheel.agent.chat import (
@@ -51,6 +60,7 @@ class EpisodeConfig(BaseModel):
     max_invalid_turns: int = 3  # consecutive turns of only invalid calls before the episode stops (tool_error)
     invalid_call_penalty: float = 0.1  # per invalid call, so emitting broken calls is never free
     max_invalid_penalty: float = 0.5
+    generation_timeout_s: float = 600.0  # an engine that does not answer a turn in time fails the episode loudly
     truncated_reward: float | None = None  # None: grade the workspace anyway; a number: use it instead
     grade: GradeConfig = GradeConfig()
     tools: ToolConfig = ToolConfig()
@@ -69,6 +79,32 @@ def user_turn(text: str) -> str:
 
 def tool_turn(contents: list[str]) -> str:
     return "\n" + render_tool_results(contents) + GENERATION_PROMPT
+
+
+class EngineTimeout(RuntimeError):
+    pass
+
+
+class EpisodeState(BaseModel):
+    """An unfinished episode at a turn boundary: everything needed to continue it elsewhere."""
+
+    task_id: str
+    group_id: str = ""
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    prompt_len: int
+    turns: int
+    tool_calls: int
+    invalid_tool_calls: int
+    invalid_streak: int
+    asked_question: bool
+    workspace: dict[str, str]  # path -> base64 of the file's bytes (exact for any content)
+    timings: dict[str, float] = Field(default_factory=dict)
+
+    def files(self) -> dict[str, bytes]:
+        return {path: base64.b64decode(data) for path, data in self.workspace.items()}
 
 
 class _Recorder:
@@ -94,7 +130,9 @@ class _Recorder:
 
 
 def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, pool: SandboxPool,
-                config: EpisodeConfig | None = None, group_id: str = "") -> Trajectory:
+                config: EpisodeConfig | None = None, group_id: str = "", resume: EpisodeState | None = None,
+                on_turn: Callable[[EpisodeState], None] | None = None) -> Trajectory:
+    """Play `task` to the end (or continue `resume`); `on_turn` receives the state after every turn."""
     config = config or EpisodeConfig()
     start = time.perf_counter()
     timings = {"generate_s": 0.0, "tools_s": 0.0, "grade_s": 0.0}
@@ -103,13 +141,38 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    rec.context(encode(initial_prompt(task)))
-    prompt_len = len(rec.tokens)
     turns = n_calls = n_invalid = invalid_streak = 0
     asked = False
+    earlier_s = 0.0  # time spent on this episode before it was resumed
+    if resume is None:
+        rec.context(encode(initial_prompt(task)))
+        prompt_len, files = len(rec.tokens), task.files
+    else:
+        if resume.task_id != task.id:
+            raise ValueError(f"episode state is for task {resume.task_id}, not {task.id}")
+        rec.tokens, rec.mask = list(resume.tokens), list(resume.loss_mask)
+        rec.logprobs, rec.versions = list(resume.logprobs), list(resume.versions)
+        prompt_len, files, group_id = resume.prompt_len, resume.files(), resume.group_id or group_id
+        turns, n_calls, n_invalid = resume.turns, resume.tool_calls, resume.invalid_tool_calls
+        invalid_streak, asked = resume.invalid_streak, resume.asked_question
+        timings.update(resume.timings)
+        earlier_s = timings.pop("total_s", 0.0)
     status, error = Status.TRUNCATED, ""
     stop = (tokenizer.convert_tokens_to_ids(IM_END),)
-    box = pool.acquire(task.files)
+
+    def checkpoint() -> None:
+        if on_turn is None:
+            return
+        snap = box.snapshot()
+        on_turn(EpisodeState(
+            task_id=task.id, group_id=group_id, tokens=rec.tokens, loss_mask=rec.mask, logprobs=rec.logprobs,
+            versions=rec.versions, prompt_len=prompt_len, turns=turns, tool_calls=n_calls, invalid_tool_calls=n_invalid,
+            invalid_streak=invalid_streak, asked_question=asked,
+            timings=dict(timings, total_s=earlier_s + time.perf_counter() - start),
+            workspace={p: base64.b64encode(d).decode() for p, d in snap.files.items()},
+        ))
+
+    box = pool.acquire(files)
     try:
         with Toolbox(box, config.tools) as tools:
             while turns < config.max_turns:
@@ -119,7 +182,12 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                 params = SamplingParams(config.temperature, config.top_p, min(budget, config.max_tokens_per_turn),
                                         stop_token_ids=stop)
                 t0 = time.perf_counter()
-                gen = engine.submit(rec.tokens, params).result()
+                try:
+                    gen = engine.submit(rec.tokens, params).result(timeout=config.generation_timeout_s)
+                except FutureTimeout:
+                    raise EngineTimeout(f"the engine did not answer turn {turns + 1} of {task.id} within "
+                                        f"{config.generation_timeout_s:.0f} s (episode.generation_timeout_s); "
+                                        "is its loop alive?") from None
                 timings["generate_s"] += time.perf_counter() - t0
                 rec.generated(gen.token_ids, gen.logprobs, gen.versions)
                 turns += 1
@@ -132,6 +200,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                 if not calls:
                     asked = True
                     rec.context(encode(user_turn(task.answer_question(content))))
+                    checkpoint()
                     continue
                 t0 = time.perf_counter()
                 results = tools.execute(calls)
@@ -147,6 +216,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                     status = Status.TOOL_ERROR
                     break
                 rec.context(encode(tool_turn([r.content for r in results])))
+                checkpoint()
             final = box.snapshot()
     except SandboxError as exc:
         status, error, final = Status.SANDBOX_ERROR, str(exc), None
@@ -167,7 +237,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
     penalty = min(config.max_invalid_penalty, config.invalid_call_penalty * n_invalid)
     parts["invalid_tool_calls"] = float(n_invalid)
     parts["invalid_call_penalty"] = -penalty
-    timings["total_s"] = time.perf_counter() - start
+    timings["total_s"] = earlier_s + time.perf_counter() - start
     return Trajectory(
         task_id=task.id, family=task.family, tokens=rec.tokens, loss_mask=rec.mask, logprobs=rec.logprobs,
         versions=rec.versions, prompt_len=prompt_len, status=status, reward=reward - penalty, reward_parts=parts,

@@ -5,6 +5,13 @@ sequences — turn by turn, with the same rendering helpers — so what SFT trai
 token what the agent later sees at inference. Only assistant tokens carry loss.
 Micro-batches are packed by a token budget (long demonstrations do not blow up memory, short
 ones are not padded to the longest of a fixed-size batch).
+
+Every demonstration starts with the same system prompt and tool schemas (about 700 tokens on the
+embedded default, more than half of a median demonstration). `train_sft` runs that shared prefix
+through the model once per step and lets every row of the batch attend to its keys and values
+(`masked_ce_loss(prefix=...)`), instead of recomputing it per row. The loss and the gradients are
+those of the full sequences (the prefix carries no loss, and its activations still receive the
+gradient of every row through the expanded cache); only the repeated work is gone.
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ class SFTConfig(BaseModel):
     warmup_steps: int = 20
     weight_decay: float = 0.0
     batch_tokens: int = 8192  # tokens per optimizer step (padding included); fewer = more steps per minute
-    max_seq_len: int = 1100  # longer demonstrations are cut to this prefix (counted): more steps, but later turns are seen less
+    # Longer demonstrations are cut to this many tokens (counted), shared prompt included: more
+    # steps per minute, but their later turns (the edit, the test run, finish) are never trained.
+    max_seq_len: int = 4096
+    share_prefix: bool = True  # compute the common system prompt once per step (same loss, less work)
     grad_clip: float = 1.0
     seed: int = 0
 
@@ -89,15 +99,48 @@ def pack_batches(lengths: Sequence[int], batch_tokens: int, rng: random.Random) 
     return batches
 
 
-def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def shared_prefix_length(examples: Sequence[tuple[list[int], list[int]]]) -> int:
+    """Tokens that every example starts with and that carry no loss in any, nor does the token after.
+
+    The token right after the prefix must be loss-free too: with the prefix computed separately,
+    nothing predicts it (its logit lives in the prefix pass, whose logits are not scored)."""
+    if not examples:
+        return 0
+    first = examples[0][0]
+    n = min(len(t) for t, _ in examples) - 1
+    for tokens, _ in examples[1:]:
+        n = next((i for i in range(n) if tokens[i] != first[i]), n)
+    for _, mask in examples:
+        if 1 in mask[: n + 1]:
+            n = mask.index(1) - 1
+    return max(n, 0)
+
+
+def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, attn: torch.Tensor,
+                   prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of next-token cross-entropy over loss-mask positions, and their count.
 
-    ids, mask, attn: [batch, seq]. Right padding, so positions are the natural ones."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # [batch, seq-1, vocab]
-    targets = ids[:, 1:]
-    weight = mask[:, 1:].float()
-    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none")
-    return (nll * weight.reshape(-1)).sum(), weight.sum()
+    ids, mask, attn: [batch, seq]. Right padding, so positions are the natural ones.
+    prefix: [prefix_len] tokens that precede every row (loss-free, see `shared_prefix_length`); run
+    once, its keys and values are broadcast to all rows."""
+    decoder, head = model.base_model, model.get_output_embeddings()
+    if prefix is None:
+        hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state  # [batch, seq, hidden]
+    else:
+        batch, width, p = ids.shape[0], ids.shape[1], prefix.shape[0]
+        cache = decoder(input_ids=prefix[None], use_cache=True).past_key_values
+        for layer in cache.layers:  # [1, kv_heads, p, head_dim] -> [batch, ...] as a view: no copy, gradients sum
+            layer.keys = layer.keys.expand(batch, -1, -1, -1)
+            layer.values = layer.values.expand(batch, -1, -1, -1)
+        full_attn = torch.cat([attn.new_ones((batch, p)), attn], dim=1)  # [batch, p + seq]
+        positions = torch.arange(p, p + width).expand(batch, -1)  # [batch, seq]
+        hidden = decoder(input_ids=ids, attention_mask=full_attn, position_ids=positions, cache=cache).last_hidden_state
+    # The output head only where a token is scored: assistant tokens are a fifth of a demonstration,
+    # and the head (vocab x hidden) is a large share of a tiny model's FLOPs.
+    scored = mask[:, 1:].bool()  # [batch, seq-1]
+    logits = head(hidden[:, :-1][scored])  # [scored, vocab]
+    nll = torch.nn.functional.cross_entropy(logits.float(), ids[:, 1:][scored], reduction="sum")
+    return nll, scored.sum()
 
 
 def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[int]]], config: SFTConfig,
@@ -109,6 +152,9 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
     kept = [(t[: config.max_seq_len], m[: config.max_seq_len]) for t, m in examples]
     kept = [e for e in kept if sum(e[1]) > 0]
     truncated = sum(len(t) > config.max_seq_len for t, _ in examples)
+    p = shared_prefix_length(kept) if config.share_prefix else 0
+    prefix = torch.tensor(kept[0][0][:p]) if p else None
+    kept = [(t[p:], m[p:]) for t, m in kept]
     batches = pack_batches([len(t) for t, _ in kept], config.batch_tokens, rng)
     total_steps = max(1, math.ceil(len(batches) * config.epochs))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
@@ -130,7 +176,7 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
             ids[r, : len(t)] = torch.tensor(t)
             mask[r, : len(m)] = torch.tensor(m)
             attn[r, : len(t)] = 1
-        loss_sum, count = masked_ce_loss(model, ids, mask, attn)
+        loss_sum, count = masked_ce_loss(model, ids, mask, attn, prefix)
         loss = loss_sum / count.clamp(min=1)
         if not torch.isfinite(loss):  # a NaN never reaches the weights
             optimizer.zero_grad(set_to_none=True)
@@ -140,7 +186,7 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        tokens_seen += int(attn.sum())
+        tokens_seen += int(attn.sum()) + p * len(batch)  # tokens trained on, the shared prompt counted per row
         losses.append(loss.item())
         elapsed = time.perf_counter() - start
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_seen / elapsed:,.0f}")
@@ -158,4 +204,5 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
         "sft_seconds": elapsed,
         "sft_examples": float(len(kept)),
         "sft_truncated": float(truncated),
+        "sft_shared_prefix_tokens": float(p),
     }

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flywheel.agent.chat import IM_END, render_messages, tool_schemas
-from flywheel.agent.episode import EpisodeConfig, initial_prompt, run_episode
+from flywheel.agent.episode import EpisodeConfig, EpisodeState, initial_prompt, run_episode
 from flywheel.agent.trajectory import Status
 from flywheel.env.families import generate
 from flywheel.env.pool import PoolConfig, SandboxPool
@@ -144,3 +144,37 @@ def test_real_model_episode_logprobs_match_one_forward_pass_over_the_trajectory(
     recomputed = torch.stack([logp[i - 1, traj.tokens[i]] for i in positions])
     assert torch.allclose(recomputed, torch.tensor([traj.logprobs[i] for i in positions]), atol=1e-3)
     assert set(tool_schemas()[0]["function"]) >= {"name", "parameters"}
+
+
+def test_an_episode_resumed_from_its_saved_state_ends_as_if_never_stopped(task, tokenizer, pool):
+    (edit,) = task.reference_edits
+    turns = [
+        call("read_file", path=edit.path) + IM_END,
+        call("edit_file", path=edit.path, old=edit.old, new=edit.new) + IM_END,
+        call("run_command", command=task.test_command) + IM_END,
+        call("finish", summary="fixed") + IM_END,
+    ]
+    whole = run_episode(task, ScriptedEngine(tokenizer, turns), tokenizer, pool)
+
+    class Killed(Exception):
+        pass
+
+    saved: list[str] = []
+
+    def save_then_die_after_the_edit(state: EpisodeState) -> None:
+        saved.append(state.model_dump_json())  # what the Orchestrator writes to disk
+        if state.turns == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run_episode(task, ScriptedEngine(tokenizer, turns), tokenizer, pool, group_id="g7", on_turn=save_then_die_after_the_edit)
+    state = EpisodeState.model_validate_json(saved[-1])
+    assert state.turns == 2 and state.files()[edit.path].decode() != task.files[edit.path]  # the edit is in the saved workspace
+    rest = ScriptedEngine(tokenizer, turns[2:], version=4)
+    resumed = run_episode(task, rest, tokenizer, pool, resume=state)
+    assert resumed.tokens == whole.tokens and resumed.loss_mask == whole.loss_mask
+    assert resumed.status == Status.FINISHED and resumed.reward == whole.reward == pytest.approx(1.0)
+    assert resumed.turns == 4 and resumed.tool_calls == 4 and resumed.group_id == "g7"
+    assert rest.prompts[0] == state.tokens  # generation continued from exactly the saved tokens
+    generated_versions = [v for v, m in zip(resumed.versions, resumed.loss_mask, strict=True) if m]
+    assert generated_versions[0] == 3 and generated_versions[-1] == 4  # each token keeps the version that made it

@@ -11,7 +11,14 @@ from flywheel.env.families import generate
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.tokenizer import train_tokenizer
-from flywheel.rl.sft import SFTConfig, encode_conversation, pack_batches, train_sft
+from flywheel.rl.sft import (
+    SFTConfig,
+    encode_conversation,
+    masked_ce_loss,
+    pack_batches,
+    shared_prefix_length,
+    train_sft,
+)
 from flywheel.sim.expert import demonstrations
 
 
@@ -48,3 +55,45 @@ def test_a_few_steps_lower_the_loss_on_a_real_model():
                         tokenizer.pad_token_id)
     assert metrics["sft_loss_final"] < 0.5 * metrics["sft_loss_first"]
     assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied after training
+
+
+def test_shared_prefix_gives_the_loss_and_gradients_of_full_sequences():
+    tokenizer = train_tokenizer(["system prompt and tools; then a user asks", "<tool_call>list_dir</tool_call>"] * 10,
+                                vocab_size=300)
+    model = build_model(ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
+    shared = tokenizer("system prompt and tools; then a user asks")["input_ids"]
+    rows = [shared + tokenizer(text)["input_ids"] for text in ("fix it<tool_call>list_dir", "go<tool_call>list_dir</tool_call>")]
+    examples = [(r, [0] * (len(shared) + 2) + [1] * (len(r) - len(shared) - 2)) for r in rows]
+    p = shared_prefix_length(examples)
+    assert p == len(shared)
+
+    def batch(parts):
+        width = max(len(t) for t, _ in parts)
+        ids, mask, attn = (torch.zeros((len(parts), width), dtype=torch.long) for _ in range(3))
+        for r, (t, m) in enumerate(parts):
+            ids[r, : len(t)], mask[r, : len(m)], attn[r, : len(t)] = torch.tensor(t), torch.tensor(m), 1
+        return ids, mask, attn
+
+    model.train()
+    ids, mask, attn = batch(examples)
+    logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)  # the plain way
+    reference = -(logp.gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]).sum()
+    model.zero_grad()
+    full, n_full = masked_ce_loss(model, ids, mask, attn)
+    assert torch.allclose(full, reference, atol=1e-4) and n_full == mask[:, 1:].sum()
+    full.backward()
+    grads_full = {k: v.grad.clone() for k, v in model.named_parameters() if v.grad is not None}
+    model.zero_grad()
+    shared_loss, n_shared = masked_ce_loss(model, *batch([(t[p:], m[p:]) for t, m in examples]), prefix=torch.tensor(shared))
+    shared_loss.backward()
+    assert n_full == n_shared
+    assert torch.allclose(full, shared_loss, atol=1e-5)
+    for name, grad in grads_full.items():
+        assert torch.allclose(grad, dict(model.named_parameters())[name].grad, atol=1e-5), name
+
+
+def test_shared_prefix_stops_before_the_first_trained_token():
+    examples = [([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), ([1, 2, 3, 9, 9], [0, 0, 0, 0, 1])]
+    assert shared_prefix_length(examples) == 2  # token 3 is shared, but 4 (after it) is trained in row 0
+    assert shared_prefix_length([([1, 2, 3], [0, 0, 1]), ([7, 2, 3], [0, 0, 1])]) == 0
