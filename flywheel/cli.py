@@ -7,6 +7,7 @@
     flywheel bootstrap    [--config configs/bootstrap.toml] [--set sft.epochs=1]
     flywheel eval         --checkpoint production --split eval --json
     flywheel registry list|show|promote [V] [--alias production] [--root runs/registry]
+    flywheel train        [--config configs/train.toml] [--set orchestrator.max_staleness=2]
     flywheel serve        [--config configs/serve.toml] [--set port=8001]
 
 Subcommands are added as stages land; each reads a typed config (TOML + `--set` overrides).
@@ -189,6 +190,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from flywheel.rl.train import TrainConfig, train  # noqa: PLC0415
+
+    config = load_config(TrainConfig, args.config, args.set)
+    write_resolved(config, config.run_dir)
+    _, summary = train(config)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
@@ -256,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--root", default="runs/registry", help="the registry folder")
     ev.add_argument("--json", action="store_true", help="print the report as JSON")
     ev.set_defaults(func=cmd_eval)
+
+    tr = sub.add_parser("train", help="simulated RL: async GRPO with partial rollouts from a registered checkpoint")
+    add_config_arguments(tr, "configs/train.toml")
+    tr.set_defaults(func=cmd_train)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible server with A/B routing and the events endpoint")
     add_config_arguments(serve, "configs/serve.toml")

@@ -11,6 +11,7 @@ from flywheel.config import ConfigError, load_config, parse_override, write_reso
 from flywheel.live.rewards import RewardConfig
 from flywheel.live.server import ServeConfig
 from flywheel.rl.bootstrap import BootstrapConfig
+from flywheel.rl.train import TrainConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Which model reads which file: a new config file must be added here, or this test fails.
@@ -21,6 +22,7 @@ MODELS = {
     "rewards_naive_drop_invalid.toml": RewardConfig,
     "rewards_naive_edits_only.toml": RewardConfig,
     "serve.toml": ServeConfig,
+    "train.toml": TrainConfig,
 }
 
 

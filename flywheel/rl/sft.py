@@ -128,7 +128,7 @@ def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor
         hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state  # [batch, seq, hidden]
     else:
         batch, width, p = ids.shape[0], ids.shape[1], prefix.shape[0]
-        cache = decoder(input_ids=prefix[None], use_cache=True).past_key_values
+        cache = decoder(input_ids=prefix[None], use_cache=True).cache
         for layer in cache.layers:  # [1, kv_heads, p, head_dim] -> [batch, ...] as a view: no copy, gradients sum
             layer.keys = layer.keys.expand(batch, -1, -1, -1)
             layer.values = layer.values.expand(batch, -1, -1, -1)

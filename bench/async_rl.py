@@ -1,0 +1,285 @@
+"""Async against sync GRPO: time to K learner steps, and held-out pass rate after the same budget.
+
+    python bench/async_rl.py                          # all parts (~15-30 min on 2 cores)
+    python bench/async_rl.py --parts modeled          # the modeled engine only (~2 min)
+    python bench/async_rl.py --parts modeled,real --steps 4
+
+Prints one JSON object on stdout; progress goes to stderr. Both modes run the same Orchestrator,
+seed, tasks and configuration; sync is `mode="sync"` (max_staleness 0: every batch waits for its
+slowest episode, and the engine idles while the learner trains).
+
+1. modeled: `ReplayEngine` is a continuous-batching server in which every decode step costs the
+   same however many sequences are in it (as on an accelerator with free batch slots), a prefill
+   costs per prompt token, and each turn's length is drawn from a long-tailed distribution
+   (lognormal, like real agent turns: most are short, a few are very long). The per-token costs are
+   those measured on this machine with the real engine at batch 32; tools run for real in real
+   sandboxes. `ModeledLearner` sleeps for the measured learner time per token, divided by
+   `--learner-speedup` (a cluster trains on more accelerators than one CPU). The ratios of a
+   cluster, the costs of this machine: `speedup_async_vs_sync_modeled`.
+2. real: the bootstrapped checkpoint (`--checkpoint`, from `--registry`) in the real LocalEngine and
+   Learner on this machine: `speedup_async_vs_sync`. Two CPU cores are shared by sampling and
+   training here, so overlap buys less than on a cluster; long-tailed episodes still leave the
+   sync engine nearly idle at the end of each batch.
+3. budget: each mode trains for the same wall-clock budget (`--budget-s`), then both are
+   evaluated on the same held-out tasks at temperature 0: `pass_rate_async`, `pass_rate_sync`,
+   `pass_rate_start`; the async one is `pass_rate_after_budget`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from flywheel.agent.evaluate import evaluate
+from flywheel.env.families import task_set
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.model.engine import EngineConfig, Generation, LocalEngine, SamplingParams
+from flywheel.model.registry import Registry
+from flywheel.rl.learner import Learner, LearnerConfig
+from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig
+
+FAMILIES = ["bugfix", "implement", "crossfile", "ambiguous"]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class ReplayEngine:
+    """The Engine interface over a modeled accelerator: fixed cost per decode step, per prefill token.
+
+    Turns are `list_dir` calls padded with text to a lognormal length, and an episode ends (finish)
+    with probability `finish_p` per turn, so both turn lengths and turn counts are long-tailed."""
+
+    def __init__(self, tokenizer, step_s: float, prefill_s_per_token: float, seed: int, median_tokens: int = 60,
+                 sigma: float = 1.0, finish_p: float = 0.3, max_tokens: int = 1024):
+        self.tokenizer, self.step_s, self.prefill_s = tokenizer, step_s, prefill_s_per_token
+        self.rng, self.median, self.sigma, self.finish_p, self.cap = random.Random(seed), median_tokens, sigma, finish_p, max_tokens
+        self._version, self._cond = 0, threading.Condition()
+        self._active: list[list] = []  # [remaining steps, future, ids]
+        self._stop = False
+        self._call = tokenizer('<tool_call>\n{"name": "list_dir", "arguments": {}}\n</tool_call><|im_end|>',
+                               add_special_tokens=False)["input_ids"]
+        self._finish = tokenizer('<tool_call>\n{"name": "finish", "arguments": {}}\n</tool_call><|im_end|>',
+                                 add_special_tokens=False)["input_ids"]
+        self._pad = tokenizer(" ok", add_special_tokens=False)["input_ids"]
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, prompt_ids, params: SamplingParams) -> Future:
+        future: Future = Future()
+        with self._cond:
+            length = min(self.cap, params.max_tokens, max(len(self._call), int(self.rng.lognormvariate(math.log(self.median), self.sigma))))
+            body = self._finish if self.rng.random() < self.finish_p else self._call
+            ids = (self._pad * length)[: max(0, length - len(body))] + body
+            prefill_steps = math.ceil(len(prompt_ids) * self.prefill_s / self.step_s)
+            self._active.append([prefill_steps + len(ids), future, ids])
+            self._cond.notify()
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._active and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+            time.sleep(self.step_s)  # one decode step for every active sequence at once
+            with self._cond:
+                version = self._version
+                for item in self._active:
+                    item[0] -= 1
+                done = [item for item in self._active if item[0] <= 0]
+                self._active = [item for item in self._active if item[0] > 0]
+            for _, future, ids in done:
+                future.set_result(Generation(ids, [-1.0] * len(ids), [version] * len(ids), "stop"))
+
+    def update_weights(self, weights, version: int, timeout_s: float = 60.0) -> None:
+        with self._cond:
+            self._version = version
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+
+
+class ModeledLearner:
+    """Counts versions like the Learner; a step costs `s_per_token` per trajectory token."""
+
+    def __init__(self, s_per_token: float):
+        self.version, self.s_per_token = 0, s_per_token
+
+    def train_step(self, trajectories, advantages) -> dict[str, float]:
+        tokens = sum(len(t.tokens) for t in trajectories)
+        time.sleep(tokens * self.s_per_token)
+        self.version += 1
+        return {"tokens_per_s": 1.0 / self.s_per_token}
+
+    def weights(self) -> dict:
+        return {}
+
+    def state(self) -> dict:
+        return {"version": self.version}
+
+    def load_state(self, state) -> None:
+        self.version = state["version"]
+
+
+def measure_costs(model, tokenizer) -> dict[str, float]:
+    """Per-token decode and prefill seconds of the real engine at batch 32; learner seconds per token."""
+    prompts = [[tokenizer.pad_token_id + 1] * 700 for _ in range(32)]
+    with LocalEngine(model, EngineConfig(max_batch=32)) as engine:
+        t0 = time.perf_counter()
+        engine.generate([p[:700] for p in prompts], SamplingParams(temperature=1.0, max_tokens=1))
+        prefill = (time.perf_counter() - t0) / (32 * 700)
+        t0 = time.perf_counter()
+        engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=64))
+        step = (time.perf_counter() - t0 - prefill * 32 * 700) / 64
+    return {"decode_step_s_b32": step, "prefill_s_per_token": prefill}
+
+
+def learner_cost(model, config: LearnerConfig) -> float:
+    from flywheel.agent.trajectory import Status, Trajectory  # noqa: PLC0415
+
+    trajs = [Trajectory(task_id="t", family="f", tokens=[5] * 1200, loss_mask=[0] * 900 + [1] * 300,
+                        logprobs=[0.0] * 900 + [-1.0] * 300, versions=[-1] * 900 + [0] * 300, prompt_len=900,
+                        status=Status.FINISHED, reward=0.0, reward_parts={}, turns=1, tool_calls=0,
+                        invalid_tool_calls=0, asked_question=False, group_id="g") for _ in range(8)]
+    learner = Learner(model, config)
+    t0 = time.perf_counter()
+    learner.train_step(trajs, [0.1 * (i % 2) for i in range(8)])
+    return (time.perf_counter() - t0) / sum(len(t.tokens) for t in trajs)
+
+
+def run_mode(mode: str, orch_config: OrchestratorConfig, tasks, engine, learner, tokenizer, pool, steps: int,
+             budget_s: float | None) -> dict:
+    config = orch_config.model_copy(update={"mode": mode})
+    with tempfile.TemporaryDirectory() as run_dir, \
+            Orchestrator(config, tasks, engine, learner, tokenizer, pool, Path(run_dir)) as orch:
+        t0 = time.perf_counter()
+        history = []
+        while orch.step < steps and (budget_s is None or time.perf_counter() - t0 < budget_s):
+            history += orch.train(orch.step + 1)
+            m = history[-1]
+            log(f"  {mode} step {m['step']}: {time.perf_counter() - t0:.1f} s, reward {m['reward_mean']:+.3f}, "
+                f"staleness ≤{m['staleness_max']}, waited {m['wait_s']:.1f} s")
+        seconds = time.perf_counter() - t0
+        orch.close()
+    return {"seconds": seconds, "steps": len(history),
+            "reward_by_step": [round(m["reward_mean"], 4) for m in history],
+            "staleness_max": max((m["staleness_max"] for m in history), default=0)}
+
+
+def modeled(args, tokenizer, costs: dict, learner_s_per_token: float, tasks, pool) -> dict:
+    step_s = costs["decode_step_s_b32"]
+    config = OrchestratorConfig(group_size=args.group_size, groups_per_step=args.groups, max_staleness=args.max_staleness,
+                                concurrency=args.group_size * args.groups * (1 + args.max_staleness),
+                                filter_zero_signal=False,
+                                episode={"max_turns": 8, "max_tokens_per_turn": 1024, "max_tokens": 16384})
+    out = {}
+    for mode in ("sync", "async"):
+        engine = ReplayEngine(tokenizer, step_s, costs["prefill_s_per_token"], seed=args.seed)
+        learner = ModeledLearner(learner_s_per_token / args.learner_speedup)
+        log(f"modeled {mode}: decode step {step_s * 1e3:.1f} ms, learner {learner.s_per_token * 1e6:.1f} µs/token")
+        out[mode] = run_mode(mode, config, tasks, engine, learner, tokenizer, pool, args.steps, None)
+        engine.close()
+    return out
+
+
+def real(args, registry: Registry, ref: str, tasks, pool, budget_s: float | None, steps: int) -> dict:
+    out = {}
+    for mode in ("sync", "async"):
+        checkpoint = registry.get(ref)
+        engine_model, tokenizer = registry.load(checkpoint.version)
+        learner_model, _ = registry.load(checkpoint.version)
+        learner = Learner(learner_model.train(), LearnerConfig(lr=args.lr, temperature=1.0))
+        config = OrchestratorConfig(group_size=args.group_size, groups_per_step=args.groups,
+                                    max_staleness=args.max_staleness, concurrency=32,
+                                    episode={"max_turns": 8, "max_tokens_per_turn": 256, "temperature": 1.0})
+        torch.manual_seed(args.seed)
+        with LocalEngine(engine_model, EngineConfig(max_batch=32)) as engine:
+            log(f"real {mode}: v{checkpoint.version}, {steps} steps" + (f" or {budget_s:.0f} s" if budget_s else ""))
+            result = run_mode(mode, config, tasks, engine, learner, tokenizer, pool, steps, budget_s)
+            if args.eval_tasks:
+                eval_set = task_set(FAMILIES, "eval", args.eval_tasks, seed=1, difficulty=1)
+                report, _ = evaluate(eval_set, engine, tokenizer, pool,
+                                     config.episode.model_copy(update={"temperature": 0.0}), progress=False)
+                result["pass_rate"] = report["pass_rate"]
+                result["pass_rate_ci"] = report["pass_rate_ci"]
+        out[mode] = result
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="modeled,real,budget")
+    parser.add_argument("--registry", default="runs/registry")
+    parser.add_argument("--checkpoint", default="production")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--learner-speedup", type=float, default=4.0)
+    parser.add_argument("--budget-s", type=float, default=600.0)
+    parser.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks per family (0: no eval)")
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    torch.set_num_threads(2)
+    registry = Registry(args.registry)
+    checkpoint = registry.get(args.checkpoint)
+    model, tokenizer = registry.load(checkpoint.version)
+    tasks = task_set(FAMILIES, "train", 32, seed=100, difficulty=1)
+    result: dict = {"checkpoint": checkpoint.version, "group_size": args.group_size, "groups_per_step": args.groups,
+                    "max_staleness": args.max_staleness, "steps": args.steps}
+    with SandboxPool(PoolConfig(max_active=64)) as pool:
+        if "modeled" in parts:
+            costs = measure_costs(model, tokenizer)
+            per_token = learner_cost(model.train(), LearnerConfig())
+            model.eval()
+            result["measured_costs"] = {**costs, "learner_s_per_token": per_token}
+            result["learner_speedup"] = args.learner_speedup
+            m = modeled(args, tokenizer, costs, per_token, tasks, pool)
+            result["modeled"] = m
+            result["speedup_async_vs_sync_modeled"] = m["sync"]["seconds"] / m["async"]["seconds"]
+            log(f"modeled speedup {result['speedup_async_vs_sync_modeled']:.2f}")
+        if "real" in parts:
+            r = real(args, registry, args.checkpoint, tasks, pool, None, args.steps)
+            result["real"] = r
+            result["speedup_async_vs_sync"] = r["sync"]["seconds"] / r["async"]["seconds"]
+            log(f"real speedup {result['speedup_async_vs_sync']:.2f}")
+        if "budget" in parts:
+            eval_set = task_set(FAMILIES, "eval", args.eval_tasks, seed=1, difficulty=1)
+            with LocalEngine(model, EngineConfig(max_batch=32)) as engine:
+                from flywheel.agent.episode import EpisodeConfig  # noqa: PLC0415
+
+                start, _ = evaluate(eval_set, engine, tokenizer, pool, EpisodeConfig(temperature=0.0), progress=False)
+            b = real(args, registry, args.checkpoint, tasks, pool, args.budget_s, 10_000)
+            result["budget"] = b
+            result["budget_s"] = args.budget_s
+            result["pass_rate_start"] = start["pass_rate"]
+            result["pass_rate_async"] = b["async"].get("pass_rate")
+            result["pass_rate_sync"] = b["sync"].get("pass_rate")
+            result["pass_rate_after_budget"] = b["async"].get("pass_rate")
+    registry.close()
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""The Orchestrator: staleness bound, partial rollouts, dynamic sampling, durable resume.
+
+Episodes run in real sandboxes with real tools and grading. The engine is a scripted one with
+random, long-tailed latencies (so that the interleavings the bound must survive actually happen)
+and the learner a recording one: what is under test is the scheduling, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import Future
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flywheel.env.families import generate
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.model.engine import SamplingParams
+from flywheel.model.tokenizer import train_tokenizer
+from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig, OrchestratorStalled
+
+FAKES = textwrap.dedent('''
+    import json, random, threading, time
+    from concurrent.futures import Future
+    from flywheel.model.engine import Generation
+
+    def call(name, **arguments):
+        return "<tool_call>\\n" + json.dumps({"name": name, "arguments": arguments}) + "\\n</tool_call>"
+
+    class RandomLatencyEngine:
+        """Answers each turn after a long-tailed delay with a tool call, ending with finish or a solution."""
+
+        def __init__(self, tokenizer, tasks, seed=0, mean_delay_s=0.01, solve_rate=0.5, max_turns=4, slow_tasks=()):
+            self.tokenizer, self.rng, self.mean = tokenizer, random.Random(seed), mean_delay_s
+            self.slow = {t.instruction for t in slow_tasks}  # 10x slower: the stragglers the bound must survive
+            self.tasks = {t.instruction: t for t in tasks}
+            self.solve_rate, self.max_turns = solve_rate, max_turns
+            self._version, self._lock = 0, threading.Lock()
+            self.turn_versions = []
+
+        @property
+        def version(self):
+            return self._version
+
+        def submit(self, prompt_ids, params):
+            future = Future()
+            text = self.tokenizer.decode(prompt_ids)
+            with self._lock:
+                delay = self.rng.paretovariate(1.5) * self.mean
+                turn = text.count("<|im_start|>assistant") - 1
+                solve = self.rng.random() < self.solve_rate
+                last = turn + 1 >= self.max_turns or self.rng.random() < 0.4
+            task = next((t for i, t in self.tasks.items() if i in text), None)
+            if task is not None and task.instruction in self.slow:
+                delay *= 10
+            if last and solve and task is not None and task.reference_edits:
+                e = task.reference_edits[0]
+                body = call("edit_file", path=e.path, old=e.old, new=e.new) + call("finish")
+            elif last:
+                body = call("finish")
+            else:
+                body = call("list_dir")
+            ids = self.tokenizer(body + "<|im_end|>", add_special_tokens=False)["input_ids"]
+
+            def answer():
+                time.sleep(delay)
+                with self._lock:
+                    version = self._version
+                    self.turn_versions.append(version)
+                future.set_result(Generation(ids, [-0.1] * len(ids), [version] * len(ids), "stop"))
+            threading.Thread(target=answer, daemon=True).start()
+            return future
+
+        def update_weights(self, weights, version, timeout_s=60.0):
+            with self._lock:
+                self._version = version
+
+        def close(self):
+            pass
+
+    class RecordingLearner:
+        """Counts versions like the Learner and records what each step was given."""
+
+        def __init__(self, version=0, step_s=0.0):
+            self.version, self.step_s, self.batches = version, step_s, []
+
+        def train_step(self, trajectories, advantages):
+            staleness = [self.version - t.version_span()[0] for t in trajectories if t.generated_tokens]
+            self.batches.append({"groups": sorted({t.group_id for t in trajectories}), "staleness": staleness,
+                                 "advantages": list(advantages)})
+            time.sleep(self.step_s)
+            self.version += 1
+            return {"loss": 0.0}
+
+        def weights(self):
+            return {}
+
+        def state(self):
+            return {"version": self.version, "batches": self.batches}
+
+        def load_state(self, state):
+            self.version, self.batches = state["version"], list(state["batches"])
+''')
+namespace: dict = {}
+exec(FAKES, namespace)  # the same fakes run in the subprocess of the kill test
+RandomLatencyEngine, RecordingLearner = namespace["RandomLatencyEngine"], namespace["RecordingLearner"]
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return generate("bugfix", "train", 6, seed=11, difficulty=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tasks):
+    corpus = [t.instruction for t in tasks] + ['<tool_call>\n{"name": "list_dir", "arguments": {}}\n</tool_call>'] * 20
+    return train_tokenizer(corpus, vocab_size=600)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(PoolConfig(max_active=24, warm=4)) as p:
+        yield p
+
+
+def config(**overrides) -> OrchestratorConfig:
+    base = {"group_size": 2, "groups_per_step": 2, "concurrency": 12, "max_steps": 4, "stall_timeout_s": 60,
+            "episode": {"max_turns": 4, "max_tokens_per_turn": 200}}
+    return OrchestratorConfig.model_validate(base | overrides)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(max_staleness=st.integers(0, 3), seed=st.integers(0, 10_000), group_size=st.integers(1, 2),
+       filter_zero=st.booleans())
+def test_staleness_never_exceeds_the_bound(tmp_path_factory, tasks, tokenizer, pool, max_staleness, seed, group_size,
+                                          filter_zero):
+    cfg = config(max_staleness=max_staleness, group_size=group_size, filter_zero_signal=filter_zero and group_size > 1,
+                 max_steps=4)
+    engine = RandomLatencyEngine(tokenizer, tasks, seed=seed, mean_delay_s=0.005, slow_tasks=tasks[::3])
+    learner = RecordingLearner()
+    with Orchestrator(cfg, tasks, engine, learner, tokenizer, pool, tmp_path_factory.mktemp("run")) as orch:
+        history = orch.train()
+    assert len(history) == 4 and learner.version == 4
+    for batch in learner.batches:
+        assert batch["staleness"] and max(batch["staleness"]) <= max_staleness
+        assert len(batch["groups"]) >= cfg.groups_per_step
+    assert max(engine.turn_versions) >= 3  # the engine got the new versions
+
+
+def test_async_rollouts_continue_under_new_weights(tmp_path, tasks, tokenizer, pool):
+    """Partial rollouts: episodes started under one version finish under the next, and both are recorded."""
+    engine = RandomLatencyEngine(tokenizer, tasks, seed=3, mean_delay_s=0.02)
+    learner = RecordingLearner(step_s=0.05)
+    with Orchestrator(config(max_staleness=2, max_steps=6), tasks, engine, learner, tokenizer, pool, tmp_path) as orch:
+        orch.train()
+    mixed = 0
+    for line in (tmp_path / "trajectories.jsonl").read_text().splitlines():
+        traj = json.loads(line)["trajectory"]
+        versions = {v for v, m in zip(traj["versions"], traj["loss_mask"], strict=True) if m}
+        mixed += len(versions) > 1
+    assert mixed > 0  # some episodes span a weight update: interrupted and resumed, not dropped
+
+
+def test_sync_mode_trains_only_on_policy(tmp_path, tasks, tokenizer, pool):
+    engine = RandomLatencyEngine(tokenizer, tasks, seed=5)
+    learner = RecordingLearner()
+    with Orchestrator(config(mode="sync", max_staleness=3), tasks, engine, learner, tokenizer, pool, tmp_path) as orch:
+        orch.train()
+    assert all(max(b["staleness"]) == 0 for b in learner.batches)
+
+
+def test_zero_signal_groups_are_counted_and_replaced(tmp_path, tasks, tokenizer, pool):
+    engine = RandomLatencyEngine(tokenizer, tasks, seed=1, solve_rate=0.0)  # nobody solves: every group is all-equal
+    learner = RecordingLearner()
+    cfg = config(max_steps=1, filter_zero_signal=True, zero_signal_patience=2)
+    with Orchestrator(cfg, tasks, engine, learner, tokenizer, pool, tmp_path) as orch:
+        with pytest.raises(OrchestratorStalled, match="had equal rewards"):
+            orch.train()
+        assert orch._counts["zero_signal_groups"] >= 5 and orch._counts["filtered_groups"] >= 5
+    engine = RandomLatencyEngine(tokenizer, tasks, seed=1, solve_rate=0.0)
+    with Orchestrator(config(max_steps=1, filter_zero_signal=False), tasks, engine, RecordingLearner(), tokenizer, pool,
+                      tmp_path / "kept") as orch:
+        (metrics,) = orch.train()
+    assert metrics["zero_signal_groups"] >= 2 and metrics["filtered_groups"] == 0
+
+
+def test_a_stuck_engine_fails_loudly(tmp_path, tasks, tokenizer, pool):
+    class SilentEngine(RandomLatencyEngine):
+        def submit(self, prompt_ids, params: SamplingParams) -> Future:
+            return Future()  # never answers
+
+    cfg = config(max_steps=1, episode={"generation_timeout_s": 1.0})
+    with Orchestrator(cfg, tasks, SilentEngine(tokenizer, tasks), RecordingLearner(), tokenizer, pool, tmp_path) as orch:
+        with pytest.raises(OrchestratorStalled, match="did not answer turn 1"):
+            orch.train()
+
+
+KILL_SCRIPT = '''
+import sys, time
+from pathlib import Path
+from flywheel.env.families import generate
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.model.tokenizer import train_tokenizer
+from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig
+{fakes}
+tasks = generate("bugfix", "train", 6, seed=11, difficulty=1)
+corpus = [t.instruction for t in tasks] + ['<tool_call>\\n{{"name": "list_dir", "arguments": {{}}}}\\n</tool_call>'] * 20
+tokenizer = train_tokenizer(corpus, vocab_size=600)
+cfg = OrchestratorConfig(group_size=3, groups_per_step=2, concurrency=12, max_steps=1000, max_staleness=1,
+                         episode={{"max_turns": 6}})
+engine = RandomLatencyEngine(tokenizer, tasks, seed=7, mean_delay_s=0.05, max_turns=6)
+with SandboxPool(PoolConfig(max_active=24)) as pool:
+    Orchestrator(cfg, tasks, engine, RecordingLearner(step_s=0.05), tokenizer, pool, Path(sys.argv[1])).train()
+'''
+
+
+def test_a_run_killed_mid_rollout_resumes_with_its_in_flight_episodes(tmp_path, tasks, tokenizer, pool):
+    run = tmp_path / "run"
+    script = tmp_path / "train.py"
+    script.write_text(KILL_SCRIPT.format(fakes=FAKES))
+    proc = subprocess.Popen([sys.executable, str(script), str(run)])
+    deadline = time.monotonic() + 90
+    try:
+        while time.monotonic() < deadline:  # kill once a checkpoint exists and episodes are mid-flight
+            if (run / "state" / "progress.json").exists() and len(list((run / "inflight").glob("*.json"))) >= 3:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the training subprocess never reached a checkpoint with episodes in flight")
+    finally:
+        proc.kill()
+        proc.wait()
+    inflight = {p.stem.replace("_", "/", 1): json.loads(p.read_text()) for p in (run / "inflight").glob("*.json")}
+    progress = json.loads((run / "state" / "progress.json").read_text())
+    started = [json.loads(line)["group"] for line in (run / "groups.jsonl").read_text().splitlines()]
+    open_groups = [g for g in started if g not in set(progress["consumed"])]
+    assert inflight and open_groups
+
+    learner = RecordingLearner()
+    engine = RandomLatencyEngine(tokenizer, tasks, seed=8, mean_delay_s=0.01, max_turns=6)
+    cfg = OrchestratorConfig(group_size=3, groups_per_step=2, concurrency=12, max_staleness=1, episode={"max_turns": 6})
+    with Orchestrator(cfg, tasks, engine, learner, tokenizer, pool, run) as orch:
+        assert orch.resume()
+        assert orch.step == progress["step"] and learner.version == progress["step"]
+        orch.train(orch.step + len(open_groups) // 2 + 2)
+    finished = {}
+    for line in (run / "trajectories.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the line the kill cut
+        finished[record["episode"]] = record["trajectory"]
+    resumed = 0
+    for episode_id, state in inflight.items():
+        if episode_id.split("/")[0] in progress["consumed"]:
+            continue
+        traj = finished[episode_id]  # the in-flight episode was finished, not dropped
+        assert traj["tokens"][: len(state["tokens"])] == state["tokens"]  # ... continuing from where it was
+        resumed += 1
+    assert resumed >= 1 and orch._counts["resumed_episodes"] >= 1
+    lost = set(open_groups) - set(orch._consumed) - set(orch._groups)
+    assert not lost  # every group open at the kill was trained on, filtered, or is still running
