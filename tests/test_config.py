@@ -12,12 +12,14 @@ from flywheel.live.rewards import RewardConfig
 from flywheel.live.server import ServeConfig
 from flywheel.rl.bootstrap import BootstrapConfig
 from flywheel.rl.train import TrainConfig
+from flywheel.sim.users import Population
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Which model reads which file: a new config file must be added here, or this test fails.
 MODELS = {
     "demo.toml": DemoConfig,
     "bootstrap.toml": BootstrapConfig,
+    "population.toml": Population,
     "rewards.toml": RewardConfig,
     "rewards_naive_drop_invalid.toml": RewardConfig,
     "rewards_naive_edits_only.toml": RewardConfig,

@@ -7,7 +7,10 @@ A policy that games its reward shows it in behaviour before anywhere else: it st
 can be reverted, questions cannot), asks on requests that were clear, breaks tool calls that were
 dropped from training, grows its answers, or earns reward that no longer tracks whether the code
 works. Unlike the reward, monitors may read `request_meta` (ambiguous, tests_passed): hidden ground
-truth the simulated users, or a labelling pass, provide.
+truth the simulated users, or a labelling pass, provide. Whether the tests passed is known only when
+a session ends, after its completions were served: clients put it in session_end's payload
+{"outcome": ..., "tests_passed": bool}, and `label_tests_passed` copies it onto the session's
+completions before they are monitored.
 
 Series: per version and per window of `window_s` (by `created_at`), these metrics:
 
@@ -48,7 +51,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flywheel.live.records import Completion
+from flywheel.live.records import Completion, Event, EventType
 from flywheel.live.rewards import EDIT_TOOLS, Reward, made_edit
 from flywheel.live.stats import Moments, fisher_tails, normal_two_sided_p, z_quantile
 
@@ -231,3 +234,17 @@ class Monitor:
                      baseline=label, baseline_value=base_value, value=value, n=window.n, baseline_n=base.n,
                      score=math.copysign(-z_quantile(max(p / 2, 1e-300)), 1.0 if up else -1.0), p_value=p,
                      severity="critical" if critical else "warning", blocks_promotion=critical)
+
+
+def label_tests_passed(completions: Sequence[Completion], events: Sequence[Event]) -> list[Completion]:
+    """`completions` with request_meta["tests_passed"] set from their session's session_end payload.
+
+    A completion that already carries the label keeps it; a session without a labelled session_end
+    leaves its completions unlabelled (not counted by the outcome metrics). Of several labelled
+    session_end events of one session, the latest counts."""
+    passed: dict[str, bool] = {}
+    for e in sorted(events, key=lambda e: e.time):
+        if e.type == EventType.SESSION_END and isinstance(e.payload.get("tests_passed"), bool):
+            passed[e.session_id] = e.payload["tests_passed"]
+    return [c.model_copy(update={"request_meta": {**c.request_meta, "tests_passed": passed[c.session_id]}})
+            if c.session_id in passed and "tests_passed" not in c.request_meta else c for c in completions]

@@ -1,0 +1,239 @@
+"""Simulated users drive a served tiny model over HTTP and their events land as rewards on the right completions.
+
+The first test runs a population against a real server on loopback that serves a real tiny model
+(random weights: its answers are gibberish, sometimes with a broken tool call). The second serves a
+scripted engine that answers each task one fixed way, so every branch of the user is reached for
+certain: a correct edit kept, a wrong edit reverted after a dissatisfied follow-up, a needless
+question, a needed one, broken tool calls answered with their errors.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "live"))  # tiny_serving, shared with the server tests
+from tiny_serving import KEYS, TOOL_ANSWER, make_registry  # noqa: E402
+
+from flywheel.agent.chat import IM_END  # noqa: E402
+from flywheel.env.families import generate  # noqa: E402
+from flywheel.env.pool import PoolConfig, SandboxPool  # noqa: E402
+from flywheel.env.task import JUST_DO_IT, Task  # noqa: E402
+from flywheel.live.deploy import Deployment, Router  # noqa: E402
+from flywheel.live.monitors import Monitor, label_tests_passed  # noqa: E402
+from flywheel.live.records import EventType  # noqa: E402
+from flywheel.live.rewards import RewardConfig, RewardDistiller  # noqa: E402
+from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread  # noqa: E402
+from flywheel.live.store import LiveStore  # noqa: E402
+from flywheel.model.engine import Generation, SamplingParams  # noqa: E402
+from flywheel.model.tokenizer import load_tokenizer  # noqa: E402
+from flywheel.sim.users import TESTS_FAIL, Population, UserProfile, plan_sessions, run_population  # noqa: E402
+
+REWARDS = RewardConfig()
+
+
+@pytest.fixture(scope="module")
+def registry_root(tmp_path_factory) -> Path:
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("registry")
+    make_registry(root).close()
+    return root
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(PoolConfig(max_active=4, warm=1)) as p:
+        yield p
+
+
+def distill(store: LiveStore):
+    completions, events = store.completions(), store.events()
+    rewards = {r.completion_id: r for r in RewardDistiller(REWARDS).distill(completions, events, now=time.time())}
+    return completions, events, rewards
+
+
+def check_events_land(store: LiveStore, stats) -> tuple[list, list, dict]:
+    """What holds for any run: nothing lost, every event on a completion of its own session, and
+    every outcome the user reported is a reward part of the completion it names."""
+    assert stats.server_errors == 0, [r.error for r in stats.session_results]
+    ev = stats.events
+    assert ev["emitted"] == ev["accepted"] > 0 and ev["rejected"] == ev["failed"] == ev["dropped"] == 0, ev
+    completions, events, rewards = distill(store)
+    assert store.count_events() == ev["accepted"]  # every acknowledged event is in the store
+    assert len(completions) == stats.completions
+    by_id = {c.id: c for c in completions}
+    for e in events:
+        if e.completion_id is not None:
+            assert by_id[e.completion_id].session_id == e.session_id
+    weights = {EventType.EDIT_PERSISTED: REWARDS.edit_persisted, EventType.EDIT_REVERTED: REWARDS.edit_reverted}
+    for e in events:
+        if e.type in weights:
+            assert rewards[e.completion_id].parts[e.type.value] == weights[e.type]
+            # A failing edit may be kept by a lax user, a passing one is never reverted.
+            assert isinstance(e.payload["tests_passed"], bool)
+            assert e.type == EventType.EDIT_PERSISTED or not e.payload["tests_passed"]
+        if e.type == EventType.FOLLOWUP and e.payload["dissatisfied"]:
+            assert rewards[e.completion_id].parts["followup_dissatisfied"] == REWARDS.followup_dissatisfied
+    for result in stats.session_results:
+        mine = [c for c in completions if c.session_id == result.session_id]
+        assert [c.id for c in mine] == result.completion_ids
+        for c in mine:
+            task_meta = {"family": result.family, "ambiguous": result.ambiguous, "task_id": result.task_id}
+            assert task_meta.items() <= c.request_meta.items() and c.user_id == result.user_id
+            if c.invalid_tool_calls:  # never dropped: a broken call costs, whoever made it
+                assert rewards[c.id].parts["invalid_tool_calls"] == REWARDS.invalid_tool_call * c.invalid_tool_calls
+        ends = [e for e in store.events_for_session(result.session_id) if e.type == EventType.SESSION_END]
+        assert [e.payload["outcome"] for e in ends] == [result.outcome]
+        assert rewards[mine[-1].id].parts[f"session_{result.outcome}"] == REWARDS.session_outcome[result.outcome]
+    labelled = label_tests_passed(completions, events)
+    passed = {r.session_id: r.tests_passed for r in stats.session_results}
+    assert all(c.request_meta["tests_passed"] is passed[c.session_id] for c in labelled)
+    return labelled, events, rewards
+
+
+def test_a_population_drives_the_served_tiny_model_and_its_events_become_rewards(registry_root, pool, tmp_path):
+    config = ServeConfig(registry_root=registry_root, run_dir=tmp_path, keys=KEYS, candidate_fraction=0.5, threads=1)
+    population = Population(seed=3, users=4, concurrency=3, tasks_per_family=2, max_tokens=96, profiles=[
+        UserProfile(name="patient", patience=4, followup_propensity=1.0, thumbs_propensity=1.0),
+        UserProfile(name="impatient", patience=3, thumbs_propensity=0.0, families={"ambiguous": 1.0, "bugfix": 1.0})])
+    server = LiveServer.from_config(config)
+    with server, serve_in_thread(server) as running:
+        stats = run_population(running.url, "inference-key", population, 8, pool, events_key="events-key")
+        labelled, events, rewards = check_events_land(server.store, stats)
+    assert stats.sessions == 8 and stats.completions >= 8 and stats.latency_ms_p50 > 0
+    # Gibberish without tool calls is a non-answer: on a clear task every one gets a dissatisfied follow-up.
+    unhappy = {e.completion_id for e in events if e.type == EventType.FOLLOWUP and e.payload["dissatisfied"]}
+    words = [c for c in labelled if not c.tool_calls and not c.request_meta["ambiguous"]]
+    assert words and all(c.id in unhappy for c in words)
+    # A random model writes broken tool calls now and then (about one answer in four at 96 tokens);
+    # each is answered with its error and is a negative reward part, never dropped.
+    broken = [c for c in labelled if c.invalid_tool_calls]
+    assert broken and stats.invalid_tool_calls == sum(c.invalid_tool_calls for c in labelled)
+    assert all(rewards[c.id].parts["invalid_tool_calls"] < 0 for c in broken)
+    report = Monitor().run(labelled, list(rewards.values()))
+    assert {"tests_passed_rate", "clarify_rate_clear", "invalid_call_rate"} <= {p.metric for p in report.series}
+
+
+class TaskScriptedEngine:
+    """An Engine that answers each task's conversation with that task's fixed text."""
+
+    def __init__(self, tokenizer, answers: dict[str, str]):
+        self.tokenizer = tokenizer
+        self.answers = {instruction: tokenizer(text, add_special_tokens=False)["input_ids"]
+                        for instruction, text in answers.items()}
+        self.prompts: dict[str, list[str]] = {instruction: [] for instruction in answers}
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]:
+        prompt = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+        (instruction,) = [i for i in self.answers if i in prompt]
+        self.prompts[instruction].append(prompt)
+        ids = self.answers[instruction][: params.max_tokens]
+        future: Future[Generation] = Future()
+        future.set_result(Generation(ids, [-0.5] * len(ids), [0] * len(ids), "stop"))
+        return future
+
+    def update_weights(self, weights, version: int, timeout_s: float = 60.0) -> None:
+        raise NotImplementedError("a scripted engine has no weights")
+
+    def close(self) -> None:
+        pass
+
+
+def calls(*calls: tuple[str, dict]) -> str:
+    return "".join(f"\n<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls)
+
+
+def fix(task: Task) -> str:
+    return "Fixing it." + calls(*[("edit_file", e.model_dump()) for e in task.reference_edits],
+                                ("finish", {"summary": "fixed"})) + IM_END
+
+
+def test_users_keep_good_edits_revert_bad_ones_and_answer_questions_by_need(registry_root, pool, tmp_path):
+    good, wrong = generate("bugfix", "train", 2, seed=5)
+    clear, vague, broken = (generate(f, "train", 1, seed=5)[0] for f in ("implement", "ambiguous", "crossfile"))
+    assert vague.metadata.ambiguous and not clear.metadata.ambiguous
+    question = "Which behaviour do you want exactly?" + IM_END
+    answers = {good.instruction: fix(good), clear.instruction: question, vague.instruction: question,
+               broken.instruction: TOOL_ANSWER,
+               wrong.instruction: "Done." + calls(("edit_file", {"path": "notes.txt", "old": "", "new": "todo\n"}),
+                                                  ("finish", {})) + IM_END}
+    tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
+    engine = TaskScriptedEngine(tokenizer, answers)
+    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
+                        LiveStore(config.store_path))
+    population = Population(concurrency=3, max_tokens=512, profiles=[UserProfile(
+        name="strict", patience=2, followup_propensity=1.0, thumbs_propensity=1.0, revert_strictness=1.0)])
+    tasks = [good, wrong, clear, vague, broken]
+    with server, serve_in_thread(server) as running:
+        stats = run_population(running.url, "admin-key", population, len(tasks), pool, tasks=tasks)
+        _, events, rewards = check_events_land(server.store, stats)
+    results = {r.task_id: r for r in stats.session_results}
+    kinds = {}
+    for e in sorted(events, key=lambda e: e.time):  # batches may land out of order; event times do not
+        kinds.setdefault(e.completion_id, []).append((e.type.value, e.payload.get("dissatisfied", e.payload.get("up"))))
+
+    # A correct edit: applied, kept, thumbs up, success.
+    r = results[good.id]
+    (c,) = r.completion_ids
+    assert (r.outcome, r.tests_passed, r.kept, r.edit_completions) == ("success", True, True, [c])
+    assert kinds[c] == [("edit_applied", None), ("edit_persisted", None), ("thumbs", True)]
+    assert rewards[c].parts == {"edit_persisted": 1.0, "thumbs_up": 0.5, "session_success": 0.5}
+
+    # A wrong edit: the tests fail, the user says so, the agent tries again (its edit fails now), the edit is reverted.
+    r = results[wrong.id]
+    first, second = r.completion_ids
+    assert (r.outcome, r.tests_passed, r.kept, r.edit_completions, r.dissatisfied) == ("unhappy", False, False, [first], 1)
+    assert kinds[first] == [("edit_applied", None), ("followup", True), ("edit_reverted", None)]
+    assert kinds[second] == [("thumbs", False)]
+    assert TESTS_FAIL in engine.prompts[wrong.instruction][1]
+
+    # A needless question on a clear task: always a dissatisfied follow-up; the question is never refunded.
+    r = results[clear.id]
+    assert (r.outcome, r.questions, r.dissatisfied, r.edit_completions) == ("abandoned", 2, 2, [])
+    for c in r.completion_ids:
+        assert ("followup", True) in kinds[c]
+        assert rewards[c].parts["clarify"] == -REWARDS.clarify_cost and "clarify_refund" not in rewards[c].parts
+    assert JUST_DO_IT in engine.prompts[clear.instruction][1]
+
+    # On an ambiguous task the first question is answered with the detail (not a dissatisfier); asking again is.
+    r = results[vague.id]
+    first, second = r.completion_ids
+    assert (r.questions, r.dissatisfied) == (2, 1)
+    assert kinds[first][0] == ("followup", False) and kinds[second][0] == ("followup", True)
+    assert vague.metadata.clarification in engine.prompts[vague.instruction][1]
+
+    # Broken tool calls: nothing runs for them; each is answered with its error; the valid one runs.
+    r = results[broken.id]
+    assert (r.invalid_tool_calls, r.outcome, r.edit_completions) == (4, "abandoned", [])
+    follow_up = engine.prompts[broken.instruction][1]
+    assert follow_up.count("<tool_response>\nerror: invalid tool call") == 2
+    assert "<tool_response>\nerror: no such file or folder: a.py" in follow_up
+    assert all(rewards[c].parts["invalid_tool_calls"] == 2 * REWARDS.invalid_tool_call for c in r.completion_ids)
+    assert (stats.persisted, stats.reverted, stats.edits, stats.tests_passed) == (1, 1, 2, 1)
+
+
+def test_a_population_is_planned_from_its_seed():
+    population = Population(seed=1, users=5, tasks_per_family=3)
+    plan = plan_sessions(population, 30)
+    assert [(p.user, p.task.id) for p in plan] == [(p.user, p.task.id) for p in plan_sessions(population, 30)]
+    assert [p.task.id for p in plan] != [p.task.id for p in plan_sessions(population.model_copy(update={"seed": 2}), 30)]
+    for p in plan:
+        assert p.profile.families.get(p.task.family, 0) > 0
+        assert p.profile == plan_sessions(population, 30)[p.index].profile
+    assert len({p.profile.name for p in plan if p.user == plan[0].user}) == 1  # a user keeps their habits
+    with pytest.raises(ValueError, match="unknown task families"):
+        UserProfile(name="x", families={"bugfx": 1.0})
+    with pytest.raises(ValueError, match="unique"):
+        Population(profiles=[UserProfile(name="x"), UserProfile(name="x")])
