@@ -79,21 +79,39 @@ class MicroBatch:
 
 
 def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, temperature: float = 1.0,
-                   entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   entropy: bool = False, scored: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 logprob [batch, seq] of each token given those before it, and if asked the entropy
     [batch, seq] of the distribution that predicted it. Nothing predicts token 0: its entries are 0.
 
-    ids, attention: [batch, seq], right-padded, so positions are the natural ones."""
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # [batch, seq-1, vocab]: position t predicts token t+1
+    ids, attention: [batch, seq], right-padded, so positions are the natural ones.
+    scored: [batch, seq] loss mask; when given, the output head runs only where it is 1 (the other
+    entries are 0). Generated tokens are a small share of an agent trajectory, and the head
+    (vocab x hidden) is a large share of a small model's FLOPs."""
+    if scored is None:
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # [batch, seq-1, vocab]: position t predicts token t+1
+        targets = ids[:, 1:]
+    else:
+        hidden = model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state  # [batch, seq, hidden]
+        where = scored[:, 1:] > 0  # [batch, seq-1]
+        logits = model.get_output_embeddings()(hidden[:, :-1][where]).float()  # [scored, vocab]
+        targets = ids[:, 1:][where]
     if temperature != 1.0:
         logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)  # [batch, seq-1]
-    picked = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [batch, seq-1]
-    logp = torch.nn.functional.pad(picked - logz, (1, 0))  # [batch, seq]
+    logz = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    def full(values: torch.Tensor) -> torch.Tensor:  # back to [batch, seq], 0 where nothing was computed
+        if scored is None:
+            return torch.nn.functional.pad(values, (1, 0))
+        out = torch.zeros(ids.shape, dtype=values.dtype, device=values.device)
+        out[:, 1:][where] = values
+        return out
+
+    logp = full(picked - logz)
     if not entropy:
         return logp, None
-    expected = (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [batch, seq-1]
-    return logp, torch.nn.functional.pad(logz - expected, (1, 0))
+    expected = (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, full(logz - expected)
 
 
 def staleness_histogram(trajectories: Sequence[Trajectory], version: int) -> dict[int, int]:
@@ -142,10 +160,10 @@ def proximal_pass(model: PreTrainedModel, batches: Sequence[MicroBatch], tempera
     entropy summed over loss tokens (0-dim tensor)."""
     entropy = torch.zeros((), device=batches[0].ids.device) if batches else torch.zeros(())
     for b in batches:
-        b.logp_prox, ent = token_logprobs(model, b.ids, b.attention, temperature, entropy=True)
-        entropy += torch.where(b.mask > 0, ent, 0.0).sum()
+        b.logp_prox, ent = token_logprobs(model, b.ids, b.attention, temperature, entropy=True, scored=b.mask)
         if ref_model is not None:
-            b.logp_ref, _ = token_logprobs(ref_model, b.ids, b.attention, temperature)
+            b.logp_ref, _ = token_logprobs(ref_model, b.ids, b.attention, temperature, scored=b.mask)
+        entropy += torch.where(b.mask > 0, ent, 0.0).sum()
     return entropy
 
 
@@ -161,7 +179,7 @@ def accumulate_gradients(model: PreTrainedModel, batches: Sequence[MicroBatch], 
     for b in batches:
         if b.logp_prox is None:
             raise ValueError("micro-batch has no proximal logprobs; run proximal_pass on it before accumulate_gradients")
-        logp, _ = token_logprobs(model, b.ids, b.attention, temperature)
+        logp, _ = token_logprobs(model, b.ids, b.attention, temperature, scored=b.mask)
         loss, s = policy_loss(logp, b.logp_prox, b.logp_behaviour, b.advantages, b.mask, config, b.logp_ref, denominator)
         loss.backward()
         total += loss.detach()

@@ -43,6 +43,7 @@ class TrainConfig(BaseModel):
     eval_tasks_per_family: int = 24  # the bootstrap's held-out set: same seed, same difficulty
     eval_difficulty: int = 1
     eval_every: int = 0  # steps between held-out evals (0: only at the start and the end)
+    eval_at_start: bool = True  # off when the caller just evaluated the start checkpoint on the same tasks
     eval_temperature: float = 0.0
     time_budget_s: float | None = None  # stop stepping after this much wall time (the eval at the end still runs)
     seed: int = 0
@@ -105,7 +106,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
         with orchestrator:
             if orchestrator.resume():
                 log(f"resumed {config.run_dir} at step {orchestrator.step} (v{learner.version})")
-            else:
+            elif config.eval_at_start:
                 record_eval(run_eval(config, engine, tokenizer, pool), 0)
             log(f"training v{learner.version} on {len(tasks)} tasks: {config.orchestrator.mode}, "
                 f"G={config.orchestrator.group_size}, B={config.orchestrator.groups_per_step}, "
@@ -122,7 +123,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
             final = run_eval(config, engine, tokenizer, pool)
             record_eval(final, orchestrator.step)
     summary = {"steps": orchestrator.step, "version": learner.version, "seconds": time.perf_counter() - start,
-               "pass_rate_start": evals[0]["pass_rate"] if evals[0]["step"] == 0 else float("nan"),
+               "pass_rate_start": evals[0]["pass_rate"] if evals and evals[0]["step"] == 0 else float("nan"),
                "pass_rate_end": final["pass_rate"]}
     checkpoint = None
     if config.register_checkpoint and orchestrator.step > 0:

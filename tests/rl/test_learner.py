@@ -91,6 +91,12 @@ def test_token_logprobs_are_next_token_logprobs_in_float32_unaffected_by_padding
         logits = model(input_ids=b.ids, attention_mask=b.attention).logits[:, :-1]
     expected = torch.log_softmax(logits / 2.0, -1).gather(-1, b.ids[:, 1:, None]).squeeze(-1)
     torch.testing.assert_close(hot[:, 1:], expected)
+    # The head only on scored tokens: the same logprobs and entropies there, zeros elsewhere.
+    only, only_entropy = token_logprobs(model, b.ids, b.attention, entropy=True, scored=b.mask)
+    scored = b.mask > 0
+    torch.testing.assert_close(only[scored], logp[scored], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(only_entropy[scored], entropy[scored], rtol=1e-5, atol=1e-5)
+    assert torch.equal(only[~scored], torch.zeros_like(only[~scored]))
 
 
 def test_positive_advantage_raises_the_sequence_logprob(model):
