@@ -8,10 +8,15 @@
     POST /v1/events            [events]     a batch; per event accepted | duplicate | rejected (reason); 200 only after commit
     GET|POST /v1/admin/deployment [admin]   read or change production / candidate / candidate_fraction
     POST /v1/admin/deployment/sync [admin]  re-read the Registry's aliases (after `flywheel registry promote`)
+    GET  /dashboard            [dashboard]  HTML: flywheel.report's views, live; polls GET /dashboard/data
+    GET  /dashboard/data       [dashboard]  {"html": the page's sections, "data": build_report_data's dict}
     GET  /health                            no key needed
 
-Keys: `Authorization: Bearer KEY`; each key has scopes (`inference`, `events`, `admin`) from the
-config's `[keys]` table. No or unknown key: 401; a key without the endpoint's scope: 403. Errors are
+Keys: `Authorization: Bearer KEY`; each key has scopes (`inference`, `events`, `admin`, `dashboard`)
+from the config's `[keys]` table. No or unknown key: 401; a key without the endpoint's scope: 403.
+The dashboard takes a key with the `dashboard` (read only) or `admin` scope, also as `?key=KEY`,
+because a browser opening a URL cannot send a header: open http://HOST:PORT/dashboard?key=KEY. It
+shows behaviour metrics, not completions' text, and it is never readable without a key. Errors are
 JSON in OpenAI's shape `{"error": {"message", "type", "code", "param"}}`, always 4xx for a bad
 request (too large: 413; not JSON or not the schema: 400), never 500.
 
@@ -61,23 +66,43 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.agent.chat import IM_END, IM_START, parse_assistant, render_turns
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
+from flywheel.live.monitors import Monitor, MonitorConfig, label_tests_passed
 from flywheel.live.records import Completion, CompletionToolCall, Event
+from flywheel.live.rewards import RewardConfig, RewardDistiller
 from flywheel.live.store import Ingest, LiveStore
 from flywheel.model.engine import EngineConfig, EngineError, LocalEngine, SamplingParams
 from flywheel.model.registry import CANDIDATE, Registry
+from flywheel.report import build_report_data, dashboard_page, render_body
 
 log = logging.getLogger(__name__)
 
-Scope = Literal["inference", "events", "admin"]
-SCOPES: tuple[Scope, ...] = ("inference", "events", "admin")
+Scope = Literal["inference", "events", "admin", "dashboard"]
+SCOPES: tuple[Scope, ...] = ("inference", "events", "admin", "dashboard")
+DASHBOARD_SCOPES = frozenset({"dashboard", "admin"})
 _MAX_ID_CHARS = 200
 _VERSION_NAME = re.compile(r"v(\d+)")
+
+
+class DashboardConfig(BaseModel):
+    """`/dashboard`: the run folders it shows next to the live monitors, and how often it refreshes."""
+
+    model_config = ConfigDict(extra="forbid")
+    # Simulated-RL runs (metrics.jsonl, eval.jsonl) and real-time RL cycle reports (cycle-NNNN.json),
+    # found up to three folders down; a folder that does not exist yet shows as "no data yet".
+    report_dirs: list[Path] = Field(default_factory=list)
+    # The page polls this often; the data is recomputed at most this often, however many pages are open.
+    refresh_s: float = Field(default=5.0, ge=0.5)
+    # The monitors read every completion of this last stretch (and its events) on each recomputation:
+    # longer shows more history at a cost that grows with the traffic.
+    horizon_s: float = Field(default=6 * 3600.0, gt=0)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    rewards: RewardConfig = Field(default_factory=RewardConfig)
 
 
 class ServeConfig(BaseModel):
@@ -109,6 +134,7 @@ class ServeConfig(BaseModel):
     require_known_completion: bool = True  # refuse events naming a completion this store never served
     threads: int = Field(default=2, ge=1)  # torch threads for the engines
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    dashboard: DashboardConfig = Field(default_factory=DashboardConfig)
 
     @field_validator("keys")
     @classmethod
@@ -305,6 +331,8 @@ class LiveServer:
         self.registry = registry
         self._scopes = {hashlib.sha256(k.encode()).digest(): frozenset(v) for k, v in config.keys.items()}
         self._encoders: dict[int, PromptEncoder] = {}  # by version: a checkpoint's tokenizer never changes
+        self._dashboard_lock = threading.Lock()
+        self._dashboard: tuple[float, dict[str, Any]] | None = None  # (monotonic time computed, data)
         self.app = create_app(self)
 
     @classmethod
@@ -347,12 +375,52 @@ class LiveServer:
         kind, _, key = header.partition(" ")
         if kind.lower() != "bearer" or not key.strip():
             raise ApiError(401, "missing API key: send `Authorization: Bearer KEY`", "authentication_error", "missing_api_key")
-        scopes = self._scopes.get(hashlib.sha256(key.strip().encode()).digest())
-        if scopes is None:
-            raise ApiError(401, "invalid API key", "authentication_error", "invalid_api_key")
+        scopes = self._key_scopes(key)
         if scope not in scopes:
             raise ApiError(403, f"this key lacks the {scope!r} scope (it has {sorted(scopes)}); use a key with it",
                            "permission_error", "insufficient_scope")
+
+    def authorize_dashboard(self, request: Request) -> None:
+        """A key with the `dashboard` or `admin` scope, as `?key=` (a browser) or a bearer header."""
+        kind, _, key = request.headers.get("authorization", "").partition(" ")
+        key = request.query_params.get("key") or (key if kind.lower() == "bearer" else "")
+        if not key.strip():
+            raise ApiError(401, "missing API key: open /dashboard?key=KEY with a key that has the `dashboard` or "
+                           "`admin` scope", "authentication_error", "missing_api_key")
+        scopes = self._key_scopes(key)
+        if not scopes & DASHBOARD_SCOPES:
+            raise ApiError(403, f"this key lacks the 'dashboard' and 'admin' scopes (it has {sorted(scopes)}); use a "
+                           "key with one of them", "permission_error", "insufficient_scope")
+
+    def _key_scopes(self, key: str) -> frozenset[str]:
+        scopes = self._scopes.get(hashlib.sha256(key.strip().encode()).digest())
+        if scopes is None:
+            raise ApiError(401, "invalid API key", "authentication_error", "invalid_api_key")
+        return scopes
+
+    def dashboard_data(self) -> dict[str, Any]:
+        """What /dashboard shows (`flywheel.report.build_report_data`): the configured run folders, and the
+        monitors over this store's completions of the last `horizon_s`. Recomputed at most every `refresh_s`."""
+        config = self.config.dashboard
+        with self._dashboard_lock:
+            if self._dashboard is not None and time.monotonic() - self._dashboard[0] < config.refresh_s:
+                return self._dashboard[1]
+            now = time.time()
+            events = self.store.events(start=now - config.horizon_s)
+            completions = label_tests_passed(self.store.completions(start=now - config.horizon_s), events)
+            rewards = RewardDistiller(config.rewards).distill(completions, events, now)
+            d = self.deployment
+            baseline = d.production if any(c.version == d.production for c in completions) else None
+            monitors = Monitor(config.monitor).run(completions, rewards, baseline_version=baseline)
+            live = {"production": f"v{d.production}",
+                    "candidate": "none" if d.candidate is None else f"v{d.candidate} ({d.candidate_fraction:.0%} of sessions)",
+                    "completions": self.store.count_completions(), "events": self.store.count_events()}
+            data = build_report_data(config.report_dirs, live=live, title="flywheel dashboard", monitors={
+                "source": f"this server's last {config.horizon_s / 3600:g} h ({len(completions)} completions, "
+                          f"{config.monitor.window_s:g} s windows)",
+                "series": monitors.series, "alarms": monitors.alarms})
+            self._dashboard = (time.monotonic(), data)
+            return data
 
     def close(self) -> None:
         self.router.close()
@@ -655,6 +723,23 @@ def create_app(server: LiveServer) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/dashboard")
+    async def dashboard(request: Request) -> Response:
+        server.authorize_dashboard(request)
+        data = await run_in_threadpool(server.dashboard_data)
+        page = await run_in_threadpool(dashboard_page, data, "dashboard/data", server.config.dashboard.refresh_s)
+        return HTMLResponse(page, headers={"cache-control": "no-store"})
+
+    @app.get("/dashboard/data")
+    async def dashboard_data(request: Request) -> Response:
+        server.authorize_dashboard(request)
+        data = await run_in_threadpool(server.dashboard_data)
+        reply = {"generated_at": data["generated_at"], "html": await run_in_threadpool(render_body, data)}
+        if request.query_params.get("html_only") != "1":  # the page's polls need only the sections
+            reply["data"] = data
+        return Response(json.dumps(reply, allow_nan=False), media_type="application/json",
+                        headers={"cache-control": "no-store"})
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -1,0 +1,325 @@
+"""What the report reads: plain records from run folders, and the cycle summary the real-time cycle writes.
+
+    summary = CycleSummary(cycle=3, production_version=2, candidate_version=3, gate=decision.checks,
+                           ab=ab_report.metrics, ab_decision=ab_report.decision, decision="promote",
+                           alarms=monitor_report.alarms, series=monitor_report.series, timings={"train_s": 41.0})
+    write_cycle_summary(summary, run_dir / "cycles")      # -> cycles/cycle-0003.json, written atomically
+
+Inputs, by source:
+- a simulated-RL run folder (flywheel/rl/train.py): `metrics.jsonl`, one `TrainStep` per line, and
+  `eval.jsonl`, one `EvalPoint` per held-out eval.
+- real-time RL cycles: one `CycleSummary` per cycle, `cycle-NNNN.json` in a folder; or what
+  flywheel/live/cycle.py writes itself, `cycle-NNNN/report.json` (its `CycleReport`, schema
+  "flywheel.cycle/1") or, while the cycle runs, `cycle-NNNN/state.json`: both read as a
+  `CycleSummary` (`stage` says how far an unfinished cycle got).
+
+Every section is optional and every field that a writer may not know yet may be None: the report
+draws "no data yet" rather than failing. Records ignore fields they do not know, so a newer writer
+can add fields, and so the live records validate as they are: a `GateDecision.checks` dict, an
+`ABReport.metrics` dict, `MonitorReport.alarms` and `.series` (pydantic objects or their dumps).
+A gate check's `margin` is not in `GateResult` (it is the check's config): set it, or it is not drawn.
+
+Reading tolerates a run in progress: a last line still being appended is skipped; any other
+unreadable line or file is named in the report's problems, not silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+_RECORD = ConfigDict(extra="ignore")
+_STALENESS_KEY = re.compile(r"staleness/(\d+)")
+CYCLE_FILE = re.compile(r"cycle-(\d+)\.json")
+CYCLE_DIR = re.compile(r"cycle-(\d+)")
+CYCLE_DIR_FILES = ("report.json", "state.json")  # in a CYCLE_DIR, the first present is read
+
+
+def _finite_or_none(value: Any) -> Any:
+    """NaN and infinities (a diverged step, an undefined correlation) become None: unknown, and valid JSON."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+class _Record(BaseModel):
+    model_config = _RECORD
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain(cls, data: Any) -> Any:
+        """Another pydantic record (a live `Alarm`, `GateResult`, ...) is read by its fields."""
+        return data.model_dump() if isinstance(data, BaseModel) and not isinstance(data, cls) else data
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_nan(cls, value: Any) -> Any:
+        return _finite_or_none(value)
+
+
+# ---- simulated RL (flywheel/rl/orchestrator.py writes metrics.jsonl, flywheel/rl/train.py eval.jsonl)
+
+
+class TrainStep(_Record):
+    step: int
+    version: int | None = None
+    time: float | None = None  # wall clock (unix seconds) when the step finished
+    reward_mean: float | None = None
+    pass_rate: float | None = None  # of the batch's training episodes
+    tokens_per_s: float | None = None
+    staleness_max: float | None = None
+    staleness_mean: float | None = None
+    train_s: float | None = None
+    wait_s: float | None = None
+    filtered_groups: int | None = None
+    staleness: dict[int, float] = Field(default_factory=dict)  # versions behind -> generated tokens
+
+    @model_validator(mode="before")
+    @classmethod
+    def _histogram(cls, data: Any) -> Any:
+        """The Learner writes its histogram as flat keys `staleness/<k>`; gather them."""
+        if isinstance(data, Mapping) and "staleness" not in data:
+            histogram = {int(m.group(1)): v for k, v in data.items()
+                         if (m := _STALENESS_KEY.fullmatch(k)) and isinstance(v, int | float) and math.isfinite(v)}
+            if histogram:
+                return {**data, "staleness": histogram}
+        return data
+
+
+class FamilyEval(_Record):
+    pass_rate: float | None = None
+    pass_rate_ci: tuple[float, float] | None = None
+    episodes: int | None = None
+
+
+class EvalPoint(_Record):
+    step: int
+    version: int | None = None
+    time_s: float | None = None  # seconds since the run started
+    pass_rate: float | None = None
+    pass_rate_ci: tuple[float, float] | None = None
+    valid_tool_call_rate: float | None = None
+    per_family: dict[str, FamilyEval] = Field(default_factory=dict)
+
+
+class TrainingRun(BaseModel):
+    name: str  # the folder, relative to the report's root
+    steps: list[TrainStep] = Field(default_factory=list)
+    evals: list[EvalPoint] = Field(default_factory=list)
+
+
+# ---- real-time RL (flywheel/live/cycle.py writes one CycleSummary per cycle)
+
+
+class GateCheck(_Record):
+    name: str = Field(validation_alias=AliasChoices("name", "check"))
+    passed: bool
+    diff: float | None = None  # candidate - production (non-inferiority), or rate - limit (rate limits)
+    ci_low: float | None = None
+    ci_high: float | None = None
+    margin: float | None = None  # the candidate may be this much worse; drawn at -margin
+    n: int | None = None
+    method: str = ""
+    reason: str = ""
+
+
+class ABMetric(_Record):
+    name: str
+    production: float | None = None
+    candidate: float | None = None
+    diff: float | None = None  # candidate - production
+    ci_low: float | None = None
+    ci_high: float | None = None
+    significant: bool = False
+    verdict: str = ""  # better | worse | no_difference | insufficient (ABReport's words), if known
+    higher_is_better: bool | None = None
+    n_production: int | None = None
+    n_candidate: int | None = None
+
+    @model_validator(mode="after")
+    def _significant_from_verdict(self) -> ABMetric:
+        if "significant" not in self.model_fields_set and self.verdict:
+            self.significant = self.verdict in ("better", "worse")
+        return self
+
+
+class AlarmRecord(_Record):
+    metric: str
+    version: int
+    window_start: float
+    window_end: float | None = None
+    value: float | None = None
+    baseline_value: float | None = None
+    severity: str = "critical"  # critical | warning
+    blocks_promotion: bool = False
+    p_value: float | None = None
+
+
+class SeriesPoint(_Record):
+    metric: str
+    version: int
+    window_start: float
+    value: float | None = None
+    n: int | None = None
+
+
+def _named(value: Any) -> Any:
+    """{name: result} (GateDecision.checks, ABReport.metrics) -> [{name, ...result}]; lists pass through."""
+    if not isinstance(value, Mapping):
+        return value
+    out = []
+    for name, item in value.items():
+        fields = item.model_dump() if isinstance(item, BaseModel) else dict(item)
+        out.append({**fields, "name": name})
+    return out
+
+
+class MonitorSnapshot(_Record):
+    """Monitor series and alarms, from a cycle or from the live server's store (a `MonitorReport` reads as one)."""
+
+    source: str = ""
+    series: list[SeriesPoint] = Field(default_factory=list)
+    alarms: list[AlarmRecord] = Field(default_factory=list)
+
+
+class CycleSummary(_Record):
+    """One real-time RL cycle: train a candidate, gate it, A/B test it, promote or roll back."""
+
+    cycle: int
+    started_at: float | None = None  # unix seconds
+    production_version: int | None = None  # production when the cycle started
+    candidate_version: int | None = None
+    gate: list[GateCheck] = Field(default_factory=list)
+    gate_passed: bool | None = None  # None: the gate has not run (yet)
+    ab: list[ABMetric] = Field(default_factory=list)
+    ab_decision: str | None = None  # promote | rollback | wait
+    decision: str | None = None  # what the cycle did: promote | rollback | rejected (gate) | skipped | abandoned
+    reason: str = ""
+    alarms: list[AlarmRecord] = Field(default_factory=list)
+    series: list[SeriesPoint] = Field(default_factory=list)
+    timings: dict[str, float] = Field(default_factory=dict)  # phase -> seconds (total_s: the whole cycle)
+    stage: str | None = None  # an unfinished cycle's last finished stage; None when done
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_live_cycle(cls, data: Any) -> Any:
+        """flywheel/live/cycle.py's own records (`CycleReport`, `CycleState`) map onto this one."""
+        if isinstance(data, BaseModel):
+            data = data.model_dump(by_alias=True)
+        if not isinstance(data, Mapping) or not ("production_after" in data or "first_production" in data):
+            return data
+        gate = (data.get("gate") or {}).get("decision") or {}
+        ab = data.get("ab") or {}
+        return {"cycle": data["cycle"], "started_at": data.get("started_at"),
+                "production_version": data.get("production"), "candidate_version": data.get("candidate"),
+                "gate": gate.get("checks", {}), "gate_passed": gate.get("passed"), "ab": ab.get("metrics", {}),
+                "ab_decision": ab.get("decision"), "decision": data.get("decision"), "reason": data.get("reason", ""),
+                "alarms": data.get("alarms", []), "series": (data.get("monitor") or {}).get("series", []),
+                "timings": data.get("timings", {}), "stage": None if data.get("stage", "done") == "done" else data["stage"]}
+
+    @property
+    def seconds(self) -> float | None:
+        if not self.timings:
+            return None
+        return self.timings.get("total_s", sum(v for k, v in self.timings.items() if k != "total_s"))
+
+    @field_validator("gate", "ab", mode="before")
+    @classmethod
+    def _sections(cls, value: Any) -> Any:
+        return _named(value)
+
+
+class ReportData(BaseModel):
+    """Everything one report or dashboard page shows. `build_report_data` returns it as a JSON dict."""
+
+    title: str = "flywheel"
+    generated_at: float = 0.0
+    root: str = ""
+    live: dict[str, str | int | float | None] = Field(default_factory=dict)  # facts shown in the header
+    training: list[TrainingRun] = Field(default_factory=list)
+    cycles: list[CycleSummary] = Field(default_factory=list)
+    monitors: MonitorSnapshot | None = None
+    problems: list[str] = Field(default_factory=list)  # files or lines that could not be read
+
+
+# ---- reading and writing
+
+
+def read_jsonl(path: Path, record: type[BaseModel], problems: list[str]) -> list[Any]:
+    """The records of a JSONL file; a torn last line (still being written) is skipped, other bad lines noted."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(record.model_validate(json.loads(line)))
+        except (json.JSONDecodeError, ValidationError) as exc:
+            if i == len(lines) - 1 and isinstance(exc, json.JSONDecodeError):
+                continue  # being appended right now; the next read has it
+            problems.append(f"{path}:{i + 1}: not a {record.__name__} ({_short(exc)}); line skipped")
+    return out
+
+
+def read_training_run(folder: Path, name: str, problems: list[str]) -> TrainingRun:
+    metrics, evals = folder / "metrics.jsonl", folder / "eval.jsonl"
+    return TrainingRun(name=name,
+                       steps=read_jsonl(metrics, TrainStep, problems) if metrics.is_file() else [],
+                       evals=read_jsonl(evals, EvalPoint, problems) if evals.is_file() else [])
+
+
+def cycle_path(directory: Path, cycle: int) -> Path:
+    return directory / f"cycle-{cycle:04d}.json"
+
+
+def write_cycle_summary(summary: CycleSummary, directory: Path) -> Path:
+    """Write `directory/cycle-NNNN.json` atomically (a reader never sees half a file); returns its path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = cycle_path(directory, summary.cycle)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(summary.model_dump_json(indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def cycle_files(directory: Path) -> list[Path]:
+    """The cycle records in `directory`: `cycle-NNNN.json`, and `cycle-NNNN/report.json` (else its state.json)."""
+    out = []
+    for path in sorted(directory.iterdir()):
+        if CYCLE_FILE.fullmatch(path.name) and path.is_file():
+            out.append(path)
+        elif CYCLE_DIR.fullmatch(path.name) and path.is_dir():
+            out += [p for p in (path / name for name in CYCLE_DIR_FILES) if p.is_file()][:1]
+    return out
+
+
+def read_cycle_summaries(directory: Path, problems: list[str]) -> list[CycleSummary]:
+    """The cycles recorded in `directory` (`cycle_files`), by cycle number."""
+    out = []
+    for path in cycle_files(directory):
+        try:
+            out.append(CycleSummary.model_validate_json(path.read_bytes()))
+        except ValidationError as exc:
+            problems.append(f"{path}: not a cycle record ({_short(exc)}); cycle left out")
+    return sorted(out, key=lambda c: c.cycle)
+
+
+def _short(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        err = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in err["loc"])
+        return f"{where}: {err['msg']}" if where else err["msg"]
+    return str(exc)

@@ -1,0 +1,72 @@
+"""Small run folders as the simulated-RL trainer and the real-time cycle write them (the report tests share them)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from flywheel.report import CycleSummary, write_cycle_summary
+
+T0 = 1_800_000_000.0  # the cycles' and monitors' clock: any fixed unix time
+
+
+def write_training_run(folder: Path, steps: int = 6, torn_last_line: bool = False) -> Path:
+    """metrics.jsonl with the Orchestrator's and the Learner's keys, eval.jsonl every 3 steps (train.py's rows)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "metrics.jsonl", "w") as f:
+        for step in range(1, steps + 1):
+            row = {"loss": 0.1, "step": step, "version": step, "reward_mean": 0.1 * step, "pass_rate": 0.05 * step,
+                   "tokens_per_s": 1000.0 + 10 * step, "staleness_max": step % 2, "staleness_mean": 0.4,
+                   "train_s": 0.5, "wait_s": 0.1, "filtered_groups": 0, "time": T0 + step,
+                   "staleness/0": 300.0, "staleness/1": 100.0 * (step % 2),
+                   "kl": math.nan if step == 2 else 0.01}  # NaN as json.dumps writes it: NaN
+            f.write(json.dumps(row) + "\n")
+        if torn_last_line:
+            f.write('{"step": 99, "rew')  # a line still being appended
+    with open(folder / "eval.jsonl", "w") as f:
+        for step in range(0, steps + 1, 3):
+            rate = 0.2 + 0.05 * step
+            f.write(json.dumps({
+                "step": step, "version": step, "time_s": 2.0 * step, "episodes": 20, "pass_rate": rate,
+                "pass_rate_ci": [rate - 0.1, rate + 0.1], "valid_tool_call_rate": 0.9,
+                "per_family": {"bugfix": {"episodes": 10, "pass_rate": rate + 0.05,
+                                          "pass_rate_ci": [rate - 0.1, rate + 0.2], "mean_reward": 0.3},
+                               "implement": {"episodes": 10, "pass_rate": rate - 0.05,
+                                             "pass_rate_ci": [rate - 0.2, rate + 0.1], "mean_reward": 0.1}},
+                "status_counts": {"finished": 20}}) + "\n")
+    return folder
+
+
+def cycle(number: int, promote: bool = True) -> CycleSummary:
+    """A cycle as flywheel/live/cycle.py writes one: gate checks, A/B metrics, alarms, monitor series."""
+    start = T0 + 600 * (number - 1)
+    production, candidate = number - 1, number
+    series = [{"metric": metric, "version": v, "window_start": start + 60 * w, "value": value, "n": 40}
+              for w in range(5) for v in (production, candidate)
+              for metric, value in (("edit_rate", 0.6 - (0.3 if v == candidate and w >= 3 and not promote else 0)),
+                                    ("response_length", 120.0 + 3 * w))]
+    alarms = [] if promote else [{"metric": "edit_rate", "version": candidate, "window_start": start + 180,
+                                  "window_end": start + 240, "value": 0.3, "baseline_value": 0.6,
+                                  "severity": "critical", "blocks_promotion": True, "p_value": 1e-6}]
+    return CycleSummary.model_validate({
+        "cycle": number, "started_at": start, "production_version": production, "candidate_version": candidate,
+        "gate": [{"name": "pass_rate", "diff": 0.01, "ci_low": -0.03, "ci_high": 0.05, "margin": 0.05, "passed": True},
+                 {"name": "valid_tool_call_rate", "diff": -0.04, "ci_low": -0.07 if promote else -0.09,
+                  "ci_high": -0.01, "margin": 0.08, "passed": promote}],
+        "gate_passed": promote,
+        "ab": [{"name": "persistence", "production": 0.5, "candidate": 0.58, "diff": 0.08, "ci_low": 0.02,
+                "ci_high": 0.14, "significant": True, "verdict": "better", "higher_is_better": True},
+               {"name": "latency", "production": 1.2, "candidate": 1.25, "diff": 0.05, "ci_low": -0.1,
+                "ci_high": 0.2, "significant": False}],
+        "ab_decision": "promote" if promote else "rollback", "decision": "promote" if promote else "rollback",
+        "alarms": alarms, "series": series, "timings": {"train_s": 30.0, "gate_s": 5.0, "ab_s": 60.0},
+    })
+
+
+def write_demo_folder(root: Path, cycles: int = 2) -> Path:
+    """runs/demo as the demo lays it out: train/ (simulated RL) and live/cycles/ (real-time RL)."""
+    write_training_run(root / "train")
+    for n in range(1, cycles + 1):
+        write_cycle_summary(cycle(n, promote=n % 2 == 1), root / "live" / "cycles")
+    return root

@@ -1,0 +1,208 @@
+"""The report of a run folder: what it reads, what it draws, and how it copes with missing or broken inputs."""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+
+from run_folders import T0, cycle, write_training_run
+
+from flywheel.report import (
+    CycleSummary,
+    build_report_data,
+    read_cycle_summaries,
+    render_cycle,
+    render_report,
+    write_cycle_summary,
+)
+from flywheel.report.data import merged_monitors
+
+
+class Elements(HTMLParser):
+    """Every element with its attributes and the id of the <section> it is in."""
+
+    def __init__(self, page: str):
+        super().__init__()
+        self.found: list[tuple[str, dict[str, str], str]] = []
+        self.texts: dict[str, list[str]] = {}
+        self._sections: list[str] = []
+        self._depth: list[int] = []
+        self.feed(page)
+
+    def handle_starttag(self, tag, attrs):
+        attributes = {k: v or "" for k, v in attrs}
+        if tag == "section":
+            self._sections.append(attributes.get("id", ""))
+        self.found.append((tag, attributes, self._sections[-1] if self._sections else ""))
+
+    def handle_endtag(self, tag):
+        if tag == "section":
+            self._sections.pop()
+
+    def handle_data(self, data):
+        self.texts.setdefault(self._sections[-1] if self._sections else "", []).append(data)
+
+    def count(self, css_class: str, section: str) -> int:
+        return sum(css_class in a.get("class", "").split() and s == section for _, a, s in self.found)
+
+    def text(self, section: str) -> str:
+        return " ".join(self.texts.get(section, []))
+
+
+def test_report_draws_every_view_from_a_demo_folder(demo_folder):
+    out = render_report(demo_folder)
+    assert out == demo_folder / "report.html"
+    page = out.read_text()
+    assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched from elsewhere
+    assert "<script" not in page  # the static report needs none
+    dom = Elements(page)
+    # simulated RL: 6 steps of reward, 3 evals of 3 lines (all + 2 families), staleness max, throughput
+    assert dom.count("point", "training") == 6 + 3 * 3 + 6 + 6
+    assert dom.count("band", "training") == 1
+    assert dom.count("bar", "training") == 2  # tokens 0 and 1 versions behind
+    # cycles: each check across 2 cycles, the latest cycle's gate (2 checks) and A/B (2 metrics), then cycle 1's
+    assert dom.count("estimate", "cycles") == 2 * 2 + 2 + 2 + (2 + 2)
+    assert dom.count("interval", "cycles") == 2 * 2 + 2 + 2 + (2 + 2)
+    # monitors: merged from both cycles, v0 v1 v2; the rolled-back cycle's alarm is marked
+    assert dom.count("alarm", "monitors") == 1
+    assert dom.count("point", "monitors") == 2 * 5 * 2 * 2  # 2 metrics, 5 windows, 2 versions, 2 cycles
+    assert "no data yet" not in page
+    assert "rollback" in dom.text("cycles") and "critical" in dom.text("monitors")
+
+
+def test_an_empty_folder_says_no_data_yet_in_every_view(tmp_path):
+    (tmp_path / "empty").mkdir()
+    dom = Elements((render_report(tmp_path / "empty", tmp_path / "out" / "r.html")).read_text())
+    for section in ("training", "cycles", "monitors"):
+        assert "no data yet" in dom.text(section)
+    data = build_report_data([tmp_path / "not-yet"])
+    assert data["problems"] == [f"{tmp_path / 'not-yet'}: no such folder yet"]
+
+
+def test_partial_inputs_render_what_there_is(tmp_path):
+    """A cycle that has only gated (no A/B yet, no monitors) and a run without evals yet."""
+    write_training_run(tmp_path / "run")
+    (tmp_path / "run" / "eval.jsonl").unlink()
+    write_cycle_summary(CycleSummary(cycle=1, production_version=0, candidate_version=1, gate=[
+        {"name": "pass_rate", "passed": False, "reason": "only 4 paired tasks, need 20: add eval tasks"}],
+        gate_passed=False), tmp_path / "cycles")
+    dom = Elements(render_report(tmp_path).read_text())
+    assert dom.count("point", "training") == 6 + 6 + 6
+    assert "no data yet" in " ".join(dom.texts.get("training", []))  # the held-out chart
+    assert "not computed" in dom.text("cycles") and "no A/B test" in dom.text("cycles")
+    assert "no data yet" in dom.text("monitors")
+
+
+def test_a_run_in_progress_is_read_and_broken_lines_are_named(tmp_path):
+    run = write_training_run(tmp_path / "run", torn_last_line=True)
+    data = build_report_data([run])
+    assert [s["step"] for s in data["training"][0]["steps"]] == [1, 2, 3, 4, 5, 6]
+    assert data["problems"] == []  # the torn last line is being written: skipped without complaint
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('"}\n{"step": "seven"}\n{"step": 8, "reward_mean": 0.5}\n')
+    data = build_report_data([run])
+    assert [s["step"] for s in data["training"][0]["steps"]] == [1, 2, 3, 4, 5, 6, 8]
+    assert len(data["problems"]) == 2 and all("metrics.jsonl:" in p for p in data["problems"])
+    assert "Could not read everything" in render_report(run).read_text()
+
+
+def test_data_is_plain_json_with_no_nan(tmp_path):
+    run = write_training_run(tmp_path / "run")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 7, "reward_mean": float("nan"), "staleness_mean": float("inf")}) + "\n")
+    data = build_report_data([run])
+    text = json.dumps(data, allow_nan=False)  # raises on NaN or infinities
+    step = data["training"][0]["steps"][-1]
+    assert step["reward_mean"] is None and step["staleness_mean"] is None
+    assert data["training"][0]["steps"][0]["staleness"] == {"0": 300.0, "1": 100.0}  # the Learner's histogram
+    assert json.loads(text) == data
+
+
+def test_cycle_summaries_round_trip_and_a_broken_one_is_named(tmp_path):
+    folder = tmp_path / "cycles"
+    for n in (2, 1, 10):
+        write_cycle_summary(cycle(n), folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["cycle-0001.json", "cycle-0002.json", "cycle-0010.json"]
+    problems: list[str] = []
+    assert [c.cycle for c in read_cycle_summaries(folder, problems)] == [1, 2, 10]
+    assert read_cycle_summaries(folder, problems)[0] == cycle(1)
+    (folder / "cycle-0003.json").write_text('{"cycle": "three"}')
+    assert [c.cycle for c in read_cycle_summaries(folder, problems)] == [1, 2, 10] and len(problems) == 1
+    assert "cycle-0003.json" in problems[0]
+
+
+def test_the_cycle_writer_can_pass_the_live_records_as_they_are():
+    from flywheel.live.abtest import compare
+    from flywheel.live.gate import GateDecision, non_inferiority
+    from flywheel.live.monitors import Alarm, MetricPoint
+
+    gate = GateDecision(passed=True, checks={"pass_rate": non_inferiority([1.0] * 60, [1.0] * 59 + [0.0], 0.05)})
+    ab = {"reward": compare("reward", [0.1, 0.2, 0.3, 0.2], [0.5, 0.6, 0.7, 0.6], 0.95)}
+    alarm = Alarm(metric="edit_rate", version=3, window_start=T0, window_end=T0 + 60, baseline="version 2",
+                  baseline_value=0.6, value=0.2, n=40, baseline_n=400, score=-5.0, p_value=1e-7, severity="critical",
+                  blocks_promotion=True)
+    point = MetricPoint(metric="edit_rate", version=3, window_start=T0, window_end=T0 + 60, n=40, value=0.2)
+    summary = CycleSummary(cycle=4, production_version=2, candidate_version=3, gate=gate.checks,
+                           gate_passed=gate.passed, ab=ab, alarms=[alarm], series=[point])
+    check, metric = summary.gate[0], summary.ab[0]
+    assert (check.name, check.passed, check.method) == ("pass_rate", True, "tango") and check.margin is None
+    assert metric.name == "reward" and metric.verdict == "better" and metric.significant
+    assert summary.alarms[0].blocks_promotion and summary.series[0].value == 0.2
+    assert CycleSummary.model_validate_json(summary.model_dump_json()) == summary
+
+
+def test_render_cycle_is_a_standalone_page_and_escapes_what_it_is_given():
+    c = cycle(2, promote=False).model_copy(update={"reason": "<script>alert(1)</script> & rolled back"})
+    page = render_cycle(c.model_dump())
+    dom = Elements(page)
+    assert page.startswith("<!DOCTYPE html>") and "<script>" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; rolled back" in page
+    assert sum("estimate" in a.get("class", "") for _, a, _ in dom.found) == 2 + 2  # gate checks, A/B metrics
+    assert sum("alarm" in a.get("class", "").split() for _, a, _ in dom.found) == 1
+    assert len(re.findall(r'class="point"', page)) == 2 * 5 * 2  # its monitor series
+
+
+def test_later_cycles_replace_earlier_monitor_points():
+    first = cycle(1)
+    second = cycle(2).model_copy(update={"series": [p.model_copy(update={"value": 0.1}) for p in first.series[:1]]})
+    merged = merged_monitors([first, second])
+    assert merged is not None and len(merged.series) == len(first.series)
+    assert merged.series[0].value == 0.1 and merged.source == "cycles 1–2"
+    assert merged_monitors([CycleSummary(cycle=1)]) is None
+
+
+def test_the_live_cycles_own_records_are_read_finished_or_running(tmp_path):
+    """flywheel/live/cycle.py writes cycle-NNNN/report.json when a cycle is done and state.json while it runs."""
+    from flywheel.live.abtest import ABReport, compare
+    from flywheel.live.cycle import CycleReport, CycleState, MonitorSummary
+    from flywheel.live.gate import GateDecision, GateRun, non_inferiority
+    from flywheel.live.monitors import MetricPoint
+
+    gate = GateRun(decision=GateDecision(passed=True, checks={"pass_rate": non_inferiority([1.0] * 60, [1.0] * 60, 0.05)}),
+                   candidate_version=1, production_version=0, tasks=60, candidate={}, production={}, seconds=3.0)
+    ab = ABReport(decision="promote", reason="persistence better", confidence=0.95, closed={}, versions={}, outside={},
+                  metrics={"reward": compare("reward", [0.1, 0.2, 0.3, 0.2], [0.5, 0.6, 0.7, 0.6], 0.95)})
+    series = [MetricPoint(metric="edit_rate", version=v, window_start=T0 + 60 * w, window_end=T0 + 60 * w + 60,
+                          n=30, value=0.5) for v in (0, 1) for w in range(3)]
+    done = CycleReport(cycle=1, trigger="events", started_at=T0, finished_at=T0 + 99, production=0, candidate=1,
+                       production_after=1, decision="promote", reason="the A/B test says so", batch=None, served={},
+                       train=None, gate=gate, ab=ab, alarms=[], blocking_alarms=[],
+                       monitor=MonitorSummary(baseline_version=0, tests=6, series=series),
+                       timings={"train_s": 40.0, "gate_s": 9.0, "total_s": 99.0})
+    running = CycleState(cycle=2, trigger="clock", started_at=T0 + 200, production=1, first_production=0,
+                         since=T0 + 99, events_at_start=10, stage="gated", candidate=2, gate=gate)
+    for state in (done, running):
+        (tmp_path / "live" / f"cycle-{state.cycle:04d}").mkdir(parents=True)
+    (tmp_path / "live" / "cycle-0001" / "report.json").write_text(done.model_dump_json(by_alias=True))
+    (tmp_path / "live" / "cycle-0001" / "state.json").write_text("{}")  # report.json is read when there is one
+    (tmp_path / "live" / "cycle-0002" / "state.json").write_text(running.model_dump_json())
+    data = build_report_data([tmp_path])
+    assert data["problems"] == []
+    first, second = (CycleSummary.model_validate(c) for c in data["cycles"])
+    assert (first.production_version, first.candidate_version, first.decision, first.stage) == (0, 1, "promote", None)
+    assert first.gate[0].name == "pass_rate" and first.gate_passed and first.ab[0].verdict == "better"
+    assert first.ab_decision == "promote" and len(first.series) == 6 and first.seconds == 99.0
+    assert (second.stage, second.candidate_version, second.decision, second.ab) == ("gated", 2, None, [])
+    dom = Elements(render_report(tmp_path).read_text())
+    assert "running: gated" in dom.text("cycles") and dom.count("point", "monitors") == 6
