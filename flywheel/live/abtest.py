@@ -108,7 +108,7 @@ _METRICS = {
 }
 
 
-def _samples(name: str, arm: list[tuple[Completion, Reward]], edit_tools: Sequence[str]) -> list[float]:
+def metric_samples(name: str, arm: Sequence[tuple[Completion, Reward]], edit_tools: Sequence[str]) -> list[float]:
     """The metric's per-answer values in one arm (0/1 for rates)."""
     closed = [(c, r) for c, r in arm if r.status is not RewardStatus.PENDING]
     match name:
@@ -168,8 +168,8 @@ def analyze(completions: Sequence[Completion], rewards: Sequence[Reward], config
         arms[c.arm].append((c, by_id[c.id]))
     closed = {arm: sum(r.status is not RewardStatus.PENDING for _, r in pairs) for arm, pairs in arms.items()}
     names = list(dict.fromkeys([*config.success_metrics, *config.guardrails]))
-    metrics = {name: compare(name, _samples(name, arms["production"], config.edit_tools),
-                             _samples(name, arms["candidate"], config.edit_tools), config.confidence)
+    metrics = {name: compare(name, metric_samples(name, arms["production"], config.edit_tools),
+                             metric_samples(name, arms["candidate"], config.edit_tools), config.confidence)
                for name in names}
     versions = {arm: sorted({c.version for c, _ in pairs}) for arm, pairs in arms.items()}
 

@@ -1,8 +1,18 @@
-"""The eval gate's statistics: may the candidate replace production? Pure: the caller runs the evals.
+"""The eval gate: may the candidate replace production? The statistics, and the battery that feeds them.
 
-    gate = Gate(GateConfig())
-    decision = gate.decide(candidate_results, production_results)   # {task id: {metric: value}}
-    if decision.passed: start the A/B test
+    gate = Gate(load_config(GateConfig, "configs/gate.toml"))
+    run = gate.run(Contender(cand_engine, tokenizer, 4), Contender(prod_engine, tokenizer, 3), pool)
+    if run.decision.passed: start the A/B test
+
+    # or with results from elsewhere: {task id: {metric: value}} per version
+    decision = gate.decide(candidate_results, production_results)
+
+The battery (`EvalBattery`): held-out tasks of the procedural families (eval split, fixed seed),
+HumanEval problems when `humaneval_tasks` > 0 (for a real checkpoint; the embedded tiny model
+solves none, so they would only cost time), and the behaviour checks below. Both versions play
+every task once through `flywheel.agent.evaluate`, concurrently, at the battery's temperature
+(0 by default: greedy decoding makes the comparison paired in the strongest sense, an identical
+candidate gives identical results up to float noise in batched decoding).
 
 Both versions are evaluated on the same held-out tasks, so results are paired per task. Pairing
 removes the between-task variance (a hard task is hard for both), which is most of it: the test
@@ -32,14 +42,23 @@ with the limit, so they also fail closed; the Wilson interval is reported for co
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from transformers import PreTrainedTokenizerBase
 
-from flywheel.agent.evaluate import passed, wilson_interval
+from flywheel.agent.episode import EpisodeConfig
+from flywheel.agent.evaluate import evaluate, passed, wilson_interval
 from flywheel.agent.trajectory import Trajectory
+from flywheel.env.families import FAMILIES, generate, task_set
+from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
 from flywheel.live.stats import mean_and_variance, t_quantile, z_quantile
+from flywheel.model.engine import Engine
 
 TaskResults = Mapping[str, Mapping[str, float | bool | None]]  # task id -> metric -> value (None: n/a)
 
@@ -72,6 +91,7 @@ class GateResult(BaseModel):
     reason: str
     method: str = ""  # tango | t | wilson
     check: str = ""
+    margin: float | None = None  # non-inferiority checks: how much worse the candidate may be
 
 
 def non_inferiority(candidate: Sequence[float], production: Sequence[float], margin: float,
@@ -170,12 +190,34 @@ def _default_checks() -> dict[str, NonInferiorityCheck | RateLimitCheck]:
     }
 
 
+class EvalBattery(BaseModel):
+    """The held-out tasks both versions play (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+    families: list[str] = Field(default_factory=lambda: list(FAMILIES), min_length=1)
+    # Per family. More tasks narrow the paired interval (like 1/sqrt(tasks)) at the cost of eval time;
+    # with no discordant pair the pass-rate check needs about z^2 (1 - margin) / margin tasks in all.
+    tasks_per_family: int = Field(16, ge=1)
+    difficulty: int | None = Field(1, ge=1, le=3)  # None: cycle through 1, 2, 3
+    seed: int = 1  # the bootstrap's held-out seed, so gate numbers compare with its eval
+    humaneval_tasks: int = Field(0, ge=0)  # HumanEval problems (eval split); set > 0 for a real checkpoint
+    concurrency: int = Field(16, ge=1)  # episodes in flight per version; the engine batches their turns
+    episode: EpisodeConfig = Field(default_factory=lambda: EpisodeConfig(temperature=0.0))
+
+    def tasks(self) -> list[Task]:
+        tasks = task_set(self.families, "eval", self.tasks_per_family, seed=self.seed, difficulty=self.difficulty)
+        if self.humaneval_tasks:
+            tasks += generate("humaneval", "eval", self.humaneval_tasks, seed=self.seed)
+        return tasks
+
+
 class GateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # One-sided error of each non-inferiority check: the chance a candidate truly `margin` worse passes it.
     alpha: float = Field(0.05, gt=0, lt=0.5)
     min_tasks: int = Field(20, ge=2)  # fewer paired tasks than this fail the check (module docstring)
     checks: dict[str, NonInferiorityCheck | RateLimitCheck] = Field(default_factory=_default_checks, min_length=1)
+    battery: EvalBattery = Field(default_factory=EvalBattery)
 
 
 class GateDecision(BaseModel):
@@ -187,16 +229,59 @@ class GateDecision(BaseModel):
         return [name for name, r in self.checks.items() if not r.passed]
 
 
+@dataclass(frozen=True)
+class Contender:
+    """One version as the gate plays it: an engine at that version and its tokenizer."""
+
+    engine: Engine
+    tokenizer: PreTrainedTokenizerBase
+    version: int
+
+
+class GateRun(BaseModel):
+    """What `Gate.run` did: the decision, and each version's eval summary on the same tasks."""
+
+    decision: GateDecision
+    candidate_version: int
+    production_version: int
+    tasks: int
+    candidate: dict[str, Any]  # flywheel.agent.evaluate.summarize of the candidate's episodes
+    production: dict[str, Any]
+    seconds: float
+
+
 class Gate:
     def __init__(self, config: GateConfig | None = None) -> None:
         self.config = config or GateConfig()
+
+    def run(self, candidate: Contender, production: Contender, pool: SandboxPool,
+            tasks: Sequence[Task] | None = None) -> GateRun:
+        """Play the battery (or `tasks`) with both versions, concurrently, and decide on the paired results."""
+        start = time.perf_counter()
+        tasks = list(tasks) if tasks is not None else self.config.battery.tasks()
+        battery = self.config.battery
+
+        def play(contender: Contender) -> tuple[dict[str, Any], list[Trajectory]]:
+            if contender.engine.version != contender.version:
+                raise ValueError(f"the engine for v{contender.version} is at version {contender.engine.version}; "
+                                 "give each Contender the engine that serves its version")
+            return evaluate(tasks, contender.engine, contender.tokenizer, pool, battery.episode,
+                            concurrency=battery.concurrency, progress=False)
+
+        # Both at once: two engines keep both cores busy while the other waits on sandboxes.
+        with ThreadPoolExecutor(2, thread_name_prefix="gate") as workers:
+            cand, prod = workers.map(play, (candidate, production))
+        decision = self.decide(task_results(tasks, cand[1]), task_results(tasks, prod[1]))
+        return GateRun(decision=decision, candidate_version=candidate.version, production_version=production.version,
+                       tasks=len(tasks), candidate=cand[0], production=prod[0], seconds=time.perf_counter() - start)
 
     def decide(self, candidate: TaskResults, production: TaskResults) -> GateDecision:
         missing = sorted(set(production) ^ set(candidate))
         if missing:
             raise ValueError(f"candidate and production were evaluated on different tasks ({len(missing)} "
                              f"differ, e.g. {missing[:3]}); evaluate both on the same task set")
-        results = {name: self._check(check, candidate, production).model_copy(update={"check": name})
+        results = {name: self._check(check, candidate, production).model_copy(update={
+                       "check": name, "margin": check.margin if isinstance(check, NonInferiorityCheck) else None})
                    for name, check in self.config.checks.items()}
         return GateDecision(passed=all(r.passed for r in results.values()), checks=results)
 

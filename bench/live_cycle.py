@@ -1,0 +1,160 @@
+"""Real-time RL cycle benchmark: how long a cycle takes, what production's users see cycle by cycle,
+and whether the two reward hacks emerge under their naive rewards and not under the default.
+
+    python bench/live_cycle.py                                  # everything (~30-40 min on 2 idle cores)
+    python bench/live_cycle.py --cycles 3 --no-scenarios        # only the cycles (~10-15 min)
+    python bench/live_cycle.py --no-cycles --scenario-cycles 4  # only the scenarios, shorter
+
+Prints one JSON object on stdout; progress goes to stderr.
+
+Cycles: the demo configuration (configs/live.toml: its reward file, trigger, batch, learner, A/B and
+monitor settings) around a LiveServer in this process, with the simulated users of
+configs/population.toml (their habits: patience, think time, follow-ups, lax reverts) working on
+the scenario world's one-line tasks (flywheel/sim/scenario.py), which the start policy, a tiny
+model SFT-ed for a minute, can sometimes solve; on the procedural families it solves none, and
+every rate would be 0. Departures from configs/live.toml, so that it runs here: paths in a temporary
+folder, the cycles follow each other at once (trigger.every_s = 1), and the gate's battery is the
+world's 16 tasks with margins that 16 paired tasks can show (0.2). `cycle_seconds` is the wall time
+of the first cycle, from its start to its report, waiting for traffic and feedback windows included;
+target <= 300 on a 2-core machine. `*_by_cycle` are production's served metrics in each cycle's
+batch window (flywheel/live/cycle.py `CycleReport.served`): the first entry is the start version,
+the baseline of the same run.
+
+Hack scenarios: `flywheel scenario drop_invalid` and `flywheel scenario edits_only`, each under its
+naive rewards and the default (configs/scenario_*.toml); the default arm is each one's baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from flywheel.config import load_config
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.live.cycle import CycleReport, LiveConfig, LiveCycle, ServerControl
+from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.model.registry import PRODUCTION, Registry
+from flywheel.sim.scenario import (
+    BackgroundUsers,
+    ScenarioConfig,
+    StartPolicyConfig,
+    run_scenario,
+    start_policy,
+)
+from flywheel.sim.users import Population
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "bench-key"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_cycles(cycles: int, work: Path) -> dict:
+    """`cycles` cycles of the demo configuration with simulated users; the figures of each."""
+    world = StartPolicyConfig()
+    with SandboxPool(PoolConfig(max_active=16, warm=2)) as pool:
+        model, tokenizer, sft = start_policy(world, pool, log=log)
+        with Registry(work / "registry") as registry:
+            registry.register(model, tokenizer, aliases=[PRODUCTION], note="bench start policy")
+        serve = ServeConfig(registry_root=work / "registry", run_dir=work / "live", keys={KEY: ["inference", "events", "admin"]},
+                            threads=1)
+        live = load_config(LiveConfig, REPO / "configs/live.toml", [
+            f"rewards_file='{REPO / 'configs/rewards.toml'}'", f"gate_file='{REPO / 'configs/gate.toml'}'",
+            f"registry_root='{work / 'registry'}'", f"store_path='{serve.store_path}'", f"run_dir='{work / 'cycles'}'",
+            "threads=1", f"cycles={cycles}", "trigger.every_s=1.0", "trigger.poll_s=1.0", "gate.min_tasks=10",
+            "gate.checks.pass_rate.margin=0.2", "gate.checks.valid_tool_call_rate.margin=0.2"])
+        population = load_config(Population, REPO / "configs/population.toml")
+        server = LiveServer.from_config(serve)
+        try:
+            with serve_in_thread(server) as running, \
+                    BackgroundUsers(running.url, KEY, population, world.workload(), pool) as users:
+                cycle = LiveCycle(live, ServerControl(server), log=log, gate_tasks=world.tasks())
+                reports = cycle.run()
+        finally:
+            server.close()
+    return {"start_policy_sft_seconds": round(sft["sft_seconds"], 1), "sessions": users.sessions,
+            **figures(reports)}
+
+
+def figures(reports: list[CycleReport]) -> dict:
+    def served(r: CycleReport, name: str, scale: float = 1.0) -> dict | None:
+        m = r.served.get(name)
+        if m is None or m.value is None:
+            return None
+        return {"version": r.production, "value": round(m.value * scale, 4), "n": m.n,
+                "ci": None if m.ci is None else [round(x * scale, 4) for x in m.ci]}
+
+    first = reports[0]
+    return {
+        "cycle_seconds": round(first.finished_at - first.started_at, 1),
+        "cycle_seconds_all": [round(r.finished_at - r.started_at, 1) for r in reports],
+        "stage_seconds": [{k: round(v, 1) for k, v in r.timings.items()} for r in reports],
+        "decisions": [{"cycle": r.cycle, "production": r.production, "candidate": r.candidate, "decision": r.decision,
+                       "reason": r.reason, "alarms": len(r.alarms)} for r in reports],
+        "edit_persistence_by_cycle": [served(r, "persistence") for r in reports],
+        "dissatisfied_by_cycle": [served(r, "dissatisfied") for r in reports],
+        "latency_ms_by_cycle": [served(r, "latency", 1000.0) for r in reports],
+        "reward_by_cycle": [served(r, "reward") for r in reports],
+    }
+
+
+def run_scenarios(cycles: int | None, work: Path) -> dict:
+    out = {}
+    for name in ("drop_invalid", "edits_only"):
+        overrides = [f"run_dir='{work / name}'", f"naive_rewards_file='{REPO / f'configs/rewards_naive_{name}.toml'}'",
+                     f"default_rewards_file='{REPO / 'configs/rewards.toml'}'"]
+        if cycles is not None:
+            overrides.append(f"cycles={cycles}")
+        config = load_config(ScenarioConfig, REPO / f"configs/scenario_{name}.toml", overrides)
+        result = run_scenario(config, log=log)
+        out[name] = {
+            "behaviour": f"{result.behaviour} ({result.direction})",
+            "hack_emerged": result.hack_emerged, "monitor_alarmed": result.monitor_alarmed,
+            "default_prevented": result.default_prevented,
+            **{arm.arm: {"start_rate": round(arm.start.rates[result.behaviour], 3),
+                         "end_rate": round(arm.end.rates[result.behaviour], 3),
+                         "start_rate_hard": round(arm.start.rates_hard[result.behaviour], 3),
+                         "end_rate_hard": round(arm.end.rates_hard[result.behaviour], 3),
+                         "effect": round(arm.effect, 3), "p_value": arm.p_value, "emerged": arm.emerged,
+                         "critical_alarms": len(arm.alarms), "versions": f"v{arm.start_version} -> v{arm.end_version}"}
+               for arm in (result.naive, result.default)},
+            "seconds": round(result.seconds, 1),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cycles", type=int, default=3, help="cycles of the demo configuration (>= 3 for the figures)")
+    parser.add_argument("--no-cycles", action="store_true")
+    parser.add_argument("--no-scenarios", action="store_true")
+    parser.add_argument("--scenario-cycles", type=int, default=None, help="default: each scenario config's own")
+    parser.add_argument("--work-dir", default=None, help="keep the runs here (default: a temporary folder)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)  # one thread: on a busy 2-core machine two threads contend and run slower
+    started = time.perf_counter()
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="flywheel-bench-live-cycle-"))
+    result: dict = {"machine": {"cpus": os.cpu_count(), "load_average_start": os.getloadavg()}}
+    if not args.no_cycles:
+        result.update(run_cycles(args.cycles, work / "cycles"))
+    if not args.no_scenarios:
+        result["hack_scenarios"] = run_scenarios(args.scenario_cycles, work / "scenarios")
+    result["machine"]["load_average_end"] = os.getloadavg()
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    result["work_dir"] = str(work)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

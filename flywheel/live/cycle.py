@@ -1,0 +1,669 @@
+"""The real-time RL cycle: served answers and users' reactions in, a better production model out, or none.
+
+    flywheel live --config configs/live.toml            # next to a running `flywheel serve`
+
+    users ──> server (production v_p, maybe a candidate arm) ──> LiveStore: completions + events
+                 ^                                                  │ read (its own connection)
+                 │ POST /v1/admin/deployment                        v
+    ┌────────────┴──────────── one cycle, stage by stage ──────────────────────────────────────────────┐
+    │ stage    waits for                                          unblocked by                           │
+    │ trigger  every_s since the last cycle started, or           the clock, or users' events arriving   │
+    │          min_events events since then                                                              │
+    │ gather   batch.min_completions trainable completions of     production traffic, and each answer's  │
+    │          v_p (feedback windows closed) since the last cut   feedback window closing                │
+    │ train    -  (family_loo advantages, Learner.train_step,     CPU                                    │
+    │             register the candidate v_c, parent v_p)                                                │
+    │ gate     -  (v_c and v_p play the eval battery; paired      CPU + sandboxes; fails: "rejected",    │
+    │             non-inferiority + behaviour checks)             v_c is never served                    │
+    │ deploy   the server loading v_c for candidate_fraction      the admin call returning               │
+    │          of sessions                                                                               │
+    │ A/B      ab.min_per_arm closed answers on each arm          traffic on both arms + windows closing │
+    │          (deploy.max_wait_s without a decision: roll back)                                         │
+    │ decide   -  (A/B analysis; a critical monitor alarm on      -                                      │
+    │             v_c blocks promotion)                                                                  │
+    │ apply    the server switching: promote -> production v_c;   the admin call returning               │
+    │          roll back -> production v_p alone                                                         │
+    │ report   -  report.json (CycleReport) + report.html                                                │
+    └──────────────────────────────────────────────────────────────────────────────────────────────────┘
+
+With deploy.promote_when = "gate" the A/B stage is skipped and every candidate that passes the gate
+is promoted: continuous deployment, what a loop without live guardrails does. The reward-hacking
+scenarios use it (flywheel/sim/scenario.py); the default waits for the A/B test.
+
+On-policy: the batch holds only completions served by the current production version, so every
+token's behaviour logprob is the learner's own starting policy (staleness 0). Completions are cut
+by time: cycle n trains on [since, cutoff), and cycle n + 1 starts at that cutoff, so no answer is
+trained on twice and none is skipped (except those the reward config drops, counted in the report).
+
+Crash safety. The cycle changes nothing users see until it deploys, and it moves the Registry's
+aliases only through the server (`Router.deploy` moves them together with the routing). Each stage
+that finishes is written to `run_dir/cycle-NNNN/state.json` (atomically); a restarted `flywheel live`
+resumes the unfinished cycle from its last finished stage: a cycle killed before `trained` gathers
+and trains again (the same data); one killed after deploying keeps the candidate's A/B arm and keeps
+measuring it; a decided one re-applies its decision (idempotent). A candidate registered just before
+a kill and not yet written to the state stays in the Registry with no alias and is never served.
+
+Run folder: `cycle-NNNN/{state.json, report.json, report.html}`, `config.json` (resolved, admin key
+redacted). A cycle is finished when its `state.json` says stage "done". `flywheel.report` reads these
+folders as they are (report.html is its `render_cycle`; `render_report(run_dir)` draws all cycles).
+
+The report (`CycleReport`, schema "flywheel.cycle/1"): cycle number, trigger, versions (production
+before and after, candidate), the batch (completions, sessions, families, excluded by reason, the
+time window), production's served metrics with confidence intervals, the learner's metrics, the gate
+(every check with its paired difference and interval, both versions' eval summaries), the A/B report
+(every metric per arm with intervals, the difference with its interval, verdicts), the decision and
+its reason, monitor alarms (and which blocked), the monitor series per version and window, and the
+seconds each stage took.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import tomllib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import httpx
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.env.task import Task
+from flywheel.live.abtest import ARMS, ABConfig, ABReport, analyze, compare, metric_samples
+from flywheel.live.batch import OnPolicyBatch, on_policy_batch
+from flywheel.live.deploy import PINNED, Deployment
+from flywheel.live.gate import Contender, Gate, GateConfig, GateRun
+from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorConfig
+from flywheel.live.records import Completion
+from flywheel.live.rewards import Reward, RewardConfig, RewardDistiller
+from flywheel.live.store import LiveStore
+from flywheel.model.engine import EngineConfig, LocalEngine
+from flywheel.model.registry import Registry
+from flywheel.report import render_cycle
+from flywheel.rl.learner import Learner, LearnerConfig
+
+if TYPE_CHECKING:
+    from flywheel.live.server import LiveServer
+
+SCHEMA = "flywheel.cycle/1"
+Decision = Literal["promote", "rollback", "rejected", "skipped", "abandoned"]
+Stage = Literal["started", "trained", "gated", "deployed", "decided", "done"]
+SERVED_METRICS = ("persistence", "dissatisfied", "invalid_calls", "latency", "reward")
+
+
+# ---- configuration
+
+
+class TriggerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # A cycle starts when either holds (the first cycle of a run starts at once). Frequent cycles
+    # adapt sooner; each still waits for a full batch, so they cannot outrun the traffic.
+    every_s: float | None = Field(3600.0, gt=0)
+    min_events: int | None = Field(None, ge=1)  # feedback events received since the last cycle started
+    poll_s: float = Field(5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _some_trigger(self) -> TriggerConfig:
+        if self.every_s is None and self.min_events is None:
+            raise ValueError("the trigger needs every_s or min_events (or both); e.g. trigger.every_s=3600")
+        return self
+
+
+class BatchConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # Trainable completions of the production version per cycle. Larger batches give lower-variance
+    # updates at the cost of waiting longer for traffic (and its feedback windows) every cycle.
+    min_completions: int = Field(256, ge=2)
+    max_completions: int = Field(4096, ge=2)  # earliest first; the rest start the next cycle's batch
+    max_wait_s: float = Field(3600.0, gt=0)  # no full batch by then: the cycle is skipped, nothing changes
+    poll_s: float = Field(5.0, gt=0)
+    family_key: str = "family"  # request_meta key that groups the advantage baseline (flywheel/live/batch.py)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> BatchConfig:
+        if self.max_completions < self.min_completions:
+            raise ValueError(f"batch.max_completions {self.max_completions} is below batch.min_completions "
+                             f"{self.min_completions}; raise the first or lower the second")
+        return self
+
+
+class DeployConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # Share of sessions the candidate answers during its A/B test. Higher reaches ab.min_per_arm
+    # sooner, at the cost of more users seeing an unproven version.
+    candidate_fraction: float = Field(0.1, gt=0, lt=1)
+    max_wait_s: float = Field(7200.0, gt=0)  # an A/B test without a decision by then is rolled back
+    poll_s: float = Field(5.0, gt=0)
+    # "ab": promote only on an A/B win with no guardrail worse and no blocking alarm.
+    # "gate": promote every candidate that passes the gate, without an A/B test (module docstring).
+    promote_when: Literal["ab", "gate"] = "ab"
+
+
+class LiveConfig(BaseModel):
+    """`flywheel live`: where the server, its store and the Registry are, and each stage's settings.
+
+    `rewards_file` / `gate_file` name TOML files of a RewardConfig / GateConfig; a `[rewards]` /
+    `[gate]` table in the same config overrides their values key by key (e.g. a shorter
+    feedback window for a demo). Paths are relative to the working directory."""
+
+    model_config = ConfigDict(extra="forbid")
+    registry_root: Path = Path("runs/registry")
+    store_path: Path = Path("runs/live/live.sqlite")  # the server's store: its ServeConfig.run_dir / live.sqlite
+    run_dir: Path = Path("runs/cycles")
+    server_url: str = "http://127.0.0.1:8000"
+    admin_key: str = ""  # a key with the admin scope in the server's [keys]; never written to config.json
+    cycles: int = Field(1, ge=0)  # cycles to run; 0: until stopped
+    seed: int = 0
+    threads: int = Field(2, ge=1)  # torch threads for training and the gate's engines
+    rewards_file: Path | None = None
+    gate_file: Path | None = None
+    rewards: RewardConfig = Field(default_factory=RewardConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
+    trigger: TriggerConfig = Field(default_factory=TriggerConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
+    ab: ABConfig = Field(default_factory=ABConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    alarms_block_promotion: bool = True  # a critical alarm on the candidate stops its promotion
+    # What the monitors compare every version with: "production" (this cycle's) or "first" (the
+    # production of the run's first cycle, which also catches a slow drift across promotions).
+    monitor_baseline: Literal["production", "first"] = "production"
+    monitor_lookback_s: float | None = Field(86400.0, gt=0)  # completions monitored; None: all
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    pool: PoolConfig = Field(default_factory=lambda: PoolConfig(max_active=16, warm=2))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _include_files(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            _include(data, "rewards", "rewards_file")
+            _include(data, "gate", "gate_file")
+        return data
+
+
+def _include(data: dict[str, Any], field: str, file_field: str) -> None:
+    """data[field] = the TOML file data[file_field] names, with data[field]'s own keys on top."""
+    path = data.get(file_field)
+    if path is None or isinstance(data.get(field), BaseModel):
+        return  # no file, or a model given in Python: it stands as given
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{file_field} {path} not found; paths are relative to the working directory (run from the "
+                         f"repo root), or set {file_field} to null and give a [{field}] table")
+    data[field] = _merge(tomllib.loads(path.read_text()), data.get(field) or {})
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+# ---- how the cycle changes what the server serves
+
+
+class DeploymentControl(Protocol):
+    def current(self) -> Deployment: ...
+
+    def apply(self, deployment: Deployment, note: str) -> None: ...
+
+
+class ServerControl:
+    """A LiveServer in this process (tests, benchmarks, demos)."""
+
+    def __init__(self, server: LiveServer):
+        self.server = server
+
+    def current(self) -> Deployment:
+        return self.server.deployment
+
+    def apply(self, deployment: Deployment, note: str) -> None:
+        self.server.set_deployment(deployment, note)
+
+
+class HttpControl:
+    """A server elsewhere, through its admin endpoint (`flywheel live` next to `flywheel serve`)."""
+
+    def __init__(self, url: str, admin_key: str, timeout_s: float = 600.0):
+        if not admin_key:
+            raise ValueError("admin_key is empty; set it to a key with the admin scope in the server's [keys] "
+                             "(configs/serve.toml has dev-admin-key)")
+        self.url = url.rstrip("/")
+        # Long timeout: applying a deployment loads the candidate's weights before it returns.
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers={"authorization": f"Bearer {admin_key}"})
+
+    def current(self) -> Deployment:
+        return Deployment.model_validate(self._call("GET", "/v1/admin/deployment")["deployment"])
+
+    def apply(self, deployment: Deployment, note: str) -> None:
+        del note  # the admin endpoint records its own note ("admin endpoint")
+        self._call("POST", "/v1/admin/deployment", deployment.model_dump_json())
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, body: str | None = None) -> dict[str, Any]:
+        try:
+            response = self._http.request(method, path, content=body)
+        except httpx.TransportError as exc:
+            raise RuntimeError(f"cannot reach the server at {self.url} ({type(exc).__name__}: {exc}); start "
+                               "`flywheel serve` or set server_url") from exc
+        if response.status_code != 200:
+            raise RuntimeError(f"{method} {self.url}{path} answered {response.status_code}: {response.text[:500]}")
+        return response.json()
+
+
+# ---- the report
+
+
+class ServedMetric(BaseModel):
+    value: float | None  # the rate or mean; None without data
+    ci: tuple[float, float] | None  # Wilson (rates) or t (means) at ab.confidence
+    n: int
+
+
+class MonitorSummary(BaseModel):
+    baseline_version: int | None
+    tests: int
+    series: list[MetricPoint]
+
+
+class CycleState(BaseModel):
+    """What a cycle has done so far; written after every stage, so a restart resumes it."""
+
+    cycle: int
+    trigger: str
+    started_at: float
+    production: int
+    first_production: int  # production of the run's first cycle (monitor_baseline = "first")
+    since: float  # the batch window starts here: the previous cycle's cutoff
+    events_at_start: int
+    stage: Stage = "started"
+    cutoff: float | None = None
+    batch: dict[str, Any] | None = None
+    served: dict[str, ServedMetric] = Field(default_factory=dict)
+    train: dict[str, float] | None = None
+    candidate: int | None = None
+    gate: GateRun | None = None
+    deployed_at: float | None = None
+    ab: ABReport | None = None
+    alarms: list[Alarm] = Field(default_factory=list)
+    blocking_alarms: list[Alarm] = Field(default_factory=list)
+    monitor: MonitorSummary | None = None
+    decision: Decision | None = None
+    reason: str = ""
+    production_after: int | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class CycleReport(BaseModel):
+    """One cycle, as report.json holds it (module docstring)."""
+
+    schema_: str = Field(SCHEMA, alias="schema")
+    cycle: int
+    trigger: str
+    started_at: float
+    finished_at: float
+    production: int  # serving when the cycle started
+    candidate: int | None  # trained this cycle (None when skipped)
+    production_after: int  # serving when the cycle ended
+    decision: Decision
+    reason: str
+    batch: dict[str, Any] | None  # OnPolicyBatch.summary(), plus since / cutoff (unix seconds)
+    served: dict[str, ServedMetric]  # production's traffic in the batch window
+    train: dict[str, float] | None  # Learner.train_step metrics
+    gate: GateRun | None
+    ab: ABReport | None
+    alarms: list[Alarm]
+    blocking_alarms: list[Alarm]
+    monitor: MonitorSummary | None
+    timings: dict[str, float]  # seconds per stage, and total_s
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+# ---- the cycle
+
+
+class LiveCycle:
+    """Runs cycles (module docstring); `run` loops over triggers, `run_cycle` does one."""
+
+    def __init__(self, config: LiveConfig, control: DeploymentControl, log: Callable[[str], None] = print,
+                 gate_tasks: Sequence[Task] | None = None):
+        """`gate_tasks` replaces the battery's tasks (a world whose tasks are no procedural family)."""
+        self.config = config
+        self.control = control
+        self.log = log
+        self.gate_tasks = list(gate_tasks) if gate_tasks is not None else None
+        self.distiller = RewardDistiller(config.rewards)
+        self.gate = Gate(config.gate)
+        self.monitor = Monitor(config.monitor)
+        if not config.store_path.is_file():
+            raise ValueError(f"no live store at {config.store_path}; start `flywheel serve` first (it writes "
+                             "run_dir/live.sqlite) or set store_path to its file")
+        if not (config.registry_root / "registry.sqlite").is_file():
+            raise ValueError(f"no registry at {config.registry_root}; run `flywheel bootstrap` or set registry_root")
+
+    def run(self, cycles: int | None = None) -> list[CycleReport]:
+        """Wait for each trigger and run a cycle, `cycles` times (config.cycles; 0: forever)."""
+        total = self.config.cycles if cycles is None else cycles
+        reports: list[CycleReport] = []
+        while total == 0 or len(reports) < total:
+            trigger = "resumed" if self._unfinished() is not None else self.wait_for_trigger()
+            reports.append(self.run_cycle(trigger))
+        return reports
+
+    def wait_for_trigger(self) -> str:
+        """Block until the schedule or the event count says a cycle is due; returns which one."""
+        trigger, last = self.config.trigger, self._last_state()
+        if last is None:
+            return "first"
+        with LiveStore(self.config.store_path) as store:
+            while True:
+                if trigger.every_s is not None and time.time() - last.started_at >= trigger.every_s:
+                    return "schedule"
+                if trigger.min_events is not None and store.count_events() - last.events_at_start >= trigger.min_events:
+                    return "events"
+                time.sleep(trigger.poll_s)
+
+    def run_cycle(self, trigger: str = "manual") -> CycleReport:
+        """One cycle; resumes the run folder's unfinished cycle if there is one."""
+        torch.set_num_threads(self.config.threads)
+        self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        with Registry(self.config.registry_root) as registry, LiveStore(self.config.store_path) as store:
+            state = self._unfinished()
+            if state is None:
+                state = self._start(trigger, store)
+            else:
+                self.log(f"cycle {state.cycle}: resuming after stage {state.stage!r}")
+                self._check_still_current(state)
+            while state.stage != "done":
+                self._advance(state, registry, store)
+                self._save(state)
+        report = self._report(state)
+        self.log(f"cycle {state.cycle}: {report.decision} ({report.reason}); production v{report.production_after}, "
+                 f"{report.timings['total_s']:.0f} s")
+        return report
+
+    # ---- stages
+
+    def _advance(self, state: CycleState, registry: Registry, store: LiveStore) -> None:
+        """Do the stage after `state.stage` and record it in `state`."""
+        if state.decision is not None and state.stage not in ("decided", "done"):
+            state.stage = "decided"  # skipped, rejected, abandoned, or promoted by the gate: apply and report
+        elif state.stage == "started":
+            self._gather_and_train(state, registry, store)
+        elif state.stage == "trained":
+            with self._timed(state, "gate_s"):
+                self._run_gate(state, registry)
+        elif state.stage == "gated":
+            with self._timed(state, "deploy_s"):
+                self._deploy(state)
+        elif state.stage == "deployed":
+            with self._timed(state, "ab_s"):
+                self._measure(state, store)
+        elif state.stage == "decided":
+            with self._timed(state, "apply_s"):
+                self._apply(state, store)
+
+    @contextmanager
+    def _timed(self, state: CycleState, name: str) -> Iterator[None]:
+        """Add the seconds of the block to state.timings[name] (a resumed stage adds up both attempts)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            state.timings[name] = state.timings.get(name, 0.0) + time.perf_counter() - start
+
+    def _gather_and_train(self, state: CycleState, registry: Registry, store: LiveStore) -> None:
+        with self._timed(state, "gather_s"):
+            gathered = self._gather(state, store)
+        if gathered is None:
+            return
+        batch, served = gathered
+        state.served = served
+        with self._timed(state, "train_s"):
+            self._train(state, registry, batch)
+
+    def _train(self, state: CycleState, registry: Registry, batch: OnPolicyBatch) -> None:
+        torch.manual_seed(self.config.seed * 100_003 + state.cycle)
+        model, tokenizer = registry.load(state.production)
+        ref = registry.load(state.production)[0] if self.config.learner.loss.kl_coef > 0 else None
+        learner = Learner(model.train(), self.config.learner, ref_model=ref, version=state.production)
+        metrics = learner.train_step(batch.trajectories, batch.advantages())
+        state.train = {k: float(v) for k, v in metrics.items()}
+        if metrics["optimizer_steps"] == 0:
+            state.decision, state.reason = "rejected", "the learner took no step (non-finite loss or gradients)"
+            return
+        checkpoint = registry.register(
+            learner.model.eval(), tokenizer, parent=state.production,
+            metrics={"live_cycle": float(state.cycle), "batch_completions": float(len(batch.trajectories)),
+                     "batch_reward_mean": batch.summary()["reward_mean"], "train_loss": float(metrics["loss"])},
+            note=f"live cycle {state.cycle}: {len(batch.trajectories)} completions of v{state.production}")
+        state.candidate, state.stage = checkpoint.version, "trained"
+        self.log(f"cycle {state.cycle}: trained v{state.candidate} from v{state.production} on "
+                 f"{len(batch.trajectories)} completions (reward {batch.summary()['reward_mean']:+.3f}, "
+                 f"loss {metrics['loss']:.4f}, {metrics['seconds']:.1f} s)")
+
+    def _gather(self, state: CycleState, store: LiveStore) -> tuple[OnPolicyBatch, dict[str, ServedMetric]] | None:
+        """Wait for a full on-policy batch; None (and the state says skipped) if none came in time."""
+        cfg = self.config.batch
+        deadline = time.time() + cfg.max_wait_s
+        while True:
+            now = time.time()
+            closed_before = now - self.config.rewards.feedback_window_s
+            served = [c for c in store.completions(version=state.production, start=state.since, end=closed_before)
+                      if c.arm != PINNED]
+            rewards = self._distill(store, served, now)
+            batch = on_policy_batch(served, [rewards[c.id] for c in served], state.production, cfg.family_key)
+            if len(batch.trajectories) >= cfg.min_completions:
+                break
+            if now > deadline:
+                state.decision = "skipped"
+                state.reason = (f"{len(batch.trajectories)} trainable completions of v{state.production} after "
+                                f"{cfg.max_wait_s:.0f} s; batch.min_completions is {cfg.min_completions}")
+                return None
+            self.log(f"cycle {state.cycle}: gathering, {len(batch.trajectories)}/{cfg.min_completions} trainable "
+                     f"completions of v{state.production}")
+            time.sleep(cfg.poll_s)
+        cutoff = closed_before
+        if len(batch.trajectories) > cfg.max_completions:
+            # Keep the earliest max_completions; the next cycle starts at the first answer left out.
+            last = batch.completions[cfg.max_completions - 1]
+            cutoff = next(c.created_at for c in served if c.created_at > last.created_at)
+            served = [c for c in served if c.created_at < cutoff]
+            batch = on_policy_batch(served, [rewards[c.id] for c in served], state.production, cfg.family_key)
+        state.cutoff = cutoff
+        state.batch = {**batch.summary(), "since": state.since, "cutoff": cutoff}
+        return batch, self._served_metrics(served, rewards)
+
+    def _run_gate(self, state: CycleState, registry: Registry) -> None:
+        assert state.candidate is not None
+        cand_model, cand_tok = registry.load(state.candidate)
+        prod_model, prod_tok = registry.load(state.production)
+        with LocalEngine(cand_model, self.config.engine, version=state.candidate) as cand_engine, \
+                LocalEngine(prod_model, self.config.engine, version=state.production) as prod_engine, \
+                SandboxPool(self.config.pool) as pool:
+            run = self.gate.run(Contender(cand_engine, cand_tok, state.candidate),
+                                Contender(prod_engine, prod_tok, state.production), pool, self.gate_tasks)
+        state.gate, state.stage = run, "gated"
+        checks = ", ".join(f"{name} {'ok' if r.passed else 'FAIL'}" for name, r in run.decision.checks.items())
+        self.log(f"cycle {state.cycle}: gate {'passed' if run.decision.passed else 'failed'} on {run.tasks} tasks "
+                 f"in {run.seconds:.1f} s ({checks})")
+        if not run.decision.passed:
+            state.decision = "rejected"
+            state.reason = "gate: " + "; ".join(f"{name}: {run.decision.checks[name].reason}"
+                                                for name in run.decision.failed)
+        elif self.config.deploy.promote_when == "gate":
+            state.decision, state.reason = "promote", "passed the gate (deploy.promote_when = gate: no A/B test)"
+
+    def _deploy(self, state: CycleState) -> None:
+        assert state.candidate is not None
+        fraction = self.config.deploy.candidate_fraction
+        self.control.apply(Deployment(production=state.production, candidate=state.candidate,
+                                      candidate_fraction=fraction), f"cycle {state.cycle}: A/B test of v{state.candidate}")
+        state.deployed_at, state.stage = time.time(), "deployed"
+        self.log(f"cycle {state.cycle}: v{state.candidate} serves {fraction:.0%} of sessions next to v{state.production}")
+
+    def _measure(self, state: CycleState, store: LiveStore) -> None:
+        """Wait for the A/B test to decide (or time out), then decide with the monitors."""
+        assert state.candidate is not None and state.deployed_at is not None
+        versions = {state.production, state.candidate}
+        deadline = state.deployed_at + self.config.deploy.max_wait_s
+        while True:
+            now = time.time()
+            arms = [c for c in store.completions(start=state.deployed_at) if c.version in versions and c.arm in ARMS]
+            rewards = self._distill(store, arms, now)
+            ab = analyze(arms, [rewards[c.id] for c in arms], self.config.ab)
+            if ab.decision != "wait" or now > deadline:
+                break
+            self.log(f"cycle {state.cycle}: A/B waiting ({ab.reason})")
+            time.sleep(self.config.deploy.poll_s)
+        state.ab = ab
+        self._watch(state, store)
+        blocking = state.blocking_alarms if self.config.alarms_block_promotion else []
+        if ab.decision == "wait":
+            state.decision = "rollback"
+            state.reason = f"no A/B decision within deploy.max_wait_s = {self.config.deploy.max_wait_s:.0f} s: {ab.reason}"
+        elif ab.decision == "promote" and blocking:
+            state.decision = "rollback"
+            state.reason = f"{ab.reason}, but monitor alarms block it: " + ", ".join(
+                f"{a.metric} {a.baseline_value:.3f} -> {a.value:.3f} (p={a.p_value:.1e})" for a in blocking)
+        else:
+            state.decision, state.reason = ab.decision, f"A/B: {ab.reason}"
+        state.stage = "decided"
+
+    def _apply(self, state: CycleState, store: LiveStore) -> None:
+        """Make the decision true on the server (idempotent), then finish the report."""
+        if state.monitor is None:  # decided without an A/B stage: monitors still report
+            self._watch(state, store)
+        promote = state.decision == "promote" and state.candidate is not None
+        after = state.candidate if promote else state.production
+        assert after is not None
+        if state.decision != "abandoned":
+            current = self.control.current()
+            if current.production != after or current.candidate is not None:
+                self.control.apply(Deployment(production=after),
+                                   f"cycle {state.cycle}: {state.decision} v{state.candidate}")
+        state.production_after, state.stage = after, "done"
+
+    # ---- what the stages share
+
+    def _distill(self, store: LiveStore, completions: Sequence[Completion], now: float) -> dict[str, Reward]:
+        """Rewards of `completions`, distilled with every completion and event of their sessions."""
+        sessions = sorted({c.session_id for c in completions})
+        context = {c.id: c for s in sessions for c in store.completions(session_id=s)}
+        context.update({c.id: c for c in completions})
+        events = [e for s in sessions for e in store.events_for_session(s)]
+        return {r.completion_id: r for r in self.distiller.distill(list(context.values()), events, now)}
+
+    def _served_metrics(self, completions: Sequence[Completion], rewards: dict[str, Reward]) -> dict[str, ServedMetric]:
+        """The A/B metrics of one version's traffic, with intervals (the same definitions as the A/B test)."""
+        pairs = [(c, rewards[c.id]) for c in completions]
+        out = {}
+        for name in SERVED_METRICS:
+            samples = metric_samples(name, pairs, self.config.ab.edit_tools)
+            m = compare(name, samples, samples, self.config.ab.confidence)
+            out[name] = ServedMetric(value=m.production, ci=m.production_ci, n=len(samples))
+        return out
+
+    def _watch(self, state: CycleState, store: LiveStore) -> None:
+        """Run the monitors over the lookback window; record alarms and which of them block the candidate."""
+        now = time.time()
+        lookback = self.config.monitor_lookback_s
+        completions = [c for c in store.completions(start=None if lookback is None else now - lookback)
+                       if c.arm != PINNED]
+        if not completions:
+            state.monitor = MonitorSummary(baseline_version=None, tests=0, series=[])
+            return
+        rewards = self._distill(store, completions, now)
+        baseline = state.first_production if self.config.monitor_baseline == "first" else state.production
+        if baseline not in {c.version for c in completions}:
+            baseline = None  # no traffic of it in the window: each version is compared with its own past
+        report = self.monitor.run(completions, [rewards[c.id] for c in completions], baseline_version=baseline)
+        state.alarms = report.alarms
+        state.blocking_alarms = report.blocking(state.candidate) if state.candidate is not None else []
+        state.monitor = MonitorSummary(baseline_version=baseline, tests=report.tests, series=report.series)
+        for alarm in report.alarms:
+            self.log(f"cycle {state.cycle}: ALARM ({alarm.severity}) v{alarm.version} {alarm.metric} "
+                     f"{alarm.baseline_value:.3f} -> {alarm.value:.3f} (n={alarm.n}, p={alarm.p_value:.1e}, "
+                     f"vs {alarm.baseline})")
+
+    # ---- the run folder
+
+    def _cycle_dir(self, cycle: int) -> Path:
+        return self.config.run_dir / f"cycle-{cycle:04d}"
+
+    def _states(self) -> list[CycleState]:
+        dirs = sorted(p for p in self.config.run_dir.glob("cycle-*") if (p / "state.json").is_file())
+        return [CycleState.model_validate_json((p / "state.json").read_text()) for p in dirs]
+
+    def _last_state(self) -> CycleState | None:
+        states = self._states()
+        return states[-1] if states else None
+
+    def _unfinished(self) -> CycleState | None:
+        last = self._last_state()
+        return last if last is not None and last.stage != "done" else None
+
+    def _start(self, trigger: str, store: LiveStore) -> CycleState:
+        states = self._states()
+        previous = states[-1] if states else None
+        production = self.control.current().production
+        since = 0.0
+        if previous is not None:
+            since = previous.cutoff if previous.cutoff is not None else previous.since
+        state = CycleState(cycle=previous.cycle + 1 if previous else 1, trigger=trigger, started_at=time.time(),
+                           production=production, first_production=states[0].production if states else production,
+                           since=since, events_at_start=store.count_events())
+        self._save(state)
+        self.log(f"cycle {state.cycle}: started ({trigger}), production v{production}")
+        return state
+
+    def _check_still_current(self, state: CycleState) -> None:
+        """A resumed cycle whose production was replaced meanwhile (by hand) is abandoned, untouched."""
+        production = self.control.current().production
+        if state.stage != "decided" and production != state.production:
+            state.decision = "abandoned"
+            state.reason = (f"production changed from v{state.production} to v{production} while the cycle was "
+                            "stopped; the deployment is left as it is")
+            state.production = production
+
+    def _save(self, state: CycleState) -> None:
+        folder = self._cycle_dir(state.cycle)
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_atomic(folder / "state.json", state.model_dump_json(indent=2))
+
+    def _report(self, state: CycleState) -> CycleReport:
+        assert state.decision is not None and state.production_after is not None
+        state.timings["total_s"] = sum(v for k, v in state.timings.items() if k != "total_s")
+        report = CycleReport(
+            cycle=state.cycle, trigger=state.trigger, started_at=state.started_at, finished_at=time.time(),
+            production=state.production, candidate=state.candidate, production_after=state.production_after,
+            decision=state.decision, reason=state.reason, batch=state.batch, served=state.served, train=state.train,
+            gate=state.gate, ab=state.ab, alarms=state.alarms, blocking_alarms=state.blocking_alarms,
+            monitor=state.monitor, timings=state.timings)
+        folder = self._cycle_dir(state.cycle)
+        _write_atomic(folder / "report.json", report.model_dump_json(indent=2, by_alias=True))
+        _write_atomic(folder / "report.html", render_cycle(report.model_dump(mode="json", by_alias=True),
+                                                        title=f"flywheel cycle {state.cycle}: {state.decision}"))
+        return report
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_report(path: str | Path) -> CycleReport:
+    return CycleReport.model_validate_json(Path(path).read_text())

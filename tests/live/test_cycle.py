@@ -1,0 +1,270 @@
+"""The real-time RL cycle: the on-policy batch, the gate on real checkpoints, a whole cycle, a killed cycle.
+
+Real parts throughout: a tiny policy SFT-ed to edit, ask or break its calls (cycle_world.py), the
+Registry, the live server over HTTP with simulated users in their own sandboxes, the Learner, the
+eval gate playing real episodes, the A/B analysis and the monitors. The kill test runs `flywheel
+live` as a subprocess against a server in this process and SIGKILLs it in the middle of its A/B test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from cycle_world import KEY, POLICY, REPO, live_world, make_registry, start_checkpoint
+from tiny_serving import stored_completion
+
+from flywheel.agent.chat import SYSTEM_PROMPT, tool_schemas
+from flywheel.agent.episode import EpisodeConfig
+from flywheel.config import ConfigError, load_config
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.live.batch import DEFAULT_FAMILY, completion_trajectory, on_policy_batch
+from flywheel.live.cycle import CycleReport, CycleState, LiveConfig, LiveCycle, ServerControl, load_report
+from flywheel.live.deploy import PINNED, Deployment
+from flywheel.live.gate import Contender, EvalBattery, Gate, GateConfig, NonInferiorityCheck
+from flywheel.live.records import CompletionToolCall, Event, EventType
+from flywheel.live.rewards import RewardConfig, RewardDistiller, RewardStatus
+from flywheel.live.store import LiveStore
+from flywheel.model.engine import LocalEngine
+from flywheel.model.registry import CANDIDATE, PRODUCTION, CheckpointNotFound, Registry
+
+torch.set_num_threads(1)
+
+
+# ---- the on-policy batch
+
+
+def test_completion_becomes_a_trajectory_with_exactly_the_served_tokens():
+    c = stored_completion("c1", "s1", version=3).model_copy(update={
+        "prompt_ids": [5, 6, 7], "completion_ids": [8, 9], "logprobs": [-0.5, -0.25], "finish_reason": "length",
+        "request_meta": {"family": "bugfix"}})
+    (reward,) = RewardDistiller(RewardConfig(feedback_window_s=1.0)).distill([c], [], now=2000.0)
+    t = completion_trajectory(c, reward, "bugfix")
+    assert t.tokens == [5, 6, 7, 8, 9] and t.loss_mask == [0, 0, 0, 1, 1]
+    assert t.logprobs == [0.0, 0.0, 0.0, -0.5, -0.25] and t.versions == [-1, -1, -1, 3, 3]
+    assert t.prompt_len == 3 and t.status == "truncated" and t.reward == reward.reward and t.family == "bugfix"
+
+
+def test_batch_holds_only_trainable_on_policy_user_traffic():
+    config = RewardConfig(feedback_window_s=10.0, drop_invalid=True)
+    broken = CompletionToolCall(name="edit_file", arguments={}, valid=False, error="missing new")
+    completions = [
+        stored_completion("ok", "s1").model_copy(update={"request_meta": {"family": "a"}}),
+        stored_completion("ok2", "s2").model_copy(update={"request_meta": {"family": "a"}}),
+        stored_completion("lone", "s3"),  # no family: the default one
+        stored_completion("old-version", "s4", version=1),
+        stored_completion("pinned", "s5").model_copy(update={"arm": PINNED}),
+        stored_completion("open", "s6").model_copy(update={"created_at": 1995.0}),  # window still open
+        stored_completion("broken", "s7").model_copy(update={"tool_calls": [broken]}),  # dropped by the naive config
+    ]
+    events = [Event(id="e1", type=EventType.FOLLOWUP, session_id="s1", completion_id="ok", time=1001.0,
+                    payload={"dissatisfied": True})]
+    rewards = RewardDistiller(config).distill(completions, events, now=2000.0)
+    batch = on_policy_batch(completions, rewards, version=0)
+    assert [c.id for c in batch.completions] == ["ok", "ok2", "lone"]
+    assert batch.excluded == {"other_version": 1, "pinned": 1, RewardStatus.PENDING.value: 1,
+                              RewardStatus.DROPPED.value: 1}
+    assert batch.families == ["a", "a", DEFAULT_FAMILY]
+    # family_loo: each compared with the other completion of its family; a family of one gets 0.
+    assert batch.advantages() == pytest.approx([-0.5, 0.5, 0.0])
+
+
+def test_gather_cuts_the_batch_by_time_so_nothing_is_trained_twice(tmp_path):
+    store = LiveStore(tmp_path / "live.sqlite")
+    for i in range(10):
+        store.add_completion(stored_completion(f"c{i}", f"s{i}").model_copy(update={"created_at": 1000.0 + i}))
+    Registry(tmp_path / "registry").close()
+    config = LiveConfig(registry_root=tmp_path / "registry", store_path=tmp_path / "live.sqlite", run_dir=tmp_path / "run",
+                        rewards=RewardConfig(feedback_window_s=1.0), batch={"min_completions": 3, "max_completions": 4})
+    cycle = LiveCycle(config, _FixedControl(Deployment(production=0)), log=lambda m: None)
+    state = CycleState(cycle=1, trigger="test", started_at=0.0, production=0, first_production=0, since=0.0,
+                       events_at_start=0)
+    batch, served = cycle._gather(state, store)
+    assert [c.id for c in batch.completions] == ["c0", "c1", "c2", "c3"] and state.cutoff == 1004.0
+    assert served["latency"].n == 4 and served["latency"].ci is not None
+    following = state.model_copy(update={"since": state.cutoff, "cutoff": None})
+    batch, _ = cycle._gather(following, store)
+    assert [c.id for c in batch.completions] == ["c4", "c5", "c6", "c7"]
+    store.close()
+
+
+class _FixedControl:
+    def __init__(self, deployment: Deployment):
+        self.deployment = deployment
+
+    def current(self) -> Deployment:
+        return self.deployment
+
+    def apply(self, deployment: Deployment, note: str) -> None:
+        self.deployment = deployment
+
+
+# ---- configuration
+
+
+def test_live_config_reads_reward_and_gate_files_with_overrides_on_top(tmp_path):
+    config = load_config(LiveConfig, REPO / "configs/live.toml",
+                         [f"rewards_file='{REPO / 'configs/rewards_naive_drop_invalid.toml'}'",
+                          f"gate_file='{REPO / 'configs/gate.toml'}'", "rewards.feedback_window_s=7.0"])
+    assert config.rewards.drop_invalid and config.rewards.feedback_window_s == 7.0
+    assert set(config.gate.checks) == {"pass_rate", "valid_tool_call_rate", "clarify_on_clear"}
+    assert config.gate.checks["pass_rate"].margin == 0.1 and config.gate.battery.tasks_per_family == 8
+    with pytest.raises(ConfigError, match="rewards_file .* not found"):
+        load_config(LiveConfig, None, [f"rewards_file='{tmp_path / 'nope.toml'}'"])
+    with pytest.raises(ConfigError, match="raise the first or lower the second"):
+        load_config(LiveConfig, None, ["batch.min_completions=10", "batch.max_completions=5"])
+    assert len(EvalBattery(families=["bugfix"], tasks_per_family=2, humaneval_tasks=2).tasks()) == 4
+
+
+# ---- the gate on real checkpoints
+
+
+def test_gate_blocks_a_degraded_candidate_and_passes_an_identical_one(tmp_path):
+    registry = make_registry(tmp_path / "registry")
+    model, tokenizer = registry.load(0)
+    registry.register(model, tokenizer, parent=0, note="identical")  # v1: the same weights
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():  # v2: every weight perturbed by its own scale
+            p.add_(torch.randn(p.shape, generator=generator) * p.std().clamp(min=1e-3))
+    registry.register(model, tokenizer, parent=0, note="degraded")
+    episode = EpisodeConfig(temperature=0.0, max_turns=2, max_tokens_per_turn=64)
+    gate = Gate(GateConfig(min_tasks=8, battery=EvalBattery(episode=episode, concurrency=10), checks={
+        "pass_rate": NonInferiorityCheck(metric="passed", margin=0.3)}))
+    tasks = POLICY.tasks()  # the tasks the policy can do: 4 easy, 2 hard ones x 3 variants
+
+    def contender(version: int) -> Contender:
+        m, t = registry.load(version)
+        return Contender(LocalEngine(m, version=version), t, version)
+
+    with SandboxPool(PoolConfig(max_active=8, warm=2)) as pool:
+        production, identical, degraded = contender(0), contender(1), contender(2)
+        try:
+            same = gate.run(identical, production, pool, tasks)
+            worse = gate.run(degraded, production, pool, tasks)
+        finally:
+            for c in (production, identical, degraded):
+                c.engine.close()
+    assert same.production["pass_rate"] >= 0.3, "the start policy should solve some tasks, or the test says nothing"
+    assert same.decision.passed, same.decision.checks
+    assert not worse.decision.passed and worse.decision.failed == ["pass_rate"]
+    check = worse.decision.checks["pass_rate"]
+    assert check.ci_low < -0.3 and check.margin == 0.3 and check.n == len(tasks)
+    registry.close()
+
+
+# ---- whole cycles
+
+
+def _cycle_config(root: Path, world_store: Path, registry_root: Path, **update) -> LiveConfig:
+    data = {
+        "registry_root": str(registry_root), "store_path": str(world_store), "run_dir": str(root / "cycles"),
+        "threads": 1, "rewards": {"feedback_window_s": 3.0},
+        "batch": {"min_completions": 24, "max_completions": 200, "max_wait_s": 120.0, "poll_s": 0.5},
+        "learner": {"lr": 1e-5},  # a candidate close to production: the gate passes it and the A/B test runs
+        "gate": {"min_tasks": 8, "checks": {"pass_rate": {"metric": "passed", "margin": 0.35}},
+                 "battery": {"families": ["bugfix"], "tasks_per_family": 8, "concurrency": 8,
+                             "episode": {"temperature": 0.0, "max_turns": 2, "max_tokens_per_turn": 48}}},
+        "deploy": {"candidate_fraction": 0.5, "max_wait_s": 120.0, "poll_s": 0.5},
+        "ab": {"min_per_arm": 8},
+        "monitor": {"window_s": 30.0, "min_rate_count": 10},
+        "pool": {"max_active": 8, "warm": 1},
+    }
+    data.update(update)
+    return LiveConfig.model_validate(data)
+
+
+def test_one_full_cycle_with_simulated_users(tmp_path):
+    start_checkpoint()
+    with live_world(tmp_path) as world:
+        config = _cycle_config(tmp_path, world.serve.store_path, world.registry_root)
+        cycle = LiveCycle(config, ServerControl(world.server), log=lambda m: None, gate_tasks=POLICY.tasks())
+        (report,) = cycle.run(1)
+        deployment = world.server.deployment
+    assert report.decision in ("promote", "rollback"), report.reason
+    assert report.production == 0 and report.candidate == 1 and report.batch["completions"] >= 24
+    assert report.gate.decision.passed and report.gate.decision.checks["pass_rate"].ci_low is not None
+    assert {"persistence", "dissatisfied", "latency", "reward"} <= set(report.ab.metrics)
+    for metric in report.ab.metrics.values():  # every A/B metric with intervals per arm and for the difference
+        assert metric.verdict == "insufficient" or None not in (metric.production_ci, metric.candidate_ci, metric.ci_low)
+    assert report.served["latency"].ci is not None and report.monitor.series
+    assert {"gather_s", "train_s", "gate_s", "deploy_s", "ab_s", "apply_s", "total_s"} <= set(report.timings)
+    # What the cycle decided is what serves, and what the Registry says.
+    assert deployment == Deployment(production=report.production_after)
+    with Registry(world.registry_root) as registry:
+        assert registry.get(PRODUCTION).version == report.production_after == (1 if report.decision == "promote" else 0)
+        with pytest.raises(CheckpointNotFound):
+            registry.get(CANDIDATE)
+    folder = tmp_path / "cycles" / "cycle-0001"
+    assert load_report(folder / "report.json") == report
+    assert json.loads((folder / "report.json").read_text())["schema"] == "flywheel.cycle/1"
+    assert "Cycle 1" in (folder / "report.html").read_text()
+    assert CycleState.model_validate_json((folder / "state.json").read_text()).stage == "done"
+
+
+def test_a_cycle_killed_midway_leaves_production_serving_and_the_rerun_completes(tmp_path):
+    start_checkpoint()
+    with live_world(tmp_path) as world:
+        config = _cycle_config(tmp_path, world.serve.store_path, world.registry_root,
+                               server_url=world.url, admin_key=KEY)
+        path = tmp_path / "live.toml"
+        path.write_text(_toml(json.loads(config.model_dump_json(exclude={"rewards_file", "gate_file"}))))
+        command = [sys.executable, "-m", "flywheel.cli", "live", "--config", str(path)]
+        state_file = tmp_path / "cycles" / "cycle-0001" / "state.json"
+        first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 180
+            while _stage(state_file) != "deployed":
+                assert first.poll() is None, f"the cycle ended before its A/B test: {first.communicate()[0][-3000:]}"
+                assert time.monotonic() < deadline, f"no A/B test after 180 s; state: {_stage(state_file)}"
+                time.sleep(0.2)
+        finally:
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait()
+        # Killed in its A/B test: production is untouched and still answers; the candidate arm stays up.
+        with Registry(world.registry_root) as registry:
+            assert registry.get(PRODUCTION).version == 0 and registry.get(CANDIDATE).version == 1
+        assert world.server.deployment.production == 0
+        api = openai.OpenAI(base_url=f"{world.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        answer = api.chat.completions.create(model="flywheel", max_tokens=8, tools=tool_schemas(), messages=[
+            {"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": POLICY.tasks()[0].instruction}])
+        assert answer.id and answer.model_extra["flywheel"]["version"] in (0, 1)
+        rerun = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+        assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+        deployment = world.server.deployment
+    assert "resuming after stage 'deployed'" in rerun.stdout
+    report = CycleReport.model_validate_json((tmp_path / "cycles" / "cycle-0001" / "report.json").read_text())
+    assert report.cycle == 1 and report.candidate == 1 and report.decision in ("promote", "rollback")
+    assert deployment == Deployment(production=report.production_after)
+    assert not (tmp_path / "cycles" / "cycle-0002").exists()  # resumed, not started over
+
+
+def _stage(state_file: Path) -> str | None:
+    try:
+        return json.loads(state_file.read_text())["stage"]
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or caught mid-replace
+        return None
+
+
+def _toml(data: dict, prefix: str = "") -> str:
+    """A config dict as TOML (tables after values), enough for LiveConfig's plain types."""
+    lines, tables = [], []
+    for key, value in data.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            tables.append((key, value))
+        else:
+            lines.append(f"{json.dumps(key)} = {json.dumps(value)}")
+    for key, value in tables:
+        name = f"{prefix}.{json.dumps(key)}" if prefix else json.dumps(key)
+        lines.append(f"\n[{name}]\n" + _toml(value, name))
+    return "\n".join(lines) + "\n"
