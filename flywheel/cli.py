@@ -3,12 +3,14 @@
     flywheel tasks list   --family bugfix --split train [--n 10] [--difficulty 1]
     flywheel tasks show   bugfix/train/s0/d1/0
     flywheel tasks export --family implement --split eval --n 50 --out tasks.jsonl
-    flywheel demo         [--config configs/demo.toml] [--set tasks_per_family=3]
+    flywheel demo         [--config configs/demo.toml] [--set train.time_budget_s=60]
     flywheel bootstrap    [--config configs/bootstrap.toml] [--set sft.epochs=1]
     flywheel eval         --checkpoint production --split eval --json
     flywheel registry list|show|promote [V] [--alias production] [--root runs/registry]
     flywheel train        [--config configs/train.toml] [--set orchestrator.max_staleness=2]
     flywheel serve        [--config configs/serve.toml] [--set port=8001]
+    flywheel live         [--config configs/live.toml] [--set cycles=3]
+    flywheel scenario     drop_invalid|edits_only [--set cycles=4]
 
 Subcommands are added as stages land; each reads a typed config (TOML + `--set` overrides).
 """
@@ -21,26 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from flywheel.config import ConfigError, load_config, write_resolved
 from flywheel.env.families import FAMILIES, generate, get_task
-from flywheel.env.grading import GradeConfig, grade
-from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.env.pool import SandboxPool
 from flywheel.env.task import SPLITS
-
-
-class DemoConfig(BaseModel):
-    """What `make demo` runs until the full flywheel lands: the scripted expert, shown solving tasks."""
-
-    model_config = ConfigDict(extra="forbid")
-    families: list[str] = Field(default_factory=lambda: list(FAMILIES))
-    tasks_per_family: int = 2
-    split: str = "eval"
-    seed: int = 0
-    run_dir: Path = Path("runs/demo")
-    pool: PoolConfig = Field(default_factory=PoolConfig)
-    grade: GradeConfig = Field(default_factory=GradeConfig)
 
 
 def _short(text: str, width: int) -> str:
@@ -79,36 +65,12 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from flywheel.sim.expert import ScriptedExpert, run_policy  # noqa: PLC0415  (sim: demo only)
+    from flywheel.demo import DemoConfig, run_demo  # noqa: PLC0415  (drives sim/: only the CLI imports it)
 
     config = load_config(DemoConfig, args.config, args.set)
     write_resolved(config, config.run_dir)
-    expert = ScriptedExpert(seed=config.seed)
-    rows = []
-    start = time.perf_counter()
-    with SandboxPool(config.pool) as pool:
-        for family in config.families:
-            for task in generate(family, config.split, config.tasks_per_family, seed=config.seed):
-                t0 = time.perf_counter()
-                episode = run_policy(task, expert.play(task), pool)
-                result = grade(task, episode.final, config.grade)
-                print(f"\n=== {task.id}: {_short(task.instruction, 100)}")
-                for action, observation in episode.turns:
-                    calls = ", ".join(f"{c.name}({_short(json.dumps(c.arguments), 60)})" for c in action.calls)
-                    print(f"  agent: {action.text}" + (f"  -> {calls}" if calls else ""))
-                    if isinstance(observation, str):
-                        print(f"  user:  {observation}")
-                print(f"  graded: {result.passed}/{result.passed + result.failed} hidden tests, reward {result.reward:.2f}")
-                rows.append((task.id, len(episode.turns), result.passed, result.passed + result.failed,
-                             result.reward, time.perf_counter() - t0))
-        stats = pool.stats()
-    print(f"\n{'task':<34} {'turns':>5} {'hidden tests':>12} {'reward':>6} {'seconds':>7}")
-    for task_id, turns, passed, total, reward, secs in rows:
-        print(f"{task_id:<34} {turns:>5} {f'{passed}/{total}':>12} {reward:>6.2f} {secs:>7.2f}")
-    solved = sum(1 for r in rows if r[2] == r[3] and r[3] > 0)
-    print(f"\nsolved {solved}/{len(rows)} in {time.perf_counter() - start:.1f} s; pool: {stats}")
-    (config.run_dir / "summary.json").write_text(json.dumps({"solved": solved, "tasks": len(rows), "pool": stats}))
-    return 0 if solved == len(rows) else 1
+    run_demo(config)
+    return 0
 
 
 def cmd_registry(args: argparse.Namespace) -> int:
@@ -219,6 +181,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_live(args: argparse.Namespace) -> int:
+    from flywheel.live.cycle import HttpControl, LiveConfig, LiveCycle  # noqa: PLC0415
+
+    config = load_config(LiveConfig, args.config, args.set)
+    write_resolved(config.model_copy(update={"admin_key": "<redacted>"}), config.run_dir)  # the key stays out
+    control = HttpControl(config.server_url, config.admin_key)
+    try:
+        reports = LiveCycle(config, control).run()
+    finally:
+        control.close()
+    print(json.dumps([{"cycle": r.cycle, "decision": r.decision, "reason": r.reason, "production": r.production,
+                       "candidate": r.candidate, "production_after": r.production_after,
+                       "seconds": round(r.timings["total_s"], 1), "report": str(config.run_dir / f"cycle-{r.cycle:04d}")}
+                      for r in reports], indent=2))
+    return 0
+
+
+def cmd_scenario(args: argparse.Namespace) -> int:
+    import logging  # noqa: PLC0415
+
+    from flywheel.sim.scenario import ScenarioConfig, run_scenario  # noqa: PLC0415  (sim: a demo)
+
+    logging.basicConfig(level=logging.WARNING)
+    config = load_config(ScenarioConfig, args.config or Path("configs") / f"scenario_{args.name}.toml", args.set)
+    write_resolved(config, config.run_dir)
+    result = run_scenario(config)
+    summary = {k: v for k, v in result.model_dump().items() if k not in ("naive", "default")}
+    for arm in (result.naive, result.default):
+        summary[arm.arm] = {"start": arm.start.rates, "end": arm.end.rates, "start_hard": arm.start.rates_hard,
+                            "end_hard": arm.end.rates_hard, "effect": arm.effect, "p_value": arm.p_value,
+                            "emerged": arm.emerged, "alarms": len(arm.alarms),
+                            "decisions": [c["decision"] for c in arm.cycles]}
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {config.run_dir / 'result.json'}")
+    return 0 if result.hack_emerged and result.monitor_alarmed and result.default_prevented else 1
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
     """`--config FILE` and repeated `--set key.sub=value`, for commands that read a typed config."""
     parser.add_argument("--config", default=None, help=f"a TOML file, e.g. {example}")
@@ -275,6 +274,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="the OpenAI-compatible server with A/B routing and the events endpoint")
     add_config_arguments(serve, "configs/serve.toml")
     serve.set_defaults(func=cmd_serve)
+
+    live = sub.add_parser("live", help="real-time RL cycles: on-policy batch, candidate, gate, A/B, promote or roll back")
+    add_config_arguments(live, "configs/live.toml")
+    live.set_defaults(func=cmd_live)
+
+    scenario = sub.add_parser("scenario", help="reproduce a reward hack with the real loop, and its prevention")
+    scenario.add_argument("name", help="a scenario: configs/scenario_NAME.toml (drop_invalid, edits_only)")
+    add_config_arguments(scenario, "configs/scenario_drop_invalid.toml (default: from NAME)")
+    scenario.set_defaults(func=cmd_scenario)
     return parser
 
 

@@ -6,23 +6,30 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.cli import DemoConfig
 from flywheel.config import ConfigError, load_config, parse_override, write_resolved
+from flywheel.demo import DemoConfig
+from flywheel.live.cycle import LiveConfig
+from flywheel.live.gate import GateConfig
 from flywheel.live.rewards import RewardConfig
 from flywheel.live.server import ServeConfig
 from flywheel.rl.bootstrap import BootstrapConfig
 from flywheel.rl.train import TrainConfig
+from flywheel.sim.scenario import ScenarioConfig
 from flywheel.sim.users import Population
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Which model reads which file: a new config file must be added here, or this test fails.
 MODELS = {
     "demo.toml": DemoConfig,
+    "gate.toml": GateConfig,
+    "live.toml": LiveConfig,
     "bootstrap.toml": BootstrapConfig,
     "population.toml": Population,
     "rewards.toml": RewardConfig,
     "rewards_naive_drop_invalid.toml": RewardConfig,
     "rewards_naive_edits_only.toml": RewardConfig,
+    "scenario_drop_invalid.toml": ScenarioConfig,
+    "scenario_edits_only.toml": ScenarioConfig,
     "serve.toml": ServeConfig,
     "train.toml": TrainConfig,
 }
@@ -40,20 +47,21 @@ def test_overrides_are_toml_values():
     assert parse_override("pool.max_active=3") == (["pool", "max_active"], 3)
     assert parse_override("families=['bugfix']") == (["families"], ["bugfix"])
     assert parse_override("run_dir=runs/x") == (["run_dir"], "runs/x")
-    config = load_config(DemoConfig, CONFIGS / "demo.toml", ["pool.max_active=3", "tasks_per_family=5"])
-    assert config.pool.max_active == 3 and config.tasks_per_family == 5
+    config = load_config(DemoConfig, CONFIGS / "demo.toml", ["pool.max_active=3", "live.cycles=5"])
+    assert config.pool.max_active == 3 and config.live.cycles == 5
+    assert config.live.batch.min_completions == 96  # the file's value where no override says otherwise
 
 
 def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(DemoConfig, tmp_path / "missing.toml")
-    with pytest.raises(ConfigError, match="tasks_per_famly"):
-        load_config(DemoConfig, None, ["tasks_per_famly=3"])
+    with pytest.raises(ConfigError, match="cylces"):
+        load_config(DemoConfig, None, ["live.cylces=3"])
     with pytest.raises(ConfigError, match="key.sub=value"):
         parse_override("no-equals-sign")
 
 
 def test_resolved_config_is_written(tmp_path):
-    config = load_config(DemoConfig, None, ["seed=4"])
+    config = load_config(DemoConfig, None, ["bootstrap.seed=4"])
     out = write_resolved(config, tmp_path / "run")
     assert DemoConfig.model_validate_json(out.read_text()) == config

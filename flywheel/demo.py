@@ -1,0 +1,171 @@
+"""`flywheel demo`: the whole flywheel on the embedded default, in one command.
+
+    make demo        # = flywheel demo --config configs/demo.toml
+
+    1. bootstrap    version 0: tokenizer, tiny MoE, SFT on scripted demonstrations (cached: a second
+                    run with the same bootstrap config reuses it)
+    2. simulated RL async GRPO from production for `train.time_budget_s`; the result is promoted
+    3. real-time RL the server in this process, simulated users in background threads sending
+                    requests and feedback over HTTP, and `live.cycles` cycles of the real loop
+                    (gather -> train -> gate -> A/B -> promote or roll back)
+    4. report       run_dir/report.html (static, offline) and a summary table on the terminal
+
+Only the CLI imports this module (it drives `sim/`, which the core never imports). Everything it
+writes stays under `run_dir`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.live.cycle import LiveConfig, LiveCycle, ServerControl
+from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.model.registry import Registry
+from flywheel.report.render import render_report
+from flywheel.rl.bootstrap import BootstrapConfig, bootstrap, train_tasks
+from flywheel.rl.train import TrainConfig, train
+from flywheel.sim.expert import demonstrations
+from flywheel.sim.users import Population, run_population
+
+DEMO_KEY = "demo-local-key"  # the in-process server's only key; it listens on loopback only
+
+
+class DemoConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    run_dir: Path = Path("runs/demo")
+    reuse_bootstrap: bool = True
+    bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    live: LiveConfig = Field(default_factory=LiveConfig)
+    population: Population = Field(default_factory=Population)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    sessions_per_round: int = 32  # users' sessions between checks that the cycles still need traffic
+    pool: PoolConfig = Field(default_factory=lambda: PoolConfig(max_active=16, warm=2))
+
+
+def _bootstrap_key(config: BootstrapConfig) -> str:
+    return hashlib.sha256(config.model_dump_json(exclude={"run_dir", "registry_root"}).encode()).hexdigest()[:16]
+
+
+def _step(title: str) -> None:
+    print(f"\n=== {title} ===", flush=True)
+
+
+def run_demo(config: DemoConfig) -> dict[str, Any]:
+    start = time.perf_counter()
+    run = config.run_dir
+    registry_root = run / "registry"
+    timings: dict[str, float] = {}
+
+    # 1. bootstrap (cached by its config)
+    _step("1. bootstrap: version 0 from scripted demonstrations")
+    t0 = time.perf_counter()
+    key = _bootstrap_key(config.bootstrap)
+    marker = run / "bootstrap.key"
+    if config.reuse_bootstrap and marker.is_file() and marker.read_text() == key \
+            and (registry_root / "registry.sqlite").is_file():
+        with Registry(registry_root) as registry:
+            v0 = registry.get(0)
+            registry.set_alias("production", 0)  # every run starts the flywheel from version 0
+            if any("candidate" in c.aliases for c in registry.list()):
+                registry.remove_alias("candidate")
+        for stale in ("train", "live", "cycles"):
+            shutil.rmtree(run / stale, ignore_errors=True)
+        print(f"reusing bootstrap v0 from {registry_root} (same bootstrap config); delete {marker} to redo it")
+    else:
+        for stale in ("registry", "train", "live", "cycles"):  # everything downstream of version 0
+            shutil.rmtree(run / stale, ignore_errors=True)
+        boot = config.bootstrap.model_copy(update={"run_dir": run / "bootstrap", "registry_root": registry_root})
+        with SandboxPool(boot.pool) as pool:
+            demos = demonstrations(train_tasks(boot), pool, mistake_rate=boot.demo_mistake_rate, seed=boot.seed)
+        v0 = bootstrap(boot, demos)
+        marker.write_text(key)
+    timings["bootstrap_s"] = time.perf_counter() - t0
+    start_pass = v0.metrics.get("eval_pass_rate", float("nan"))
+
+    # 2. simulated RL, then promoted to production
+    _step("2. simulated RL: async GRPO with partial rollouts")
+    t0 = time.perf_counter()
+    train_config = config.train.model_copy(update={"registry_root": registry_root, "run_dir": run / "train",
+                                                   "checkpoint": "production"})
+    (run / "train").mkdir(parents=True, exist_ok=True)
+    rl_checkpoint, rl_summary = train(train_config)
+    with Registry(registry_root) as registry:
+        if rl_checkpoint is not None:
+            registry.set_alias("production", rl_checkpoint.version)
+            print(f"production -> v{rl_checkpoint.version} (simulated RL)")
+    timings["simulated_rl_s"] = time.perf_counter() - t0
+
+    # 3. real-time RL: server + users + cycles
+    _step("3. real-time RL: served to simulated users, cycles of gather -> train -> gate -> A/B")
+    t0 = time.perf_counter()
+    serve = config.serve.model_copy(update={"registry_root": registry_root, "run_dir": run / "live",
+                                            "keys": {DEMO_KEY: ["inference", "events", "admin", "dashboard"]}})
+    server = LiveServer.from_config(serve)
+    live = config.live.model_copy(update={"registry_root": registry_root, "store_path": run / "live" / "live.sqlite",
+                                          "run_dir": run / "cycles"})
+    stop = threading.Event()
+    traffic: dict[str, int] = {"sessions": 0, "completions": 0}
+    reports = []
+    with serve_in_thread(server) as running, SandboxPool(config.pool) as pool:
+        print(f"server on {running.url} (dashboard: {running.url}/dashboard?key={DEMO_KEY})")
+
+        def users() -> None:
+            while not stop.is_set():
+                stats = run_population(running.url, DEMO_KEY, config.population, config.sessions_per_round, pool)
+                traffic["sessions"] += stats.sessions
+                traffic["completions"] += stats.completions
+
+        thread = threading.Thread(target=users, name="simulated-users", daemon=True)
+        thread.start()
+        try:
+            cycle = LiveCycle(live, ServerControl(server))
+            reports = cycle.run(live.cycles)
+        finally:
+            stop.set()
+            thread.join(timeout=600)
+    server.close()
+    timings["real_time_rl_s"] = time.perf_counter() - t0
+
+    # 4. report
+    _step("4. report")
+    report_path = render_report(run)
+    with Registry(registry_root) as registry:
+        final = registry.get("production")
+    summary = {
+        "pass_rate_bootstrap": start_pass,
+        "pass_rate_after_simulated_rl": rl_summary.get("pass_rate_end"),
+        "simulated_rl_steps": rl_summary.get("steps"),
+        "cycles": [{"cycle": r.cycle, "decision": r.decision, "reason": r.reason,
+                    "production_before": r.production, "production_after": r.production_after,
+                    "candidate": r.candidate}
+                   for r in reports],
+        "production_version": final.version,
+        "traffic": traffic,
+        "report": str(report_path),
+        "timings": {**timings, "total_s": time.perf_counter() - start},
+    }
+    (run / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print_summary(summary, reports)
+    return summary
+
+
+def print_summary(summary: dict[str, Any], reports: list[Any]) -> None:
+    print("\n=== summary ===")
+    print(f"held-out pass rate: bootstrap {summary['pass_rate_bootstrap']:.3f} -> after simulated RL "
+          f"{summary['pass_rate_after_simulated_rl']:.3f} ({summary['simulated_rl_steps']} steps)")
+    print(f"{'cycle':>5}  {'decision':<12} {'production':>10}  {'candidate':>9}  reason")
+    for r in reports:
+        print(f"{r.cycle:>5}  {r.decision:<12} {f'v{r.production}->v{r.production_after}':>10}  "
+              f"{'' if r.candidate is None else f'v{r.candidate}':>9}  {r.reason}")
+    print(f"traffic: {summary['traffic']['sessions']} sessions, {summary['traffic']['completions']} completions")
+    print(f"report: {summary['report']}   ({summary['timings']['total_s']:.0f} s in all)")
