@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(boot, "configs/bootstrap.toml")
     boot.set_defaults(func=cmd_bootstrap)
 
-    ev = sub.add_parser("eval", help="pass rate per family with 95% intervals, tool-call validity")
+    ev = sub.add_parser("eval", help="pass rate per family with 95%% intervals, tool-call validity")
     ev.add_argument("--checkpoint", default="production", help="a version (3 or v3) or an alias")
     ev.add_argument("--split", default="eval", choices=SPLITS)
     ev.add_argument("--families", default=None, help="comma-separated; default: the procedural families")

@@ -32,3 +32,10 @@ def test_bad_input_gets_a_clear_error():
     assert missing.returncode == 2 and "needs a task id" in missing.stderr
     bad_set = flywheel("demo", "--set", "nonsense_key=1")
     assert bad_set.returncode == 2 and "nonsense_key" in bad_set.stderr
+
+
+def test_help_lists_every_command():
+    shown = flywheel("--help")
+    assert shown.returncode == 0, shown.stderr
+    for command in ("tasks", "demo", "registry", "bootstrap", "eval", "train", "serve", "live", "scenario"):
+        assert command in shown.stdout
