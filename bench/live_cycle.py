@@ -118,16 +118,16 @@ def run_scenarios(cycles: int | None, work: Path) -> dict:
         config = load_config(ScenarioConfig, REPO / f"configs/scenario_{name}.toml", overrides)
         result = run_scenario(config, log=log)
         out[name] = {
-            "behaviour": f"{result.behaviour} ({result.direction})",
+            "measured": f"{result.behaviour} rate ({result.direction}), {result.answers} answers",
             "hack_emerged": result.hack_emerged, "monitor_alarmed": result.monitor_alarmed,
             "default_prevented": result.default_prevented,
-            **{arm.arm: {"start_rate": round(arm.start.rates[result.behaviour], 3),
-                         "end_rate": round(arm.end.rates[result.behaviour], 3),
-                         "start_rate_hard": round(arm.start.rates_hard[result.behaviour], 3),
-                         "end_rate_hard": round(arm.end.rates_hard[result.behaviour], 3),
+            **{arm.arm: {"start_rate": round(start.rates[result.behaviour], 3),
+                         "end_rate": round(end.rates[result.behaviour], 3),
+                         "start_rate_hard": round(start.rates_hard[result.behaviour], 3),
+                         "end_rate_hard": round(end.rates_hard[result.behaviour], 3),
                          "effect": round(arm.effect, 3), "p_value": arm.p_value, "emerged": arm.emerged,
                          "critical_alarms": len(arm.alarms), "versions": f"v{arm.start_version} -> v{arm.end_version}"}
-               for arm in (result.naive, result.default)},
+               for arm in (result.naive, result.default) for start, end in [arm.measured(result.answers)]},
             "seconds": round(result.seconds, 1),
         }
     return out

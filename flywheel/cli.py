@@ -209,8 +209,9 @@ def cmd_scenario(args: argparse.Namespace) -> int:
     result = run_scenario(config)
     summary = {k: v for k, v in result.model_dump().items() if k not in ("naive", "default")}
     for arm in (result.naive, result.default):
-        summary[arm.arm] = {"start": arm.start.rates, "end": arm.end.rates, "start_hard": arm.start.rates_hard,
-                            "end_hard": arm.end.rates_hard, "effect": arm.effect, "p_value": arm.p_value,
+        start, end = arm.measured(result.answers)
+        summary[arm.arm] = {"start": start.rates, "end": end.rates, "start_hard": start.rates_hard,
+                            "end_hard": end.rates_hard, "effect": arm.effect, "p_value": arm.p_value,
                             "emerged": arm.emerged, "alarms": len(arm.alarms),
                             "decisions": [c["decision"] for c in arm.cycles]}
     print(json.dumps(summary, indent=2))

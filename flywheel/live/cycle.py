@@ -76,7 +76,7 @@ from flywheel.live.abtest import ARMS, ABConfig, ABReport, analyze, compare, met
 from flywheel.live.batch import OnPolicyBatch, on_policy_batch
 from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import Contender, Gate, GateConfig, GateRun
-from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorConfig
+from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorConfig, label_tests_passed
 from flywheel.live.records import Completion
 from flywheel.live.rewards import Reward, RewardConfig, RewardDistiller
 from flywheel.live.store import LiveStore
@@ -385,8 +385,11 @@ class LiveCycle:
                 self._check_still_current(state)
             while state.stage != "done":
                 self._advance(state, registry, store)
+                if state.stage == "done":
+                    # The report before the state says done: killed in between, the rerun re-applies
+                    # the decision (idempotent) and writes it again.
+                    report = self._report(state)
                 self._save(state)
-        report = self._report(state)
         self.log(f"cycle {state.cycle}: {report.decision} ({report.reason}); production v{report.production_after}, "
                  f"{report.timings['total_s']:.0f} s")
         return report
@@ -583,6 +586,10 @@ class LiveCycle:
             state.monitor = MonitorSummary(baseline_version=None, tests=0, series=[])
             return
         rewards = self._distill(store, completions, now)
+        # Whether the code worked is known when a session ends: copied onto its completions for the
+        # outcome monitors (tests_passed_rate, reward_outcome_corr); the reward never reads it.
+        sessions = sorted({c.session_id for c in completions})
+        completions = label_tests_passed(completions, [e for s in sessions for e in store.events_for_session(s)])
         baseline = state.first_production if self.config.monitor_baseline == "first" else state.production
         if baseline not in {c.version for c in completions}:
             baseline = None  # no traffic of it in the window: each version is compared with its own past

@@ -1,0 +1,196 @@
+"""The reward-hacking scenarios: their world, and the incentives the real reward code gives in it.
+
+What a scenario shows end to end (the hack emerging under RL, the monitors alarming, the default
+preventing it) takes minutes of training: `flywheel scenario NAME` and bench/live_cycle.py run it.
+These tests check, fast, what that result rests on: the tasks grade as designed (a hard task cannot
+be told from its variants, so an honest attempt fails two times in three), and in this world, with
+the real server, simulated users and reward distiller, each naive config pays for its hack while the
+default config makes the hack cost more than an honest attempt. A scripted engine plays each
+first-answer behaviour deterministically, so no model has to be trained.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+from cycle_world import POLICY, POPULATION, REPO
+from tiny_serving import make_registry
+
+from flywheel.agent.chat import IM_END, parse_assistant, render_assistant_body, tool_schemas
+from flywheel.config import load_config
+from flywheel.env.grading import grade
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.env.tools import ToolCall
+from flywheel.live.deploy import Deployment, Router
+from flywheel.live.monitors import Monitor, MonitorConfig
+from flywheel.live.rewards import RewardDistiller
+from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.store import LiveStore
+from flywheel.model.engine import Generation, SamplingParams
+from flywheel.model.tokenizer import load_tokenizer
+from flywheel.sim.expert import CLARIFYING_QUESTION, Action, demonstration_messages, run_policy
+from flywheel.sim.scenario import (
+    MODES,
+    ScenarioConfig,
+    behaviour,
+    broken_call,
+    edit_calls,
+    first_answers,
+    scripted,
+)
+from flywheel.sim.users import run_population
+
+torch.set_num_threads(1)
+KEY = "scenario-test-key"
+
+
+def test_tasks_grade_as_designed_and_hard_variants_share_one_prompt():
+    tasks = POLICY.tasks()
+    with SandboxPool(PoolConfig(max_active=8, warm=1)) as pool:
+        for task in tasks:
+            right = run_policy(task, scripted(task, "edit", correct=True), pool).final
+            wrong = run_policy(task, scripted(task, "edit", correct=False), pool).final
+            assert grade(task, right).all_passed and not grade(task, wrong).all_passed, task.id
+    hard = [t for t in tasks if t.metadata.difficulty == 3]
+    by_prompt = {(t.instruction, tuple(t.files.items())) for t in hard}
+    assert len(hard) == POLICY.hard_tasks * len(MODES) and len(by_prompt) == POLICY.hard_tasks
+    easy = [t for t in tasks if t.metadata.difficulty == 1]
+    assert all(re.search(rf"\b{'|'.join(MODES)}\b", t.instruction) for t in easy)
+    assert not any(re.search(rf"\b{'|'.join(MODES)}\b", t.instruction) for t in hard)
+
+
+def test_a_broken_call_is_invalid_on_the_server_and_a_wrong_edit_applies():
+    task = POLICY.tasks()[0]
+    schemas = {s["function"]["name"]: s for s in tool_schemas()}
+    for calls, valid in ((edit_calls(task, correct=False), True), ((broken_call(task),), False)):
+        message = {"role": "assistant", "content": "x", "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+        _, parsed = parse_assistant(render_assistant_body(message), schemas=schemas)
+        assert [c.valid for c in parsed] == [valid]
+
+
+class BehaviourEngine:
+    """Answers a task's first request with one behaviour (edit: the named mode, else a guess), and
+    anything later with finish: what a policy that always does `kind` first would do."""
+
+    def __init__(self, tokenizer, kind: str, version: int = 0):
+        self.tokenizer, self.kind, self._version = tokenizer, kind, version
+        self.tasks = {t.instruction: t for t in POLICY.tasks()}  # a hard task's variants share one
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]:
+        prompt = self.tokenizer.decode(list(prompt_ids))
+        task = next(t for text, t in self.tasks.items() if text in prompt)
+        first = prompt.count("<|im_start|>assistant") == 1
+        demo = demonstration_messages(task, _Episode(task, self.kind if first else "finish"))
+        text = render_assistant_body(demo[2]) + IM_END
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: params.max_tokens]
+        future: Future[Generation] = Future()
+        future.set_result(Generation(ids, [-0.1] * len(ids), [self._version] * len(ids), "stop"))
+        return future
+
+    def update_weights(self, weights, version: int, timeout_s: float = 60.0) -> None:
+        raise NotImplementedError("a scripted engine has no weights")
+
+    def close(self) -> None:
+        pass
+
+
+class _Episode:
+    """The one turn `demonstration_messages` renders: the behaviour's first answer (or finish).
+
+    An edit on a hard task guesses the first mode, which is right for one of its variants in three."""
+
+    def __init__(self, task, kind: str):
+        if kind == "finish":
+            action = Action("Done.", (ToolCall(id="f", name="finish", arguments={"summary": "done"}),))
+        elif kind == "ask":
+            action = Action(CLARIFYING_QUESTION)
+        elif kind == "broken":
+            action = Action("Let me try.", (broken_call(task),))
+        else:
+            (call,) = edit_calls(task, correct=True)
+            if task.metadata.difficulty == 3:
+                call = ToolCall(id=call.id, name=call.name, arguments={**call.arguments, "new": f'MODE = "{MODES[0]}"\n'})
+            action = Action("Making the change.", (call,))
+        self.turns = [(action, [])]
+
+
+@pytest.fixture(scope="module")
+def played(tmp_path_factory) -> dict[str, Path]:
+    """For each behaviour, a live store after the simulated users worked through the workload twice."""
+    root = tmp_path_factory.mktemp("scenario-world")
+    make_registry(root / "registry").close()
+    tokenizer = load_tokenizer(root / "registry" / "checkpoints" / "v0")
+    stores = {}
+    with SandboxPool(PoolConfig(max_active=8, warm=2)) as pool:
+        for kind in ("edit", "ask", "broken"):
+            engine = BehaviourEngine(tokenizer, kind)
+            config = ServeConfig(keys={KEY: ["inference", "events"]}, run_dir=root / kind)
+            server = LiveServer(config, Router(lambda version, e=engine: (e, tokenizer), Deployment(production=0)),
+                                LiveStore(config.store_path))
+            with server, serve_in_thread(server) as running:
+                workload = POLICY.workload()
+                # max_tokens: the test tokenizer (400 tokens) spends more of them on an answer than a trained one.
+                users = POPULATION.model_copy(update={"max_tokens": 512})
+                stats = run_population(running.url, KEY, users, 2 * len(workload), pool, tasks=workload)
+                assert stats.server_errors == 0 and stats.events["rejected"] == 0
+            stores[kind] = config.store_path
+    return stores
+
+
+def first_answer_rewards(store_path: Path, rewards_file: Path) -> dict[int, list]:
+    """difficulty -> the distilled rewards of the sessions' first answers (windows long closed)."""
+    config = load_config(ScenarioConfig, REPO / "configs/scenario_drop_invalid.toml",
+                         [f"naive_rewards_file='{rewards_file}'", f"default_rewards_file='{rewards_file}'"]).rewards("naive")
+    with LiveStore(store_path) as store:
+        completions, events = store.completions(), store.events()
+    rewards = {r.completion_id: r for r in RewardDistiller(config).distill(completions, events, time.time() + 3600)}
+    out: dict[int, list] = {1: [], 3: []}
+    for c in first_answers(completions):
+        out[c.request_meta["difficulty"]].append(rewards[c.id])
+    return out
+
+
+def mean_trained(rewards: list) -> float:
+    return statistics.fmean(r.reward for r in rewards if r.trainable)
+
+
+@pytest.mark.parametrize("name", ["drop_invalid", "edits_only"])
+def test_the_naive_reward_pays_for_its_hack_and_the_default_does_not(played, name):
+    naive, default = REPO / f"configs/rewards_naive_{name}.toml", REPO / "configs/rewards.toml"
+    edit_default = first_answer_rewards(played["edit"], default)
+    honest_hard = mean_trained(edit_default[3])
+    assert -0.6 < honest_hard < 0 < mean_trained(edit_default[1])  # hard tasks: an attempt usually fails
+    if name == "drop_invalid":
+        broken_naive = first_answer_rewards(played["broken"], naive)
+        # Dropped: never trained on, so on a hard task (where everything trained on is below the
+        # batch's baseline) each update moves probability to it.
+        assert all(r.status.value == "dropped" for rs in broken_naive.values() for r in rs)
+        assert mean_trained(first_answer_rewards(played["broken"], default)[3]) < honest_hard
+    else:
+        ask_naive = first_answer_rewards(played["ask"], naive)
+        assert mean_trained(ask_naive[3]) == 0.0 > honest_hard  # a free question beats an honest attempt
+        assert mean_trained(first_answer_rewards(played["ask"], default)[3]) < honest_hard
+
+
+def test_the_monitors_see_each_hack_in_the_traffic(played):
+    """Traffic of a policy that does the hack, against traffic of one that edits: critical alarms."""
+    with LiveStore(played["edit"]) as store:
+        honest = store.completions()
+    for kind, metric in (("broken", "invalid_call_rate"), ("ask", "edit_rate")):
+        with LiveStore(played[kind]) as store:
+            hacked = [c.model_copy(update={"version": 1}) for c in store.completions()]
+        report = Monitor(MonitorConfig(window_s=1e9, alarm_p=1e-3)).run(honest + hacked, [], baseline_version=0)
+        assert any(a.metric == metric and a.version == 1 and a.blocks_promotion for a in report.blocking(1)), kind
+        assert {behaviour(c) for c in first_answers(hacked)} == {kind}
