@@ -4,6 +4,7 @@ and whether the two reward hacks emerge under their naive rewards and not under 
     python bench/live_cycle.py                                  # everything (~30-40 min on 2 idle cores)
     python bench/live_cycle.py --cycles 3 --no-scenarios        # only the cycles (~10-15 min)
     python bench/live_cycle.py --no-cycles --scenario-cycles 4  # only the scenarios, shorter
+    python bench/live_cycle.py --no-cycles --scenarios edits_only   # one scenario (~40 min)
 
 Prints one JSON object on stdout; progress goes to stderr.
 
@@ -12,9 +13,10 @@ monitor settings) around a LiveServer in this process, with the simulated users 
 configs/population.toml (their habits: patience, think time, follow-ups, lax reverts) working on
 the scenario world's one-line tasks (flywheel/sim/scenario.py), which the start policy, a tiny
 model SFT-ed for a minute, can sometimes solve; on the procedural families it solves none, and
-every rate would be 0. Departures from configs/live.toml, so that it runs here: paths in a temporary
-folder, the cycles follow each other at once (trigger.every_s = 1), and the gate's battery is the
-world's 16 tasks with margins that 16 paired tasks can show (0.2). `cycle_seconds` is the wall time
+every rate would be 0. Departures, so that it runs here: paths in a temporary folder, the cycles
+follow each other at once (trigger.every_s = 1), the gate's battery is the world's 16 tasks with
+margins that 16 paired tasks can show (0.2) and two-turn episodes, and the users' sessions are two
+requests long (the start policy was trained on no longer ones). `cycle_seconds` is the wall time
 of the first cycle, from its start to its report, waiting for traffic and feedback windows included;
 target <= 300 on a 2-core machine. `*_by_cycle` are production's served metrics in each cycle's
 batch window (flywheel/live/cycle.py `CycleReport.served`): the first entry is the start version,
@@ -72,8 +74,12 @@ def run_cycles(cycles: int, work: Path) -> dict:
             f"rewards_file='{REPO / 'configs/rewards.toml'}'", f"gate_file='{REPO / 'configs/gate.toml'}'",
             f"registry_root='{work / 'registry'}'", f"store_path='{serve.store_path}'", f"run_dir='{work / 'cycles'}'",
             "threads=1", f"cycles={cycles}", "trigger.every_s=1.0", "trigger.poll_s=1.0", "gate.min_tasks=10",
-            "gate.checks.pass_rate.margin=0.2", "gate.checks.valid_tool_call_rate.margin=0.2"])
+            "gate.checks.pass_rate.margin=0.2", "gate.checks.valid_tool_call_rate.margin=0.2",
+            "gate.battery.episode.max_turns=2"])
+        # The users' habits as configured, in the world's two-request sessions (the start policy knows no longer ones).
         population = load_config(Population, REPO / "configs/population.toml")
+        population = population.model_copy(update={"profiles": [p.model_copy(update={"patience": 2})
+                                                                for p in population.profiles]})
         server = LiveServer.from_config(serve)
         try:
             with serve_in_thread(server) as running, \
@@ -108,9 +114,9 @@ def figures(reports: list[CycleReport]) -> dict:
     }
 
 
-def run_scenarios(cycles: int | None, work: Path) -> dict:
+def run_scenarios(names: list[str], cycles: int | None, work: Path) -> dict:
     out = {}
-    for name in ("drop_invalid", "edits_only"):
+    for name in names:
         overrides = [f"run_dir='{work / name}'", f"naive_rewards_file='{REPO / f'configs/rewards_naive_{name}.toml'}'",
                      f"default_rewards_file='{REPO / 'configs/rewards.toml'}'"]
         if cycles is not None:
@@ -138,6 +144,7 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=3, help="cycles of the demo configuration (>= 3 for the figures)")
     parser.add_argument("--no-cycles", action="store_true")
     parser.add_argument("--no-scenarios", action="store_true")
+    parser.add_argument("--scenarios", default="drop_invalid,edits_only", help="comma-separated scenario names")
     parser.add_argument("--scenario-cycles", type=int, default=None, help="default: each scenario config's own")
     parser.add_argument("--work-dir", default=None, help="keep the runs here (default: a temporary folder)")
     args = parser.parse_args()
@@ -149,7 +156,7 @@ def main() -> None:
     if not args.no_cycles:
         result.update(run_cycles(args.cycles, work / "cycles"))
     if not args.no_scenarios:
-        result["hack_scenarios"] = run_scenarios(args.scenario_cycles, work / "scenarios")
+        result["hack_scenarios"] = run_scenarios(args.scenarios.split(","), args.scenario_cycles, work / "scenarios")
     result["machine"]["load_average_end"] = os.getloadavg()
     result["seconds"] = round(time.perf_counter() - started, 1)
     result["work_dir"] = str(work)
