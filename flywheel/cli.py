@@ -225,6 +225,14 @@ def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
 
 
+def add_config_command(sub, name: str, help_text: str, func) -> argparse.ArgumentParser:
+    """A subcommand that reads `configs/NAME.toml`-style config: `--config` and `--set`."""
+    parser = sub.add_parser(name, help=help_text)
+    add_config_arguments(parser, f"configs/{name}.toml")
+    parser.set_defaults(func=func)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flywheel", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -240,9 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--out", default="tasks.jsonl", help="with `export`: the JSONL file to write")
     tasks.set_defaults(func=cmd_tasks)
 
-    demo = sub.add_parser("demo", help="run the main job on the embedded default")
-    add_config_arguments(demo, "configs/demo.toml")
-    demo.set_defaults(func=cmd_demo)
+    add_config_command(sub, "demo", "run the main job on the embedded default", cmd_demo)
 
     registry = sub.add_parser("registry", help="list, inspect and promote checkpoints")
     registry.add_argument("action", choices=["list", "show", "promote"])
@@ -251,9 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     registry.add_argument("--root", default="runs/registry", help="the registry folder")
     registry.set_defaults(func=cmd_registry)
 
-    boot = sub.add_parser("bootstrap", help="train version 0: tokenizer, tiny MoE, SFT on demonstrations, eval")
-    add_config_arguments(boot, "configs/bootstrap.toml")
-    boot.set_defaults(func=cmd_bootstrap)
+    add_config_command(sub, "bootstrap", "train version 0: tokenizer, tiny MoE, SFT on demonstrations, eval", cmd_bootstrap)
 
     ev = sub.add_parser("eval", help="pass rate per family with 95%% intervals, tool-call validity")
     ev.add_argument("--checkpoint", default="production", help="a version (3 or v3) or an alias")
@@ -268,17 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print the report as JSON")
     ev.set_defaults(func=cmd_eval)
 
-    tr = sub.add_parser("train", help="simulated RL: async GRPO with partial rollouts from a registered checkpoint")
-    add_config_arguments(tr, "configs/train.toml")
-    tr.set_defaults(func=cmd_train)
+    add_config_command(sub, "train", "simulated RL: async GRPO with partial rollouts from a registered checkpoint", cmd_train)
 
-    serve = sub.add_parser("serve", help="the OpenAI-compatible server with A/B routing and the events endpoint")
-    add_config_arguments(serve, "configs/serve.toml")
-    serve.set_defaults(func=cmd_serve)
+    add_config_command(sub, "serve", "the OpenAI-compatible server with A/B routing and the events endpoint", cmd_serve)
 
-    live = sub.add_parser("live", help="real-time RL cycles: on-policy batch, candidate, gate, A/B, promote or roll back")
-    add_config_arguments(live, "configs/live.toml")
-    live.set_defaults(func=cmd_live)
+    add_config_command(sub, "live", "real-time RL cycles: on-policy batch, candidate, gate, A/B, promote or roll back", cmd_live)
 
     scenario = sub.add_parser("scenario", help="reproduce a reward hack with the real loop, and its prevention")
     scenario.add_argument("name", help="a scenario: configs/scenario_NAME.toml (drop_invalid, edits_only)")
