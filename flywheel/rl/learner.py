@@ -48,7 +48,7 @@ from transformers import PreTrainedModel
 
 from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.rl.loss import LossConfig, loss_denominator, policy_loss
-from flywheel.rl.sft import pack_batches
+from flywheel.rl.sft import pack_batches, scored_logits
 
 
 class LearnerConfig(BaseModel):
@@ -85,16 +85,13 @@ def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.T
 
     ids, attention: [batch, seq], right-padded, so positions are the natural ones.
     scored: [batch, seq] loss mask; when given, the output head runs only where it is 1 (the other
-    entries are 0). Generated tokens are a small share of an agent trajectory, and the head
-    (vocab x hidden) is a large share of a small model's FLOPs."""
+    entries are 0; `flywheel.rl.sft.scored_logits`)."""
     if scored is None:
         logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # [batch, seq-1, vocab]: position t predicts token t+1
         targets = ids[:, 1:]
     else:
         hidden = model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state  # [batch, seq, hidden]
-        where = scored[:, 1:] > 0  # [batch, seq-1]
-        logits = model.get_output_embeddings()(hidden[:, :-1][where]).float()  # [scored, vocab]
-        targets = ids[:, 1:][where]
+        logits, targets, where = scored_logits(model, hidden, ids, scored)  # [scored, vocab], [scored]
     if temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)

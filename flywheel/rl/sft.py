@@ -116,6 +116,19 @@ def shared_prefix_length(examples: Sequence[tuple[list[int], list[int]]]) -> int
     return max(n, 0)
 
 
+def scored_logits(model: PreTrainedModel, hidden: torch.Tensor, ids: torch.Tensor,
+                  scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output head only where a token is scored: (logits [n, vocab] float32, targets [n], where
+    [batch, seq-1]) for the n positions whose next token has loss mask 1. Generated tokens are a
+    small share of a demonstration or trajectory, and the head (vocab x hidden) is a large share of
+    a small model's FLOPs.
+
+    hidden: [batch, seq, hidden] from `model.base_model`; ids, scored: [batch, seq]."""
+    where = scored[:, 1:] > 0  # [batch, seq-1]: position t predicts token t+1
+    logits = model.get_output_embeddings()(hidden[:, :-1][where]).float()
+    return logits, ids[:, 1:][where], where
+
+
 def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, attn: torch.Tensor,
                    prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of next-token cross-entropy over loss-mask positions, and their count.
@@ -123,7 +136,7 @@ def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor
     ids, mask, attn: [batch, seq]. Right padding, so positions are the natural ones.
     prefix: [prefix_len] tokens that precede every row (loss-free, see `shared_prefix_length`); run
     once, its keys and values are broadcast to all rows."""
-    decoder, head = model.base_model, model.get_output_embeddings()
+    decoder = model.base_model
     if prefix is None:
         hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state  # [batch, seq, hidden]
     else:
@@ -135,12 +148,9 @@ def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor
         full_attn = torch.cat([attn.new_ones((batch, p)), attn], dim=1)  # [batch, p + seq]
         positions = torch.arange(p, p + width).expand(batch, -1)  # [batch, seq]
         hidden = decoder(input_ids=ids, attention_mask=full_attn, position_ids=positions, cache=cache).last_hidden_state
-    # The output head only where a token is scored: assistant tokens are a fifth of a demonstration,
-    # and the head (vocab x hidden) is a large share of a tiny model's FLOPs.
-    scored = mask[:, 1:].bool()  # [batch, seq-1]
-    logits = head(hidden[:, :-1][scored])  # [scored, vocab]
-    nll = torch.nn.functional.cross_entropy(logits.float(), ids[:, 1:][scored], reduction="sum")
-    return nll, scored.sum()
+    logits, targets, where = scored_logits(model, hidden, ids, mask)
+    nll = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+    return nll, where.sum()
 
 
 def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[int]]], config: SFTConfig,
