@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -220,11 +221,19 @@ def reap_orphans(root: Path) -> int:
     """Remove the workspaces under `root` whose owner process is dead; returns how many.
 
     For each: kill any process still using it (found through its mount in /proc/*/mountinfo),
-    unmount it and delete the directory. Workspaces of live owners are left alone.
+    unmount it and delete the directory. Workspaces of live owners are left alone. Pools starting
+    at the same time (in one process or several) take turns through a lock file, so two never
+    tear down the same workspace at once (the second's unmount failed with EINVAL).
     """
     root = Path(root)
     if not root.is_dir():
         return 0
+    with open(root / ".reap.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _reap_unlocked(root)
+
+
+def _reap_unlocked(root: Path) -> int:
     reaped = 0
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         match = _OWNED_NAME.match(entry.name)

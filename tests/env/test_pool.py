@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,23 @@ def test_reap_orphans_cleans_up_after_a_killed_owner(sandbox_root: Path, probes)
     assert not workspace.exists() and not probes.is_mounted(workspace)
     assert probes.jail_pids(device) == [] and probes.pids_running("sleep 543210") == []
     assert reap_orphans(sandbox_root) == 0  # our own live workspaces are left alone
+
+
+def test_concurrent_reaps_share_out_the_orphans(sandbox_root: Path):
+    """Two pools starting together once both unmounted the same orphan: the second got EINVAL."""
+    workspaces = []
+    for _ in range(3):
+        child = subprocess.Popen(
+            [sys.executable, "-c", CRASHING_OWNER, str(sandbox_root)], stdout=subprocess.PIPE, text=True
+        )
+        workspaces.append(Path(child.stdout.readline().strip()))
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+    with ThreadPoolExecutor(4) as workers:
+        counts = list(workers.map(lambda _: reap_orphans(sandbox_root), range(4)))
+    assert sum(counts) == 3 and sorted(counts)[-1] >= 1
+    assert not any(w.exists() for w in workspaces)
 
 
 def test_pool_start_reaps_leftovers(config: SandboxConfig, sandbox_root: Path):
