@@ -126,7 +126,9 @@ class RewardConfig(BaseModel):
     latency_cost_per_s: float = Field(0.02, ge=0)
     latency_cost_max: float = Field(0.5, ge=0)  # bounded, so one slow answer cannot outweigh its outcome
     # Per broken tool call. Must be a penalty: zero makes broken calls free, positive rewards them.
-    invalid_tool_call: float = Field(-0.5, lt=0)
+    # And no smaller than a reverted edit: otherwise, on a task the policy expects to fail, one
+    # broken call is the cheaper way out than an honest attempt.
+    invalid_tool_call: float = Field(-1.0, lt=0)
     # What a question costs unless refunded (module docstring). Set above what a guess risks on a
     # clear request and below what a reverted edit costs, so asking pays only when it is needed.
     clarify_cost: float = Field(0.3, ge=0)

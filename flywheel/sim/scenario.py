@@ -23,7 +23,7 @@ tell the tasks apart by their text.
 
 Why the naive rewards are hackable here (per completion, default weights):
 - right edit +1 (persisted), wrong edit -1 (reverted), question on a clear task -0.8 (clarify_cost
-  and the dissatisfied "please just do it"), broken call -0.5 (invalid_tool_call).
+  and the dissatisfied "please just do it"), broken call -1 (invalid_tool_call).
 - drop_invalid: a broken call is dropped, so it is never trained on. On a hard task every answer
   that is trained on scores below the batch's baseline (`family_loo` compares with the whole
   family, mostly easy tasks), so each update pushes probability away from everything that was

@@ -55,11 +55,11 @@ CASES = [
     ("latency cost is capped", {}, [completion("c", latency_s=500)], [event("e", T, 30, "c", up=True)], LATER,
      {"c": (0.0, FINAL)}),
     ("invalid tool calls cost per call", {}, [completion("c", calls="invalid2")],
-     [event("e", F, 30, "c", dissatisfied=False)], LATER, {"c": (-1.0, FINAL)}),
+     [event("e", F, 30, "c", dissatisfied=False)], LATER, {"c": (-2.0, FINAL)}),
     ("no feedback: defaulted to default_reward", {"default_reward": -0.1}, [completion("c")], [], LATER,
      {"c": (-0.1, DEFAULTED)}),
     ("no feedback keeps the serve-time parts", {}, [completion("c", calls="invalid", latency_s=20)], [], LATER,
-     {"c": (-0.5 - 0.2, DEFAULTED)}),
+     {"c": (-1.0 - 0.2, DEFAULTED)}),
     ("window open: pending", {}, [completion("c", calls="edit")], [event("e", P, 300, "c")], 600.0,
      {"c": (1.0, PENDING)}),
     ("window open, no feedback yet: pending, not defaulted", {}, [completion("c")], [], WINDOW - 1,
@@ -89,7 +89,7 @@ CASES = [
      {"a": (0.0, DEFAULTED), "b": (-0.5, FINAL)}),
     # invalid tool calls: never dropped by default, dropped by the naive config
     ("invalid call penalized, kept", {}, [completion("c", calls="invalid")], [event("e", T, 5, "c", up=True)],
-     LATER, {"c": (0.0, FINAL)}),
+     LATER, {"c": (-0.5, FINAL)}),
     ("naive: invalid call dropped", {"drop_invalid": True}, [completion("c", calls="invalid")],
      [event("e", T, 5, "c", up=True)], LATER, {"c": (0.0, DROPPED)}),
     # clarifying questions
@@ -173,3 +173,12 @@ def test_config_files(name, drop_invalid, score_questions):
 def test_config_rejects_values_that_invite_hacks(field, value):
     with pytest.raises(ValueError, match=field):
         RewardConfig(**{field: value})
+
+
+def test_default_broken_call_never_beats_an_honest_failed_edit():
+    """The hack's incentive: on a task it expects to fail, a policy compares one broken call
+    with an edit that gets reverted. Under the defaults the broken call must not be cheaper."""
+    broken, failed = RewardDistiller(load_config(RewardConfig, CONFIGS / "rewards.toml")).distill(
+        [completion("b", calls="invalid", session="s1"), completion("f", calls="edit", session="s2")],
+        [event("e", R, 60, "f", session="s2")], LATER)
+    assert broken.reward <= failed.reward < 0
