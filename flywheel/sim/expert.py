@@ -1,8 +1,11 @@
 """A scripted agent that solves every task family through the tools only.
 
 It knows the task's reference edits (a stand-in for competence) but touches the workspace only
-with tool calls, the way a model must: explore (list + grep, in one parallel turn), read the
-files it will change, edit them, run the visible tests, finish. On an ambiguous task its first
+with tool calls, the way a model must: explore (list + grep for the function the instruction
+names, in one parallel turn), read the files it will change, edit them, run the visible tests,
+finish. Every argument it passes can be read off what it has seen (the instruction, earlier tool
+results), so a model trained on its episodes can learn to do the same; when the instruction
+names the one file to change, it reads that file straight away. On an ambiguous task its first
 move is one clarifying question. With `mistake_rate > 0` some episodes go wrong the way real
 agents do (a fix left out, a guess instead of a question), so demonstrations built from it leave
 room for RL. It lives in `sim/` because it stands in for a competent policy; no core code imports it.
@@ -37,19 +40,29 @@ Observation = list[ToolResult] | str  # tool results, or the user's reply to a q
 Policy = Generator[Action, Observation | None, None]
 
 
-def _identifier(snippet: str) -> str | None:
-    """The most telling name in a code snippet: a defined function, else the longest identifier."""
-    defined = re.search(r"def (\w+)", snippet)
-    if defined:
-        return defined.group(1)
-    names = re.findall(r"[A-Za-z_]\w{2,}", snippet)
-    return max(names, key=len) if names else None
+def _named_path(instruction: str) -> str | None:
+    """The source file an instruction names, if any (test files are where failures show, not where
+    fixes go)."""
+    paths = [p for p in re.findall(r"[\w/]+\.py", instruction) if not p.startswith("tests/")]
+    return paths[0] if paths else None
 
 
 class ScriptedExpert:
     def __init__(self, seed: int = 0, mistake_rate: float = 0.0):
         self.rng = random.Random(seed)
         self.mistake_rate = mistake_rate
+
+    def _explore(self, task: Task, call) -> list[ToolCall]:
+        """The first look, built only from what the agent can see: the function the instruction
+        speaks of is found by its definition, or by every use when it is to be renamed."""
+        explore = [call("list_dir", path=".")]
+        name = task.metadata.extra.get("template")
+        if isinstance(name, str) and name in task.instruction:
+            rename = task.metadata.extra.get("mode") == "rename"
+            explore.append(call("grep", pattern=rf"\b{name}\b" if rename else rf"def {name}\b", glob="*.py"))
+        if self.rng.random() < 0.1:
+            explore.append(call("semantic_search", query=task.instruction[:200]))
+        return explore
 
     def play(self, task: Task) -> Policy:
         n = 0
@@ -63,15 +76,10 @@ class ScriptedExpert:
         if task.metadata.ambiguous and not (slip and self.rng.random() < 0.5):
             yield Action(CLARIFYING_QUESTION)
         edits = list(task.reference_edits)
-        explore = [call("list_dir", path=".")]
-        symbol = next((s for s in (_identifier(e.old or e.new) for e in edits) if s), None)
-        if symbol:
-            explore.append(call("grep", pattern=rf"\b{symbol}\b", glob="*.py"))
-        if self.rng.random() < 0.3:
-            explore.append(call("semantic_search", query=task.instruction[:200]))
-        yield Action("Let me look at the project first.", tuple(explore))
-
         to_read = sorted({e.path for e in edits if e.old})
+        named = _named_path(task.instruction)
+        if not (to_read and named in to_read and len(to_read) == 1):
+            yield Action("Let me look at the project first.", tuple(self._explore(task, call)))
         if to_read:
             yield Action("Reading the code I need to change.", tuple(call("read_file", path=p) for p in to_read))
         if slip and edits:

@@ -48,3 +48,19 @@ def test_expert_with_mistakes_fails_some_tasks(pool):
     tasks = generate("bugfix", "train", 4, seed=11, difficulty=2)
     results = [grade(t, run_policy(t, expert.play(t), pool).final) for t in tasks]
     assert sum(r.all_passed for r in results) < len(tasks)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_reads_only_what_it_has_seen_named(pool, family):
+    """What SFT can teach: every path the expert reads and every name it greps for appears in the
+    instruction or in an earlier tool result (no argument comes from the hidden reference edits)."""
+    for task in generate(family, "train", 6, seed=5, difficulty=1):
+        seen = task.instruction
+        for action, observation in run_policy(task, ScriptedExpert(seed=1).play(task), pool).turns:
+            for call in action.calls:
+                if call.name == "read_file":
+                    assert call.arguments["path"] in seen, f"{task.id}: read {call.arguments['path']} unseen"
+                if call.name == "grep":
+                    name = call.arguments["pattern"].removeprefix("def ").replace("\\b", "")
+                    assert name in seen, f"{task.id}: grep for {name!r} unseen"
+            seen += observation if isinstance(observation, str) else "".join(r.content for r in observation)
