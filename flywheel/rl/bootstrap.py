@@ -39,8 +39,8 @@ class BootstrapConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     families: list[str] = Field(default_factory=lambda: list(FAMILIES))
     train_tasks_per_family: int = 150
-    train_difficulties: list[int] = Field(default_factory=lambda: [1, 2])
-    demo_mistake_rate: float = 0.25  # imperfect demonstrations: a realistic start that leaves room for RL
+    train_difficulties: list[int] = Field(default_factory=lambda: [1])
+    demo_mistake_rate: float = 0.1  # imperfect demonstrations: a realistic start that leaves room for RL
     eval_tasks_per_family: int = 24
     eval_difficulty: int = 1
     vocab_size: int = 4096
@@ -48,9 +48,10 @@ class BootstrapConfig(BaseModel):
     threads: int = 2
     run_dir: Path = Path("runs/bootstrap")
     registry_root: Path = Path("runs/registry")
-    sft_time_budget_s: float = 330.0  # keeps the whole bootstrap within 8 minutes on 2 cores
+    sft_time_budget_s: float = 300.0  # keeps the whole bootstrap within 8 minutes on 2 cores
     model: ModelConfig = Field(default_factory=ModelConfig)
-    sft: SFTConfig = Field(default_factory=SFTConfig)
+    # Epochs high enough that the time budget ends SFT (the cosine follows whichever ends first).
+    sft: SFTConfig = Field(default_factory=lambda: SFTConfig(epochs=20.0))
     episode: EpisodeConfig = Field(default_factory=lambda: EpisodeConfig(temperature=0.7, max_turns=8, max_tokens_per_turn=256))
     pool: PoolConfig = Field(default_factory=PoolConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)

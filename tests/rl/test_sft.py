@@ -97,3 +97,19 @@ def test_shared_prefix_stops_before_the_first_trained_token():
     examples = [([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), ([1, 2, 3, 9, 9], [0, 0, 0, 0, 1])]
     assert shared_prefix_length(examples) == 2  # token 3 is shared, but 4 (after it) is trained in row 0
     assert shared_prefix_length([([1, 2, 3], [0, 0, 1]), ([7, 2, 3], [0, 0, 1])]) == 0
+
+def test_context_tokens_add_their_weighted_loss_and_do_not_count_as_assistant_tokens():
+    tokenizer = train_tokenizer(["<tool_call>list_dir</tool_call> files: a.py b.py"] * 10, vocab_size=300)
+    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
+    ids = torch.tensor([tokenizer("<tool_call>list_dir</tool_call> files: a.py b.py")["input_ids"]])
+    n = ids.shape[1]
+    assistant = torch.tensor([[0] + [1] * (n // 2) + [0] * (n - 1 - n // 2)])
+    context = torch.tensor([[0] * (1 + n // 2) + [1] * (n - 1 - n // 2)])
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        own, count = masked_ce_loss(model, ids, assistant.float(), attn)
+        other, _ = masked_ce_loss(model, ids, context.float(), attn)
+        both, count_both = masked_ce_loss(model, ids, assistant + 0.3 * context, attn)
+    assert torch.allclose(both, own + 0.3 * other, atol=1e-4) and other > 0
+    assert count_both == count == n // 2  # the per-token loss stays an average over the assistant's tokens
