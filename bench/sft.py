@@ -1,0 +1,112 @@
+"""SFT recipe benchmark: which model shape and batch size learn the most in a fixed time on 2 cores.
+
+    python bench/sft.py                                 # the bootstrap's recipe against the old one, 100 s each
+    python bench/sft.py --seconds 60 --variants base,batch8192
+
+Every variant trains a fresh model for the same wall-clock budget on the same demonstrations
+(the scripted expert on level-1 training tasks, the bootstrap's defaults) and is scored on held-out
+demonstrations it never saw:
+
+- `held_loss`: next-token loss per assistant token (what SFT minimizes);
+- `copy_loss`: the same on the assistant tokens that repeat text from the context (the token and
+  the one before it both appeared, as a pair, in a tool result or the instruction): paths read
+  off a listing, lines read off a file. A policy that cannot copy cannot pass a task, whatever its
+  loss on the rest.
+
+Prints one JSON object on stdout, each variant with `vs_base` (its loss over the base's: below 1
+is better); progress goes to stderr. Run it on a quiet machine: the budget is wall-clock time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+from flywheel.agent.chat import render_messages, tool_schemas
+from flywheel.env.pool import SandboxPool
+from flywheel.model.factory import ModelConfig, build_model, parameter_count
+from flywheel.model.tokenizer import train_tokenizer
+from flywheel.rl.bootstrap import BootstrapConfig, train_tasks
+from flywheel.rl.sft import SFTConfig, encode_conversation, masked_ce_loss, train_sft
+from flywheel.sim.expert import demonstrations
+
+OLD_SHAPE = {"num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
+VARIANTS: dict[str, tuple[dict, dict]] = {  # name -> (model overrides, sft overrides)
+    "base": ({}, {}),  # the bootstrap's defaults
+    "batch8192": ({}, {"batch_tokens": 8192}),
+    "four_layers": (OLD_SHAPE, {}),
+    "old_recipe": (OLD_SHAPE, {"batch_tokens": 8192}),
+    "context_loss": ({}, {"context_loss_weight": 0.3}),
+}
+
+
+def copyable_mask(tokens: list[int], mask: list[int]) -> list[int]:
+    """1 on assistant tokens whose pair (previous, this) and the pair before it appeared earlier
+    in text the model did not write."""
+    seen: set[tuple[int, int]] = set()
+    out = [0] * len(tokens)
+    for i in range(1, len(tokens)):
+        pair = (tokens[i - 1], tokens[i])
+        if mask[i] and i >= 2 and pair in seen and (tokens[i - 2], tokens[i - 1]) in seen:
+            out[i] = 1
+        if not mask[i]:
+            seen.add(pair)
+    return out
+
+
+def held_out_losses(model, examples) -> dict[str, float]:
+    totals = {"held_loss": [0.0, 0], "copy_loss": [0.0, 0]}
+    with torch.no_grad():
+        for tokens, mask in examples:
+            ids, attn = torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long)
+            for key, weights in (("held_loss", mask), ("copy_loss", copyable_mask(tokens, mask))):
+                loss, n = masked_ce_loss(model, ids, torch.tensor([weights], dtype=torch.float), attn)
+                totals[key][0] += loss.item()
+                totals[key][1] += int(n)
+    return {k: round(s / max(n, 1), 4) for k, (s, n) in totals.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=100.0, help="SFT wall-clock budget per variant")
+    parser.add_argument("--variants", default="base,old_recipe,batch8192,four_layers")
+    parser.add_argument("--held-out", type=int, default=24, help="demonstrations kept out of training")
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    if "base" not in names or any(n not in VARIANTS for n in names):
+        sys.exit(f"--variants must include base; known: {', '.join(VARIANTS)}")
+    torch.set_num_threads(2)
+    config = BootstrapConfig()
+    start = time.perf_counter()
+    with SandboxPool(config.pool) as pool:
+        demos = demonstrations(train_tasks(config), pool, mistake_rate=config.demo_mistake_rate, seed=config.seed)
+    random.Random(0).shuffle(demos)
+    train, held = demos[: -args.held_out], demos[-args.held_out:]
+    print(f"demonstrations: {len(demos)} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    tokenizer = train_tokenizer([render_messages(m, tool_schemas()) for m in train], vocab_size=config.vocab_size)
+    train_examples = [encode_conversation(m, tokenizer) for m in train]
+    held_examples = [encode_conversation(m, tokenizer) for m in held]
+    results = {}
+    for name in names:
+        model_over, sft_over = VARIANTS[name]
+        model = build_model(ModelConfig(**{**config.model.model_dump(), **model_over}), tokenizer)
+        sft = SFTConfig(**{**config.sft.model_dump(), **sft_over})
+        print(f"{name}: training {args.seconds:.0f} s", file=sys.stderr)
+        metrics = train_sft(model, train_examples, sft, tokenizer.pad_token_id, time_budget_s=args.seconds)
+        results[name] = {**held_out_losses(model, held_examples), "steps": int(metrics["sft_steps"]),
+                         "tokens_per_s": round(metrics["sft_tokens_per_s"]),
+                         "parameters": parameter_count(model), "model": model_over, "sft": sft_over}
+        print(f"{name}: {results[name]}", file=sys.stderr)
+    for r in results.values():
+        r["vs_base"] = {k: round(r[k] / results["base"][k], 3) for k in ("held_loss", "copy_loss")}
+    print(json.dumps({"seconds_per_variant": args.seconds, "train_demonstrations": len(train),
+                      "held_out_demonstrations": len(held), "variants": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
