@@ -65,7 +65,7 @@ def held_out_losses(model, examples) -> dict[str, float]:
         for tokens, mask in examples:
             ids, attn = torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long)
             for key, weights in (("held_loss", mask), ("copy_loss", copyable_mask(tokens, mask))):
-                loss, n = masked_ce_loss(model, ids, torch.tensor([weights], dtype=torch.float), attn)
+                loss, n = masked_ce_loss(model, ids, torch.tensor([weights]), attn)
                 totals[key][0] += loss.item()
                 totals[key][1] += int(n)
     return {k: round(s / max(n, 1), 4) for k, (s, n) in totals.items()}

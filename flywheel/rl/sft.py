@@ -135,12 +135,11 @@ def scored_logits(model: PreTrainedModel, hidden: torch.Tensor, ids: torch.Tenso
 
 
 def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, attn: torch.Tensor,
-                   prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of next-token cross-entropy over loss-mask positions, each times its mask value, and
-    the count of positions with weight 1 (the assistant's own tokens).
+                   prefix: torch.Tensor | None = None, context_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of next-token cross-entropy over loss-mask positions, and their count; every other
+    attended token adds its cross-entropy times `context_weight` to the sum, not to the count.
 
-    ids, attn: [batch, seq]; mask: [batch, seq] weights (1 assistant, 0 none, or a context weight).
-    Right padding, so positions are the natural ones.
+    ids, mask, attn: [batch, seq]. Right padding, so positions are the natural ones.
     prefix: [prefix_len] tokens that precede every row (loss-free, see `shared_prefix_length`); run
     once, its keys and values are broadcast to all rows."""
     decoder = model.base_model
@@ -155,10 +154,10 @@ def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor
         full_attn = torch.cat([attn.new_ones((batch, p)), attn], dim=1)  # [batch, p + seq]
         positions = torch.arange(p, p + width).expand(batch, -1)  # [batch, seq]
         hidden = decoder(input_ids=ids, attention_mask=full_attn, position_ids=positions, cache=cache).last_hidden_state
-    logits, targets, where = scored_logits(model, hidden, ids, mask)
+    weights = torch.where(mask > 0, 1.0, context_weight * attn) if context_weight else mask.float()
+    logits, targets, where = scored_logits(model, hidden, ids, weights)
     nll = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
-    weights = mask[:, 1:][where].float()
-    return (nll * weights).sum(), (weights == 1).sum()
+    return (nll * weights[:, 1:][where]).sum(), (mask[:, 1:] > 0).sum()
 
 
 def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[int]]], config: SFTConfig,
@@ -195,13 +194,13 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
         batch = [kept[i] for i in batches[step % len(batches)]]
         width = max(len(t) for t, _ in batch)
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width))
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
         attn = torch.zeros((len(batch), width), dtype=torch.long)
         for r, (t, m) in enumerate(batch):
             ids[r, : len(t)] = torch.tensor(t)
-            mask[r, : len(m)] = torch.tensor(m, dtype=torch.float).clamp(min=config.context_loss_weight)
+            mask[r, : len(m)] = torch.tensor(m)
             attn[r, : len(t)] = 1
-        loss_sum, count = masked_ce_loss(model, ids, mask, attn, prefix)
+        loss_sum, count = masked_ce_loss(model, ids, mask, attn, prefix, config.context_loss_weight)
         loss = loss_sum / count.clamp(min=1)
         if not torch.isfinite(loss):  # a NaN never reaches the weights
             optimizer.zero_grad(set_to_none=True)

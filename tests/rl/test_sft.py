@@ -110,6 +110,6 @@ def test_context_tokens_add_their_weighted_loss_and_do_not_count_as_assistant_to
     with torch.no_grad():
         own, count = masked_ce_loss(model, ids, assistant.float(), attn)
         other, _ = masked_ce_loss(model, ids, context.float(), attn)
-        both, count_both = masked_ce_loss(model, ids, assistant + 0.3 * context, attn)
+        both, count_both = masked_ce_loss(model, ids, assistant, attn, context_weight=0.3)
     assert torch.allclose(both, own + 0.3 * other, atol=1e-4) and other > 0
     assert count_both == count == n // 2  # the per-token loss stays an average over the assistant's tokens
