@@ -10,6 +10,9 @@ HF-compatible server render exactly this), and `render_message` produces the sam
 message at a time, which is how the episode runner appends turns without re-tokenizing earlier
 ones. Consecutive tool results share one user turn, as in Qwen's template.
 
+A model trained without the tool schemas in its prompt (the embedded default) says so on its
+tokenizer (`tools_in_prompt`); every renderer asks it, so training, episodes and the server agree.
+
 `parse_assistant` turns generated text into content plus `ToolCall`s. A malformed call (bad JSON,
 unknown tool, wrong arguments, an unclosed tag) becomes an invalid `ToolCall` carrying the reason:
 it is answered with the error and counted, never dropped.
@@ -70,6 +73,21 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 GENERATION_PROMPT = f"{IM_START}assistant\n"
+# The template of a model trained without the tool schemas in its prompt (see `tools_in_prompt`):
+# the system turn is rendered as if no tools were given, whatever the request carries.
+CHAT_TEMPLATE_NO_TOOLS = CHAT_TEMPLATE.replace("{%- if tools %}", "{%- if false %}", 1)
+TOOLS_IN_PROMPT = "tools_in_prompt"  # the tokenizer setting, saved in tokenizer_config.json
+
+
+def tools_in_prompt(tokenizer: Any) -> bool:
+    """Whether prompts for this tokenizer's model list the tool schemas in the system turn.
+
+    A real checkpoint reads its tools from the prompt (Qwen's convention, the default). A tiny
+    model trained from scratch on one fixed toolset learns the tools from its demonstrations
+    instead; for it the ~650 tokens of schemas are pure cost: every token attends to them, and on
+    2 cores they halved the SFT steps per minute and slowed the learning of copying a path or a
+    name from the context (`bench/sft.py`, variant `tools_in_prompt`)."""
+    return bool(getattr(tokenizer, "init_kwargs", {}).get(TOOLS_IN_PROMPT, True))
 
 
 def tool_schemas(names: Sequence[str] | None = None) -> list[dict[str, Any]]:

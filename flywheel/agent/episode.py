@@ -40,6 +40,7 @@ from flywheel.agent.chat import (
     render_messages,
     render_tool_results,
     tool_schemas,
+    tools_in_prompt,
 )
 from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.env.grading import GradeConfig, grade
@@ -66,9 +67,11 @@ class EpisodeConfig(BaseModel):
     tools: ToolConfig = ToolConfig()
 
 
-def initial_prompt(task: Task) -> str:
+def initial_prompt(task: Task, with_tools: bool = True) -> str:
+    """System and user turns, then the assistant header; with_tools: list the tool schemas
+    (`chat.tools_in_prompt` of the model's tokenizer)."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.instruction}]
-    return render_messages(messages, tool_schemas(), add_generation_prompt=True)
+    return render_messages(messages, tool_schemas() if with_tools else None, add_generation_prompt=True)
 
 
 def user_turn(text: str) -> str:
@@ -145,7 +148,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
     asked = False
     earlier_s = 0.0  # time spent on this episode before it was resumed
     if resume is None:
-        rec.context(encode(initial_prompt(task)))
+        rec.context(encode(initial_prompt(task, tools_in_prompt(tokenizer))))
         prompt_len, files = len(rec.tokens), task.files
     else:
         if resume.task_id != task.id:

@@ -70,7 +70,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flywheel.agent.chat import IM_END, IM_START, parse_assistant, render_turns
+from flywheel.agent.chat import IM_END, IM_START, parse_assistant, render_turns, tools_in_prompt
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
 from flywheel.live.monitors import Monitor, MonitorConfig, label_tests_passed
 from flywheel.live.records import Completion, CompletionToolCall, Event
@@ -453,7 +453,8 @@ class LiveServer:
             encoder = self._encoders.get(lease.version)
             if encoder is None:
                 encoder = self._encoders[lease.version] = PromptEncoder(lease.tokenizer)
-            prompt_ids = encoder.encode([m.as_template_message() for m in req.messages], tools)
+            prompt_ids = encoder.encode([m.as_template_message() for m in req.messages],
+                                        tools if tools_in_prompt(lease.tokenizer) else None)
             params = self._sampling(req, len(prompt_ids), lease.tokenizer)
             engine_started = time.perf_counter()
             try:

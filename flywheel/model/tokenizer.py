@@ -14,11 +14,22 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from flywheel.agent.chat import CHAT_TEMPLATE, END_OF_TEXT, IM_END, MARKUP_TOKENS, SPECIAL_TOKENS
+from flywheel.agent.chat import (
+    CHAT_TEMPLATE,
+    CHAT_TEMPLATE_NO_TOOLS,
+    END_OF_TEXT,
+    IM_END,
+    MARKUP_TOKENS,
+    SPECIAL_TOKENS,
+    TOOLS_IN_PROMPT,
+)
 
 
-def train_tokenizer(corpus: Iterable[str], vocab_size: int = 4096) -> PreTrainedTokenizerFast:
-    """Train BPE on `corpus` (an iterable of documents). Deterministic for the same corpus."""
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = 4096, tools_in_prompt: bool = True) -> PreTrainedTokenizerFast:
+    """Train BPE on `corpus` (an iterable of documents). Deterministic for the same corpus.
+
+    tools_in_prompt: whether the model's prompts list the tool schemas (`chat.tools_in_prompt`);
+    saved with the tokenizer, and its chat template follows it."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -37,7 +48,8 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 4096) -> PreTrained
         pad_token=END_OF_TEXT,
         clean_up_tokenization_spaces=False,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.init_kwargs[TOOLS_IN_PROMPT] = tools_in_prompt
+    tokenizer.chat_template = CHAT_TEMPLATE if tools_in_prompt else CHAT_TEMPLATE_NO_TOOLS
     return tokenizer
 
 

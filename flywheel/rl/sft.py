@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from flywheel.agent.chat import render_assistant_body, render_messages, tool_schemas
+from flywheel.agent.chat import render_assistant_body, render_messages, tool_schemas, tools_in_prompt
 from flywheel.agent.episode import tool_turn, user_turn
 
 
@@ -43,10 +43,15 @@ class SFTConfig(BaseModel):
     max_seq_len: int = 4096
     share_prefix: bool = True  # compute the common system prompt once per step (same loss, less work)
     # Weight of the next-token loss on tokens the model does not write (tool results, the user's
-    # turns): they teach copying from the context (a path from a listing, a line from a file).
-    # Measured in 100 s on 2 cores: with 2048-token batches it lowered the held-out loss (1.13
-    # against 1.39); with 512-token batches it did not (0.78 against 0.75), hence 0 by default.
+    # turns, not the shared system prompt): they hold many more copies from the context (a path
+    # from a listing, a name from the instruction) than the assistant's own turns.
     context_loss_weight: float = 0.0
+    # Weight multiplied onto tokens that repeat a rare token seen earlier in the same sequence (a
+    # package, module or function name, a path): the choices a policy must copy from its context,
+    # a handful per demonstration among hundreds of easy format tokens. "Rare": in fewer than
+    # `copy_rare_share` of the demonstrations. See `bench/sft.py` for what each setting buys.
+    copy_weight: float = 1.0
+    copy_rare_share: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
 
@@ -59,7 +64,8 @@ def encode_conversation(messages: Sequence[dict[str, Any]], tokenizer: PreTraine
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    tokens = encode(render_messages(messages[:2], tool_schemas(), add_generation_prompt=True))
+    tools = tool_schemas() if tools_in_prompt(tokenizer) else None
+    tokens = encode(render_messages(messages[:2], tools, add_generation_prompt=True))
     mask = [0] * len(tokens)
     i = 2
     while i < len(messages):
@@ -134,12 +140,39 @@ def scored_logits(model: PreTrainedModel, hidden: torch.Tensor, ids: torch.Tenso
     return logits, ids[:, 1:][where], where
 
 
-def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, attn: torch.Tensor,
-                   prefix: torch.Tensor | None = None, context_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of next-token cross-entropy over loss-mask positions, and their count; every other
-    attended token adds its cross-entropy times `context_weight` to the sum, not to the count.
+def rare_tokens(examples: Sequence[tuple[list[int], list[int]]], share: float) -> set[int]:
+    """Token ids found in fewer than `share` of the examples: names and paths, not syntax."""
+    counts: dict[int, int] = {}
+    for tokens, _ in examples:
+        for t in set(tokens):
+            counts[t] = counts.get(t, 0) + 1
+    return {t for t, n in counts.items() if n < share * len(examples)}
 
-    ids, mask, attn: [batch, seq]. Right padding, so positions are the natural ones.
+
+def loss_weights(tokens: Sequence[int], mask: Sequence[int], config: SFTConfig, rare: set[int],
+                 free: int = 0) -> list[float]:
+    """Per-token loss weights: 1 on the assistant's tokens, `context_loss_weight` on the others
+    except the first `free` (the shared prompt), each times `copy_weight` where the token is rare
+    and already appeared earlier in the sequence."""
+    seen: set[int] = set()
+    weights = []
+    for i, (token, m) in enumerate(zip(tokens, mask, strict=True)):
+        w = 1.0 if m else (config.context_loss_weight if i >= free else 0.0)
+        if token in seen and token in rare:
+            w *= config.copy_weight
+        weights.append(w)
+        seen.add(token)
+    return weights
+
+
+def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, attn: torch.Tensor,
+                   prefix: torch.Tensor | None = None,
+                   weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of next-token cross-entropy over loss-mask positions, and their count. With `weights`,
+    each position's cross-entropy counts that many times in the sum instead (context tokens too,
+    see `loss_weights`); the count stays the number of loss-mask positions.
+
+    ids, mask, attn, weights: [batch, seq]. Right padding, so positions are the natural ones.
     prefix: [prefix_len] tokens that precede every row (loss-free, see `shared_prefix_length`); run
     once, its keys and values are broadcast to all rows."""
     decoder = model.base_model
@@ -154,7 +187,7 @@ def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor
         full_attn = torch.cat([attn.new_ones((batch, p)), attn], dim=1)  # [batch, p + seq]
         positions = torch.arange(p, p + width).expand(batch, -1)  # [batch, seq]
         hidden = decoder(input_ids=ids, attention_mask=full_attn, position_ids=positions, cache=cache).last_hidden_state
-    weights = torch.where(mask > 0, 1.0, context_weight * attn) if context_weight else mask.float()
+    weights = mask.float() if weights is None else weights * attn
     logits, targets, where = scored_logits(model, hidden, ids, weights)
     nll = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
     return (nll * weights[:, 1:][where]).sum(), (mask[:, 1:] > 0).sum()
@@ -171,6 +204,9 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
     truncated = sum(len(t) > config.max_seq_len for t, _ in examples)
     p = shared_prefix_length(kept) if config.share_prefix else 0
     prefix = torch.tensor(kept[0][0][:p]) if p else None
+    rare = rare_tokens(kept, config.copy_rare_share)
+    free = p + 1 if config.share_prefix else 0  # no context loss on the shared prompt (nor can there be, see shared_prefix_length)
+    weighted = [loss_weights(t, m, config, rare, free)[p:] for t, m in kept]
     kept = [(t[p:], m[p:]) for t, m in kept]
     batches = pack_batches([len(t) for t, _ in kept], config.batch_tokens, rng)
     total_steps = max(1, math.ceil(len(batches) * config.epochs))
@@ -191,16 +227,19 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
     losses: list[float] = []
     bar = tqdm(range(total_steps), desc="sft", unit="step", dynamic_ncols=True)
     for step in bar:
-        batch = [kept[i] for i in batches[step % len(batches)]]
-        width = max(len(t) for t, _ in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, (t, m) in enumerate(batch):
+        rows = batches[step % len(batches)]
+        width = max(len(kept[i][0]) for i in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        weights = torch.zeros((len(rows), width))
+        for r, i in enumerate(rows):
+            t, m = kept[i]
             ids[r, : len(t)] = torch.tensor(t)
             mask[r, : len(m)] = torch.tensor(m)
             attn[r, : len(t)] = 1
-        loss_sum, count = masked_ce_loss(model, ids, mask, attn, prefix, config.context_loss_weight)
+            weights[r, : len(t)] = torch.tensor(weighted[i])
+        loss_sum, count = masked_ce_loss(model, ids, mask, attn, prefix, weights)
         loss = loss_sum / count.clamp(min=1)
         if not torch.isfinite(loss):  # a NaN never reaches the weights
             optimizer.zero_grad(set_to_none=True)
@@ -210,7 +249,7 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        tokens_seen += int(attn.sum()) + p * len(batch)  # tokens trained on, the shared prompt counted per row
+        tokens_seen += int(attn.sum()) + p * len(rows)  # tokens trained on, the shared prompt counted per row
         losses.append(loss.item())
         elapsed = time.perf_counter() - start
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_seen / elapsed:,.0f}",

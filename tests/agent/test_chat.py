@@ -14,8 +14,10 @@ from flywheel.agent.chat import (
     render_assistant_body,
     render_messages,
     tool_schemas,
+    tools_in_prompt,
 )
-from flywheel.model.tokenizer import train_tokenizer
+from flywheel.model.tokenizer import load_tokenizer, train_tokenizer
+from flywheel.rl.sft import encode_conversation
 
 MESSAGES = [
     {"role": "system", "content": SYSTEM_PROMPT},
@@ -48,6 +50,20 @@ def test_python_renderer_matches_the_jinja_template(tokenizer):
         for gen in (False, True):
             jinja = tokenizer.apply_chat_template(MESSAGES, tools=tools, tokenize=False, add_generation_prompt=gen)
             assert jinja == render_messages(MESSAGES, tools, add_generation_prompt=gen)
+
+
+def test_a_model_trained_without_tool_schemas_never_gets_them_in_its_prompt(tmp_path):
+    corpus = [render_messages(MESSAGES)] * 20
+    tokenizer = train_tokenizer(corpus, vocab_size=600, tools_in_prompt=False)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert not tools_in_prompt(loaded) and tools_in_prompt(train_tokenizer(corpus, vocab_size=600))
+    # The saved template agrees with the Python renderer: schemas given, none rendered.
+    jinja = loaded.apply_chat_template(MESSAGES, tools=tool_schemas(), tokenize=False, add_generation_prompt=True)
+    assert jinja == render_messages(MESSAGES, None, add_generation_prompt=True) and "<tools>" not in jinja
+    # SFT encodes demonstrations the same way.
+    ids, _ = encode_conversation(MESSAGES[:3], loaded)
+    assert "<tools>" not in loaded.decode(ids) and loaded.decode(ids).startswith(render_messages(MESSAGES[:2]))
 
 
 def test_render_tokenize_parse_round_trip(tokenizer):

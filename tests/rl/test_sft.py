@@ -14,7 +14,9 @@ from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.sft import (
     SFTConfig,
     encode_conversation,
+    loss_weights,
     masked_ce_loss,
+    rare_tokens,
     pack_batches,
     shared_prefix_length,
     train_sft,
@@ -110,6 +112,17 @@ def test_context_tokens_add_their_weighted_loss_and_do_not_count_as_assistant_to
     with torch.no_grad():
         own, count = masked_ce_loss(model, ids, assistant.float(), attn)
         other, _ = masked_ce_loss(model, ids, context.float(), attn)
-        both, count_both = masked_ce_loss(model, ids, assistant, attn, context_weight=0.3)
+        both, count_both = masked_ce_loss(model, ids, assistant, attn, weights=assistant + 0.3 * context)
     assert torch.allclose(both, own + 0.3 * other, atol=1e-4) and other > 0
     assert count_both == count == n // 2  # the per-token loss stays an average over the assistant's tokens
+
+
+def test_loss_weights_raise_rare_tokens_repeated_from_the_context():
+    config = SFTConfig(context_loss_weight=0.5, copy_weight=4.0)
+    #        prompt  | context: names 7, 8 | assistant copies 7, then writes 5 (common) and 9 (new)
+    tokens = [1, 2,    7, 8, 5,              7, 5, 9, 7]
+    mask = [0, 0,      0, 0, 0,              1, 1, 1, 1]
+    weights = loss_weights(tokens, mask, config, rare={7, 8, 9}, free=2)
+    assert weights == [0.0, 0.0, 0.5, 0.5, 0.5, 4.0, 1.0, 1.0, 4.0]
+    examples = [([7, 5], [0, 1]), ([8, 5], [0, 1]), ([9, 5, 7], [0, 1, 1])]
+    assert rare_tokens(examples, share=0.5) == {8, 9}  # 5 is in all three, 7 in two
