@@ -6,7 +6,8 @@
 Prints one JSON object on stdout; progress goes to stderr.
 
 The workload is agent turns as rollouts produce them: each prompt is the first turn of a real task
-(`initial_prompt`, several families), tokenized with a tokenizer trained on those tasks, and each
+(`initial_prompt`, several families, without the tool schemas as the bootstrapped policy's prompts
+are; `--tools-in-prompt` puts them back), tokenized with a tokenizer trained on those tasks, and each
 request generates until its natural end of turn. An untrained model has no natural end of turn, so
 each request is given the length of a real assistant turn instead (the scripted expert's
 demonstrations, tokenized), drawn at random, and generation is cut there (`max_tokens` for the
@@ -45,13 +46,13 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def workload(tasks_per_family: int, seed: int) -> tuple[list[str], list[str], list[list[dict]]]:
+def workload(tasks_per_family: int, seed: int, with_tools: bool) -> tuple[list[str], list[str], list[list[dict]]]:
     """Prompts (first agent turn), assistant turn bodies and whole demonstrations of real tasks."""
     expert = ScriptedExpert(seed=seed, mistake_rate=0.2)
     prompts, turns, demos = [], [], []
     for family in FAMILIES:
         for task in generate(family, "train", tasks_per_family, seed=seed):
-            prompts.append(initial_prompt(task))
+            prompts.append(initial_prompt(task, with_tools))
             messages = demonstration_messages(task, run_policy(task, expert.play(task)))
             demos.append(messages)
             turns += [render_assistant_body(m) for m in messages if m["role"] == "assistant"]
@@ -120,15 +121,17 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tools-in-prompt", action="store_true",
+                        help="prompts list the tool schemas (~650 more tokens each), as a real checkpoint's would")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
 
     t0 = time.perf_counter()
     log("building the workload (tasks, expert demonstrations, tokenizer) ...")
-    prompt_texts, turn_texts, demos = workload(args.tasks_per_family, args.seed)
-    corpus = prompt_texts + [render_messages(d, tool_schemas()) for d in demos]
-    tokenizer = train_tokenizer(corpus)
+    prompt_texts, turn_texts, demos = workload(args.tasks_per_family, args.seed, args.tools_in_prompt)
+    corpus = prompt_texts + [render_messages(d, tool_schemas() if args.tools_in_prompt else None) for d in demos]
+    tokenizer = train_tokenizer(corpus, tools_in_prompt=args.tools_in_prompt)
     model = build_model(ModelConfig(), tokenizer)
 
     def encode(text: str) -> list[int]:
@@ -171,6 +174,7 @@ def main() -> None:
         "workload": {
             "families": list(FAMILIES),
             "prompts": len(prompt_pool),
+            "tools_in_prompt": args.tools_in_prompt,
             "prompt_tokens_mean": round(statistics.mean(len(p) for p in prompt_pool), 1),
             "turn_tokens": {"n": len(turn_lengths), "mean": round(statistics.mean(turn_lengths), 1),
                             "median": statistics.median(turn_lengths), "max": max(turn_lengths)},

@@ -1,17 +1,22 @@
-"""SFT recipe benchmark: which model shape and batch size learn the most in a fixed time on 2 cores.
+"""SFT recipe benchmark: which prompt, loss weights, model shape and batch size learn the most in a
+fixed time on 2 cores.
 
-    python bench/sft.py                                 # the bootstrap's recipe against the old one, 100 s each
-    python bench/sft.py --seconds 60 --variants base,batch8192
+    python bench/sft.py                                 # the bootstrap's recipe against the others, 100 s each
+    python bench/sft.py --seconds 60 --variants base,previous_recipe
 
 Every variant trains a fresh model for the same wall-clock budget on the same demonstrations
 (the scripted expert on level-1 training tasks, the bootstrap's defaults) and is scored on held-out
 demonstrations it never saw:
 
 - `held_loss`: next-token loss per assistant token (what SFT minimizes);
-- `copy_loss`: the same on the assistant tokens that repeat text from the context (the token and
-  the one before it both appeared, as a pair, in a tool result or the instruction): paths read
-  off a listing, lines read off a file. A policy that cannot copy cannot pass a task, whatever its
-  loss on the rest.
+- `copy_loss`: the same on the assistant tokens that must be copied from the context: tokens found
+  in fewer than a tenth of the training demonstrations (package, module and function names, paths)
+  that already appeared earlier in the demonstration. A policy that cannot copy cannot pass a task,
+  whatever its loss on the rest: before the bootstrap's recipe, the copy loss stayed near the
+  entropy of a uniform guess among the names, and no held-out task was solved.
+
+Variants that put the tool schemas in the prompt get their own tokenizer (trained the same way,
+on the same demonstrations rendered with the schemas); losses are per token of each.
 
 Prints one JSON object on stdout, each variant with `vs_base` (its loss over the base's: below 1
 is better); progress goes to stderr. Run it on a quiet machine: the budget is wall-clock time.
@@ -32,39 +37,40 @@ from flywheel.env.pool import SandboxPool
 from flywheel.model.factory import ModelConfig, build_model, parameter_count
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.bootstrap import BootstrapConfig, train_tasks
-from flywheel.rl.sft import SFTConfig, encode_conversation, masked_ce_loss, train_sft
+from flywheel.rl.sft import SFTConfig, encode_conversation, masked_ce_loss, rare_tokens, train_sft
 from flywheel.sim.expert import demonstrations
 
 OLD_SHAPE = {"num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
-VARIANTS: dict[str, tuple[dict, dict]] = {  # name -> (model overrides, sft overrides)
-    "base": ({}, {}),  # the bootstrap's defaults
-    "batch8192": ({}, {"batch_tokens": 8192}),
-    "four_layers": (OLD_SHAPE, {}),
-    "old_recipe": (OLD_SHAPE, {"batch_tokens": 8192}),
-    "context_loss": ({}, {"context_loss_weight": 0.3}),
+NO_WEIGHTS = {"context_loss_weight": 0.0, "copy_weight": 1.0}
+# name -> (model overrides, sft overrides, tool schemas in the prompt)
+VARIANTS: dict[str, tuple[dict, dict, bool | None]] = {
+    "base": ({}, {}, None),  # the bootstrap's defaults
+    "tools_in_prompt": ({}, {}, True),
+    "no_copy_weight": ({}, {"copy_weight": 1.0}, None),
+    "no_context_loss": ({}, {"context_loss_weight": 0.0}, None),
+    "previous_recipe": ({}, NO_WEIGHTS, True),  # the bootstrap's recipe before prompt and weights changed
+    "batch8192": ({}, {"batch_tokens": 8192}, None),
+    "four_layers": (OLD_SHAPE, {}, None),
+    "old_recipe": (OLD_SHAPE, {**NO_WEIGHTS, "batch_tokens": 8192}, True),
 }
 
 
-def copyable_mask(tokens: list[int], mask: list[int]) -> list[int]:
-    """1 on assistant tokens whose pair (previous, this) and the pair before it appeared earlier
-    in text the model did not write."""
-    seen: set[tuple[int, int]] = set()
+def copied_mask(tokens: list[int], mask: list[int], rare: set[int]) -> list[int]:
+    """1 on assistant tokens that are rare and appeared earlier in the sequence."""
+    seen: set[int] = set()
     out = [0] * len(tokens)
-    for i in range(1, len(tokens)):
-        pair = (tokens[i - 1], tokens[i])
-        if mask[i] and i >= 2 and pair in seen and (tokens[i - 2], tokens[i - 1]) in seen:
-            out[i] = 1
-        if not mask[i]:
-            seen.add(pair)
+    for i, (token, m) in enumerate(zip(tokens, mask, strict=True)):
+        out[i] = int(bool(m) and token in rare and token in seen)
+        seen.add(token)
     return out
 
 
-def held_out_losses(model, examples) -> dict[str, float]:
+def held_out_losses(model, examples, rare: set[int]) -> dict[str, float]:
     totals = {"held_loss": [0.0, 0], "copy_loss": [0.0, 0]}
     with torch.no_grad():
         for tokens, mask in examples:
             ids, attn = torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long)
-            for key, weights in (("held_loss", mask), ("copy_loss", copyable_mask(tokens, mask))):
+            for key, weights in (("held_loss", mask), ("copy_loss", copied_mask(tokens, mask, rare))):
                 loss, n = masked_ce_loss(model, ids, torch.tensor([weights]), attn)
                 totals[key][0] += loss.item()
                 totals[key][1] += int(n)
@@ -74,7 +80,7 @@ def held_out_losses(model, examples) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=100.0, help="SFT wall-clock budget per variant")
-    parser.add_argument("--variants", default="base,old_recipe,batch8192,four_layers")
+    parser.add_argument("--variants", default="base,tools_in_prompt,no_copy_weight,no_context_loss,previous_recipe")
     parser.add_argument("--held-out", type=int, default=24, help="demonstrations kept out of training")
     args = parser.parse_args()
     names = args.variants.split(",")
@@ -88,18 +94,29 @@ def main() -> None:
     random.Random(0).shuffle(demos)
     train, held = demos[: -args.held_out], demos[-args.held_out:]
     print(f"demonstrations: {len(demos)} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    tokenizer = train_tokenizer([render_messages(m, tool_schemas()) for m in train], vocab_size=config.vocab_size)
-    train_examples = [encode_conversation(m, tokenizer) for m in train]
-    held_examples = [encode_conversation(m, tokenizer) for m in held]
+    encoded: dict[bool, tuple] = {}  # tools in prompt -> (tokenizer, train examples, held-out examples, rare tokens)
+
+    def encode(with_tools: bool) -> tuple:
+        if with_tools not in encoded:
+            schemas = tool_schemas() if with_tools else None
+            tokenizer = train_tokenizer([render_messages(m, schemas) for m in train], vocab_size=config.vocab_size,
+                                        tools_in_prompt=with_tools)
+            train_examples = [encode_conversation(m, tokenizer) for m in train]
+            encoded[with_tools] = (tokenizer, train_examples, [encode_conversation(m, tokenizer) for m in held],
+                                   rare_tokens(train_examples, config.sft.copy_rare_share))
+        return encoded[with_tools]
+
     results = {}
     for name in names:
-        model_over, sft_over = VARIANTS[name]
+        model_over, sft_over, with_tools = VARIANTS[name]
+        with_tools = config.tools_in_prompt if with_tools is None else with_tools
+        tokenizer, train_examples, held_examples, rare = encode(with_tools)
         model = build_model(ModelConfig(**{**config.model.model_dump(), **model_over}), tokenizer)
         sft = SFTConfig(**{**config.sft.model_dump(), **sft_over})
         print(f"{name}: training {args.seconds:.0f} s", file=sys.stderr)
         metrics = train_sft(model, train_examples, sft, tokenizer.pad_token_id, time_budget_s=args.seconds)
-        results[name] = {**held_out_losses(model, held_examples), "steps": int(metrics["sft_steps"]),
-                         "tokens_per_s": round(metrics["sft_tokens_per_s"]),
+        results[name] = {**held_out_losses(model, held_examples, rare), "steps": int(metrics["sft_steps"]),
+                         "tokens_per_s": round(metrics["sft_tokens_per_s"]), "tools_in_prompt": with_tools,
                          "parameters": parameter_count(model), "model": model_over, "sft": sft_over}
         print(f"{name}: {results[name]}", file=sys.stderr)
     for r in results.values():

@@ -456,6 +456,11 @@ def sample_tokens(logits: torch.Tensor, temperatures: Sequence[float], top_ps: S
 
     Temperature 0 is greedy (logprob at T=1). top_p keeps the smallest set of most likely tokens
     whose probability reaches top_p. Vectorized over rows: no per-row Python work or host syncs.
+
+    Sampling inverts each row's cumulative distribution at one uniform draw (a binary search), which
+    picks token i with probability p_i exactly as `torch.multinomial` does, at a fraction of its
+    cost on CPU: multinomial was a third of a decode step of the embedded default at batch 32, and
+    drawing one random number per vocabulary entry (an exponential race) costs as much again.
     """
     temps = torch.tensor([t or 1.0 for t in temperatures], dtype=logits.dtype).unsqueeze(1)  # [batch, 1]
     logp = torch.log_softmax(logits / temps, dim=-1)  # [batch, vocab]
@@ -468,12 +473,22 @@ def sample_tokens(logits: torch.Tensor, temperatures: Sequence[float], top_ps: S
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             top_p = torch.tensor(top_ps, dtype=probs.dtype).unsqueeze(1)
             sorted_probs[sorted_probs.cumsum(-1) - sorted_probs > top_p] = 0  # the most likely token always stays
-            choice = order.gather(1, torch.multinomial(sorted_probs, 1, generator=generator)).squeeze(1)
+            choice = order.gather(1, _inverse_cdf(sorted_probs, generator).unsqueeze(1)).squeeze(1)
         else:
-            choice = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            choice = _inverse_cdf(probs, generator)
         if any(greedy):
             choice = torch.where(torch.tensor(greedy), logits.argmax(-1), choice)
     return choice, logp.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of `weights` [batch, n] (non-negative, not necessarily normalized), drawn
+    with probability proportional to its weight: the first index whose cumulative weight exceeds a
+    uniform draw on [0, total). A zero-weight index is never chosen (its cumulative weight equals
+    the previous one, which the draw did not exceed)."""
+    cdf = weights.cumsum(-1)  # [batch, n]
+    draw = torch.rand((weights.shape[0], 1), generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, draw, right=True).squeeze(1).clamp(max=weights.shape[1] - 1)
 
 
 def wait_all(futures: Sequence[Future[Generation]], timeout_s: float) -> list[Generation]:

@@ -25,7 +25,7 @@ import pytest
 import torch
 from tiny_serving import KEYS, TOOL_ANSWER, ScriptedEngine, free_port, make_registry, stored_completion
 
-from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
+from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, TOOLS_IN_PROMPT, render_messages, tool_schemas
 from flywheel.live.deploy import Deployment, Router
 from flywheel.live.server import LiveServer, PromptEncoder, ServeConfig, serve_in_thread
 from flywheel.live.store import LiveStore
@@ -162,6 +162,22 @@ def test_tool_calls_come_back_in_openai_format_valid_or_not(tmp_path, registry_r
         prompt = server.router.tokenizer(0).decode(engine.prompts[-1])
         assert "<tools>" not in prompt and '"path": "a.py"' in prompt and "<tool_response>\nprint(1)" in prompt
         assert "unknown tool" in resp.choices[0].message.tool_calls[0].model_extra["error"]
+
+
+def test_a_model_trained_without_tool_schemas_is_served_without_them(tmp_path, registry_root):
+    tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
+    tokenizer.init_kwargs[TOOLS_IN_PROMPT] = False  # as saved by `train_tokenizer(..., tools_in_prompt=False)`
+    engine = ScriptedEngine(tokenizer(TOOL_ANSWER, add_special_tokens=False)["input_ids"])
+    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
+                        LiveStore(config.store_path))
+    with server, serve_in_thread(server) as running:
+        resp = client(running.url).chat.completions.create(model="flywheel", messages=MESSAGES, tools=tool_schemas())
+    prompt = tokenizer.decode(engine.prompts[-1])
+    assert prompt == render_messages(MESSAGES, None, add_generation_prompt=True) and "<tools>" not in prompt
+    # The request's tools still decide which calls are valid.
+    assert [c.function.name for c in resp.choices[0].message.tool_calls] == ["read_file", "read_file", "?"]
+    assert "error" not in resp.choices[0].message.tool_calls[0].model_extra
 
 
 def test_calls_are_checked_against_the_tools_the_request_declared(tmp_path, registry_root):

@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
-from flywheel.model.engine import EngineConfig, EngineError, Generation, LocalEngine, SamplingParams, wait_all
+from flywheel.model.engine import (
+    EngineConfig,
+    EngineError,
+    Generation,
+    LocalEngine,
+    SamplingParams,
+    sample_tokens,
+    wait_all,
+)
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.tokenizer import train_tokenizer
 
@@ -239,3 +247,27 @@ def test_close_aborts_in_flight_and_queued_requests(model, prompts):
     assert all(len(g.token_ids) == len(g.logprobs) == len(g.versions) for g in gens)
     with pytest.raises(EngineError, match="closed"):
         engine.submit(prompts[0], SamplingParams())
+
+
+def test_sampling_draws_each_token_with_its_probability():
+    """The sampler's frequencies match softmax(logits / T), with and without top_p (chi-square)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]] * 2)
+    generator = torch.Generator().manual_seed(0)
+    n = 20_000
+    for temperature, top_p in ((1.0, 1.0), (1.5, 1.0), (1.0, 0.9)):
+        counts = torch.zeros(2, 5)
+        for _ in range(n // 500):
+            batch = logits.repeat(250, 1)  # 500 rows per call
+            choice, logp = sample_tokens(batch, [temperature] * 500, [top_p] * 500, generator)
+            counts.index_put_((torch.arange(500) % 2, choice), torch.ones(500), accumulate=True)
+            assert torch.allclose(logp, torch.log_softmax(batch / temperature, -1).gather(1, choice[:, None]).squeeze(1))
+        probs = torch.softmax(logits[0] / temperature, -1)
+        if top_p < 1:  # the nucleus: tokens until the mass reaches top_p, renormalized
+            keep = (probs.cumsum(0) - probs) <= top_p
+            probs = torch.where(keep, probs, 0.0)
+            probs = probs / probs.sum()
+        expected = probs * counts.sum(1, keepdim=True)
+        seen = expected > 0
+        assert (counts[~seen] == 0).all(), "sampled a token of zero probability"
+        chi2 = ((counts[seen] - expected[seen]) ** 2 / expected[seen]).sum().item()
+        assert chi2 < 30, f"T={temperature}, top_p={top_p}: chi-square {chi2:.1f} over {int(seen.sum())} cells"

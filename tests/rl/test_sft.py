@@ -16,8 +16,8 @@ from flywheel.rl.sft import (
     encode_conversation,
     loss_weights,
     masked_ce_loss,
-    rare_tokens,
     pack_batches,
+    rare_tokens,
     shared_prefix_length,
     train_sft,
 )
