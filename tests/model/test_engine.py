@@ -21,6 +21,7 @@ from flywheel.model.engine import (
     Generation,
     LocalEngine,
     SamplingParams,
+    _DecodeThreads,
     sample_tokens,
     wait_all,
 )
@@ -271,3 +272,47 @@ def test_sampling_draws_each_token_with_its_probability():
         assert (counts[~seen] == 0).all(), "sampled a token of zero probability"
         chi2 = ((counts[seen] - expected[seen]) ** 2 / expected[seen]).sum().item()
         assert chi2 < 30, f"T={temperature}, top_p={top_p}: chi-square {chi2:.1f} over {int(seen.sum())} cells"
+
+
+def test_an_engine_decodes_on_its_thread_count_and_gives_the_cores_back(model, prompts):
+    """A busy engine decodes with `threads` intra-op threads; once idle, the count it changed is
+    restored (PyTorch's count is shared: threads started later would inherit it)."""
+    def new_thread_count() -> int:
+        counts: list[int] = []
+        thread = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        return counts[0]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    during: list[int] = []
+    hook = model.register_forward_pre_hook(lambda *_: during.append(torch.get_num_threads()))
+    try:
+        with LocalEngine(model, EngineConfig(threads=1)) as engine:
+            engine.generate([prompts[0]], SamplingParams(max_tokens=20))
+            assert during and set(during) == {1}
+            deadline = time.monotonic() + 5
+            while new_thread_count() != 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert new_thread_count() == 2 and torch.get_num_threads() == 2  # idle: every core is back
+    finally:
+        hook.remove()
+        torch.set_num_threads(before)
+
+
+def test_decode_threads_are_restored_only_when_every_engine_is_idle():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads, a, b = _DecodeThreads(), object(), object()
+        threads.busy(a, 1)
+        threads.busy(b, 1)
+        threads.idle(a)
+        assert torch.get_num_threads() == 1  # b still decodes
+        threads.idle(b)
+        assert torch.get_num_threads() == 2
+        threads.busy(a, None)  # an engine configured to leave threads alone
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
