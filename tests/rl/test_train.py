@@ -68,7 +68,7 @@ lr = 0.03
     assert main(["train", "--config", str(config)]) == 0
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(1, 11))
-    first = sum(s["reward_mean"] for s in steps[:3]) / 3
+    first = steps[0]["reward_mean"]  # all of step 1 was sampled by the start policy (staleness 0)
     last = sum(s["reward_mean"] for s in steps[-3:]) / 3
     trajectories = [json.loads(line)["trajectory"] for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
     untouched = max(t["reward"] for t in trajectories)
