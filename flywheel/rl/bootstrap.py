@@ -57,7 +57,9 @@ class BootstrapConfig(BaseModel):
     # Context loss and copy weight: the policy must copy paths and names from its context; see
     # `bench/sft.py` for the held-out losses each setting reaches.
     sft: SFTConfig = Field(default_factory=lambda: SFTConfig(epochs=20.0, context_loss_weight=1.0, copy_weight=5.0))
-    episode: EpisodeConfig = Field(default_factory=lambda: EpisodeConfig(temperature=0.7, max_turns=8, max_tokens_per_turn=256))
+    # The held-out eval: greedy, like `flywheel train`'s evals, so version 0's pass rate is the
+    # start every later pass rate is compared with (the demo's "before" included).
+    episode: EpisodeConfig = Field(default_factory=lambda: EpisodeConfig(temperature=0.0, max_turns=8, max_tokens_per_turn=256))
     pool: PoolConfig = Field(default_factory=PoolConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
