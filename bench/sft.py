@@ -37,7 +37,14 @@ from flywheel.env.pool import SandboxPool
 from flywheel.model.factory import ModelConfig, build_model, parameter_count
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.bootstrap import BootstrapConfig, train_tasks
-from flywheel.rl.sft import SFTConfig, encode_conversation, masked_ce_loss, rare_tokens, train_sft
+from flywheel.rl.sft import (
+    SFTConfig,
+    encode_conversation,
+    masked_ce_loss,
+    rare_tokens,
+    repeats_rare,
+    train_sft,
+)
 from flywheel.sim.expert import demonstrations
 
 OLD_SHAPE = {"num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
@@ -56,13 +63,8 @@ VARIANTS: dict[str, tuple[dict, dict, bool | None]] = {
 
 
 def copied_mask(tokens: list[int], mask: list[int], rare: set[int]) -> list[int]:
-    """1 on assistant tokens that are rare and appeared earlier in the sequence."""
-    seen: set[int] = set()
-    out = [0] * len(tokens)
-    for i, (token, m) in enumerate(zip(tokens, mask, strict=True)):
-        out[i] = int(bool(m) and token in rare and token in seen)
-        seen.add(token)
-    return out
+    """1 on assistant tokens that repeat a rare token from earlier in the sequence."""
+    return [int(bool(m) and copied) for m, copied in zip(mask, repeats_rare(tokens, rare), strict=True)]
 
 
 def held_out_losses(model, examples, rare: set[int]) -> dict[str, float]:

@@ -149,19 +149,26 @@ def rare_tokens(examples: Sequence[tuple[list[int], list[int]]], share: float) -
     return {t for t, n in counts.items() if n < share * len(examples)}
 
 
+def repeats_rare(tokens: Sequence[int], rare: set[int]) -> list[bool]:
+    """For each position: the token is rare and already appeared earlier in the sequence, i.e. a
+    copy from the context (a path from a listing, a name from the instruction)."""
+    seen: set[int] = set()
+    out = []
+    for token in tokens:
+        out.append(token in rare and token in seen)
+        seen.add(token)
+    return out
+
+
 def loss_weights(tokens: Sequence[int], mask: Sequence[int], config: SFTConfig, rare: set[int],
                  free: int = 0) -> list[float]:
     """Per-token loss weights: 1 on the assistant's tokens, `context_loss_weight` on the others
-    except the first `free` (the shared prompt), each times `copy_weight` where the token is rare
-    and already appeared earlier in the sequence."""
-    seen: set[int] = set()
+    except the first `free` (the shared prompt), each times `copy_weight` where the token repeats
+    a rare one (`repeats_rare`)."""
     weights = []
-    for i, (token, m) in enumerate(zip(tokens, mask, strict=True)):
+    for i, (m, copied) in enumerate(zip(mask, repeats_rare(tokens, rare), strict=True)):
         w = 1.0 if m else (config.context_loss_weight if i >= free else 0.0)
-        if token in seen and token in rare:
-            w *= config.copy_weight
-        weights.append(w)
-        seen.add(token)
+        weights.append(w * config.copy_weight if copied else w)
     return weights
 
 
@@ -202,11 +209,13 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
     kept = [(t[: config.max_seq_len], m[: config.max_seq_len]) for t, m in examples]
     kept = [e for e in kept if sum(e[1]) > 0]
     truncated = sum(len(t) > config.max_seq_len for t, _ in examples)
-    p = shared_prefix_length(kept) if config.share_prefix else 0
+    shared = shared_prefix_length(kept)
+    p = shared if config.share_prefix else 0
     prefix = torch.tensor(kept[0][0][:p]) if p else None
     rare = rare_tokens(kept, config.copy_rare_share)
-    free = p + 1 if config.share_prefix else 0  # no context loss on the shared prompt (nor can there be, see shared_prefix_length)
-    weighted = [loss_weights(t, m, config, rare, free)[p:] for t, m in kept]
+    # No context loss on the shared prompt, whether or not it is computed once (the same loss
+    # either way; and with it computed once there could be none, see shared_prefix_length).
+    weighted = [loss_weights(t, m, config, rare, free=shared + 1)[p:] for t, m in kept]
     kept = [(t[p:], m[p:]) for t, m in kept]
     batches = pack_batches([len(t) for t, _ in kept], config.batch_tokens, rng)
     total_steps = max(1, math.ceil(len(batches) * config.epochs))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from flywheel.agent.chat import render_assistant_body, render_messages, tool_schemas
@@ -126,3 +127,22 @@ def test_loss_weights_raise_rare_tokens_repeated_from_the_context():
     assert weights == [0.0, 0.0, 0.5, 0.5, 0.5, 4.0, 1.0, 1.0, 4.0]
     examples = [([7, 5], [0, 1]), ([8, 5], [0, 1]), ([9, 5, 7], [0, 1, 1])]
     assert rare_tokens(examples, share=0.5) == {8, 9}  # 5 is in all three, 7 in two
+
+
+def test_sharing_the_prompt_leaves_the_context_loss_as_it_is():
+    """Context loss never covers the shared prompt, so computing it once changes no loss."""
+    tokenizer = train_tokenizer(["system prompt and tools; then a user asks", "<tool_call>list_dir</tool_call> a.py"] * 10,
+                                vocab_size=300)
+    shared = tokenizer("system prompt and tools; then a user asks")["input_ids"]
+    examples = []
+    for text in ("fix it<tool_call>list_dir", "go<tool_call>list_dir</tool_call> a.py"):
+        row = shared + tokenizer(text)["input_ids"]
+        examples.append((row, [0] * (len(shared) + 2) + [1] * (len(row) - len(shared) - 2)))
+    first = {}
+    for share in (True, False):
+        model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                                        num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
+        config = SFTConfig(epochs=1, warmup_steps=1, batch_tokens=10_000, share_prefix=share,
+                           context_loss_weight=1.0, copy_weight=3.0)
+        first[share] = train_sft(model, examples, config, tokenizer.pad_token_id)["sft_loss_first"]
+    assert first[True] == pytest.approx(first[False], abs=1e-4)
