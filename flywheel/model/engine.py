@@ -351,19 +351,23 @@ class LocalEngine:
                 self._finish(seq, "aborted")
 
     def _loop(self) -> None:
+        held = False  # this engine's thread count is in force (DECODE_THREADS)
         idle_waits = 0
         try:
             with torch.inference_mode():
                 while not self._stop.is_set():
                     if not self._active and self._inbox.empty() and self._weights.empty():
                         idle_waits += 1
-                        if idle_waits == 2:  # idle for a while, not only between two turns
+                        if held and idle_waits >= 2:  # idle for a while, not only between two turns
                             DECODE_THREADS.idle(self)
+                            held = False
                         self._wake.wait(0.05)
                         self._wake.clear()
                         continue
                     idle_waits = 0
-                    DECODE_THREADS.busy(self, self.config.threads)
+                    if not held:
+                        DECODE_THREADS.busy(self, self.config.threads)
+                        held = True
                     self._step()
         except BaseException as exc:  # recorded: submitters and update_weights raise it loudly
             self._error = exc
