@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import threading
 import time
@@ -83,6 +84,11 @@ class OrchestratorConfig(BaseModel):
     # scoring the same means the tasks are all too hard or all too easy for this policy.
     zero_signal_patience: int = 10
     max_steps: int = 10
+    # Tasks are drawn in a fresh seeded order each pass over the task set. In the order given
+    # (family by family) the learner would spend a quarter of a run on each family in turn and
+    # unlearn the last one while on the next.
+    shuffle_tasks: bool = True
+    seed: int = 0
     checkpoint_every: int = 1  # learner state to run_dir/state every N steps (resume point)
     episode_timeout_s: float = 600.0
     stall_timeout_s: float = 1800.0
@@ -219,6 +225,7 @@ class Orchestrator:
         self._cond = threading.Condition()
         self._groups: dict[str, _Group] = {}  # started, not yet consumed
         self._next_group = 0  # groups started so far, also the task cursor
+        self._order: tuple[int, list[int]] = (-1, [])  # (pass over the task set, its task order)
         self._consumed: list[str] = []
         self._counts = {"zero_signal_groups": 0, "filtered_groups": 0, "episodes": 0, "failed_episodes": 0,
                         "resumed_episodes": 0}
@@ -337,13 +344,25 @@ class Orchestrator:
     def _admit(self) -> None:
         """Start groups while fewer than the admission limit are unconsumed. Caller holds the lock."""
         while not self._closed and len(self._groups) < self.config.admit_limit:
-            task = self.tasks[self._next_group % len(self.tasks)]
+            task = self._task(self._next_group)
             group = _Group(f"g{self._next_group}", task, self.learner.version, self.config.group_size)
             self._next_group += 1
             self._groups[group.id] = group
             self.run.append("groups.jsonl", {"group": group.id, "task": task.id, "version": group.start_version})
             for i in range(group.size):
                 self._launch(group, i, None)
+
+    def _task(self, n: int) -> Task:
+        """The task of the n-th group: pass n // len(tasks) over the task set, in that pass's order
+        (a function of n alone, so a resumed run draws the same tasks the killed one would have)."""
+        rounds, i = divmod(n, len(self.tasks))
+        if not self.config.shuffle_tasks:
+            return self.tasks[i]
+        if self._order[0] != rounds:
+            order = list(range(len(self.tasks)))
+            random.Random(self.config.seed * 1_000_003 + rounds).shuffle(order)
+            self._order = (rounds, order)
+        return self.tasks[self._order[1][i]]
 
     def _launch(self, group: _Group, index: int, state: EpisodeState | None) -> None:
         group.running[index] = time.monotonic()

@@ -174,6 +174,21 @@ def test_sync_mode_trains_only_on_policy(tmp_path, tasks, tokenizer, pool):
     assert all(max(b["staleness"]) == 0 for b in learner.batches)
 
 
+def test_tasks_come_in_a_fresh_seeded_order_each_pass(tmp_path, tokenizer, pool):
+    mixed = [t for family in ("bugfix", "implement") for t in generate(family, "train", 4, seed=11, difficulty=1)]
+    engine = RandomLatencyEngine(tokenizer, mixed, seed=2)
+    with Orchestrator(config(max_steps=6), mixed, engine, RecordingLearner(), tokenizer, pool, tmp_path) as orch:
+        orch.train()
+    started = [json.loads(line)["task"] for line in (tmp_path / "groups.jsonl").read_text().splitlines()]
+    first, second = started[:8], started[8:16]
+    assert sorted(first) == sorted(t.id for t in mixed) == sorted(second)  # every task once per pass
+    assert first != second  # a fresh order each pass
+    assert {t.split("/")[0] for t in first[:4]} == {"bugfix", "implement"}  # not family by family
+    with Orchestrator(config(shuffle_tasks=False), mixed, engine, RecordingLearner(), tokenizer, pool,
+                      tmp_path / "in-order") as orch:
+        assert [orch._task(n).id for n in range(10)] == [t.id for t in mixed + mixed[:2]]
+
+
 def test_zero_signal_groups_are_counted_and_replaced(tmp_path, tasks, tokenizer, pool):
     engine = RandomLatencyEngine(tokenizer, tasks, seed=1, solve_rate=0.0)  # nobody solves: every group is all-equal
     learner = RecordingLearner()
