@@ -207,12 +207,16 @@ def real(args, registry: Registry, ref: str, tasks, pool, budget_s: float | None
         checkpoint = registry.get(ref)
         engine_model, tokenizer = registry.load(checkpoint.version)
         learner_model, _ = registry.load(checkpoint.version)
-        learner = Learner(learner_model.train(), LearnerConfig(lr=args.lr, temperature=1.0))
+        # Async: the engine decodes while the learner trains, so the learner gets the cores the engine
+        # does not use; sync: the engine is idle while the learner trains, which takes them all.
+        threads = args.async_learner_threads if mode == "async" else None
+        learner = Learner(learner_model.train(), LearnerConfig(lr=args.lr, temperature=1.0, threads=threads))
         config = OrchestratorConfig(group_size=args.group_size, groups_per_step=args.groups,
-                                    max_staleness=args.max_staleness, concurrency=32,
+                                    max_staleness=args.max_staleness,
+                                    concurrency=args.group_size * args.groups * (1 + args.max_staleness),
                                     episode={"max_turns": 8, "max_tokens_per_turn": 256, "temperature": 1.0})
         torch.manual_seed(args.seed)
-        with LocalEngine(engine_model, EngineConfig(max_batch=32)) as engine:
+        with LocalEngine(engine_model, EngineConfig(max_batch=config.concurrency)) as engine:
             log(f"real {mode}: v{checkpoint.version}, {steps} steps" + (f" or {budget_s:.0f} s" if budget_s else ""))
             result = run_mode(mode, config, tasks, engine, learner, tokenizer, pool, steps, budget_s)
             if args.eval_tasks:
@@ -239,6 +243,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=600.0)
     parser.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks per family (0: no eval)")
     parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--async-learner-threads", type=int, default=1,
+                        help="real async: the learner's intra-op threads (the engine decodes on 1 at the same time)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -248,7 +254,8 @@ def main() -> None:
     model, tokenizer = registry.load(checkpoint.version)
     tasks = task_set(FAMILIES, "train", 32, seed=100, difficulty=1)
     result: dict = {"checkpoint": checkpoint.version, "group_size": args.group_size, "groups_per_step": args.groups,
-                    "max_staleness": args.max_staleness, "steps": args.steps}
+                    "max_staleness": args.max_staleness, "steps": args.steps,
+                    "async_learner_threads": args.async_learner_threads}
     with SandboxPool(PoolConfig(max_active=64)) as pool:
         if "modeled" in parts:
             costs = measure_costs(model, tokenizer)

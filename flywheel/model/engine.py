@@ -261,6 +261,7 @@ class LocalEngine:
         self._cache: _BatchCache | None = None  # of the rows in `_active`, in order
         self._free: list[int] = []  # rows of `_active` that finished; their slots wait for a newcomer or compaction
         self._generator = torch.Generator().manual_seed(self.config.seed)
+        self._vocab = model.get_input_embeddings().num_embeddings
         text = model.config.get_text_config(decoder=True)
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -288,6 +289,10 @@ class LocalEngine:
             raise ValueError(f"max_tokens must be ≥ 1, got {params.max_tokens}")
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise ValueError(f"need temperature ≥ 0 and 0 < top_p ≤ 1, got {params.temperature} and {params.top_p}")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self._vocab:  # in the loop it would kill the engine for everyone
+            bad = next(t for t in prompt_ids if not 0 <= t < self._vocab)
+            raise ValueError(f"prompt token id {bad} is outside the model's vocabulary of {self._vocab}; "
+                             "encode prompts with this model's tokenizer")
         seq = _Sequence(list(prompt_ids), params, Future())
         self._inbox.put(seq)
         self._wake.set()

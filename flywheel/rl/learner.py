@@ -5,7 +5,8 @@
       minibatches       `minibatches` contiguous chunks of the batch, one optimizer step each
       micro-batches     each chunk packed into forwards of <= micro_batch_tokens padded tokens
       proximal pass     no-grad forward of every micro-batch under the current weights: logp_prox,
-                        entropy (and logp_ref under the reference model when kl_coef > 0)
+                        entropy (and logp_ref under the reference model when kl_coef > 0); skipped
+                        when there is one optimizer step per batch (see below)
       for epoch in ppo_epochs, for minibatch:
           forward + backward per micro-batch, loss divided by the whole minibatch's denominator
           loss or grad norm not finite?  skip the step and count it: no NaN reaches the weights
@@ -20,7 +21,9 @@ tokens the engine sampled under older versions. Raise ppo_epochs or minibatches 
 steps per batch; then later steps move away from the proximal policy and clipping bounds them.
 The proximal pass costs one extra no-grad forward per micro-batch; it is what makes a stale
 token's weight pi_prox / pi_behaviour rather than pi_theta / pi_behaviour, which would change as
-the update proceeds.
+the update proceeds. With a single step the two are the same weights, so the training forward's
+own logprobs, detached, serve as logp_prox and the proximal pass is skipped: a third less work
+per batch, the same loss and gradient (tested).
 
 Logprobs are of the temperature-scaled distribution log_softmax(logits / T), computed in float32,
 the convention of the engine's behaviour logprobs (`flywheel.model.engine`); set `temperature` to
@@ -38,7 +41,8 @@ import copy
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -61,6 +65,10 @@ class LearnerConfig(BaseModel):
     ppo_epochs: int = Field(default=1, ge=1)  # passes over each batch; more = more learning per sampled token, more drift from the proximal policy
     minibatches: int = Field(default=1, ge=1)  # optimizer steps per epoch; capped at the number of trajectories
     temperature: float = Field(default=1.0, gt=0)  # the episodes' sampling temperature (1.0 for greedy), so logprobs match the engine's
+    # Intra-op threads while training (None: the calling thread's setting). Where the learner shares
+    # a CPU with a busy engine (async mode on a laptop), give it the cores the engine does not use:
+    # oversubscribed OpenMP threads wait for each other and both sides slow down.
+    threads: int | None = Field(default=None, ge=1)
     truncated: Literal["keep", "mask"] = "keep"  # keep: learn from truncated episodes with their reward; mask: give them no loss
     seed: int = 0  # order of micro-batches
     loss: LossConfig = Field(default_factory=LossConfig)
@@ -107,8 +115,10 @@ def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.T
     logp = full(picked - logz)
     if not entropy:
         return logp, None
-    expected = (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, full(logz - expected)
+    with torch.no_grad():  # a metric: no graph for it when the logprobs have one
+        detached = logits.detach()
+        expected = (torch.softmax(detached, dim=-1) * detached).sum(-1)
+        return logp, full(logz.detach() - expected)
 
 
 def staleness_histogram(trajectories: Sequence[Trajectory], version: int) -> dict[int, int]:
@@ -152,31 +162,40 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
 
 @torch.no_grad()
 def proximal_pass(model: PreTrainedModel, batches: Sequence[MicroBatch], temperature: float,
-                  ref_model: PreTrainedModel | None = None) -> torch.Tensor:
+                  ref_model: PreTrainedModel | None = None, policy: bool = True) -> torch.Tensor:
     """Fill each micro-batch's logp_prox (and logp_ref) under the current weights; returns the
-    entropy summed over loss tokens (0-dim tensor)."""
+    entropy summed over loss tokens (0-dim tensor). policy=False: logp_ref only (the proximal
+    logprobs will come from the training forward itself, `accumulate_gradients`)."""
     entropy = torch.zeros((), device=batches[0].ids.device) if batches else torch.zeros(())
     for b in batches:
-        b.logp_prox, ent = token_logprobs(model, b.ids, b.attention, temperature, entropy=True, scored=b.mask)
+        if policy:
+            b.logp_prox, ent = token_logprobs(model, b.ids, b.attention, temperature, entropy=True, scored=b.mask)
+            entropy += torch.where(b.mask > 0, ent, 0.0).sum()
         if ref_model is not None:
             b.logp_ref, _ = token_logprobs(ref_model, b.ids, b.attention, temperature, scored=b.mask)
-        entropy += torch.where(b.mask > 0, ent, 0.0).sum()
     return entropy
 
 
 def accumulate_gradients(model: PreTrainedModel, batches: Sequence[MicroBatch], config: LossConfig, temperature: float,
-                         denominator: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                         denominator: torch.Tensor, proximal_here: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward and backward over the micro-batches of one optimizer step, adding into `.grad`.
 
     denominator: `loss_denominator` summed over the same micro-batches, so the accumulated gradient
     equals that of one forward over all of them. Returns the step's loss (detached) and the
-    statistics of `policy_loss`, summed (is_weight_max: the max)."""
+    statistics of `policy_loss`, summed (is_weight_max: the max).
+
+    proximal_here: the weights are the proximal policy (the first and only optimizer step of a
+    batch), so logp_prox is this forward's own logprobs, detached, and the proximal pass is not
+    needed; the stats then include `entropy_sum` over loss tokens."""
     total = torch.zeros((), device=denominator.device)
     stats: dict[str, torch.Tensor] = {}
     for b in batches:
-        if b.logp_prox is None:
+        if b.logp_prox is None and not proximal_here:
             raise ValueError("micro-batch has no proximal logprobs; run proximal_pass on it before accumulate_gradients")
-        logp, _ = token_logprobs(model, b.ids, b.attention, temperature, scored=b.mask)
+        logp, ent = token_logprobs(model, b.ids, b.attention, temperature, entropy=proximal_here, scored=b.mask)
+        if proximal_here:
+            b.logp_prox = logp.detach()
+            merge_stats(stats, {"entropy_sum": torch.where(b.mask > 0, ent, 0.0).sum()})
         loss, s = policy_loss(logp, b.logp_prox, b.logp_behaviour, b.advantages, b.mask, config, b.logp_ref, denominator)
         loss.backward()
         total += loss.detach()
@@ -191,6 +210,20 @@ def merge_stats(into: dict[str, torch.Tensor], stats: Mapping[str, torch.Tensor]
             into[key] = value
         else:
             into[key] = torch.maximum(into[key], value) if key == "is_weight_max" else into[key] + value
+
+
+@contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """PyTorch's intra-op thread count for the calling thread, restored on exit (None: unchanged)."""
+    if threads is None:
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 class Learner:
@@ -233,6 +266,10 @@ class Learner:
             raise ValueError("train_step got no trajectories; wait for a batch before stepping")
         if len(advantages) != len(trajectories):
             raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages; give one per trajectory")
+        with intra_op_threads(self.config.threads):
+            return self._train_step(trajectories, advantages)
+
+    def _train_step(self, trajectories: Sequence[Trajectory], advantages: Sequence[float]) -> dict[str, float]:
         start = time.perf_counter()
         config = self.config
         staleness = staleness_histogram(trajectories, self.version)
@@ -245,8 +282,11 @@ class Learner:
 
         was_training = self.model.training
         self.model.train()  # same mode in the proximal and the training pass, so their logprobs agree exactly
-        entropy = sum((proximal_pass(self.model, mbs, config.temperature, self.ref_model) for mbs in minibatches),
-                      torch.zeros((), device=device))
+        # One optimizer step per batch: the proximal policy is the weights that step starts from, so
+        # its logprobs are the training forward's own (detached), and the separate pass is skipped.
+        fused = config.ppo_epochs == 1 and len(minibatches) == 1
+        entropy = sum((proximal_pass(self.model, mbs, config.temperature, self.ref_model, policy=not fused)
+                       for mbs in minibatches), torch.zeros((), device=device))
         # Denominators stay on device: dividing by them forces no host sync.
         denominators = [sum((loss_denominator(b.mask, config.loss) for b in mbs), torch.zeros((), device=device))
                         for mbs in minibatches]
@@ -257,7 +297,9 @@ class Learner:
         for _ in range(config.ppo_epochs):
             for mbs, denominator in zip(minibatches, denominators, strict=True):
                 self.optimizer.zero_grad(set_to_none=True)
-                loss, stats = accumulate_gradients(self.model, mbs, config.loss, config.temperature, denominator)
+                loss, stats = accumulate_gradients(self.model, mbs, config.loss, config.temperature, denominator,
+                                                   proximal_here=fused)
+                entropy = entropy + stats.pop("entropy_sum", 0.0)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
                 if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # the one host sync per step
                     skipped += 1  # before the optimizer touches anything: weights and Adam moments stay as they were

@@ -219,6 +219,11 @@ def test_bad_requests_raise_value_error(model):
             engine.submit([1, 2], SamplingParams(max_tokens=0))
         with pytest.raises(ValueError, match="top_p"):
             engine.submit([1, 2], SamplingParams(top_p=0))
+        vocab = model.get_input_embeddings().num_embeddings
+        for bad in (vocab, -1):
+            with pytest.raises(ValueError, match=f"token id {bad} is outside"):
+                engine.submit([1, bad, 2], SamplingParams())
+        assert len(engine.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids) >= 1  # still serving
 
 
 def test_a_dead_loop_fails_loudly(model, prompts):

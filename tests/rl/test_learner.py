@@ -162,6 +162,37 @@ def test_micro_batching_by_token_budget_gives_the_gradient_of_one_batch(tokenize
     assert any(not torch.allclose(naive[n], whole[n], rtol=1e-3, atol=1e-5) for n in whole)
 
 
+def test_one_step_per_batch_takes_the_proximal_logprobs_from_its_own_forward(tokenizer):
+    """Skipping the proximal pass changes nothing: same loss, gradient, statistics and entropy."""
+    model = build_model(TINY, tokenizer)
+    batch = [trajectory(model, n, seed=n) for n in (14, 22, 27)]
+    batch = [t.model_copy(update={"logprobs": [lp - 0.4 * (i % 2) if m else 0.0 for i, (lp, m) in
+                                               enumerate(zip(t.logprobs, t.loss_mask, strict=True))]}) for t in batch]
+    config = LossConfig(behaviour_cap=1.3)
+
+    def run(fused: bool):
+        model.zero_grad(set_to_none=True)
+        mbs = make_micro_batches(batch, [1.0, -0.5, 0.8], [t.loss_mask for t in batch], 30, random.Random(0))
+        entropy = proximal_pass(model, mbs, temperature=1.0, policy=not fused)
+        denominator = sum(loss_denominator(b.mask, config) for b in mbs)
+        loss, stats = accumulate_gradients(model, mbs, config, 1.0, denominator, proximal_here=fused)
+        entropy = entropy + stats.pop("entropy_sum", 0.0)
+        return loss, stats, entropy, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, stats, entropy, grads = run(fused=False)
+    fused_loss, fused_stats, fused_entropy, fused_grads = run(fused=True)
+    torch.testing.assert_close(fused_loss, loss)
+    torch.testing.assert_close(fused_entropy, entropy)
+    assert float(entropy) > 0 and stats["is_capped"] > 0  # the behaviour weights were not all 1
+    for key in stats:
+        torch.testing.assert_close(fused_stats[key], stats[key])
+    for name in grads:
+        torch.testing.assert_close(fused_grads[name], grads[name])
+    with pytest.raises(ValueError, match="no proximal logprobs"):
+        mbs = make_micro_batches(batch, [1.0, -0.5, 0.8], [t.loss_mask for t in batch], 30, random.Random(0))
+        accumulate_gradients(model, mbs, config, 1.0, torch.tensor(1.0))
+
+
 def test_staleness_histogram_counts_generated_tokens_by_age(model):
     batch = [trajectory(model, 20, seed=1, version=3), trajectory(model, 18, seed=2, version=1)]
     mixed = batch[1].model_copy(update={"versions": [-1] * 5 + [1] * 5 + [-1] * 3 + [2] * 5})
@@ -258,3 +289,18 @@ def test_kl_needs_a_reference_model_and_measures_drift(model):
     for _ in range(3):
         last = learner.train_step(batch, [1.0, -1.0])
     assert first["kl"] == pytest.approx(0.0, abs=1e-6) and last["kl"] > 1e-4
+
+
+def test_the_learner_trains_with_its_own_thread_count_and_restores_the_callers(tokenizer):
+    model = build_model(TINY, tokenizer)
+    seen = []
+    model.base_model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    batch = [trajectory(model, 16, seed=s) for s in range(2)]
+    before = torch.get_num_threads()
+    seen.clear()
+    Learner(model, LearnerConfig(threads=1)).train_step(batch, [1.0, -1.0])
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == before
+    seen.clear()
+    Learner(model, LearnerConfig()).train_step(batch, [1.0, -1.0])
+    assert set(seen) == {before}
