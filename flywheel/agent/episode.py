@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -162,6 +163,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
         earlier_s = timings.pop("total_s", 0.0)
     status, error = Status.TRUNCATED, ""
     stop = (tokenizer.convert_tokens_to_ids(IM_END),)
+    session = uuid.uuid4().hex  # each turn extends the last: the engine prefills only the new tokens
 
     def checkpoint() -> None:
         if on_turn is None:
@@ -183,7 +185,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                 if budget <= 0:
                     break
                 params = SamplingParams(config.temperature, config.top_p, min(budget, config.max_tokens_per_turn),
-                                        stop_token_ids=stop)
+                                        stop_token_ids=stop, session=session)
                 t0 = time.perf_counter()
                 try:
                     gen = engine.submit(rec.tokens, params).result(timeout=config.generation_timeout_s)

@@ -150,6 +150,50 @@ def test_weight_swap_mid_generation_rebuilds_the_cache(model, other_weights, pro
         torch.testing.assert_close(torch.tensor(gen.logprobs[before:]), new, atol=1e-4, rtol=0)
 
 
+def test_a_session_turn_prefills_only_its_new_tokens_and_equals_a_full_forward(model, other_weights, prompts):
+    """Multi-turn: each next prompt extends the last prompt and answer; the kept KV must give exactly
+    the logprobs of the whole context, in batches that mix kept and fresh rows."""
+    tool_result = prompts[3][:4]
+    with engine_for(model, max_batch=4, max_prefill_per_step=3) as engine:
+        first = wait_all([engine.submit(p, SamplingParams(max_tokens=6 + i, session=f"s{i}"))
+                          for i, p in enumerate(prompts[:3])], TIMEOUT_S)
+        seconds = [p + g.token_ids + tool_result for p, g in zip(prompts[:3], first, strict=True)]
+        futures = [engine.submit(c, SamplingParams(max_tokens=8, session=f"s{i}")) for i, c in enumerate(seconds)]
+        futures.append(engine.submit(prompts[4], SamplingParams(max_tokens=8, session="new")))  # a fresh row alongside
+        replies = wait_all(futures, TIMEOUT_S)
+        assert engine.reused_tokens == sum(len(c) - len(tool_result) - 1 for c in seconds)
+        for context, reply in zip(seconds + [prompts[4]], replies, strict=True):
+            expected = full_logprobs(model, context, reply.token_ids)
+            torch.testing.assert_close(torch.tensor(reply.logprobs), expected, atol=1e-4, rtol=0)
+
+        # A prompt that does not extend the kept tokens is prefilled whole (and still right).
+        third = prompts[5] + seconds[0]
+        reused = engine.reused_tokens
+        wrong = engine.submit(third, SamplingParams(max_tokens=5, session="s0")).result(TIMEOUT_S)
+        assert engine.reused_tokens == reused
+        torch.testing.assert_close(torch.tensor(wrong.logprobs), full_logprobs(model, third, wrong.token_ids),
+                                   atol=1e-4, rtol=0)
+
+        # New weights: kept KV is stale, so nothing is reused.
+        engine.update_weights(other_weights, 1, timeout_s=TIMEOUT_S)
+        fourth = seconds[1] + replies[1].token_ids + tool_result
+        after = engine.submit(fourth, SamplingParams(max_tokens=5, session="s1")).result(TIMEOUT_S)
+        assert engine.reused_tokens == reused
+    new_model = copy.deepcopy(model)
+    new_model.load_state_dict(other_weights)
+    torch.testing.assert_close(torch.tensor(after.logprobs), full_logprobs(new_model, fourth, after.token_ids),
+                               atol=1e-4, rtol=0)
+
+
+def test_the_session_cache_keeps_only_the_most_recent(model, prompts):
+    with engine_for(model, session_cache=2) as engine:
+        gens = [engine.submit(p, SamplingParams(max_tokens=3, session=f"s{i}")).result(TIMEOUT_S)
+                for i, p in enumerate(prompts[:3])]
+        for i in (0, 2):  # s0 was dropped when s2 finished; s2 is kept
+            engine.submit(prompts[i] + gens[i].token_ids + [5], SamplingParams(max_tokens=2, session=f"s{i}")).result(TIMEOUT_S)
+        assert engine.reused_tokens == len(prompts[2]) + len(gens[2].token_ids) - 1
+
+
 def test_continuous_batching_matches_one_at_a_time_greedy(model, prompts):
     lengths = [5, 30, 9, 17, 3, 24, 12]
     # A stop token that greedy decoding reaches mid-way in some sequences but not all.
