@@ -17,6 +17,12 @@ Only useful tokens (each request's own length) are counted, for both.
 
 `speedup_b32_fixed_length` gives every request the same length, so static batching wastes nothing
 and only raw decoding speed (per-step overhead, cache handling) is compared.
+
+`multi_turn` replays whole demonstrations as agents run them: 32 conversations at once, each turn's
+prompt the whole conversation so far (the last answer, then the tool results and the next turn's
+header), each answer the length of the demonstration's turn. With sessions (`SamplingParams.session`)
+the engine keeps each conversation's KV cache between turns and prefills only the new tokens;
+without, every turn prefills the whole context. `speedup_sessions` is the ratio of the two.
 """
 
 from __future__ import annotations
@@ -27,11 +33,19 @@ import random
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from transformers import GenerationConfig
 
-from flywheel.agent.chat import IM_END, render_assistant_body, render_messages, tool_schemas
+from flywheel.agent.chat import (
+    IM_END,
+    IM_START,
+    render_assistant_body,
+    render_messages,
+    render_turns,
+    tool_schemas,
+)
 from flywheel.agent.episode import initial_prompt
 from flywheel.env.families import generate
 from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
@@ -40,6 +54,7 @@ from flywheel.model.tokenizer import train_tokenizer
 from flywheel.sim.expert import ScriptedExpert, demonstration_messages, run_policy
 
 FAMILIES = ("bugfix", "implement", "crossfile", "ambiguous", "humaneval")
+ASSISTANT_HEADER = f"{IM_START}assistant\n"
 
 
 def log(msg: str) -> None:
@@ -92,6 +107,54 @@ def run_hf(model, prompts: list[list[int]], lengths: list[int], batch: int, para
     return time.perf_counter() - t0
 
 
+def conversation(messages: list[dict], encode, with_tools: bool) -> list[tuple[list[int], int]]:
+    """(new context tokens, answer length) per assistant turn of a demonstration."""
+    turns, pending = [], ""
+    for piece in render_turns(messages, tool_schemas() if with_tools else None):
+        if piece.startswith(ASSISTANT_HEADER):
+            turns.append((encode(pending + ASSISTANT_HEADER), len(encode(piece[len(ASSISTANT_HEADER):].rstrip("\n")))))
+            pending = "\n"  # after the answer's end-of-turn token
+        else:
+            pending += piece
+    return turns
+
+
+def run_conversations(model, conversations: list[list[tuple[list[int], int]]], params: SamplingParams,
+                      sessions: bool) -> tuple[float, int, int]:
+    """Seconds to play every conversation to its end, all at once; prompt tokens prefilled; reused."""
+    with LocalEngine(model, EngineConfig(max_batch=len(conversations))) as engine:
+        def play(i: int) -> int:
+            context, prefilled = [], 0
+            for new, length in conversations[i]:
+                context += new
+                prefilled += len(context)
+                sampling = SamplingParams(params.temperature, params.top_p, length,
+                                          session=f"c{i}" if sessions else None)
+                context += engine.submit(context, sampling).result().token_ids
+            return prefilled
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(conversations)) as pool:
+            prompt_tokens = sum(pool.map(play, range(len(conversations))))
+        return time.perf_counter() - t0, prompt_tokens, engine.reused_tokens
+
+
+def compare_sessions(model, conversations, params, repeats: int) -> dict[str, float]:
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(repeats):
+        for sessions in ((True, False) if r % 2 == 0 else (False, True)):
+            seconds, prompt_tokens, reused = run_conversations(model, conversations, params, sessions)
+            runs[sessions].append(seconds)
+            if sessions:
+                reused_share = reused / prompt_tokens
+    out = {"with_sessions_s": round(min(runs[True]), 2), "without_sessions_s": round(min(runs[False]), 2),
+           "speedup_sessions": round(min(runs[False]) / min(runs[True]), 2), "conversations": len(conversations),
+           "turns": sum(len(c) for c in conversations), "prompt_tokens": prompt_tokens,
+           "reused_prompt_share": round(reused_share, 3)}
+    log(f"  multi-turn: {out}")
+    return out
+
+
 def compare(model, prompts, lengths, batch, params, pad_id, repeats: int = 1) -> dict[str, float]:
     """Best of `repeats` for each side, alternating the order, so a burst of load on this shared
     machine during one run does not decide the ratio."""
@@ -121,6 +184,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--conversations", type=int, default=32, help="multi-turn: demonstrations replayed at once")
     parser.add_argument("--tools-in-prompt", action="store_true",
                         help="prompts list the tool schemas (~650 more tokens each), as a real checkpoint's would")
     args = parser.parse_args()
@@ -155,6 +219,9 @@ def main() -> None:
     for batch, n in ((1, args.requests_b1), (8, args.requests), (32, args.requests)):
         log(f"batch {batch}, {n} requests ...")
         results[batch] = compare(model, *draw(n), batch, params, pad_id, args.repeats)
+    log(f"multi-turn, {args.conversations} conversations ...")
+    conversations = [conversation(d, encode, args.tools_in_prompt) for d in rng.sample(demos, args.conversations)]
+    results["multi_turn"] = compare_sessions(model, conversations, params, args.repeats)
     fixed = round(statistics.mean(turn_lengths))
     log(f"batch 32, fixed length {fixed} ...")
     results["fixed"] = compare(model, *draw(args.requests, fixed), 32, params, pad_id, args.repeats)
@@ -167,6 +234,8 @@ def main() -> None:
         "speedup_b32": results[32]["speedup"],
         "speedup_b32_fixed_length": results["fixed"]["speedup"],
         "target_speedup_b32": 3.0,
+        "speedup_sessions": results["multi_turn"]["speedup_sessions"],
+        "multi_turn": results["multi_turn"],
         "fixed_length_tokens": fixed,
         "fixed_length": results["fixed"],
         "runs": {f"b{b}": results[b] for b in (1, 8, 32)},
