@@ -138,7 +138,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tasks = task_set(families, args.split, args.n, seed=args.seed, difficulty=args.difficulty)
     episode = EpisodeConfig(temperature=args.temperature)
     with LocalEngine(model, version=checkpoint.version) as engine, SandboxPool() as pool:
-        report, _ = evaluate(tasks, engine, tokenizer, pool, episode, progress=not args.json)
+        report, _ = evaluate(tasks, engine, tokenizer, pool, episode, progress=not args.json, samples=args.samples)
     report["checkpoint"] = checkpoint.version
     if args.json:
         print(json.dumps(report, indent=2))
@@ -148,7 +148,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
           f"{report['valid_tool_call_rate']:.3f}, mean turns {report['mean_turns']:.1f}, mean tokens {report['mean_tokens']:.0f}")
     for family, row in report["per_family"].items():
         lo, hi = row["pass_rate_ci"]
-        print(f"  {family:<12} {row['pass_rate']:.3f} [{lo:.3f}, {hi:.3f}]  ({row['episodes']} episodes)")
+        at_k = f"  pass@{row['samples_per_task']} {row['pass_at_k']:.3f}" if "pass_at_k" in row else ""
+        print(f"  {family:<12} {row['pass_rate']:.3f} [{lo:.3f}, {hi:.3f}]{at_k}  ({row['episodes']} episodes)")
+    if "pass_at_k" in report:
+        print(f"pass@{report['samples_per_task']} {report['pass_at_k']:.3f}: tasks any of whose samples passed")
     return 0
 
 
@@ -267,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--difficulty", type=int, choices=[1, 2, 3])
     ev.add_argument("--seed", type=int, default=1)
     ev.add_argument("--temperature", type=float, default=0.7)
+    ev.add_argument("--samples", type=int, default=1,
+                    help="episodes per task; above 1 the report adds pass@k: the headroom RL has on these tasks")
     ev.add_argument("--threads", type=int, default=2)
     ev.add_argument("--root", default="runs/registry", help="the registry folder")
     ev.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -37,8 +37,43 @@ def passed(t: Trajectory) -> bool:
     return t.reward_parts.get("all_passed", 0.0) == 1.0
 
 
+def clustered_interval(fractions: Sequence[float], z: float = 1.96) -> tuple[float, float]:
+    """95% interval of the mean of per-task pass fractions: with several samples per task the
+    episodes are not independent (a task's samples mostly pass or fail together), so the spread
+    is taken across tasks, not episodes."""
+    n = len(fractions)
+    if n < 2:
+        return (0.0, 1.0)
+    mean = sum(fractions) / n
+    half = z * math.sqrt(sum((f - mean) ** 2 for f in fractions) / (n - 1) / n)
+    return (max(0.0, mean - half), min(1.0, mean + half))
+
+
+def sampled(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
+    """Pass rate over several samples per task: pass@1 (the mean), its interval across tasks, and
+    pass@k (a task counts if any of its k samples passed), the share RL could reach by making the
+    policy's own best answers its usual ones."""
+    by_task: dict[str, list[bool]] = defaultdict(list)
+    for t in trajectories:
+        by_task[t.task_id].append(passed(t))
+    fractions = [sum(v) / len(v) for v in by_task.values()]
+    return {"samples_per_task": min(len(v) for v in by_task.values()),
+            "pass_rate_ci": list(clustered_interval(fractions)),
+            "pass_at_k": sum(any(v) for v in by_task.values()) / len(by_task)}
+
+
 def summarize(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
-    """The eval report: JSON-ready, keys as `flywheel eval --json` prints them."""
+    """The eval report: JSON-ready, keys as `flywheel eval --json` prints them. With several
+    samples per task the intervals are across tasks and `pass_at_k` is added (`sampled`)."""
+    report = _summarize(trajectories)
+    if trajectories and len({t.task_id for t in trajectories}) < len(trajectories):
+        report.update(sampled(trajectories))
+        for family, row in report["per_family"].items():
+            row.update(sampled([t for t in trajectories if t.family == family]))
+    return report
+
+
+def _summarize(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     by_family: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajectories:
         by_family[t.family].append(t)
@@ -71,10 +106,15 @@ def summarize(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
 
 
 def evaluate(tasks: Sequence[Task], engine: Engine, tokenizer: PreTrainedTokenizerBase, pool: SandboxPool,
-             config: EpisodeConfig | None = None, concurrency: int = 32, progress: bool = True) -> tuple[dict[str, Any], list[Trajectory]]:
+             config: EpisodeConfig | None = None, concurrency: int = 32, progress: bool = True,
+             samples: int = 1) -> tuple[dict[str, Any], list[Trajectory]]:
+    """Run every task `samples` times (more than one only makes sense with temperature > 0)."""
     config = config or EpisodeConfig()
+    if samples < 1:
+        raise ValueError(f"samples must be ≥ 1, got {samples}")
     with ThreadPoolExecutor(concurrency, thread_name_prefix="eval") as workers:
-        futures = [workers.submit(run_episode, task, engine, tokenizer, pool, config) for task in tasks]
+        futures = [workers.submit(run_episode, task, engine, tokenizer, pool, config) for task in tasks
+                   for _ in range(samples)]
         results = []
         for f in tqdm(futures, desc="eval", unit="episode", disable=not progress, dynamic_ncols=True):
             results.append(f.result())

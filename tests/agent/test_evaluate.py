@@ -1,0 +1,46 @@
+"""The eval report's arithmetic: pass rates, pass@k and the intervals with several samples per task."""
+
+from __future__ import annotations
+
+import pytest
+
+from flywheel.agent.evaluate import clustered_interval, summarize, wilson_interval
+from flywheel.agent.trajectory import Status, Trajectory
+
+
+def episode(task: str, family: str, won: bool) -> Trajectory:
+    return Trajectory(task_id=task, family=family, tokens=[], loss_mask=[], logprobs=[], versions=[], prompt_len=0,
+                      status=Status.FINISHED, reward=float(won), reward_parts={"all_passed": float(won)}, turns=1,
+                      tool_calls=1, invalid_tool_calls=0, asked_question=False)
+
+
+def test_one_sample_per_task_reports_wilson_intervals_and_no_pass_at_k():
+    report = summarize([episode(f"t{i}", "bugfix", i < 3) for i in range(10)])
+    assert report["pass_rate"] == 0.3 and report["pass_rate_ci"] == list(wilson_interval(3, 10))
+    assert "pass_at_k" not in report and "pass_at_k" not in report["per_family"]["bugfix"]
+
+
+def test_several_samples_per_task_add_pass_at_k_and_intervals_across_tasks():
+    # 4 tasks x 4 samples: a passes 4/4, b 1/4, c 0/4, d 1/4 (implement: a, b; bugfix: c, d)
+    wins = {"a": [1, 1, 1, 1], "b": [1, 0, 0, 0], "c": [0, 0, 0, 0], "d": [0, 0, 1, 0]}
+    family = {"a": "implement", "b": "implement", "c": "bugfix", "d": "bugfix"}
+    report = summarize([episode(t, family[t], bool(w)) for t, ws in wins.items() for w in ws])
+    assert report["pass_rate"] == pytest.approx(6 / 16)
+    assert report["samples_per_task"] == 4
+    assert report["pass_at_k"] == pytest.approx(3 / 4)
+    assert report["pass_rate_ci"] == list(clustered_interval([1.0, 0.25, 0.0, 0.25]))
+    assert report["per_family"]["implement"]["pass_at_k"] == 1.0
+    assert report["per_family"]["bugfix"]["pass_at_k"] == 0.5
+    # Samples of one task move together: the interval across tasks is wider than one over 16
+    # independent episodes would be.
+    lo, hi = report["pass_rate_ci"]
+    wlo, whi = wilson_interval(6, 16)
+    assert hi - lo > whi - wlo
+
+
+def test_clustered_interval_by_hand():
+    lo, hi = clustered_interval([0.0, 1.0, 0.5, 0.5])
+    # mean 0.5, sample sd sqrt(1/6), n 4: half width 1.96 * sqrt(1/6) / 2
+    assert (lo, hi) == pytest.approx((0.5 - 1.96 * (1 / 6) ** 0.5 / 2, 0.5 + 1.96 * (1 / 6) ** 0.5 / 2))
+    assert clustered_interval([1.0, 1.0, 1.0]) == (1.0, 1.0)
+    assert clustered_interval([0.5]) == (0.0, 1.0)
