@@ -21,6 +21,12 @@ moves only the new keys and values, not a copy of the whole cache as `DynamicCac
 does; the cache is copied only when the batch changes shape (a row joins or leaves, a swap).
 Sampling is vectorized over the batch: no per-row Python sampling loop or per-row host syncs.
 
+Sessions (`SamplingParams.session`): an agent's next turn is its whole conversation again, which
+it would be wasteful to prefill from scratch each time. When a request with a session id finishes,
+its row's KV is kept (LRU, `EngineConfig.session_cache`); the session's next request, if its prompt
+extends those tokens, prefills only what is new on top of them. Kept KV is dropped on a weight swap
+(it belongs to the old weights), and a prompt that does not extend it is prefilled whole.
+
 `Engine` is the small interface; `LocalEngine` implements it in-process. An OpenAI-compatible
 HTTP engine (vLLM, SGLang) can implement the same four methods.
 """
