@@ -185,10 +185,15 @@ def run_mode(mode: str, orch_config: OrchestratorConfig, tasks, engine, learner,
             "staleness_max": max((m["staleness_max"] for m in history), default=0)}
 
 
+def every_admitted_episode(args) -> int:
+    """Concurrency for every episode the admission limit lets start (G x B x (1 + max_staleness))."""
+    return args.group_size * args.groups * (1 + args.max_staleness)
+
+
 def modeled(args, tokenizer, costs: dict, learner_s_per_token: float, tasks, pool) -> dict:
     step_s = costs["decode_step_s_b32"]
     config = OrchestratorConfig(group_size=args.group_size, groups_per_step=args.groups, max_staleness=args.max_staleness,
-                                concurrency=args.group_size * args.groups * (1 + args.max_staleness),
+                                concurrency=every_admitted_episode(args),
                                 filter_zero_signal=False,
                                 episode={"max_turns": 8, "max_tokens_per_turn": 1024, "max_tokens": 16384})
     out = {}
@@ -213,7 +218,7 @@ def real(args, registry: Registry, ref: str, tasks, pool, budget_s: float | None
         learner = Learner(learner_model.train(), LearnerConfig(lr=args.lr, temperature=1.0, threads=threads))
         config = OrchestratorConfig(group_size=args.group_size, groups_per_step=args.groups,
                                     max_staleness=args.max_staleness,
-                                    concurrency=args.group_size * args.groups * (1 + args.max_staleness),
+                                    concurrency=every_admitted_episode(args),
                                     episode={"max_turns": 8, "max_tokens_per_turn": 256, "temperature": 1.0})
         torch.manual_seed(args.seed)
         with LocalEngine(engine_model, EngineConfig(max_batch=config.concurrency)) as engine:

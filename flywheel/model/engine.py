@@ -444,17 +444,27 @@ class LocalEngine:
         cache.positions += new if mask is None else mask.sum(-1)
         return out.logits[:, -1, :].float()
 
-    def _prefill(self, rows: list[list[int]]) -> tuple[torch.Tensor, _BatchCache]:
-        """Run left-padded `rows` through the model into a new cache of their own."""
+    def _prefill(self, rows: list[list[int]], kept: list[tuple[list[int], list]] | None = None
+                 ) -> tuple[torch.Tensor, _BatchCache]:
+        """Run left-padded `rows` through the model into a new cache of their own; with `kept`, on
+        top of each row's kept KV (right-aligned before its new tokens, the padding between masked)."""
+        pasts = kept or [([], [])] * len(rows)
+        past = max(len(tokens) for tokens, _ in pasts)
         width = max(len(r) for r in rows)
+        layers, buf_mask = _BatchCache.allocate(self._layer_shapes, len(rows), _capacity(past + width))
+        for i, (tokens, kv) in enumerate(pasts):
+            for (k, v), (pk, pv) in zip(layers, kv, strict=False):  # kv is empty for a row without a past
+                k[i, :, past - len(tokens) : past] = pk
+                v[i, :, past - len(tokens) : past] = pv
+            buf_mask[i, past - len(tokens) : past] = 1
+        cache = _BatchCache(layers, buf_mask, past)
         ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i, width - len(r) :] = torch.tensor(r)
             mask[i, width - len(r) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [batch, width]; padding gets 0, it is masked anyway
-        layers, buf_mask = _BatchCache.allocate(self._layer_shapes, len(rows), _capacity(width))
-        cache = _BatchCache(layers, buf_mask, 0)
+        # [batch, width]: each row's positions continue from its past; padding gets a position but is masked
+        positions = cache.positions.unsqueeze(1) + (mask.cumsum(-1) - 1).clamp(min=0)
         return self._forward(ids, cache, positions, mask), cache
 
     def _kept(self, seq: _Sequence) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None:
@@ -466,42 +476,20 @@ class LocalEngine:
             return tokens, layers
         return None
 
-    def _extend(self, seqs: list[_Sequence], kept: list[tuple[list[int], list]]) -> tuple[torch.Tensor, _BatchCache]:
-        """Prefill only the new part of each prompt on top of its session's kept KV (right-aligned,
-        left-padded; the new parts left-padded too, the padding between masked out)."""
-        past = max(len(tokens) for tokens, _ in kept)
-        news = [s.prompt[len(tokens):] for s, (tokens, _) in zip(seqs, kept, strict=True)]
-        width = max(len(n) for n in news)
-        layers, buf_mask = _BatchCache.allocate(self._layer_shapes, len(seqs), _capacity(past + width))
-        for r, (tokens, kv) in enumerate(kept):
-            for (k, v), (pk, pv) in zip(layers, kv, strict=True):
-                k[r, :, past - len(tokens) : past] = pk
-                v[r, :, past - len(tokens) : past] = pv
-            buf_mask[r, past - len(tokens) : past] = 1
-        cache = _BatchCache(layers, buf_mask, past)
-        ids = torch.full((len(seqs), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, n in enumerate(news):
-            ids[i, width - len(n) :] = torch.tensor(n)
-            mask[i, width - len(n) :] = 1
-        positions = cache.positions.unsqueeze(1) + (mask.cumsum(-1) - 1).clamp(min=0)
-        self.reused_tokens += sum(len(tokens) for tokens, _ in kept)
-        return self._forward(ids, cache, positions, mask), cache
-
     def _admit(self, seqs: list[_Sequence]) -> None:
         kept = [self._kept(s) for s in seqs]
         fresh = [s for s, k in zip(seqs, kept, strict=True) if k is None]
-        extended = [s for s, k in zip(seqs, kept, strict=True) if k is not None]
+        extended = [(s, k) for s, k in zip(seqs, kept, strict=True) if k is not None]
+        # Two prefills, not one: a short new part beside a long fresh prompt would be padded to its width.
         parts = []
         if fresh:
             parts.append(self._prefill([s.prompt for s in fresh]))
         if extended:
-            parts.append(self._extend(extended, [k for k in kept if k is not None]))
-        seqs = fresh + extended  # the rows of the new cache, in order
-        if len(parts) == 1:
-            logits, cache = parts[0]
-        else:
-            logits, cache = torch.cat([parts[0][0], parts[1][0]]), _BatchCache.from_parts([parts[0][1], parts[1][1]])
+            parts.append(self._prefill([s.prompt[len(k[0]) :] for s, k in extended], [k for _, k in extended]))
+            self.reused_tokens += sum(len(k[0]) for _, k in extended)
+        seqs = fresh + [s for s, _ in extended]  # the rows of the new cache, in order
+        logits = torch.cat([p[0] for p in parts])
+        cache = parts[0][1] if len(parts) == 1 else _BatchCache.from_parts([p[1] for p in parts])
         for s in seqs:
             s.tokens = list(s.prompt)
         free = self._free[: len(seqs)]
