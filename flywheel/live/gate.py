@@ -10,9 +10,14 @@
 The battery (`EvalBattery`): held-out tasks of the procedural families (eval split, fixed seed),
 HumanEval problems when `humaneval_tasks` > 0 (for a real checkpoint; the embedded tiny model
 solves none, so they would only cost time), and the behaviour checks below. Both versions play
-every task once through `flywheel.agent.evaluate`, concurrently, at the battery's temperature
-(0 by default: greedy decoding makes the comparison paired in the strongest sense, an identical
-candidate gives identical results up to float noise in batched decoding).
+every task through `flywheel.agent.evaluate`, concurrently, at the battery's temperature: once
+at temperature 0 by default (greedy decoding makes the comparison paired in the strongest sense,
+an identical candidate gives identical results up to float noise in batched decoding), or
+`samples` times at the temperature users sample at. A task's result is then the mean over its
+samples (a pass fraction), which the t interval below takes. Sampling is for small batteries:
+greedy decoding turns a small shift of probability into a whole task won or lost, so a candidate
+that only moved a coin-flip task from one answer to another shows discordant pairs that a few
+dozen tasks cannot tell from a regression; k samples measure the shift itself.
 
 Both versions are evaluated on the same held-out tasks, so results are paired per task. Pairing
 removes the between-task variance (a hard task is hard for both), which is most of it: the test
@@ -48,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from flywheel.agent.episode import EpisodeConfig
@@ -64,19 +69,23 @@ TaskResults = Mapping[str, Mapping[str, float | bool | None]]  # task id -> metr
 
 
 def task_results(tasks: Sequence[Task], trajectories: Sequence[Trajectory]) -> dict[str, dict[str, float | bool | None]]:
-    """Per-task results for `Gate.decide` from one eval episode per task, with the keys the default checks read."""
+    """Per-task results for `Gate.decide`, with the keys the default checks read, from the eval
+    episodes of each task: one (a 0/1 result), or several samples (their mean: a pass fraction,
+    the share of episodes that asked a question, and the valid share of all their tool calls)."""
     by_task = {t.id: t for t in tasks}
-    out: dict[str, dict[str, float | bool | None]] = {}
+    episodes: dict[str, list[Trajectory]] = {}
     for t in trajectories:
-        if t.task_id in out:
-            raise ValueError(f"task {t.task_id} has several eval episodes; the gate pairs one result per task")
         if t.task_id not in by_task:
             raise ValueError(f"episode of task {t.task_id}, which is not among the tasks given")
-        out[t.task_id] = {
-            "passed": float(passed(t)),
-            "valid_tool_call_rate": (t.tool_calls - t.invalid_tool_calls) / t.tool_calls if t.tool_calls else None,
-            "asked_question": t.asked_question,
-            "ambiguous": by_task[t.task_id].metadata.ambiguous,
+        episodes.setdefault(t.task_id, []).append(t)
+    out: dict[str, dict[str, float | bool | None]] = {}
+    for task_id, runs in episodes.items():
+        calls = sum(t.tool_calls for t in runs)
+        out[task_id] = {
+            "passed": sum(passed(t) for t in runs) / len(runs),
+            "valid_tool_call_rate": sum(t.tool_calls - t.invalid_tool_calls for t in runs) / calls if calls else None,
+            "asked_question": sum(t.asked_question for t in runs) / len(runs),
+            "ambiguous": by_task[task_id].metadata.ambiguous,
         }
     return out
 
@@ -152,18 +161,21 @@ def _tango_bound(b: int, c: int, n: int, alpha: float, lower: bool) -> float:
 
 
 def rate_limit(values: Sequence[bool | float], max_rate: float, alpha: float = 0.05) -> GateResult:
-    """Passes when the rate of true values is at most max_rate (point estimate; fails closed)."""
+    """Passes when the mean of per-task values (0/1, or a task's share over its samples) is at most
+    max_rate (point estimate; fails closed)."""
     n = len(values)
     if n == 0:
         return GateResult(passed=False, diff=None, ci_low=None, ci_high=None, n=0,
                           reason="no tasks in this check's subset: add eval tasks of that kind")
-    hits = sum(bool(v) for v in values)
+    if any(not 0.0 <= float(v) <= 1.0 for v in values):
+        raise ValueError(f"a rate check needs per-task values in [0, 1], got {sorted(map(float, values))[-1]}")
+    hits = sum(float(v) for v in values)
     rate = hits / n
-    low, high = wilson_interval(hits, n, z_quantile(1 - alpha))
+    low, high = wilson_interval(hits, n, z_quantile(1 - alpha))  # per task: samples of one task are not independent
     passed = rate <= max_rate
     return GateResult(passed=passed, diff=rate - max_rate, ci_low=low - max_rate, ci_high=high - max_rate, n=n,
                       method="wilson",
-                      reason=f"rate {rate:.3f} ({hits}/{n}) is {'within' if passed else 'above'} the limit {max_rate:.3f}")
+                      reason=f"rate {rate:.3f} ({hits:g}/{n}) is {'within' if passed else 'above'} the limit {max_rate:.3f}")
 
 
 class NonInferiorityCheck(BaseModel):
@@ -202,7 +214,17 @@ class EvalBattery(BaseModel):
     seed: int = 1  # the bootstrap's held-out seed, so gate numbers compare with its eval
     humaneval_tasks: int = Field(0, ge=0)  # HumanEval problems (eval split); set > 0 for a real checkpoint
     concurrency: int = Field(16, ge=1)  # episodes in flight per version; the engine batches their turns
+    # Episodes per task and version. 1 with greedy decoding (the default); more only with a temperature
+    # above 0, for a battery too small for greedy's all-or-nothing results (module docstring).
+    samples: int = Field(1, ge=1)
     episode: EpisodeConfig = Field(default_factory=lambda: EpisodeConfig(temperature=0.0))
+
+    @model_validator(mode="after")
+    def _sampling(self) -> EvalBattery:
+        if self.samples > 1 and self.episode.temperature == 0:
+            raise ValueError(f"samples = {self.samples} at temperature 0 plays the same greedy episode "
+                             f"{self.samples} times; set battery.episode.temperature > 0 or samples = 1")
+        return self
 
     def tasks(self) -> list[Task]:
         tasks = task_set(self.families, "eval", self.tasks_per_family, seed=self.seed, difficulty=self.difficulty)
@@ -266,7 +288,7 @@ class Gate:
                 raise ValueError(f"the engine for v{contender.version} is at version {contender.engine.version}; "
                                  "give each Contender the engine that serves its version")
             return evaluate(tasks, contender.engine, contender.tokenizer, pool, battery.episode,
-                            concurrency=battery.concurrency, progress=False)
+                            concurrency=battery.concurrency, progress=False, samples=battery.samples)
 
         # Both at once: two engines keep both cores busy while the other waits on sandboxes.
         with ThreadPoolExecutor(2, thread_name_prefix="gate") as workers:
@@ -290,7 +312,8 @@ class Gate:
         tasks = sorted(candidate)
         if isinstance(check, RateLimitCheck):
             chosen = [t for t in tasks if all(candidate[t].get(k) == v for k, v in check.where.items())]
-            return rate_limit([bool(candidate[t].get(check.metric)) for t in chosen], check.max_rate, self.config.alpha)
+            return rate_limit([float(candidate[t].get(check.metric) or 0.0) for t in chosen], check.max_rate,
+                              self.config.alpha)
         # Tasks where the metric is undefined for either version (e.g. no tool calls) leave the pair out.
         pairs = [(candidate[t].get(check.metric), production[t].get(check.metric)) for t in tasks]
         pairs = [(float(c), float(p)) for c, p in pairs if c is not None and p is not None]

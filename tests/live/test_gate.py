@@ -145,7 +145,38 @@ def test_task_results_from_eval_episodes():
                           invalid_tool_calls=invalid, asked_question=asked)
 
     got = task_results([task(0, False), task(1, True)], [episode(0, True, 4, 1, False), episode(1, False, 0, 0, True)])
-    assert got == {"t0": {"passed": 1.0, "valid_tool_call_rate": 0.75, "asked_question": False, "ambiguous": False},
-                   "t1": {"passed": 0.0, "valid_tool_call_rate": None, "asked_question": True, "ambiguous": True}}
-    with pytest.raises(ValueError, match="one result per task"):
-        task_results([task(0, False)], [episode(0, True, 1, 0, False)] * 2)
+    assert got == {"t0": {"passed": 1.0, "valid_tool_call_rate": 0.75, "asked_question": 0.0, "ambiguous": False},
+                   "t1": {"passed": 0.0, "valid_tool_call_rate": None, "asked_question": 1.0, "ambiguous": True}}
+    # Several samples of a task: the mean of each result; the valid share pools the samples' calls.
+    samples = [episode(0, True, 4, 1, False), episode(0, False, 2, 2, True), episode(0, True, 2, 0, False),
+               episode(0, False, 0, 0, False)]
+    assert task_results([task(0, False)], samples) == {
+        "t0": {"passed": 0.5, "valid_tool_call_rate": 5 / 8, "asked_question": 0.25, "ambiguous": False}}
+    with pytest.raises(ValueError, match="not among the tasks"):
+        task_results([task(0, False)], [episode(1, True, 1, 0, False)])
+
+
+def test_sampled_battery_tells_a_coin_flip_shift_from_a_regression():
+    # 16 tasks; the candidate moved three coin-flip tasks up and three down. Greedy sees six whole
+    # discordant tasks, which 16 pairs cannot tell from a regression at a 0.2 margin; 8 samples per
+    # task at temperature 1 see shares that moved by 1/8, and pass. A real regression still fails.
+    production_greedy = [1.0] * 8 + [0.0] * 8
+    candidate_greedy = [1.0] * 5 + [0.0] * 3 + [1.0] * 3 + [0.0] * 5
+    assert not non_inferiority(candidate_greedy, production_greedy, margin=0.2, min_n=10).passed
+    production = [0.875] * 5 + [0.5] * 3 + [0.5] * 3 + [0.125] * 5
+    candidate = [0.875] * 5 + [0.375] * 3 + [0.625] * 3 + [0.125] * 5
+    assert non_inferiority(candidate, production, margin=0.2, min_n=10).passed
+    regressed = [0.5] * 5 + [0.125] * 3 + [0.25] * 3 + [0.0] * 5
+    assert not non_inferiority(regressed, production, margin=0.2, min_n=10).passed
+
+
+def test_rate_limit_on_shares_and_battery_sampling_needs_a_temperature():
+    assert rate_limit([0.25] * 10, 0.3).passed and not rate_limit([0.5] * 10, 0.3).passed
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        rate_limit([2.0], 0.3)
+    from flywheel.agent.episode import EpisodeConfig
+    from flywheel.live.gate import EvalBattery
+
+    assert EvalBattery(samples=4, episode=EpisodeConfig(temperature=1.0)).samples == 4
+    with pytest.raises(ValueError, match="temperature 0"):
+        EvalBattery(samples=4)
