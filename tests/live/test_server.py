@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 import torch
-from tiny_serving import KEYS, TOOL_ANSWER, ScriptedEngine, free_port, make_registry, stored_completion
+from tiny_serving import KEYS, TOOL_ANSWER, ScriptedEngine, free_port, stored_completion, tiny_registry_root
 
 from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, TOOLS_IN_PROMPT, render_messages, tool_schemas
 from flywheel.live.deploy import Deployment, Router
@@ -38,10 +38,7 @@ MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "cont
 
 @pytest.fixture(scope="module")
 def registry_root(tmp_path_factory) -> Path:
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("registry")
-    make_registry(root).close()
-    return root
+    return tiny_registry_root(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
+import torch
+
 from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.live.records import Completion
 from flywheel.model.engine import Generation, SamplingParams
@@ -42,6 +44,14 @@ def make_registry(root: Path) -> Registry:
     registry.register(build_model(ModelConfig(**TINY, seed=0), tokenizer), tokenizer, aliases=[PRODUCTION])
     registry.register(build_model(ModelConfig(**TINY, seed=1), tokenizer), tokenizer, parent=0, aliases=[CANDIDATE])
     return registry
+
+
+def tiny_registry_root(tmp_path_factory) -> Path:
+    """A registry folder with the two tiny versions of `make_registry`, closed (a module fixture's body)."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("registry")
+    make_registry(root).close()
+    return root
 
 
 class ScriptedEngine:

@@ -17,10 +17,9 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "live"))  # tiny_serving, shared with the server tests
-from tiny_serving import KEYS, TOOL_ANSWER, make_registry  # noqa: E402
+from tiny_serving import KEYS, TOOL_ANSWER, tiny_registry_root  # noqa: E402
 
 from flywheel.agent.chat import IM_END  # noqa: E402
 from flywheel.env.families import generate  # noqa: E402
@@ -41,10 +40,7 @@ REWARDS = RewardConfig()
 
 @pytest.fixture(scope="module")
 def registry_root(tmp_path_factory) -> Path:
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("registry")
-    make_registry(root).close()
-    return root
+    return tiny_registry_root(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
