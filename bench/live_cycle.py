@@ -2,7 +2,7 @@
 and whether the two reward hacks emerge under their naive rewards and not under the default.
 
     python bench/live_cycle.py                                  # everything (~30-40 min on 2 idle cores)
-    python bench/live_cycle.py --cycles 3 --no-scenarios        # only the cycles (~10-15 min)
+    python bench/live_cycle.py --cycles 3 --no-scenarios        # only the cycles (~20 min)
     python bench/live_cycle.py --no-cycles --scenario-cycles 4  # only the scenarios, shorter
     python bench/live_cycle.py --no-cycles --scenarios edits_only   # one scenario (~40 min)
 
@@ -16,11 +16,17 @@ model SFT-ed for a minute, can sometimes solve; on the procedural families it so
 every rate would be 0. Departures, so that it runs here: paths in a temporary folder, the cycles
 follow each other at once (trigger.every_s = 1), the gate's battery is the world's 16 tasks with
 margins that 16 paired tasks can show (0.2) and two-turn episodes, and the users' sessions are two
-requests long (the start policy was trained on no longer ones). `cycle_seconds` is the wall time
+requests long (the start policy was trained on no longer ones). The battery plays each task 8 times
+at the users' temperature and compares pass shares (flywheel/live/gate.py): greedy, 16 tasks turn a
+candidate that moved a hard task's coin flip into discordant pairs the test cannot tell from a
+regression. `cycle_seconds` is the wall time
 of the first cycle, from its start to its report, waiting for traffic and feedback windows included;
-target <= 300 on a 2-core machine. `*_by_cycle` are production's served metrics in each cycle's
-batch window (flywheel/live/cycle.py `CycleReport.served`): the first entry is the start version,
-the baseline of the same run.
+target <= 300 on a 2-core machine. `*_by_cycle`: the production version at the start of each cycle,
+then the one the last cycle left, each measured after the cycles on equal footing (`measure`:
+`--measure-sessions` sessions of the same users pinned to it, nothing else running); the first
+entry is the start version, the baseline of the same run. `batch_window` has the same metrics
+from each cycle's own batch (`CycleReport.served`), which mix in the load of the stages that ran
+beside the traffic.
 
 Hack scenarios: `flywheel scenario drop_invalid` and `flywheel scenario edits_only`, each under its
 naive rewards and the default (configs/scenario_*.toml); the default arm is each one's baseline.
@@ -51,7 +57,7 @@ from flywheel.sim.scenario import (
     run_scenario,
     start_policy,
 )
-from flywheel.sim.users import Population
+from flywheel.sim.users import Population, run_population
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "bench-key"
@@ -61,7 +67,7 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_cycles(cycles: int, work: Path) -> dict:
+def run_cycles(cycles: int, work: Path, measure_sessions: int) -> dict:
     """`cycles` cycles of the demo configuration with simulated users; the figures of each."""
     world = StartPolicyConfig()
     with SandboxPool(PoolConfig(max_active=16, warm=2)) as pool:
@@ -75,42 +81,72 @@ def run_cycles(cycles: int, work: Path) -> dict:
             f"registry_root='{work / 'registry'}'", f"store_path='{serve.store_path}'", f"run_dir='{work / 'cycles'}'",
             "threads=1", f"cycles={cycles}", "trigger.every_s=1.0", "trigger.poll_s=1.0", "gate.min_tasks=10",
             "gate.checks.pass_rate.margin=0.2", "gate.checks.valid_tool_call_rate.margin=0.2",
-            "gate.battery.episode.max_turns=2"])
+            "gate.battery.episode.max_turns=2", "gate.battery.samples=8", "gate.battery.episode.temperature=1.0",
+            "gate.battery.concurrency=32"])
         # The users' habits as configured, in the world's two-request sessions (the start policy knows no longer ones).
         population = load_config(Population, REPO / "configs/population.toml")
         population = population.model_copy(update={"profiles": [p.model_copy(update={"patience": 2})
                                                                 for p in population.profiles]})
         server = LiveServer.from_config(serve)
         try:
-            with serve_in_thread(server) as running, \
-                    BackgroundUsers(running.url, KEY, population, world.workload(), pool) as users:
-                cycle = LiveCycle(live, ServerControl(server), log=log, gate_tasks=world.tasks())
-                reports = cycle.run()
+            with serve_in_thread(server) as running:
+                with BackgroundUsers(running.url, KEY, population, world.workload(), pool) as users:
+                    cycle = LiveCycle(live, ServerControl(server), log=log, gate_tasks=world.tasks())
+                    reports = cycle.run()
+                versions = [r.production for r in reports] + [server.deployment.production]
+                measured = measure(cycle, server, running.url, population, world.workload(), pool, versions,
+                                   measure_sessions)
         finally:
             server.close()
     return {"start_policy_sft_seconds": round(sft["sft_seconds"], 1), "sessions": users.sessions,
-            **figures(reports)}
+            **figures(reports, measured), "measure_sessions_per_version": measure_sessions}
 
 
-def figures(reports: list[CycleReport]) -> dict:
-    def served(r: CycleReport, name: str, scale: float = 1.0) -> dict | None:
-        m = r.served.get(name)
+def measure(cycle: LiveCycle, server: LiveServer, url: str, population: Population, workload: list, pool: SandboxPool,
+            versions: list[int], sessions: int) -> dict[int, dict]:
+    """Each version's served metrics on equal footing: after the cycles, with nothing else running,
+    `sessions` sessions of the same users on the same tasks, pinned to one version at a time.
+
+    The cycles' own batch windows are not comparable across cycles: the first holds answers served
+    alone, later ones (after a rollback) answers served next to a candidate arm, the gate and the
+    learner on the same two cores, which is load, not the model."""
+    out = {}
+    tasks = [workload[i % len(workload)] for i in range(sessions)]
+    for version in dict.fromkeys(versions):
+        since = time.time()
+        pinned = population.model_copy(update={"model": f"v{version}", "seed": population.seed + 1000})
+        run_population(url, KEY, pinned, sessions, pool, tasks=tasks)
+        answers = server.store.completions(version=version, start=since)
+        # Every session has ended and sent its events: all feedback windows count as closed.
+        out[version] = cycle.served(server.store, answers, now=time.time() + cycle.config.rewards.feedback_window_s)
+        log(f"measured v{version}: {len(answers)} answers, persistence {out[version]['persistence'].value}, "
+            f"dissatisfied {out[version]['dissatisfied'].value}, latency {out[version]['latency'].value}")
+    return out
+
+
+def figures(reports: list[CycleReport], measured: dict[int, dict]) -> dict:
+    """`*_by_cycle`: the production version of each cycle, then the one the last cycle left, as
+    `measure` found them. `batch_window`: the same metrics from each cycle's own batch (its report)."""
+    def value(version: int, m, scale: float = 1.0) -> dict | None:
         if m is None or m.value is None:
             return None
-        return {"version": r.production, "value": round(m.value * scale, 4), "n": m.n,
+        return {"version": version, "value": round(m.value * scale, 4), "n": m.n,
                 "ci": None if m.ci is None else [round(x * scale, 4) for x in m.ci]}
 
     first = reports[0]
+    productions = [r.production for r in reports] + [reports[-1].production_after]
+    names = {"edit_persistence": ("persistence", 1.0), "dissatisfied": ("dissatisfied", 1.0),
+             "latency_ms": ("latency", 1000.0), "reward": ("reward", 1.0), "invalid_calls": ("invalid_calls", 1.0)}
     return {
         "cycle_seconds": round(first.finished_at - first.started_at, 1),
         "cycle_seconds_all": [round(r.finished_at - r.started_at, 1) for r in reports],
         "stage_seconds": [{k: round(v, 1) for k, v in r.timings.items()} for r in reports],
         "decisions": [{"cycle": r.cycle, "production": r.production, "candidate": r.candidate, "decision": r.decision,
                        "reason": r.reason, "alarms": len(r.alarms)} for r in reports],
-        "edit_persistence_by_cycle": [served(r, "persistence") for r in reports],
-        "dissatisfied_by_cycle": [served(r, "dissatisfied") for r in reports],
-        "latency_ms_by_cycle": [served(r, "latency", 1000.0) for r in reports],
-        "reward_by_cycle": [served(r, "reward") for r in reports],
+        **{f"{key}_by_cycle": [value(v, measured[v].get(name), scale) for v in productions]
+           for key, (name, scale) in names.items()},
+        "batch_window": {f"{key}_by_cycle": [value(r.production, r.served.get(name), scale) for r in reports]
+                         for key, (name, scale) in names.items()},
     }
 
 
@@ -142,6 +178,8 @@ def run_scenarios(names: list[str], cycles: int | None, work: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cycles", type=int, default=3, help="cycles of the demo configuration (>= 3 for the figures)")
+    parser.add_argument("--measure-sessions", type=int, default=200,
+                        help="sessions per production version in the measurement after the cycles")
     parser.add_argument("--no-cycles", action="store_true")
     parser.add_argument("--no-scenarios", action="store_true")
     parser.add_argument("--scenarios", default="drop_invalid,edits_only", help="comma-separated scenario names")
@@ -154,7 +192,7 @@ def main() -> None:
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="flywheel-bench-live-cycle-"))
     result: dict = {"machine": {"cpus": os.cpu_count(), "load_average_start": os.getloadavg()}}
     if not args.no_cycles:
-        result.update(run_cycles(args.cycles, work / "cycles"))
+        result.update(run_cycles(args.cycles, work / "cycles", args.measure_sessions))
     if not args.no_scenarios:
         result["hack_scenarios"] = run_scenarios(args.scenarios.split(","), args.scenario_cycles, work / "scenarios")
     result["machine"]["load_average_end"] = os.getloadavg()

@@ -24,7 +24,9 @@ Decision, in order:
 1. `wait` until both arms have `min_per_arm` answers whose feedback window closed.
 2. `rollback` when any guardrail or success metric is significantly worse (its interval lies
    wholly on the bad side of 0).
-3. `promote` when a success metric is significantly better.
+3. `promote` when a success metric is significantly better (by default persistence and reward;
+   a deployment that counts fewer unhappy follow-ups as a win lists `dissatisfied` there instead
+   of among the guardrails, as configs/live.toml does).
 4. otherwise `rollback`: a candidate that shows no gain is not worth the risk of a change.
 
 Error rates. Each interval is two-sided at `confidence`, so one metric falsely looks better with
@@ -43,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.agent.evaluate import wilson_interval
 from flywheel.live.records import Completion
@@ -51,8 +53,7 @@ from flywheel.live.rewards import EDIT_TOOLS, Reward, RewardStatus, made_edit
 from flywheel.live.stats import mean_interval, newcombe_interval, welch_interval, z_quantile
 
 ARMS = ("production", "candidate")
-SuccessMetric = Literal["persistence", "reward"]
-Guardrail = Literal["dissatisfied", "latency", "invalid_calls"]
+Metric = Literal["persistence", "dissatisfied", "invalid_calls", "latency", "reward"]
 Verdict = Literal["better", "worse", "no_difference", "insufficient"]
 
 
@@ -62,8 +63,19 @@ class ABConfig(BaseModel):
     # smaller effects and tolerates more peeking, at the cost of longer exposure to a bad candidate.
     min_per_arm: int = Field(200, ge=2)
     confidence: float = Field(0.95, gt=0.5, lt=1)
-    success_metrics: list[SuccessMetric] = Field(default_factory=lambda: ["persistence", "reward"], min_length=1)
-    guardrails: list[Guardrail] = Field(default_factory=lambda: ["dissatisfied", "latency", "invalid_calls"])
+    # Any metric may be either. A success metric promotes when significantly better and rolls back
+    # when significantly worse; a guardrail only rolls back. Each success metric adds its
+    # (1 - confidence) / 2 to the false-promote rate (module docstring).
+    success_metrics: list[Metric] = Field(default_factory=lambda: ["persistence", "reward"], min_length=1)
+    guardrails: list[Metric] = Field(default_factory=lambda: ["dissatisfied", "latency", "invalid_calls"])
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> ABConfig:
+        both = sorted(set(self.success_metrics) & set(self.guardrails))
+        if both:
+            raise ValueError(f"{', '.join(both)} is both a success metric and a guardrail; a success metric "
+                             "already rolls back when significantly worse, so list it once")
+        return self
     edit_tools: list[str] = Field(default_factory=lambda: list(EDIT_TOOLS), min_length=1)
 
 

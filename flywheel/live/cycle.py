@@ -566,6 +566,11 @@ class LiveCycle:
         events = [e for s in sessions for e in store.events_for_session(s)]
         return {r.completion_id: r for r in self.distiller.distill(list(context.values()), events, now)}
 
+    def served(self, store: LiveStore, completions: Sequence[Completion], now: float) -> dict[str, ServedMetric]:
+        """The A/B metrics of `completions` (e.g. one version's answers in a measurement window), with
+        intervals, under this loop's reward config, as a report's `served` has them."""
+        return self._served_metrics(completions, self._distill(store, completions, now))
+
     def _served_metrics(self, completions: Sequence[Completion], rewards: dict[str, Reward]) -> dict[str, ServedMetric]:
         """The A/B metrics of one version's traffic, with intervals (the same definitions as the A/B test)."""
         pairs = [(c, rewards[c.id]) for c in completions]

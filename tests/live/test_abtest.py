@@ -68,6 +68,21 @@ def test_decisions(name, n, candidate, decision, verdicts):
     assert report.model_validate_json(report.model_dump_json()) == report  # serializable for reports
 
 
+def test_fewer_unhappy_follow_ups_promote_only_where_configured_a_success():
+    # Persistence and reward unchanged, half the dissatisfied follow-ups: by default dissatisfied is a
+    # guardrail, which can only roll back; listed as a success metric, the same traffic promotes.
+    fewer = {"unhappy": 0.05}
+    default = run(2000, seed=0, **fewer)
+    assert default.metrics["dissatisfied"].verdict == "better" and default.decision == "rollback", default.reason
+    as_success = ABConfig(success_metrics=["persistence", "reward", "dissatisfied"], guardrails=["latency", "invalid_calls"])
+    promoted = run(2000, seed=0, config=as_success, **fewer)
+    assert promoted.decision == "promote" and "dissatisfied" in promoted.reason, promoted.reason
+    worse = run(2000, seed=0, config=as_success, unhappy=0.2)  # a success metric that got worse rolls back
+    assert worse.decision == "rollback" and "dissatisfied" in worse.reason, worse.reason
+    with pytest.raises(ValueError, match="both a success metric and a guardrail"):
+        ABConfig(success_metrics=["persistence", "dissatisfied"])
+
+
 def test_no_effect_rarely_promotes():
     promoted = sum(run(250, seed, ABConfig(min_per_arm=100)).decision == "promote" for seed in range(1, 9))
     assert promoted <= 1  # bound: 2 success metrics x 2.5% = 5% per run
