@@ -21,8 +21,15 @@ excluded from training is free for the policy. Every exclusion is counted in `On
 Advantages: one episode per request, no groups (users ask each thing once), so the baseline of a
 completion is the mean reward of the other completions of its task family in the batch
 (`family_loo`, flywheel/rl/advantages.py). The family is the client's `request_meta[family_key]`
-(a product can derive it from the request, e.g. the kind of file or command); requests without
-one share the family `DEFAULT_FAMILY`. The reward itself never reads `request_meta`.
+(a product can derive it from the request, e.g. the kind of file or command), or with a list of
+keys the combination of their values; requests without one share the family `DEFAULT_FAMILY`. The
+reward itself never reads `request_meta`.
+
+Why the grouping matters: a baseline mixing requests the policy mostly solves with requests it
+mostly fails gives every attempt at a hard request a negative advantage, the best ones included,
+and every token of such an answer is pushed down, the tool call's well-formed JSON with the rest.
+With hard and easy requests in groups of their own, an attempt is compared with attempts at its
+own kind of request.
 """
 
 from __future__ import annotations
@@ -40,9 +47,13 @@ from flywheel.rl.advantages import compute_advantages
 DEFAULT_FAMILY = "all"
 
 
-def family_of(completion: Completion, family_key: str) -> str:
-    value = completion.request_meta.get(family_key)
-    return value if isinstance(value, str) and value else DEFAULT_FAMILY
+def family_of(completion: Completion, family_key: str | Sequence[str]) -> str:
+    """The completion's baseline group: `request_meta[family_key]`, or with several keys their values
+    joined by "/" (e.g. family and difficulty: "bugfix/3"); keys a request lacks are left out."""
+    keys = [family_key] if isinstance(family_key, str) else list(family_key)
+    values = [completion.request_meta.get(k) for k in keys]
+    parts = [str(v) for v in values if isinstance(v, str | int) and not isinstance(v, bool) and str(v)]
+    return "/".join(parts) or DEFAULT_FAMILY
 
 
 def completion_trajectory(completion: Completion, reward: Reward, family: str) -> Trajectory:
@@ -103,7 +114,7 @@ class OnPolicyBatch:
 
 
 def on_policy_batch(completions: Sequence[Completion], rewards: Sequence[Reward], version: int,
-                    family_key: str = "family") -> OnPolicyBatch:
+                    family_key: str | Sequence[str] = "family") -> OnPolicyBatch:
     """The trainable completions served by `version`, in the order given (module docstring).
 
     `rewards` must hold the reward of every completion of `version` given (RewardDistiller.distill

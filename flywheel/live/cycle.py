@@ -120,7 +120,8 @@ class BatchConfig(BaseModel):
     max_completions: int = Field(4096, ge=2)  # earliest first; the rest start the next cycle's batch
     max_wait_s: float = Field(3600.0, gt=0)  # no full batch by then: the cycle is skipped, nothing changes
     poll_s: float = Field(5.0, gt=0)
-    family_key: str = "family"  # request_meta key that groups the advantage baseline (flywheel/live/batch.py)
+    # request_meta key(s) that group the advantage baseline, e.g. ["family", "difficulty"] (flywheel/live/batch.py)
+    family_key: str | list[str] = "family"
 
     @model_validator(mode="after")
     def _sizes(self) -> BatchConfig:

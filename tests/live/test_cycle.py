@@ -77,6 +77,25 @@ def test_batch_holds_only_trainable_on_policy_user_traffic():
     assert batch.advantages() == pytest.approx([-0.5, 0.5, 0.0])
 
 
+def test_baseline_groups_by_several_request_keys():
+    meta = [{"family": "bugfix", "difficulty": 1}, {"family": "bugfix", "difficulty": 1},
+            {"family": "bugfix", "difficulty": 3}, {"family": "bugfix", "difficulty": 3}, {"difficulty": 3}, {}]
+    completions = [stored_completion(f"c{i}", f"s{i}").model_copy(update={"request_meta": m}) for i, m in enumerate(meta)]
+    events = [Event(id=f"e{i}", type=EventType.EDIT_PERSISTED if kept else EventType.EDIT_REVERTED, session_id=f"s{i}",
+                    completion_id=f"c{i}", time=1001.0) for i, kept in enumerate([True, True, True, False])]
+    for c in completions[:4]:  # the edit the events speak of
+        c.tool_calls.append(CompletionToolCall(name="edit_file", arguments={"path": "a.py", "old": "x", "new": "y"}))
+    rewards = RewardDistiller(RewardConfig(feedback_window_s=10.0)).distill(completions, events, now=2000.0)
+    by_family = on_policy_batch(completions, rewards, version=0)
+    by_both = on_policy_batch(completions, rewards, version=0, family_key=["family", "difficulty"])
+    assert by_family.families == ["bugfix"] * 4 + [DEFAULT_FAMILY] * 2
+    assert by_both.families == ["bugfix/1", "bugfix/1", "bugfix/3", "bugfix/3", "3", DEFAULT_FAMILY]
+    # The kept edit of the hard pair is compared with its revert alone, not with the easy pair's kept edits too.
+    r = [t.reward for t in by_both.trajectories]
+    assert by_both.advantages()[2] == pytest.approx(r[2] - r[3])
+    assert by_family.advantages()[2] == pytest.approx(r[2] - (r[0] + r[1] + r[3]) / 3)
+
+
 def test_gather_cuts_the_batch_by_time_so_nothing_is_trained_twice(tmp_path):
     store = LiveStore(tmp_path / "live.sqlite")
     for i in range(10):
