@@ -48,6 +48,7 @@ import torch
 from flywheel.config import load_config
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.live.cycle import CycleReport, LiveConfig, LiveCycle, ServerControl
+from flywheel.live.deploy import Deployment
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.model.registry import PRODUCTION, Registry
 from flywheel.sim.scenario import (
@@ -105,22 +106,26 @@ def run_cycles(cycles: int, work: Path, measure_sessions: int) -> dict:
 def measure(cycle: LiveCycle, server: LiveServer, url: str, population: Population, workload: list, pool: SandboxPool,
             versions: list[int], sessions: int) -> dict[int, dict]:
     """Each version's served metrics on equal footing: after the cycles, with nothing else running,
-    `sessions` sessions of the same users on the same tasks, pinned to one version at a time.
+    `sessions` sessions of the same users on the same tasks, with one version at a time deployed
+    alone (the server serves only deployed versions); the last cycle's deployment is restored after.
 
     The cycles' own batch windows are not comparable across cycles: the first holds answers served
     alone, later ones (after a rollback) answers served next to a candidate arm, the gate and the
     learner on the same two cores, which is load, not the model."""
     out = {}
     tasks = [workload[i % len(workload)] for i in range(sessions)]
+    final = server.deployment
     for version in dict.fromkeys(versions):
+        server.set_deployment(Deployment(production=version), f"bench: measure v{version}")
         since = time.time()
-        pinned = population.model_copy(update={"model": f"v{version}", "seed": population.seed + 1000})
-        run_population(url, KEY, pinned, sessions, pool, tasks=tasks)
+        run_population(url, KEY, population.model_copy(update={"seed": population.seed + 1000}), sessions, pool,
+                       tasks=tasks)
         answers = server.store.completions(version=version, start=since)
         # Every session has ended and sent its events: all feedback windows count as closed.
         out[version] = cycle.served(server.store, answers, now=time.time() + cycle.config.rewards.feedback_window_s)
         log(f"measured v{version}: {len(answers)} answers, persistence {out[version]['persistence'].value}, "
             f"dissatisfied {out[version]['dissatisfied'].value}, latency {out[version]['latency'].value}")
+    server.set_deployment(final, "bench: measurements done")
     return out
 
 
