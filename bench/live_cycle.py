@@ -94,9 +94,8 @@ def run_cycles(cycles: int, work: Path, measure_sessions: int) -> dict:
                 with BackgroundUsers(running.url, KEY, population, world.workload(), pool) as users:
                     cycle = LiveCycle(live, ServerControl(server), log=log, gate_tasks=world.tasks())
                     reports = cycle.run()
-                versions = [r.production for r in reports] + [server.deployment.production]
-                measured = measure(cycle, server, running.url, population, world.workload(), pool, versions,
-                                   measure_sessions)
+                measured = measure(cycle, server, running.url, population, world.workload(), pool,
+                                   productions(reports), measure_sessions)
         finally:
             server.close()
     return {"start_policy_sft_seconds": round(sft["sft_seconds"], 1), "sessions": users.sessions,
@@ -129,6 +128,11 @@ def measure(cycle: LiveCycle, server: LiveServer, url: str, population: Populati
     return out
 
 
+def productions(reports: list[CycleReport]) -> list[int]:
+    """The production version at the start of each cycle, then the one the last cycle left."""
+    return [r.production for r in reports] + [reports[-1].production_after]
+
+
 def figures(reports: list[CycleReport], measured: dict[int, dict]) -> dict:
     """`*_by_cycle`: the production version of each cycle, then the one the last cycle left, as
     `measure` found them. `batch_window`: the same metrics from each cycle's own batch (its report)."""
@@ -139,7 +143,6 @@ def figures(reports: list[CycleReport], measured: dict[int, dict]) -> dict:
                 "ci": None if m.ci is None else [round(x * scale, 4) for x in m.ci]}
 
     first = reports[0]
-    productions = [r.production for r in reports] + [reports[-1].production_after]
     names = {"edit_persistence": ("persistence", 1.0), "dissatisfied": ("dissatisfied", 1.0),
              "latency_ms": ("latency", 1000.0), "reward": ("reward", 1.0), "invalid_calls": ("invalid_calls", 1.0)}
     return {
@@ -148,7 +151,7 @@ def figures(reports: list[CycleReport], measured: dict[int, dict]) -> dict:
         "stage_seconds": [{k: round(v, 1) for k, v in r.timings.items()} for r in reports],
         "decisions": [{"cycle": r.cycle, "production": r.production, "candidate": r.candidate, "decision": r.decision,
                        "reason": r.reason, "alarms": len(r.alarms)} for r in reports],
-        **{f"{key}_by_cycle": [value(v, measured[v].get(name), scale) for v in productions]
+        **{f"{key}_by_cycle": [value(v, measured[v].get(name), scale) for v in productions(reports)]
            for key, (name, scale) in names.items()},
         "batch_window": {f"{key}_by_cycle": [value(r.production, r.served.get(name), scale) for r in reports]
                          for key, (name, scale) in names.items()},

@@ -68,6 +68,7 @@ class ABConfig(BaseModel):
     # (1 - confidence) / 2 to the false-promote rate (module docstring).
     success_metrics: list[Metric] = Field(default_factory=lambda: ["persistence", "reward"], min_length=1)
     guardrails: list[Metric] = Field(default_factory=lambda: ["dissatisfied", "latency", "invalid_calls"])
+    edit_tools: list[str] = Field(default_factory=lambda: list(EDIT_TOOLS), min_length=1)
 
     @model_validator(mode="after")
     def _disjoint(self) -> ABConfig:
@@ -76,7 +77,6 @@ class ABConfig(BaseModel):
             raise ValueError(f"{', '.join(both)} is both a success metric and a guardrail; a success metric "
                              "already rolls back when significantly worse, so list it once")
         return self
-    edit_tools: list[str] = Field(default_factory=lambda: list(EDIT_TOOLS), min_length=1)
 
 
 class MetricComparison(BaseModel):
