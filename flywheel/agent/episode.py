@@ -135,8 +135,9 @@ class _Recorder:
 
 def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, pool: SandboxPool,
                 config: EpisodeConfig | None = None, group_id: str = "", resume: EpisodeState | None = None,
-                on_turn: Callable[[EpisodeState], None] | None = None) -> Trajectory:
-    """Play `task` to the end (or continue `resume`); `on_turn` receives the state after every turn."""
+                on_turn: Callable[[EpisodeState], None] | None = None, priority: int = 0) -> Trajectory:
+    """Play `task` to the end (or continue `resume`); `on_turn` receives the state after every turn;
+    every turn asks the engine with `priority` (lower first when requests queue)."""
     config = config or EpisodeConfig()
     start = time.perf_counter()
     timings = {"generate_s": 0.0, "tools_s": 0.0, "grade_s": 0.0}
@@ -185,7 +186,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                 if budget <= 0:
                     break
                 params = SamplingParams(config.temperature, config.top_p, min(budget, config.max_tokens_per_turn),
-                                        stop_token_ids=stop, session=session)
+                                        stop_token_ids=stop, session=session, priority=priority)
                 t0 = time.perf_counter()
                 try:
                     gen = engine.submit(rec.tokens, params).result(timeout=config.generation_timeout_s)

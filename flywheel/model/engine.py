@@ -1,15 +1,17 @@
 """The inference Engine: batched sampling with a KV cache, continuous batching, live weight swaps.
 
-    submit(prompt) ──> queue ──admit (prefill, ≤ max_batch)──> active batch ──decode step──> finished?
+    submit(prompt) ──> queue ──admit by priority (prefill, ≤ max_batch)──> active batch ──decode step──> finished?
                                   ^                                 │  every token: id, logprob, version
     update_weights(w, v) ──> pending ──(next step boundary)──> load w, rebuild KV of all active
-                                                                     sequences under w, resume
+                                                                     sequences under w (or keep it), resume
 
 One background thread owns the model and runs the loop; `submit` and `update_weights` are safe
 to call from any thread. Sequences join the batch as others finish (continuous batching), so a
 long answer never holds a slot that a short one has left. A weight update pauses the loop between
 two decode steps: in-flight sequences keep their tokens, their cache is recomputed under the new
-weights, and generation resumes; each token records the version that produced it.
+weights (or kept as it is: `EngineConfig.kv_on_update`), and generation resumes; each token records
+the version that produced it. When more requests wait than the batch has rows, the lowest
+`SamplingParams.priority` is admitted first.
 
 Logprobs are of the temperature-scaled distribution (log_softmax(logits / T)), before top-p, the
 convention the Learner uses for importance ratios; with T=0 (greedy) they are of T=1.
@@ -25,7 +27,8 @@ Sessions (`SamplingParams.session`): an agent's next turn is its whole conversat
 it would be wasteful to prefill from scratch each time. When a request with a session id finishes,
 its row's KV is kept (LRU, `EngineConfig.session_cache`); the session's next request, if its prompt
 extends those tokens, prefills only what is new on top of them. Kept KV is dropped on a weight swap
-(it belongs to the old weights), and a prompt that does not extend it is prefilled whole.
+(it belongs to the old weights) unless `kv_on_update = "keep"`, and a prompt that does not extend
+it is prefilled whole.
 
 `Engine` is the small interface; `LocalEngine` implements it in-process. An OpenAI-compatible
 HTTP engine (vLLM, SGLang) can implement the same four methods.
@@ -33,6 +36,8 @@ HTTP engine (vLLM, SGLang) can implement the same four methods.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import queue
 import threading
 import time
@@ -40,7 +45,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -58,6 +63,10 @@ class SamplingParams:
     # request when it finishes; a next request of the session whose prompt extends those tokens
     # prefills only what is new (the tool results and the next turn's header), not the whole context.
     session: str | None = None
+    # When more requests wait than the batch has free rows, lower priorities are admitted first
+    # (ties in arrival order). An RL rollout gives older groups lower numbers: the learner waits on
+    # the oldest groups, so the engine finishes those before it starts on newer ones.
+    priority: int = 0
 
 
 @dataclass
@@ -95,6 +104,13 @@ class EngineConfig(BaseModel):
     # first). Each costs its tokens' KV (about 1 MB per 1,000 tokens for the embedded default).
     # On 2 cores, re-prefilling every turn's whole context was half of an RL rollout's engine time.
     session_cache: int = Field(default=256, ge=0)
+    # What a weight swap does to the KV computed under the old weights (in-flight rows, kept sessions).
+    # "recompute": rebuild it under the new weights, so each token is sampled from one version.
+    # "keep": leave it (an in-flight update, as in PipelineRL): later tokens come from the new
+    # weights reading old keys and values. Their logprobs are still those they were sampled with,
+    # so the decoupled loss's behaviour weight stays exact, and a swap costs nothing. On 2 cores,
+    # recomputing took a quarter of an async rollout's engine time (bench/async_rl.py).
+    kv_on_update: Literal["recompute", "keep"] = "recompute"
 
 
 class _DecodeThreads:
@@ -272,7 +288,9 @@ class LocalEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._active: list[_Sequence] = []
-        self._admitting: list[_Sequence] = []  # taken from the inbox, not yet in the batch
+        self._pending: list[tuple[int, int, _Sequence]] = []  # heap of (priority, arrival, request) off the inbox
+        self._arrivals = itertools.count()
+        self._admitting: list[_Sequence] = []  # taken from the queue, not yet in the batch
         self._cache: _BatchCache | None = None  # of the rows in `_active`, in order
         self._free: list[int] = []  # rows of `_active` that finished; their slots wait for a newcomer or compaction
         self._generator = torch.Generator().manual_seed(self.config.seed)
@@ -338,7 +356,7 @@ class LocalEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
-        for seq in self._active + self._admitting + self._drain_inbox():
+        for seq in self._active + self._admitting + self._drain_queued():
             self._finish(seq, "aborted")
         self._active, self._admitting, self._cache, self._free = [], [], None, []
         while not self._weights.empty():
@@ -366,8 +384,13 @@ class LocalEngine:
             except queue.Empty:
                 return items
 
+    def _drain_queued(self) -> list[_Sequence]:
+        """Every request not yet taken for admission (sorted ones first, then the inbox's)."""
+        pending, self._pending = [seq for *_, seq in sorted(self._pending, key=lambda p: p[:2])], []
+        return pending + self._drain_inbox()
+
     def _fail_queued(self) -> None:
-        for seq in self._drain_inbox():
+        for seq in self._drain_queued():
             if self._error is not None:
                 seq.future.set_exception(EngineError(f"engine loop died: {self._error!r}"))
             else:
@@ -379,7 +402,7 @@ class LocalEngine:
         try:
             with torch.inference_mode():
                 while not self._stop.is_set():
-                    if not self._active and self._inbox.empty() and self._weights.empty():
+                    if not self._active and not self._pending and self._inbox.empty() and self._weights.empty():
                         idle_waits += 1
                         if held and idle_waits >= 2:  # idle for a while, not only between two turns
                             DECODE_THREADS.idle(self)
@@ -394,7 +417,7 @@ class LocalEngine:
                     self._step()
         except BaseException as exc:  # recorded: submitters and update_weights raise it loudly
             self._error = exc
-            for seq in self._active + self._admitting + self._drain_inbox():
+            for seq in self._active + self._admitting + self._drain_queued():
                 if not seq.future.done():
                     seq.future.set_exception(EngineError(f"engine loop died: {exc!r}"))
             if self._applying is not None:
@@ -411,18 +434,19 @@ class LocalEngine:
             self.model.load_state_dict(weights, strict=True)
             self._version = version
             self.swaps += 1
-            self._sessions.clear()  # their KV was computed under the old weights
-            self._compact()
-            if self._active:
-                self._rebuild_cache()
+            if self.config.kv_on_update == "recompute":
+                self._sessions.clear()  # their KV was computed under the old weights
+                self._compact()
+                if self._active:
+                    self._rebuild_cache()
             done.set()
             self._applying = None
+        for seq in self._drain_inbox():
+            heapq.heappush(self._pending, (seq.params.priority, next(self._arrivals), seq))
         admitted = self._admitting
-        while len(self._active) - len(self._free) + len(admitted) < self.config.max_batch and len(admitted) < self.config.max_prefill_per_step:
-            try:
-                admitted.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
+        while (self._pending and len(self._active) - len(self._free) + len(admitted) < self.config.max_batch
+               and len(admitted) < self.config.max_prefill_per_step):
+            admitted.append(heapq.heappop(self._pending)[2])
         if admitted:
             self._admit(admitted)
             self._admitting = []

@@ -139,6 +139,11 @@ class _Group:
     signal_checked: bool = False
 
     @property
+    def order(self) -> int:
+        """The n of `g<n>`: groups are started in this order, and the engine serves older ones first."""
+        return int(self.id[1:])
+
+    @property
     def complete(self) -> bool:
         return len(self.results) == self.size
 
@@ -380,7 +385,7 @@ class Orchestrator:
 
         try:
             traj = run_episode(group.task, self.engine, self.tokenizer, self.pool, self.config.episode,
-                               group_id=group.id, resume=state, on_turn=saved)
+                               group_id=group.id, resume=state, on_turn=saved, priority=group.order)
         except _Stopped:
             return
         except BaseException as exc:  # noqa: BLE001 - recorded and raised in the learner's thread

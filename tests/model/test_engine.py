@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.model.engine import (
@@ -148,6 +149,52 @@ def test_weight_swap_mid_generation_rebuilds_the_cache(model, other_weights, pro
         new = full_logprobs(new_model, prompt, gen.token_ids)[before:]
         torch.testing.assert_close(torch.tensor(gen.logprobs[:before]), old, atol=1e-4, rtol=0)
         torch.testing.assert_close(torch.tensor(gen.logprobs[before:]), new, atol=1e-4, rtol=0)
+
+
+def test_a_swap_that_keeps_the_cache_records_the_logprobs_it_sampled_with(model, other_weights, prompts):
+    """kv_on_update="keep": tokens after the swap come from the new weights reading the old weights'
+    keys and values; their logprobs must be exactly those (what the decoupled loss divides by)."""
+    new_model = copy.deepcopy(model)
+    new_model.load_state_dict(other_weights)
+    with engine_for(model, max_batch=8, kv_on_update="keep") as engine:
+        turn = engine.submit(prompts[4], SamplingParams(max_tokens=3, session="kept")).result(TIMEOUT_S)
+        futures = [engine.submit(p, SamplingParams(temperature=1.0, max_tokens=400)) for p in prompts[:3]]
+        wait_until(lambda: engine.steps > 3)
+        engine.update_weights(other_weights, 1, timeout_s=TIMEOUT_S)
+        gens = wait_all(futures, TIMEOUT_S)
+        engine.submit(prompts[4] + turn.token_ids + [5], SamplingParams(max_tokens=2, session="kept")).result(TIMEOUT_S)
+        assert engine.reused_tokens == len(prompts[4]) + len(turn.token_ids) - 1  # kept sessions survive the swap too
+    for prompt, gen in zip(prompts[:3], gens, strict=True):
+        before = gen.versions.count(0)
+        assert 0 < before < len(gen.versions), "the swap should land mid-generation"
+        assert gen.versions == [0] * before + [1] * (len(gen.versions) - before)
+        torch.testing.assert_close(torch.tensor(gen.logprobs[:before]), full_logprobs(model, prompt, gen.token_ids[:before]),
+                                   atol=1e-4, rtol=0)
+        # The reference: the old model's cache over everything fed before the swap (the newest
+        # sampled token was not yet fed), then the new model over the rest on top of it.
+        tokens = prompt + gen.token_ids
+        fed = len(prompt) + before - 1
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([tokens[:fed]]), cache=cache, use_cache=True)
+            logits = new_model(input_ids=torch.tensor([tokens[fed:-1]]), cache=cache, use_cache=True).logits[0].float()
+        mixed = torch.log_softmax(logits, -1).gather(1, torch.tensor(gen.token_ids[before:]).unsqueeze(1)).squeeze(1)
+        torch.testing.assert_close(torch.tensor(gen.logprobs[before:]), mixed, atol=1e-4, rtol=0)
+        recomputed = full_logprobs(new_model, prompt, gen.token_ids)[before:]
+        assert (torch.tensor(gen.logprobs[before:]) - recomputed).abs().max() > 1e-3, "the old KV should matter"
+
+
+def test_waiting_requests_are_admitted_lowest_priority_first(model, prompts):
+    finished: list[str] = []
+    with engine_for(model, max_batch=1) as engine:
+        first = engine.submit(prompts[0], SamplingParams(temperature=0, max_tokens=60))
+        wait_until(lambda: engine.steps > 0)  # it holds the only row; the rest wait
+        waiting = {name: engine.submit(prompts[1], SamplingParams(temperature=0, max_tokens=3, priority=priority))
+                   for name, priority in [("late", 5), ("old", 1), ("old-second", 1), ("default", 0)]}
+        for name, future in waiting.items():
+            future.add_done_callback(lambda _, name=name: finished.append(name))
+        wait_all([first, *waiting.values()], TIMEOUT_S)
+    assert finished == ["default", "old", "old-second", "late"]
 
 
 def test_a_session_turn_prefills_only_its_new_tokens_and_equals_a_full_forward(model, other_weights, prompts):

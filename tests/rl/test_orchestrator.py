@@ -42,6 +42,7 @@ FAKES = textwrap.dedent('''
             self.solve_rate, self.max_turns = solve_rate, max_turns
             self._version, self._lock = 0, threading.Lock()
             self.turn_versions = []
+            self.priorities = []  # (priority, task id) of every turn
 
         @property
         def version(self):
@@ -56,6 +57,8 @@ FAKES = textwrap.dedent('''
                 solve = self.rng.random() < self.solve_rate
                 last = turn + 1 >= self.max_turns or self.rng.random() < 0.4
             task = next((t for i, t in self.tasks.items() if i in text), None)
+            with self._lock:
+                self.priorities.append((params.priority, task.id if task is not None else None))
             if task is not None and task.instruction in self.slow:
                 delay *= 10
             if last and solve and task is not None and task.reference_edits:
@@ -164,6 +167,18 @@ def test_async_rollouts_continue_under_new_weights(tmp_path, tasks, tokenizer, p
         versions = {v for v, m in zip(traj["versions"], traj["loss_mask"], strict=True) if m}
         mixed += len(versions) > 1
     assert mixed > 0  # some episodes span a weight update: interrupted and resumed, not dropped
+
+
+def test_every_turn_asks_the_engine_with_its_groups_start_order(tmp_path, tasks, tokenizer, pool):
+    """Older groups first when the engine has more requests than rows: a turn's priority is the
+    number of the group it belongs to, so the groups the learner waits on are served first."""
+    engine = RandomLatencyEngine(tokenizer, tasks, seed=4)
+    with Orchestrator(config(max_staleness=1, max_steps=3), tasks, engine, RecordingLearner(), tokenizer, pool,
+                      tmp_path) as orch:
+        orch.train()
+    started = {int(r["group"][1:]): r["task"] for r in map(json.loads, (tmp_path / "groups.jsonl").read_text().splitlines())}
+    assert len({p for p, _ in engine.priorities}) > 2
+    assert all(p in started and started[p] == task for p, task in engine.priorities)
 
 
 def test_sync_mode_trains_only_on_policy(tmp_path, tasks, tokenizer, pool):
