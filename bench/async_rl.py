@@ -19,7 +19,9 @@ slowest episode, and the engine idles while the learner trains).
 2. real: the bootstrapped checkpoint (`--checkpoint`, from `--registry`) in the real LocalEngine and
    Learner on this machine: `speedup_async_vs_sync`. Two CPU cores are shared by sampling and
    training here, so overlap buys less than on a cluster; long-tailed episodes still leave the
-   sync engine nearly idle at the end of each batch.
+   sync engine nearly idle at the end of each batch. Both modes decode `--engine-batch` rows at
+   once (the CPU's best tokens/s; async's extra episodes queue, older groups first) and keep
+   in-flight KV across weight swaps (`--kv-on-update keep`; sync never swaps mid-rollout).
 3. budget: each mode trains for the same wall-clock budget (`--budget-s`), then both are
    evaluated on the same held-out tasks at temperature 0: `pass_rate_async`, `pass_rate_sync`,
    `pass_rate_start`; the async one is `pass_rate_after_budget`.
@@ -221,7 +223,8 @@ def real(args, registry: Registry, ref: str, tasks, pool, budget_s: float | None
                                     concurrency=every_admitted_episode(args),
                                     episode={"max_turns": 8, "max_tokens_per_turn": 256, "temperature": 1.0})
         torch.manual_seed(args.seed)
-        with LocalEngine(engine_model, EngineConfig(max_batch=config.concurrency)) as engine:
+        engine_config = EngineConfig(max_batch=args.engine_batch, kv_on_update=args.kv_on_update)
+        with LocalEngine(engine_model, engine_config) as engine:
             log(f"real {mode}: v{checkpoint.version}, {steps} steps" + (f" or {budget_s:.0f} s" if budget_s else ""))
             result = run_mode(mode, config, tasks, engine, learner, tokenizer, pool, steps, budget_s)
             if args.eval_tasks:
@@ -239,7 +242,8 @@ def main() -> None:
     parser.add_argument("--parts", default="modeled,real,budget")
     parser.add_argument("--registry", default="runs/registry")
     parser.add_argument("--checkpoint", default="production")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16,
+                        help="K: learner steps to time (async's start-up and its groups left in flight weigh less over more)")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--max-staleness", type=int, default=2)
@@ -250,6 +254,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--async-learner-threads", type=int, default=1,
                         help="real async: the learner's intra-op threads (the engine decodes on 1 at the same time)")
+    parser.add_argument("--engine-batch", type=int, default=32,
+                        help="real engine: rows decoded together (episodes beyond it queue, older groups first)")
+    parser.add_argument("--kv-on-update", choices=["recompute", "keep"], default="keep",
+                        help="real engine: rebuild in-flight KV on a weight swap, or keep it (EngineConfig.kv_on_update)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     parts = set(args.parts.split(","))

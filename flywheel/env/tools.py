@@ -18,7 +18,9 @@ that leave the workspace. Commands run inside the bwrap sandbox.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import os
 import shutil
 import subprocess
 import sysconfig
@@ -42,6 +44,10 @@ class ToolConfig(BaseModel):
     list_max_entries: int = 200
     search_top_k: int = 5
     max_parallel_calls: int = 8  # threads per toolbox; calls beyond this queue in order
+    # A missing path's error names up to this many workspace files with the same name (else the
+    # closest paths), as an editor's "did you mean" does: the agent's next move is then a copy
+    # from the last message rather than a search. 0: the bare error.
+    missing_path_hints: int = 3
 
 
 def _schema(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
@@ -287,7 +293,12 @@ class Toolbox:
         except (ToolError, PathEscapeError) as exc:
             content, ok = f"error: {exc}", False
         except FileNotFoundError as exc:
-            content, ok = f"error: no such file or folder: {_rel(exc.filename, self.sandbox.workspace)}", False
+            missing = _rel(exc.filename, self.sandbox.workspace)
+            content, ok = f"error: no such file or folder: {missing}", False
+            hints = similar_paths(missing, self.sandbox.workspace, self.config.missing_path_hints)
+            if hints:
+                content += "; did you mean " + " or ".join(hints) + "?"
+
         except IsADirectoryError as exc:
             content, ok = f"error: {_rel(exc.filename, self.sandbox.workspace)} is a folder; use list_dir", False
         except NotADirectoryError as exc:
@@ -378,6 +389,23 @@ class Toolbox:
 
     def finish(self, summary: str = "") -> str:
         return "finished" + (f": {summary}" if summary else "")
+
+
+def similar_paths(missing: str, workspace: Path, n: int, max_files: int = 5000) -> list[str]:
+    """Up to `n` workspace files named like `missing` (same file name first, then the closest
+    paths). Walks at most `max_files` entries without following links: a hostile workspace costs
+    no more than that."""
+    if n <= 0:
+        return []
+    files: list[str] = []
+    for folder, dirs, names in os.walk(workspace):
+        dirs.sort()
+        files += sorted(_rel(Path(folder) / name, workspace) for name in names)
+        if len(files) >= max_files:
+            break
+    name = Path(missing).name
+    same = [f for f in files if Path(f).name == name and f != missing]
+    return same[:n] if same else difflib.get_close_matches(missing, files, n=n, cutoff=0.6)
 
 
 def _rel(path: str | Path | None, workspace: Path) -> str:

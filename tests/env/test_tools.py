@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from flywheel.env.sandbox import Sandbox
-from flywheel.env.tools import TOOL_SCHEMAS, Toolbox, ToolCall, _conflicts, _launch_order, validate_arguments
+from flywheel.env.tools import (
+    TOOL_SCHEMAS,
+    ToolCall,
+    ToolConfig,
+    Toolbox,
+    _conflicts,
+    _launch_order,
+    similar_paths,
+    validate_arguments,
+)
 
 FILES = {
     "pkg/__init__.py": "",
@@ -45,6 +54,23 @@ def test_read_file_whole_and_range(tools):
 def test_read_missing_file_is_a_result_not_an_exception(tools):
     result = one(tools, "read_file", path="nope.py")
     assert not result.ok and "no such file" in result.content and "nope.py" in result.content
+
+
+def test_a_missing_path_error_names_the_files_it_may_have_meant(tools, tmp_path):
+    wrong_package = one(tools, "read_file", path="shop/money.py")
+    assert not wrong_package.ok
+    assert wrong_package.content == "error: no such file or folder: shop/money.py; did you mean pkg/money.py?"
+    typo = one(tools, "edit_file", path="pkg/word.py", old="x", new="y")
+    assert "; did you mean pkg/words.py" in typo.content  # the closest path first
+    assert one(tools, "read_file", path="zzz/qqq.md").content == "error: no such file or folder: zzz/qqq.md"
+    with Sandbox.create(FILES) as box, Toolbox(box, ToolConfig(missing_path_hints=0)) as bare:
+        assert one(bare, "read_file", path="shop/money.py").content == "error: no such file or folder: shop/money.py"
+    # A workspace of many files is walked only so far.
+    for i in range(30):
+        (tmp_path / f"d{i:02d}").mkdir()
+        (tmp_path / f"d{i:02d}" / "money.py").write_text("")
+    assert similar_paths("shop/money.py", tmp_path, 3) == ["d00/money.py", "d01/money.py", "d02/money.py"]
+    assert len(similar_paths("shop/money.py", tmp_path, 50, max_files=10)) == 10
 
 
 def test_list_dir_two_levels(tools):
