@@ -115,7 +115,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
           f"({config.demo_mistake_rate:.0%} deliberately imperfect)")
     start = time.perf_counter()
     with SandboxPool(config.pool) as pool:
-        demos = demonstrations(tasks, pool, mistake_rate=config.demo_mistake_rate, seed=config.seed)
+        demos = demonstrations(tasks, pool, mistake_rate=config.demo_mistake_rate, seed=config.seed,
+                               wrong_path_rate=config.demo_wrong_path_rate)
     print(f"demonstrations: {len(demos)} in {time.perf_counter() - start:.0f} s")
     bootstrap(config, demos)
     return 0

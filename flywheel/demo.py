@@ -86,7 +86,8 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             shutil.rmtree(run / stale, ignore_errors=True)
         boot = config.bootstrap.model_copy(update={"run_dir": run / "bootstrap", "registry_root": registry_root})
         with SandboxPool(boot.pool) as pool:
-            demos = demonstrations(train_tasks(boot), pool, mistake_rate=boot.demo_mistake_rate, seed=boot.seed)
+            demos = demonstrations(train_tasks(boot), pool, mistake_rate=boot.demo_mistake_rate, seed=boot.seed,
+                                   wrong_path_rate=boot.demo_wrong_path_rate)
         v0 = bootstrap(boot, demos)
         marker.write_text(key)
     timings["bootstrap_s"] = time.perf_counter() - t0

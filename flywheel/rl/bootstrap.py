@@ -41,6 +41,7 @@ class BootstrapConfig(BaseModel):
     train_tasks_per_family: int = 150
     train_difficulties: list[int] = Field(default_factory=lambda: [1])
     demo_mistake_rate: float = 0.1  # imperfect demonstrations: a realistic start that leaves room for RL
+    demo_wrong_path_rate: float = 0.0  # named files first read under a wrong package, then recovered (ScriptedExpert)
     eval_tasks_per_family: int = 24
     eval_difficulty: int = 1
     vocab_size: int = 4096

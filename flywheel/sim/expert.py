@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.agent.chat import SYSTEM_PROMPT, openai_tool_call
+from flywheel.env.families.functions import PACKAGES
 from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import Sandbox, Snapshot
 from flywheel.env.task import Task
@@ -48,9 +49,13 @@ def _named_path(instruction: str) -> str | None:
 
 
 class ScriptedExpert:
-    def __init__(self, seed: int = 0, mistake_rate: float = 0.0):
+    def __init__(self, seed: int = 0, mistake_rate: float = 0.0, wrong_path_rate: float = 0.0):
         self.rng = random.Random(seed)
         self.mistake_rate = mistake_rate
+        # How often a file the instruction names is first read under a wrong package (the slip a
+        # small model makes most), then from the path the tool's error suggests: a demonstration
+        # of recovering from a failed call, which agents otherwise never see.
+        self.wrong_path_rate = wrong_path_rate
 
     def _explore(self, task: Task, call) -> list[ToolCall]:
         """The first look, built only from what the agent can see: the function the instruction
@@ -80,6 +85,10 @@ class ScriptedExpert:
         named = _named_path(task.instruction)
         if not (to_read and named in to_read and len(to_read) == 1):
             yield Action("Let me look at the project first.", tuple(self._explore(task, call)))
+        elif self.wrong_path_rate and self.rng.random() < self.wrong_path_rate and "/" in to_read[0]:
+            folder, rest = to_read[0].split("/", 1)
+            wrong = f"{self.rng.choice([p for p in PACKAGES if p != folder])}/{rest}"
+            yield Action("Reading the code I need to change.", (call("read_file", path=wrong),))
         if to_read:
             yield Action("Reading the code I need to change.", tuple(call("read_file", path=p) for p in to_read))
         if slip and edits:
@@ -144,12 +153,12 @@ def demonstration_messages(task: Task, episode: ExpertEpisode) -> list[dict[str,
 
 
 def demonstrations(tasks: list[Task], pool: SandboxPool, mistake_rate: float = 0.0, seed: int = 0,
-                   workers: int = 8) -> list[list[dict[str, Any]]]:
+                   workers: int = 8, wrong_path_rate: float = 0.0) -> list[list[dict[str, Any]]]:
     """Expert episodes on `tasks` as chat messages, run concurrently (commands are subprocesses)."""
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
     def one(i: int) -> list[dict[str, Any]]:
-        expert = ScriptedExpert(seed=seed * 100_003 + i, mistake_rate=mistake_rate)
+        expert = ScriptedExpert(seed=seed * 100_003 + i, mistake_rate=mistake_rate, wrong_path_rate=wrong_path_rate)
         return demonstration_messages(tasks[i], run_policy(tasks[i], expert.play(tasks[i]), pool))
 
     with ThreadPoolExecutor(workers) as executor:

@@ -7,9 +7,9 @@ import pytest
 from flywheel.env.sandbox import Sandbox
 from flywheel.env.tools import (
     TOOL_SCHEMAS,
+    Toolbox,
     ToolCall,
     ToolConfig,
-    Toolbox,
     _conflicts,
     _launch_order,
     similar_paths,

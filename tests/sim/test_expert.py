@@ -64,3 +64,19 @@ def test_expert_reads_only_what_it_has_seen_named(pool, family):
                     name = call.arguments["pattern"].removeprefix("def ").replace("\\b", "")
                     assert name in seen, f"{task.id}: grep for {name!r} unseen"
             seen += observation if isinstance(observation, str) else "".join(r.content for r in observation)
+
+
+def test_expert_recovers_from_a_wrong_package_through_the_errors_hint(pool):
+    """wrong_path_rate: a named file is first read under another package; the next read is the
+    path the error suggested, and the task is still solved."""
+    task = next(t for t in generate("ambiguous", "train", 8, seed=3, difficulty=1)
+                if (t.reference_edits[0].path in t.instruction))
+    episode = run_policy(task, ScriptedExpert(seed=0, wrong_path_rate=1.0).play(task), pool)
+    reads = [(c.arguments["path"], r) for action, results in episode.turns if not isinstance(results, str)
+             for c, r in zip(action.calls, results, strict=True) if c.name == "read_file"]
+    (wrong, failed), (right, found) = reads[:2]
+    assert wrong != right and wrong.split("/")[1:] == right.split("/")[1:]
+    assert not failed.ok and failed.content.endswith(f"did you mean {right}?") and found.ok
+    assert grade(task, episode.final).all_passed
+    plain = run_policy(task, ScriptedExpert(seed=0).play(task), pool)
+    assert [c.arguments["path"] for a, _ in plain.turns for c in a.calls if c.name == "read_file"] == [right]
