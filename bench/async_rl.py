@@ -246,7 +246,7 @@ def main() -> None:
                         help="K: learner steps to time (async's start-up and its groups left in flight weigh less over more)")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--max-staleness", type=int, default=1, help="as configs/train.toml")
     parser.add_argument("--learner-speedup", type=float, default=8.0,
                         help="modeled learner: measured seconds per token divided by this (a cluster trainer)")
     parser.add_argument("--budget-s", type=float, default=600.0)

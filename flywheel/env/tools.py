@@ -298,7 +298,6 @@ class Toolbox:
             hints = similar_paths(missing, self.sandbox.workspace, self.config.missing_path_hints)
             if hints:
                 content += "; did you mean " + " or ".join(hints) + "?"
-
         except IsADirectoryError as exc:
             content, ok = f"error: {_rel(exc.filename, self.sandbox.workspace)} is a folder; use list_dir", False
         except NotADirectoryError as exc:

@@ -8,8 +8,8 @@
     │ done: Trajectory appended to run/trajectories.jsonl   │         │ advantages -> Learner.train_step │
     └──────────────────────────────────────────────────────┘         │ Engine.update_weights(w, v+1) ──┐│
               ^  in-flight episodes pause, their KV cache is rebuilt │ checkpoint, eval, metrics      ││
-              └── under the new weights, and they resume (partial ───┴────────────────────────────────┘│
-                  rollouts): every token keeps the version that made it  <────────────────────────────┘
+              └── under the new weights (or kept), and they resume ──┴────────────────────────────────┘│
+                  (partial rollouts): every token keeps the version that made it  <───────────────────┘
 
 What unblocks what:
 - A rollout worker starts a new group when one is consumed (or filtered): the admission limit
@@ -22,6 +22,8 @@ What unblocks what:
   histogram.
 - Sync mode is the same machine with `max_staleness = 0`: B groups start, all finish, the learner
   steps, the next B start. Same code path, so the comparison in `bench/async_rl.py` is fair.
+- Every turn asks the engine with its group's start order as priority: when more episodes are in
+  flight than the engine has rows, the oldest groups, the ones the learner waits on, go first.
 
 Nothing hangs silently: an episode that makes no progress for `episode_timeout_s`, a learner that
 cannot form a batch for `stall_timeout_s`, and a weight update that is not applied within
