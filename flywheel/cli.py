@@ -105,18 +105,16 @@ def cmd_registry(args: argparse.Namespace) -> int:
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
-    from flywheel.rl.bootstrap import BootstrapConfig, bootstrap, train_tasks  # noqa: PLC0415
-    from flywheel.sim.expert import demonstrations  # noqa: PLC0415  (sim: the CLI supplies the demonstrator)
+    from flywheel.rl.bootstrap import BootstrapConfig, bootstrap  # noqa: PLC0415
+    from flywheel.sim.expert import bootstrap_demonstrations  # noqa: PLC0415  (sim: the CLI supplies the demonstrator)
 
     config = load_config(BootstrapConfig, args.config, args.set)
     write_resolved(config, config.run_dir)
-    tasks = train_tasks(config)
-    print(f"demonstrations: the scripted expert on {len(tasks)} training tasks "
-          f"({config.demo_mistake_rate:.0%} deliberately imperfect)")
+    print(f"demonstrations: the scripted expert on the training tasks ({config.demo_mistake_rate:.0%} deliberately "
+          "imperfect)")
     start = time.perf_counter()
     with SandboxPool(config.pool) as pool:
-        demos = demonstrations(tasks, pool, mistake_rate=config.demo_mistake_rate, seed=config.seed,
-                               wrong_path_rate=config.demo_wrong_path_rate)
+        demos = bootstrap_demonstrations(config, pool)
     print(f"demonstrations: {len(demos)} in {time.perf_counter() - start:.0f} s")
     bootstrap(config, demos)
     return 0

@@ -31,9 +31,9 @@ from flywheel.live.cycle import LiveConfig, LiveCycle, ServerControl
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.model.registry import Registry
 from flywheel.report.render import render_report
-from flywheel.rl.bootstrap import BootstrapConfig, bootstrap, train_tasks
+from flywheel.rl.bootstrap import BootstrapConfig, bootstrap
 from flywheel.rl.train import TrainConfig, train
-from flywheel.sim.expert import demonstrations
+from flywheel.sim.expert import bootstrap_demonstrations
 from flywheel.sim.users import Population, run_population
 
 DEMO_KEY = "demo-local-key"  # the in-process server's only key; it listens on loopback only
@@ -86,8 +86,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             shutil.rmtree(run / stale, ignore_errors=True)
         boot = config.bootstrap.model_copy(update={"run_dir": run / "bootstrap", "registry_root": registry_root})
         with SandboxPool(boot.pool) as pool:
-            demos = demonstrations(train_tasks(boot), pool, mistake_rate=boot.demo_mistake_rate, seed=boot.seed,
-                                   wrong_path_rate=boot.demo_wrong_path_rate)
+            demos = bootstrap_demonstrations(boot, pool)
         v0 = bootstrap(boot, demos)
         marker.write_text(key)
     timings["bootstrap_s"] = time.perf_counter() - t0

@@ -25,6 +25,7 @@ from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import Sandbox, Snapshot
 from flywheel.env.task import Task
 from flywheel.env.tools import Toolbox, ToolCall, ToolResult
+from flywheel.rl.bootstrap import BootstrapConfig, train_tasks
 
 CLARIFYING_QUESTION = "Before I change anything: could you tell me exactly which behaviour you want here?"
 
@@ -163,3 +164,10 @@ def demonstrations(tasks: list[Task], pool: SandboxPool, mistake_rate: float = 0
 
     with ThreadPoolExecutor(workers) as executor:
         return list(executor.map(one, range(len(tasks))))
+
+
+def bootstrap_demonstrations(config: BootstrapConfig, pool: SandboxPool) -> list[list[dict[str, Any]]]:
+    """What `flywheel bootstrap` and the demo train version 0 on: the expert on the config's
+    training tasks, as imperfect as its `demo_*` rates say."""
+    return demonstrations(train_tasks(config), pool, mistake_rate=config.demo_mistake_rate, seed=config.seed,
+                          wrong_path_rate=config.demo_wrong_path_rate)
