@@ -7,7 +7,6 @@ has, and never outside [0, 1].
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,32 +20,21 @@ from flywheel.agent.trajectory import Trajectory
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
 from flywheel.model.engine import Engine
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return (0.0, 1.0)
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
+from flywheel.stats import mean_interval, wilson_interval
 
 
 def passed(t: Trajectory) -> bool:
     return t.reward_parts.get("all_passed", 0.0) == 1.0
 
 
-def clustered_interval(fractions: Sequence[float], z: float = 1.96) -> tuple[float, float]:
-    """95% interval of the mean of per-task pass fractions: with several samples per task the
-    episodes are not independent (a task's samples mostly pass or fail together), so the spread
-    is taken across tasks, not episodes."""
-    n = len(fractions)
-    if n < 2:
+def clustered_interval(fractions: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Interval of the mean of per-task pass fractions: with several samples per task the episodes
+    are not independent (a task's samples mostly pass or fail together), so the spread is taken
+    across tasks, not episodes (the t interval of their mean, clipped to [0, 1])."""
+    if len(fractions) < 2:
         return (0.0, 1.0)
-    mean = sum(fractions) / n
-    half = z * math.sqrt(sum((f - mean) ** 2 for f in fractions) / (n - 1) / n)
-    return (max(0.0, mean - half), min(1.0, mean + half))
+    interval = mean_interval(fractions, confidence)
+    return (max(0.0, interval.low), min(1.0, interval.high))
 
 
 def sampled(trajectories: Sequence[Trajectory]) -> dict[str, Any]:

@@ -47,10 +47,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from flywheel.agent.evaluate import wilson_interval
 from flywheel.live.records import Completion
 from flywheel.live.rewards import EDIT_TOOLS, Reward, RewardStatus, made_edit
-from flywheel.live.stats import mean_interval, newcombe_interval, welch_interval, z_quantile
+from flywheel.stats import mean_interval, newcombe_interval, welch_interval, wilson_interval, z_quantile
 
 ARMS = ("production", "candidate")
 Metric = Literal["persistence", "dissatisfied", "invalid_calls", "latency", "reward"]

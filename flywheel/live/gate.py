@@ -57,13 +57,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from flywheel.agent.episode import EpisodeConfig
-from flywheel.agent.evaluate import evaluate, passed, wilson_interval
+from flywheel.agent.evaluate import evaluate, passed
 from flywheel.agent.trajectory import Trajectory
 from flywheel.env.families import FAMILIES, generate, task_set
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
-from flywheel.live.stats import mean_and_variance, t_quantile, z_quantile
 from flywheel.model.engine import Engine
+from flywheel.stats import mean_and_variance, t_quantile, wilson_interval, z_quantile
 
 TaskResults = Mapping[str, Mapping[str, float | bool | None]]  # task id -> metric -> value (None: n/a)
 

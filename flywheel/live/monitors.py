@@ -53,7 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.live.records import Completion, Event, EventType
 from flywheel.live.rewards import EDIT_TOOLS, Reward, made_edit
-from flywheel.live.stats import Moments, fisher_tails, normal_two_sided_p, z_quantile
+from flywheel.stats import Moments, fisher_tails, normal_two_sided_p, z_quantile
 
 Sample = tuple[float, float] | float | None  # (x, y) for correlations, x otherwise, None: not applicable
 

@@ -70,13 +70,13 @@ from flywheel.live.cycle import LiveConfig, LiveCycle, ServerControl
 from flywheel.live.records import Completion
 from flywheel.live.rewards import RewardConfig, made_edit
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
-from flywheel.live.stats import fisher_tails
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import PRODUCTION, Registry
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.sft import SFTConfig, encode_conversation, train_sft
 from flywheel.sim.expert import CLARIFYING_QUESTION, Action, demonstration_messages, run_policy
 from flywheel.sim.users import Population, SimStats, UserProfile, run_population
+from flywheel.stats import fisher_tails
 
 BEHAVIOURS = ("edit", "ask", "broken")
 TINY_MODEL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4,

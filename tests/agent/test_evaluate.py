@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from flywheel.agent.evaluate import clustered_interval, summarize, wilson_interval
+from flywheel.agent.evaluate import clustered_interval, summarize
 from flywheel.agent.trajectory import Status, Trajectory
+from flywheel.stats import wilson_interval
 
 
 def episode(task: str, family: str, won: bool) -> Trajectory:
@@ -39,8 +40,10 @@ def test_several_samples_per_task_add_pass_at_k_and_intervals_across_tasks():
 
 
 def test_clustered_interval_by_hand():
-    lo, hi = clustered_interval([0.0, 1.0, 0.5, 0.5])
-    # mean 0.5, sample sd sqrt(1/6), n 4: half width 1.96 * sqrt(1/6) / 2
-    assert (lo, hi) == pytest.approx((0.5 - 1.96 * (1 / 6) ** 0.5 / 2, 0.5 + 1.96 * (1 / 6) ** 0.5 / 2))
+    lo, hi = clustered_interval([0.0, 1.0, 0.5, 0.5, 0.5])
+    # mean 0.5, sample sd sqrt(1/8), n 5: half width t(0.975, df 4) * sqrt(1/8) / sqrt(5), t = 2.776445
+    half = 2.776445 * (1 / 8) ** 0.5 / 5**0.5
+    assert (lo, hi) == pytest.approx((0.5 - half, 0.5 + half), abs=1e-3)
+    assert clustered_interval([0.0, 1.0]) == (0.0, 1.0)  # clipped to what a pass rate can be
     assert clustered_interval([1.0, 1.0, 1.0]) == (1.0, 1.0)
     assert clustered_interval([0.5]) == (0.0, 1.0)

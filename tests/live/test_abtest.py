@@ -10,7 +10,7 @@ import pytest
 from flywheel.live.abtest import ABConfig, analyze, compare
 from flywheel.live.records import Completion, CompletionToolCall, Event, EventType
 from flywheel.live.rewards import RewardDistiller
-from flywheel.live.stats import fisher_tails, newcombe_interval, t_quantile, welch_interval
+from flywheel.stats import fisher_tails, newcombe_interval, t_quantile, welch_interval
 
 NOW = 1e6  # every feedback window closed
 

@@ -1,4 +1,4 @@
-"""The statistics shared by the gate, the A/B analysis and the monitors, in plain Python.
+"""The statistics shared by eval reports, the gate, the A/B analysis and the monitors, in plain Python.
 
 Only the standard library: the quantities are small (thousands of completions, a few hundred eval
 tasks) and a dependency on scipy for three functions is not worth it. What each function assumes:
@@ -9,9 +9,10 @@ tasks) and a dependency on scipy for three functions is not worth it. What each 
 - `mean_interval`: the t interval of a mean. Normal approximation of the sample mean, so it wants
   n >= ~10 for 0/1 data; callers enforce their own minimum sample.
 - `welch_interval`: difference of two means with unequal variances (Welch-Satterthwaite df).
+- `wilson_interval`: a proportion's score interval. Unlike the Wald interval it stays inside [0, 1]
+  and keeps its coverage at rates near 0 or 1 (a pass rate of 0.95 over 40 tasks).
 - `newcombe_interval`: difference of two proportions by Newcombe's hybrid score method (method 10
-  of Newcombe 1998), built from the Wilson intervals `flywheel.agent.evaluate` already uses. Unlike
-  the Wald interval it stays inside [-1, 1] and keeps its coverage at rates near 0 or 1.
+  of Newcombe 1998), built from two Wilson intervals, so it stays inside [-1, 1].
 - `fisher_tails`: Fisher's exact test on a 2x2 table. Exact (conservative) at any count, which
   is why the monitors use it for rare behaviours such as clarifying questions on clear requests.
 - `Moments`: additive sufficient statistics (n, sums, sums of squares and cross products), so a
@@ -25,8 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import NamedTuple
-
-from flywheel.agent.evaluate import wilson_interval
 
 _NORMAL = NormalDist()
 
@@ -71,6 +70,17 @@ def mean_and_variance(values: Sequence[float]) -> tuple[float, float]:
     mean = math.fsum(values) / n
     var = math.fsum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
     return mean, var
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Score interval of the proportion successes / n at normal quantile z; (0, 1) when n is 0."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
