@@ -20,8 +20,11 @@ slowest episode, and the engine idles while the learner trains).
    Learner on this machine: `speedup_async_vs_sync`. Two CPU cores are shared by sampling and
    training here, so overlap buys less than on a cluster; long-tailed episodes still leave the
    sync engine nearly idle at the end of each batch. Both modes decode `--engine-batch` rows at
-   once (the CPU's best tokens/s; async's extra episodes queue, older groups first) and keep
-   in-flight KV across weight swaps (`--kv-on-update keep`; sync never swaps mid-rollout).
+   once (the CPU's best tokens/s; async's extra episodes queue, older groups first), keep
+   in-flight KV across weight swaps (`--kv-on-update keep`; sync never swaps mid-rollout), and run
+   the engine in a process of its own (`--engine-process`): in the learner's process the engine's
+   decode loop waits on the GIL whenever the learner or a rollout thread holds it, and the two
+   overlap little (`--no-engine-process` measures that).
 3. budget: each mode trains for the same wall-clock budget (`--budget-s`), then both are
    evaluated on the same held-out tasks at temperature 0: `pass_rate_async`, `pass_rate_sync`,
    `pass_rate_start`; the async one is `pass_rate_after_budget`.
@@ -45,7 +48,9 @@ import torch
 from flywheel.agent.evaluate import evaluate
 from flywheel.env.families import task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.env.semantic import load_embedder
 from flywheel.model.engine import EngineConfig, Generation, LocalEngine, SamplingParams
+from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import Registry
 from flywheel.rl.learner import Learner, LearnerConfig
 from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig
@@ -223,8 +228,9 @@ def real(args, registry: Registry, ref: str, tasks, pool, budget_s: float | None
                                     concurrency=every_admitted_episode(args),
                                     episode={"max_turns": 8, "max_tokens_per_turn": 256, "temperature": 1.0})
         torch.manual_seed(args.seed)
-        engine_config = EngineConfig(max_batch=args.engine_batch, kv_on_update=args.kv_on_update)
-        with LocalEngine(engine_model, engine_config) as engine:
+        engine_config = EngineConfig(max_batch=args.engine_batch, kv_on_update=args.kv_on_update,
+                                     separate_process=args.engine_process)
+        with start_engine(engine_model, engine_config) as engine:
             log(f"real {mode}: v{checkpoint.version}, {steps} steps" + (f" or {budget_s:.0f} s" if budget_s else ""))
             result = run_mode(mode, config, tasks, engine, learner, tokenizer, pool, steps, budget_s)
             if args.eval_tasks:
@@ -258,6 +264,9 @@ def main() -> None:
                         help="real engine: rows decoded together (episodes beyond it queue, older groups first)")
     parser.add_argument("--kv-on-update", choices=["recompute", "keep"], default="keep",
                         help="real engine: rebuild in-flight KV on a weight swap, or keep it (EngineConfig.kv_on_update)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="real engine: decode in a process of its own (EngineConfig.separate_process), "
+                             "as configs/train.toml does; --no-engine-process keeps it in this one")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -268,7 +277,11 @@ def main() -> None:
     tasks = task_set(FAMILIES, "train", 32, seed=100, difficulty=1)
     result: dict = {"checkpoint": checkpoint.version, "group_size": args.group_size, "groups_per_step": args.groups,
                     "max_staleness": args.max_staleness, "steps": args.steps,
-                    "async_learner_threads": args.async_learner_threads}
+                    "async_learner_threads": args.async_learner_threads, "engine_process": args.engine_process}
+    # Process-wide lazy loads happen before anything is timed: the first semantic_search loads the
+    # sentence embedder (~10 s on 2 cores), which would otherwise be charged to whichever mode ran first.
+    log("loading the search embedder")
+    load_embedder()
     with SandboxPool(PoolConfig(max_active=64)) as pool:
         if "modeled" in parts:
             costs = measure_costs(model, tokenizer)

@@ -30,7 +30,8 @@ extends those tokens, prefills only what is new on top of them. Kept KV is dropp
 (it belongs to the old weights) unless `kv_on_update = "keep"`, and a prompt that does not extend
 it is prefilled whole.
 
-`Engine` is the small interface; `LocalEngine` implements it in-process. An OpenAI-compatible
+`Engine` is the small interface; `LocalEngine` implements it in-process, `ProcessEngine`
+(`flywheel.model.process_engine`) runs a LocalEngine in a child process. An OpenAI-compatible
 HTTP engine (vLLM, SGLang) can implement the same four methods.
 """
 
@@ -111,6 +112,23 @@ class EngineConfig(BaseModel):
     # so the decoupled loss's behaviour weight stays exact, and a swap costs nothing. On 2 cores,
     # recomputing took a quarter of an async rollout's engine time (bench/async_rl.py).
     kv_on_update: Literal["recompute", "keep"] = "recompute"
+    # Run the engine in a process of its own (`process_engine.ProcessEngine`, through `start_engine`):
+    # its decode loop then does not share the GIL with rollout threads and the learner.
+    separate_process: bool = False
+
+
+def check_request(prompt_ids: Sequence[int], params: SamplingParams, vocab: int) -> None:
+    """Raise ValueError for a request no engine should take (in its loop it would fail everyone's)."""
+    if not prompt_ids:
+        raise ValueError("empty prompt: an engine request needs at least one token")
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be ≥ 1, got {params.max_tokens}")
+    if params.temperature < 0 or not 0 < params.top_p <= 1:
+        raise ValueError(f"need temperature ≥ 0 and 0 < top_p ≤ 1, got {params.temperature} and {params.top_p}")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        bad = next(t for t in prompt_ids if not 0 <= t < vocab)
+        raise ValueError(f"prompt token id {bad} is outside the model's vocabulary of {vocab}; "
+                         "encode prompts with this model's tokenizer")
 
 
 class _DecodeThreads:
@@ -319,16 +337,7 @@ class LocalEngine:
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]:
         self._check_alive()
-        if not prompt_ids:
-            raise ValueError("empty prompt: an engine request needs at least one token")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be ≥ 1, got {params.max_tokens}")
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise ValueError(f"need temperature ≥ 0 and 0 < top_p ≤ 1, got {params.temperature} and {params.top_p}")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self._vocab:  # in the loop it would kill the engine for everyone
-            bad = next(t for t in prompt_ids if not 0 <= t < self._vocab)
-            raise ValueError(f"prompt token id {bad} is outside the model's vocabulary of {self._vocab}; "
-                             "encode prompts with this model's tokenizer")
+        check_request(prompt_ids, params, self._vocab)
         seq = _Sequence(list(prompt_ids), params, Future())
         self._inbox.put(seq)
         self._wake.set()

@@ -40,8 +40,10 @@ A run killed at any moment restarts from `state/`: groups trained on after that 
 buffered again, finished episodes are read back, and unfinished ones resume from their saved
 state (an episode that had not finished its first turn restarts). No rollout is dropped.
 
-Departures from AReaL: one process, threads instead of RPC; staleness is bounded by blocking
-the learner on the oldest group rather than by discarding rollouts, so no work is thrown away.
+Departures from AReaL: rollout workers are threads of one process, not RPC servers (the Engine may
+run in a process of its own, `EngineConfig.separate_process`, so that its decode loop does not wait
+on their GIL); staleness is bounded by blocking the learner on the oldest group rather than by
+discarding rollouts, so no work is thrown away.
 """
 
 from __future__ import annotations

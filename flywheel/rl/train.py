@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from flywheel.agent.evaluate import evaluate
 from flywheel.env.families import FAMILIES, task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
-from flywheel.model.engine import EngineConfig, LocalEngine
+from flywheel.model.engine import Engine, EngineConfig
+from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import Checkpoint, Registry
 from flywheel.rl.learner import Learner, LearnerConfig
 from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig
@@ -67,7 +68,7 @@ def eval_tasks(config: TrainConfig):
                     difficulty=config.eval_difficulty)
 
 
-def run_eval(config: TrainConfig, engine: LocalEngine, tokenizer, pool: SandboxPool) -> dict[str, Any]:
+def run_eval(config: TrainConfig, engine: Engine, tokenizer, pool: SandboxPool) -> dict[str, Any]:
     episode = config.orchestrator.episode.model_copy(update={"temperature": config.eval_temperature})
     report, _ = evaluate(eval_tasks(config), engine, tokenizer, pool, episode, progress=False)
     return report
@@ -100,7 +101,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
             f"[{report['pass_rate_ci'][0]:.2f}, {report['pass_rate_ci'][1]:.2f}], "
             f"valid tool calls {report['valid_tool_call_rate']:.2f}")
 
-    with LocalEngine(engine_model, config.engine, version=parent.version) as engine, SandboxPool(config.pool) as pool:
+    with start_engine(engine_model, config.engine, version=parent.version) as engine, SandboxPool(config.pool) as pool:
         orchestrator = Orchestrator(config.orchestrator, tasks, engine, learner, tokenizer, pool, config.run_dir,
                                     on_step=lambda m: log(step_line(m)))
         with orchestrator:

@@ -27,6 +27,7 @@ from flywheel.model.engine import (
     wait_all,
 )
 from flywheel.model.factory import ModelConfig, build_model
+from flywheel.model.process_engine import ProcessEngine
 from flywheel.model.tokenizer import train_tokenizer
 
 TIMEOUT_S = 120.0
@@ -412,3 +413,39 @@ def test_decode_threads_are_restored_only_when_every_engine_is_idle():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_process_engine_answers_as_the_local_engine_does(model, other_weights, prompts):
+    """The same model in a child process: same greedy tokens and logprobs, before and after a swap."""
+    params = SamplingParams(temperature=0, max_tokens=10)
+    with engine_for(model) as local:
+        before = local.generate(prompts, params)
+        local.update_weights(other_weights, 1)
+        after = local.generate(prompts, params)
+    with ProcessEngine(model, EngineConfig(max_batch=4)) as remote:
+        first = remote.generate(prompts, params)
+        remote.update_weights(other_weights, 1)
+        assert remote.version == 1
+        swapped = remote.generate(prompts, params)
+    assert [g.token_ids for g in first] == [g.token_ids for g in before]
+    torch.testing.assert_close(torch.tensor(first[0].logprobs), torch.tensor(before[0].logprobs), atol=1e-5, rtol=0)
+    assert [g.token_ids for g in swapped] == [g.token_ids for g in after] != [g.token_ids for g in before]
+    assert all(g.versions == [1] * len(g.token_ids) for g in swapped)
+    torch.testing.assert_close(torch.tensor(swapped[0].logprobs), torch.tensor(after[0].logprobs), atol=1e-5, rtol=0)
+
+
+def test_process_engine_checks_requests_and_fails_loudly_when_its_process_dies(model, prompts):
+    with ProcessEngine(model, EngineConfig(max_batch=2)) as engine:
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            engine.submit([10**6], SamplingParams())
+        with pytest.raises(ValueError, match="empty prompt"):
+            engine.submit([], SamplingParams())
+        waiting = [engine.submit(p, SamplingParams(temperature=1.0, max_tokens=10_000)) for p in prompts[:3]]
+        engine._process.kill()
+        for future in waiting:
+            with pytest.raises(EngineError, match="engine process exited"):
+                future.result(TIMEOUT_S)
+        with pytest.raises(EngineError, match="engine process exited"):
+            engine.submit(prompts[0], SamplingParams())
+        with pytest.raises(EngineError, match="engine process exited"):
+            engine.update_weights({}, 1)
