@@ -1,6 +1,6 @@
 """Async against sync GRPO: time to K learner steps, and held-out pass rate after the same budget.
 
-    python bench/async_rl.py                          # all parts (~15-30 min on 2 cores)
+    python bench/async_rl.py                          # all parts (~45 min on 2 cores)
     python bench/async_rl.py --parts modeled          # the modeled engine only (~2 min)
     python bench/async_rl.py --parts modeled,real --steps 4
 
@@ -17,7 +17,8 @@ slowest episode, and the engine idles while the learner trains).
    `--learner-speedup` (a cluster trains on more accelerators than one CPU). The ratios of a
    cluster, the costs of this machine: `speedup_async_vs_sync_modeled`.
 2. real: the bootstrapped checkpoint (`--checkpoint`, from `--registry`) in the real LocalEngine and
-   Learner on this machine: `speedup_async_vs_sync`. Two CPU cores are shared by sampling and
+   Learner on this machine: `speedup_async_vs_sync`, total sync time over total async time across
+   `--repeats` runs of each mode in alternating order (this machine's speed drifts). Two CPU cores are shared by sampling and
    training here, so overlap buys less than on a cluster; long-tailed episodes still leave the
    sync engine nearly idle at the end of each batch. Both modes decode `--engine-batch` rows at
    once (the CPU's best tokens/s; async's extra episodes queue, older groups first), keep
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -213,9 +215,10 @@ def modeled(args, tokenizer, costs: dict, learner_s_per_token: float, tasks, poo
     return out
 
 
-def real(args, registry: Registry, ref: str, tasks, pool, budget_s: float | None, steps: int) -> dict:
+def real(args, registry: Registry, ref: str, tasks, pool, budget_s: float | None, steps: int,
+         modes: Sequence[str] = ("sync", "async")) -> dict:
     out = {}
-    for mode in ("sync", "async"):
+    for mode in modes:
         checkpoint = registry.get(ref)
         engine_model, tokenizer = registry.load(checkpoint.version)
         learner_model, _ = registry.load(checkpoint.version)
@@ -267,6 +270,8 @@ def main() -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="real engine: decode in a process of its own (EngineConfig.separate_process), "
                              "as configs/train.toml does; --no-engine-process keeps it in this one")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="real: runs of each mode, in alternating order (sync, async, async, sync, ...)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -277,7 +282,8 @@ def main() -> None:
     tasks = task_set(FAMILIES, "train", 32, seed=100, difficulty=1)
     result: dict = {"checkpoint": checkpoint.version, "group_size": args.group_size, "groups_per_step": args.groups,
                     "max_staleness": args.max_staleness, "steps": args.steps,
-                    "async_learner_threads": args.async_learner_threads, "engine_process": args.engine_process}
+                    "async_learner_threads": args.async_learner_threads, "engine_process": args.engine_process,
+                    "repeats": args.repeats}
     # Process-wide lazy loads happen before anything is timed: the first semantic_search loads the
     # sentence embedder (~10 s on 2 cores), which would otherwise be charged to whichever mode ran first.
     log("loading the search embedder")
@@ -294,10 +300,18 @@ def main() -> None:
             result["speedup_async_vs_sync_modeled"] = m["sync"]["seconds"] / m["async"]["seconds"]
             log(f"modeled speedup {result['speedup_async_vs_sync_modeled']:.2f}")
         if "real" in parts:
-            r = real(args, registry, args.checkpoint, tasks, pool, None, args.steps)
-            result["real"] = r
-            result["speedup_async_vs_sync"] = r["sync"]["seconds"] / r["async"]["seconds"]
-            log(f"real speedup {result['speedup_async_vs_sync']:.2f}")
+            # This machine's speed drifts by tens of percent over minutes (shared cores), so the modes
+            # alternate (sync, async, async, sync, ...): a drift that is linear in time cancels out.
+            runs: dict[str, list[dict]] = {"sync": [], "async": []}
+            for i in range(args.repeats):
+                for mode, r in real(args, registry, args.checkpoint, tasks, pool, None, args.steps,
+                                    ("sync", "async") if i % 2 == 0 else ("async", "sync")).items():
+                    runs[mode].append(r)
+            seconds = {mode: [r["seconds"] for r in rs] for mode, rs in runs.items()}
+            result["real"] = runs
+            result["speedup_async_vs_sync"] = sum(seconds["sync"]) / sum(seconds["async"])
+            result["speedup_async_vs_sync_per_repeat"] = [s / a for s, a in zip(seconds["sync"], seconds["async"], strict=True)]
+            log(f"real speedup {result['speedup_async_vs_sync']:.2f} (sync {seconds['sync']}, async {seconds['async']})")
         if "budget" in parts:
             eval_set = task_set(FAMILIES, "eval", args.eval_tasks, seed=1, difficulty=1)
             with LocalEngine(model, EngineConfig(max_batch=32)) as engine:

@@ -17,6 +17,8 @@ learner's tensors into shared memory): a weight update is a copy of the state di
 embedded default. Requests are checked in the parent as `LocalEngine.submit` checks them, so a bad
 request raises at the call, not in the child. If the child dies, every waiting future and any later
 call fails with `EngineError` saying so; if the parent dies, the child sees the pipe close and exits.
+The child is spawned, not forked (a fork would copy the locks of the parent's threads), so a script
+that starts one must keep its work under `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
@@ -100,7 +102,10 @@ class ProcessEngine:
         self.config = config or EngineConfig()
         self._version = version
         self._vocab = model.get_input_embeddings().num_embeddings
-        self._lock = threading.Lock()  # guards the pipe's sending end and the tables below
+        # Two locks: the reader thread takes only `_lock` (the tables), never held while sending, so
+        # it always drains the child's replies and a large send cannot deadlock against them.
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._futures: dict[int, Future[Generation]] = {}
         self._updates: dict[int, Future[None]] = {}
         self._ids = itertools.count()
@@ -117,10 +122,11 @@ class ProcessEngine:
         child.close()
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._reader.start()
-        if not self._ready.wait(start_timeout_s) or self._error is not None:
+        if not self._ready.wait(start_timeout_s):
             self._process.kill()
-            raise EngineError(f"engine process did not start within {start_timeout_s:.0f} s"
-                              + (f": {self._error}" if self._error else ""))
+            raise EngineError(f"engine process did not start within {start_timeout_s:.0f} s")
+        if self._error is not None:  # a spawned child re-imports the main script: guard it with __main__
+            raise EngineError(f"engine process failed to start: {self._error}; see its traceback above")
 
     @property
     def version(self) -> int:
@@ -133,7 +139,7 @@ class ProcessEngine:
             self._check_alive()
             rid = next(self._ids)
             self._futures[rid] = future
-            self._conn.send_bytes(pickle.dumps(("submit", rid, list(prompt_ids), params), protocol=pickle.HIGHEST_PROTOCOL))
+        self._send(("submit", rid, list(prompt_ids), params))
         return future
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
@@ -147,7 +153,7 @@ class ProcessEngine:
             self._check_alive()
             uid = next(self._ids)
             self._updates[uid] = done
-            self._conn.send_bytes(pickle.dumps(("update", uid, state, version, timeout_s), protocol=pickle.HIGHEST_PROTOCOL))
+        self._send(("update", uid, state, version, timeout_s))
         try:
             done.result(timeout=timeout_s + 5.0)  # the child waits timeout_s for its loop; then the pipe
         except TimeoutError:
@@ -161,13 +167,13 @@ class ProcessEngine:
                 return
             self._closed = True
             alive = self._error is None
-            if alive:
-                try:
-                    self._conn.send_bytes(pickle.dumps(("close",)))
-                except OSError:
-                    alive = False
         if alive:
-            self._closed_ack.wait(15.0)
+            try:
+                with self._send_lock:
+                    self._conn.send_bytes(pickle.dumps(("close",)))
+                self._closed_ack.wait(15.0)
+            except OSError:
+                pass
         self._process.join(timeout=10.0)
         if self._process.is_alive():
             self._process.kill()
@@ -188,6 +194,16 @@ class ProcessEngine:
             raise EngineError(f"engine process failed: {self._error}; build a new engine")
         if self._closed:
             raise EngineError("engine is closed; build a new one")
+
+    def _send(self, message: tuple) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except OSError as exc:  # the pipe broke: the child is gone
+            reason = f"the engine process exited (code {self._process.exitcode}; {exc!r})"
+            self._fail_all(reason)
+            raise EngineError(f"engine process failed: {reason}") from exc
 
     def _read(self) -> None:
         while True:
