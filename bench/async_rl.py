@@ -18,9 +18,9 @@ slowest episode, and the engine idles while the learner trains).
    cluster, the costs of this machine: `speedup_async_vs_sync_modeled`.
 2. real: the bootstrapped checkpoint (`--checkpoint`, from `--registry`) in the real LocalEngine and
    Learner on this machine: `speedup_async_vs_sync`, total sync time over total async time across
-   `--repeats` runs of each mode in alternating order (this machine's speed drifts). Two CPU cores are shared by sampling and
-   training here, so overlap buys less than on a cluster; long-tailed episodes still leave the
-   sync engine nearly idle at the end of each batch. Both modes decode `--engine-batch` rows at
+   `--repeats` runs of each mode in alternating order (this machine's speed drifts). Two CPU
+   cores are shared by sampling and training here, so overlap buys less than on a cluster;
+   long-tailed episodes still leave the sync engine nearly idle at the end of each batch. Both modes decode `--engine-batch` rows at
    once (the CPU's best tokens/s; async's extra episodes queue, older groups first), keep
    in-flight KV across weight swaps (`--kv-on-update keep`; sync never swaps mid-rollout), and run
    the engine in a process of its own (`--engine-process`): in the learner's process the engine's

@@ -45,6 +45,7 @@ from flywheel.model.engine import (
 
 
 def _send(conn: Any, lock: threading.Lock, message: tuple) -> None:
+    """Pickle outside the lock (a weight update takes a while), then send whole under it."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     with lock:
         conn.send_bytes(data)
@@ -115,6 +116,8 @@ class ProcessEngine:
         self._closed_ack = threading.Event()
         context = multiprocessing.get_context("spawn")  # a fork would copy the parent's threads' locks
         self._conn, child = context.Pipe()
+        # Copies: spawn pickles the arguments with multiprocessing's pickler, which would move the
+        # model's own tensors into shared memory.
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self._process = context.Process(target=_serve, name="engine", daemon=True,
                                         args=(child, type(model), model.config, state, self.config, version))
@@ -169,8 +172,7 @@ class ProcessEngine:
             alive = self._error is None
         if alive:
             try:
-                with self._send_lock:
-                    self._conn.send_bytes(pickle.dumps(("close",)))
+                _send(self._conn, self._send_lock, ("close",))
                 self._closed_ack.wait(15.0)
             except OSError:
                 pass
@@ -196,10 +198,8 @@ class ProcessEngine:
             raise EngineError("engine is closed; build a new one")
 
     def _send(self, message: tuple) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            with self._send_lock:
-                self._conn.send_bytes(data)
+            _send(self._conn, self._send_lock, message)
         except OSError as exc:  # the pipe broke: the child is gone
             reason = f"the engine process exited (code {self._process.exitcode}; {exc!r})"
             self._fail_all(reason)
