@@ -50,9 +50,6 @@ train_tasks_per_family = 1
 eval_tasks_per_family = 2
 threads = 1
 
-[engine]
-separate_process = true  # as configs/train.toml: weight updates and eval go through the child process
-
 [orchestrator]
 group_size = 8
 groups_per_step = 2
