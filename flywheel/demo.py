@@ -3,7 +3,7 @@
     make demo        # = flywheel demo --config configs/demo.toml
 
     1. bootstrap    version 0: tokenizer, tiny MoE, SFT on scripted demonstrations (cached: a second
-                    run with the same bootstrap config reuses it)
+                    run with the same bootstrap config reuses it, unless it passed no held-out task)
     2. simulated RL async GRPO from production for `train.time_budget_s`; the result is promoted
     3. real-time RL the server in this process, simulated users in background threads sending
                     requests and feedback over HTTP, and `live.cycles` cycles of the real loop
@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.live.cycle import LiveConfig, LiveCycle, ServerControl
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
-from flywheel.model.registry import Registry
+from flywheel.model.registry import Checkpoint, Registry
 from flywheel.report.render import render_report
 from flywheel.rl.bootstrap import BootstrapConfig, bootstrap
 from flywheel.rl.train import TrainConfig, train
@@ -56,6 +56,36 @@ def _bootstrap_key(config: BootstrapConfig) -> str:
     return hashlib.sha256(config.model_dump_json(exclude={"run_dir", "registry_root"}).encode()).hexdigest()[:16]
 
 
+def cache_refusal(metrics: dict[str, float]) -> str | None:
+    """Why a fresh version 0 must not be reused by later runs, or None if it may be.
+
+    A version 0 that passes no held-out task gives RL nothing to reinforce, and cached it would
+    spoil every later run. The usual cause is SFT starved of CPU: another job on the same cores
+    (each with its own OpenMP threads) once cut SFT from ~6,000 to ~300 tokens/s, and the
+    time-budgeted SFT then ended before the policy had learnt its tools."""
+    if metrics.get("eval_pass_rate", 0.0) > 0.0:
+        return None
+    return (f"version 0 passed no held-out task (SFT: {metrics.get('sft_tokens_per_s', 0.0):,.0f} tokens/s for "
+            f"{metrics.get('sft_seconds', 0.0):.0f} s; was another job using these cores?)")
+
+
+def _cached_bootstrap(registry_root: Path, marker: Path, key: str) -> Checkpoint | None:
+    """Version 0 from an earlier run with the same bootstrap config, reset to be production again;
+    None if there is none or it may not be reused (`cache_refusal`)."""
+    if not (marker.is_file() and marker.read_text() == key and (registry_root / "registry.sqlite").is_file()):
+        return None
+    with Registry(registry_root) as registry:
+        v0 = registry.get(0)
+        refusal = cache_refusal(v0.metrics)
+        if refusal:
+            print(f"not reusing the cached bootstrap: {refusal}")
+            return None
+        registry.set_alias("production", 0)  # every run starts the flywheel from version 0
+        if any("candidate" in c.aliases for c in registry.list()):
+            registry.remove_alias("candidate")
+    return v0
+
+
 def _step(title: str) -> None:
     print(f"\n=== {title} ===", flush=True)
 
@@ -71,24 +101,24 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     key = _bootstrap_key(config.bootstrap)
     marker = run / "bootstrap.key"
-    if config.reuse_bootstrap and marker.is_file() and marker.read_text() == key \
-            and (registry_root / "registry.sqlite").is_file():
-        with Registry(registry_root) as registry:
-            v0 = registry.get(0)
-            registry.set_alias("production", 0)  # every run starts the flywheel from version 0
-            if any("candidate" in c.aliases for c in registry.list()):
-                registry.remove_alias("candidate")
+    v0 = _cached_bootstrap(registry_root, marker, key) if config.reuse_bootstrap else None
+    if v0 is not None:
         for stale in ("train", "live", "cycles"):
             shutil.rmtree(run / stale, ignore_errors=True)
         print(f"reusing bootstrap v0 from {registry_root} (same bootstrap config); delete {marker} to redo it")
     else:
         for stale in ("registry", "train", "live", "cycles"):  # everything downstream of version 0
             shutil.rmtree(run / stale, ignore_errors=True)
+        marker.unlink(missing_ok=True)
         boot = config.bootstrap.model_copy(update={"run_dir": run / "bootstrap", "registry_root": registry_root})
         with SandboxPool(boot.pool) as pool:
             demos = bootstrap_demonstrations(boot, pool)
         v0 = bootstrap(boot, demos)
-        marker.write_text(key)
+        refusal = cache_refusal(v0.metrics)
+        if refusal:
+            print(f"WARNING: {refusal}; the next run bootstraps again instead of reusing it", flush=True)
+        else:
+            marker.write_text(key)
     timings["bootstrap_s"] = time.perf_counter() - t0
     start_pass = v0.metrics.get("eval_pass_rate", float("nan"))
 
