@@ -3,6 +3,7 @@
     python bench/async_rl.py                          # all parts (~45 min on 2 cores)
     python bench/async_rl.py --parts modeled          # the modeled engine only (~2 min)
     python bench/async_rl.py --parts modeled,real --steps 4
+    python bench/async_rl.py --parts modeled --costs bench/costs/h200.json --costs-shape large
 
 Prints one JSON object on stdout; progress goes to stderr. Both modes run the same Orchestrator,
 seed, tasks and configuration; sync is `mode="sync"` (max_staleness 0: every batch waits for its
@@ -15,7 +16,9 @@ slowest episode, and the engine idles while the learner trains).
    those measured on this machine with the real engine at batch 32; tools run for real in real
    sandboxes. `ModeledLearner` sleeps for the measured learner time per token, divided by
    `--learner-speedup` (a cluster trains on more accelerators than one CPU). The ratios of a
-   cluster, the costs of this machine: `speedup_async_vs_sync_modeled`.
+   cluster, the costs of this machine: `speedup_async_vs_sync_modeled`. With `--costs FILE` (from
+   `bench/engine_costs.py`, e.g. measured on a GPU) the decode step at batch 32, the prefill and
+   the learner costs come from that file's `--costs-shape` instead, and the learner is not sped up.
 2. real: the bootstrapped checkpoint (`--checkpoint`, from `--registry`) in the real LocalEngine and
    Learner on this machine: `speedup_async_vs_sync`, total sync time over total async time across
    `--repeats` runs of each mode in alternating order (this machine's speed drifts). Two CPU
@@ -175,6 +178,19 @@ def learner_cost(model, config: LearnerConfig) -> float:
     return (time.perf_counter() - t0) / sum(len(t.tokens) for t in trajs)
 
 
+def costs_from_file(path: Path, shape: str) -> tuple[dict[str, float], float]:
+    """measure_costs's and learner_cost's figures, as bench/engine_costs.py wrote them for `shape`."""
+    measured = json.loads(path.read_text())
+    if shape not in measured["shapes"]:
+        raise SystemExit(f"{path} has no shape {shape!r}; it has {', '.join(measured['shapes'])}")
+    costs = measured["shapes"][shape]
+    if "32" not in costs["decode_step_s"]:
+        raise SystemExit(f"{path}: shape {shape!r} was not measured at batch 32 (the modeled engine's batch)")
+    log(f"costs from {path} ({shape}, measured on {measured['device']})")
+    return ({"decode_step_s_b32": costs["decode_step_s"]["32"], "prefill_s_per_token": costs["prefill_s_per_token"]},
+            costs["learner_s_per_token"])
+
+
 def run_mode(mode: str, orch_config: OrchestratorConfig, tasks, engine, learner, tokenizer, pool, steps: int,
              budget_s: float | None) -> dict:
     config = orch_config.model_copy(update={"mode": mode})
@@ -256,8 +272,11 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--max-staleness", type=int, default=1, help="as configs/train.toml")
-    parser.add_argument("--learner-speedup", type=float, default=8.0,
-                        help="modeled learner: measured seconds per token divided by this (a cluster trainer)")
+    parser.add_argument("--learner-speedup", type=float,
+                        help="modeled learner: measured seconds per token divided by this (a cluster trainer); "
+                             "default 8 for costs measured here, 1 for costs from --costs")
+    parser.add_argument("--costs", type=Path, help="modeled: per-token costs from bench/engine_costs.py --out")
+    parser.add_argument("--costs-shape", default="default", help="modeled: which model shape of --costs")
     parser.add_argument("--budget-s", type=float, default=600.0)
     parser.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks per family (0: no eval)")
     parser.add_argument("--lr", type=float, default=2e-4)
@@ -290,9 +309,15 @@ def main() -> None:
     load_embedder()
     with SandboxPool(PoolConfig(max_active=64)) as pool:
         if "modeled" in parts:
-            costs = measure_costs(model, tokenizer)
-            per_token = learner_cost(model.train(), LearnerConfig())
-            model.eval()
+            if args.costs:
+                costs, per_token = costs_from_file(args.costs, args.costs_shape)
+                result["costs_from"] = f"{args.costs} ({args.costs_shape})"
+            else:
+                costs = measure_costs(model, tokenizer)
+                per_token = learner_cost(model.train(), LearnerConfig())
+                model.eval()
+            if args.learner_speedup is None:
+                args.learner_speedup = 1.0 if args.costs else 8.0
             result["measured_costs"] = {**costs, "learner_s_per_token": per_token}
             result["learner_speedup"] = args.learner_speedup
             m = modeled(args, tokenizer, costs, per_token, tasks, pool)

@@ -230,7 +230,7 @@ class _BatchCache:
     def allocate(like: list[tuple[torch.Tensor, torch.Tensor]], batch: int, capacity: int) -> tuple[list, torch.Tensor]:
         layers = [(k.new_zeros((batch, k.shape[1], capacity, k.shape[3])), v.new_zeros((batch, v.shape[1], capacity, v.shape[3])))
                   for k, v in like]
-        return layers, torch.zeros((batch, capacity), dtype=torch.long)
+        return layers, torch.zeros((batch, capacity), dtype=torch.long, device=like[0][0].device)
 
     @classmethod
     def from_parts(cls, parts: list[_BatchCache]) -> _BatchCache:
@@ -250,7 +250,7 @@ class _BatchCache:
 
     def select(self, keep: list[int]) -> _BatchCache:
         """Only rows `keep`, dropping time columns that are padding in every one of them."""
-        index = torch.tensor(keep)
+        index = torch.tensor(keep, device=self.mask.device)
         mask = self.mask[:, : self.width].index_select(0, index)
         first = int((mask.sum(0) > 0).nonzero()[0])
         width = self.width - first
@@ -263,7 +263,7 @@ class _BatchCache:
 
     def place(self, part: _BatchCache, rows: list[int]) -> None:
         """Write `part` (no wider than this cache) into `rows` in place, right-aligned: only its data moves."""
-        index, shift = torch.tensor(rows), self.width - part.width
+        index, shift = torch.tensor(rows, device=self.mask.device), self.width - part.width
         for (k, v), (pk, pv) in zip(self.layers, part.layers, strict=True):
             k[index, :, shift : self.width] = pk[:, :, : part.width]
             v[index, :, shift : self.width] = pv[:, :, : part.width]
@@ -319,7 +319,9 @@ class LocalEngine:
         text = model.config.get_text_config(decoder=True)
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        empty = torch.empty(0, kv_heads, 0, head_dim, dtype=model.dtype)
+        # The model's device is the engine's: move the model to a GPU before building the engine.
+        self._device = next(model.parameters()).device
+        empty = torch.empty(0, kv_heads, 0, head_dim, dtype=model.dtype, device=self._device)
         self._layer_shapes = [(empty, empty)] * text.num_hidden_layers  # templates for `_BatchCache.allocate`
         self.steps = 0
         self.swaps = 0
@@ -496,6 +498,7 @@ class LocalEngine:
         for i, r in enumerate(rows):
             ids[i, width - len(r) :] = torch.tensor(r)
             mask[i, width - len(r) :] = 1
+        ids, mask = ids.to(self._device), mask.to(self._device)
         # [batch, width]: each row's positions continue from its past; padding gets a position but is masked
         positions = cache.positions.unsqueeze(1) + (mask.cumsum(-1) - 1).clamp(min=0)
         return self._forward(ids, cache, positions, mask), cache
@@ -544,7 +547,7 @@ class LocalEngine:
 
     def _decode(self) -> None:
         assert self._cache is not None
-        last = torch.tensor([[s.tokens[-1]] for s in self._active])  # [batch, 1]
+        last = torch.tensor([[s.tokens[-1]] for s in self._active], device=self._device)  # [batch, 1]
         logits = self._forward(last, self._cache, self._cache.positions.unsqueeze(1))
         self.steps += 1
         self._sample(self._active, logits)
@@ -620,7 +623,7 @@ def sample_tokens(logits: torch.Tensor, temperatures: Sequence[float], top_ps: S
     cost on CPU: multinomial was a third of a decode step of the embedded default at batch 32, and
     drawing one random number per vocabulary entry (an exponential race) costs as much again.
     """
-    temps = torch.tensor([t or 1.0 for t in temperatures], dtype=logits.dtype).unsqueeze(1)  # [batch, 1]
+    temps = torch.tensor([t or 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device).unsqueeze(1)  # [batch, 1]
     logp = torch.log_softmax(logits / temps, dim=-1)  # [batch, vocab]
     greedy = [t == 0 for t in temperatures]
     if all(greedy):
@@ -629,13 +632,13 @@ def sample_tokens(logits: torch.Tensor, temperatures: Sequence[float], top_ps: S
         probs = logp.exp()
         if any(p < 1.0 for p in top_ps):
             sorted_probs, order = probs.sort(dim=-1, descending=True)
-            top_p = torch.tensor(top_ps, dtype=probs.dtype).unsqueeze(1)
+            top_p = torch.tensor(top_ps, dtype=probs.dtype, device=probs.device).unsqueeze(1)
             sorted_probs[sorted_probs.cumsum(-1) - sorted_probs > top_p] = 0  # the most likely token always stays
             choice = order.gather(1, _inverse_cdf(sorted_probs, generator).unsqueeze(1)).squeeze(1)
         else:
             choice = _inverse_cdf(probs, generator)
         if any(greedy):
-            choice = torch.where(torch.tensor(greedy), logits.argmax(-1), choice)
+            choice = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), choice)
     return choice, logp.gather(1, choice.unsqueeze(1)).squeeze(1)
 
 
@@ -643,9 +646,10 @@ def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator) -> torch.Ten
     """One index per row of `weights` [batch, n] (non-negative, not necessarily normalized), drawn
     with probability proportional to its weight: the first index whose cumulative weight exceeds a
     uniform draw on [0, total). A zero-weight index is never chosen (its cumulative weight equals
-    the previous one, which the draw did not exceed)."""
+    the previous one, which the draw did not exceed). The draws come from `generator` on the CPU
+    whatever the device, so one seed samples the same tokens on any of them."""
     cdf = weights.cumsum(-1)  # [batch, n]
-    draw = torch.rand((weights.shape[0], 1), generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    draw = torch.rand((weights.shape[0], 1), generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, draw, right=True).squeeze(1).clamp(max=weights.shape[1] - 1)
 
 

@@ -449,3 +449,27 @@ def test_process_engine_checks_requests_and_fails_loudly_when_its_process_dies(m
             engine.submit(prompts[0], SamplingParams())
         with pytest.raises(EngineError, match="engine process exited"):
             engine.update_weights({}, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_engine_on_a_gpu_answers_as_the_cpu_model_does(model, other_weights, prompts):
+    """The engine runs where its model is: logprobs of sampled tokens, greedy tokens, a session's
+    second turn and a weight swap (CPU weights into the GPU model) all agree with the CPU model."""
+    new_model = copy.deepcopy(model)
+    new_model.load_state_dict(other_weights)
+    with LocalEngine(copy.deepcopy(model).to("cuda"), EngineConfig(max_batch=4, max_prefill_per_step=2)) as engine:
+        sampled = wait_all([engine.submit(p, SamplingParams(temperature=1.0, max_tokens=10, session=f"s{i}"))
+                            for i, p in enumerate(prompts)], TIMEOUT_S)
+        second = [p + g.token_ids + prompts[1] for p, g in zip(prompts, sampled, strict=True)]
+        turn2 = wait_all([engine.submit(p, SamplingParams(temperature=0, max_tokens=8, session=f"s{i}"))
+                          for i, p in enumerate(second)], TIMEOUT_S)
+        assert engine.reused_tokens > 0
+        engine.update_weights(other_weights, version=1)
+        swapped = wait_all([engine.submit(p, SamplingParams(temperature=0, max_tokens=8)) for p in prompts], TIMEOUT_S)
+    for prompt, gen in zip(prompts, sampled, strict=True):
+        torch.testing.assert_close(torch.tensor(gen.logprobs), full_logprobs(model, prompt, gen.token_ids),
+                                   atol=1e-3, rtol=0)
+    for prompt, gen in zip(second, turn2, strict=True):
+        assert gen.token_ids == greedy_reference(model, prompt, 8).token_ids
+    for prompt, gen in zip(prompts, swapped, strict=True):
+        assert gen.token_ids == greedy_reference(new_model, prompt, 8).token_ids and set(gen.versions) == {1}

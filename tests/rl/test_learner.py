@@ -304,3 +304,19 @@ def test_the_learner_trains_with_its_own_thread_count_and_restores_the_callers(t
     seen.clear()
     Learner(model, LearnerConfig()).train_step(batch, [1.0, -1.0])
     assert set(seen) == {before}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_step_on_a_gpu_moves_the_weights_as_on_the_cpu(tokenizer):
+    cpu = build_model(TINY, tokenizer)
+    gpu = copy.deepcopy(cpu).to("cuda")
+    batch = [trajectory(cpu, 20, seed=1), trajectory(cpu, 24, seed=2), trajectory(cpu, 17, seed=3)]
+    config = LearnerConfig(lr=1e-2)
+    on_cpu = Learner(cpu, config).train_step(batch, [1.0, -1.0, 0.5])
+    learner = Learner(gpu, config)
+    on_gpu = learner.train_step(batch, [1.0, -1.0, 0.5])
+    assert on_gpu["loss"] == pytest.approx(on_cpu["loss"], abs=1e-4)
+    assert on_gpu["grad_norm"] == pytest.approx(on_cpu["grad_norm"], rel=1e-3)
+    assert all(w.device.type == "cuda" for w in learner.weights().values())
+    for name, p in cpu.named_parameters():
+        torch.testing.assert_close(gpu.get_parameter(name).detach().cpu(), p.detach(), atol=1e-5, rtol=1e-4)
