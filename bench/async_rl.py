@@ -1,24 +1,26 @@
 """Async against sync GRPO: time to K learner steps, and held-out pass rate after the same budget.
 
     python bench/async_rl.py                          # all parts (~45 min on 2 cores)
-    python bench/async_rl.py --parts modeled          # the modeled engine only (~2 min)
+    python bench/async_rl.py --parts modeled          # the modeled engine only (~5 min)
     python bench/async_rl.py --parts modeled,real --steps 4
-    python bench/async_rl.py --parts modeled --costs bench/costs/h200.json --costs-shape large
+    python bench/async_rl.py --parts modeled --costs-shape large --modeled-staleness 4
 
 Prints one JSON object on stdout; progress goes to stderr. Both modes run the same Orchestrator,
 seed, tasks and configuration; sync is `mode="sync"` (max_staleness 0: every batch waits for its
 slowest episode, and the engine idles while the learner trains).
 
-1. modeled: `ReplayEngine` is a continuous-batching server in which every decode step costs the
-   same however many sequences are in it (as on an accelerator with free batch slots), a prefill
+1. modeled: `ReplayEngine` is a continuous-batching server in which a decode step advances every
+   sequence in it and costs the step time measured at that batch size (`StepCost`: on an H200 the
+   embedded default's step took 4.2 ms at batch 1, 4.9 ms at 32 and 7.2 ms at 128), a prefill
    costs per prompt token, and each turn's length is drawn from a long-tailed distribution
-   (lognormal, like real agent turns: most are short, a few are very long). The per-token costs are
-   those measured on this machine with the real engine at batch 32; tools run for real in real
-   sandboxes. `ModeledLearner` sleeps for the measured learner time per token, divided by
-   `--learner-speedup` (a cluster trains on more accelerators than one CPU). The ratios of a
-   cluster, the costs of this machine: `speedup_async_vs_sync_modeled`. With `--costs FILE` (from
-   `bench/engine_costs.py`, e.g. measured on a GPU) the decode step at batch 32, the prefill and
-   the learner costs come from that file's `--costs-shape` instead, and the learner is not sped up.
+   (lognormal, like real agent turns: most are short, a few are very long). Tools run for real in
+   real sandboxes. `ModeledLearner` sleeps for the measured learner time per token, divided by
+   `--learner-speedup`. Costs come from `--costs FILE`, written by `bench/engine_costs.py`: by
+   default `bench/costs/h200.json`, measured on an H200 (the learner is not sped up). `--costs here`
+   measures them on this machine with the real engine at batch 32 instead (one CPU core decoding;
+   the learner is sped up 8x, as a cluster trains on more accelerators than one CPU). Sync runs
+   once, async once per `--modeled-staleness` bound: `speedup_modeled_by_staleness`, and
+   `speedup_async_vs_sync_modeled` at the largest bound (cluster frameworks run 2 to 8).
 2. real: the bootstrapped checkpoint (`--checkpoint`, from `--registry`) in the real LocalEngine and
    Learner on this machine: `speedup_async_vs_sync`, total sync time over total async time across
    `--repeats` runs of each mode in alternating order (this machine's speed drifts). Two CPU
@@ -44,11 +46,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
+from engine_costs import decode_costs, learner_cost  # bench/engine_costs.py, beside this script
 
 from flywheel.agent.evaluate import evaluate
 from flywheel.env.families import task_set
@@ -61,21 +64,43 @@ from flywheel.rl.learner import Learner, LearnerConfig
 from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig
 
 FAMILIES = ["bugfix", "implement", "crossfile", "ambiguous"]
+COSTS = Path(__file__).resolve().parent / "costs" / "h200.json"  # bench/gpu_check.sh measured them
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class StepCost:
+    """Seconds per decode step at any batch size, linear between the measured ones (constant below
+    the smallest, extrapolated from the last two above the largest)."""
+
+    def __init__(self, measured: Mapping[int | str, float]):
+        self.points = sorted((int(batch), seconds) for batch, seconds in measured.items())
+        if not self.points:
+            raise ValueError("no measured decode step")
+
+    def __call__(self, batch: int) -> float:
+        points = self.points
+        if len(points) == 1 or batch <= points[0][0]:
+            return points[0][1]
+        # the segment that holds `batch`, or the last one (extrapolated beyond it)
+        i = next((i for i in range(1, len(points)) if batch <= points[i][0]), len(points) - 1)
+        (b0, s0), (b1, s1) = points[i - 1], points[i]
+        return max(min(s for _, s in points), s0 + (s1 - s0) * (batch - b0) / (b1 - b0))
+
+
 class ReplayEngine:
-    """The Engine interface over a modeled accelerator: fixed cost per decode step, per prefill token.
+    """The Engine interface over a modeled accelerator: each decode step advances every active
+    sequence by one token and costs the measured step time at the batch's size (`StepCost`); a
+    prefill costs per prompt token.
 
     Turns are `list_dir` calls padded with text to a lognormal length, and an episode ends (finish)
     with probability `finish_p` per turn, so both turn lengths and turn counts are long-tailed."""
 
-    def __init__(self, tokenizer, step_s: float, prefill_s_per_token: float, seed: int, median_tokens: int = 60,
+    def __init__(self, tokenizer, step_cost: StepCost, prefill_s_per_token: float, seed: int, median_tokens: int = 60,
                  sigma: float = 1.0, finish_p: float = 0.3, max_tokens: int = 1024):
-        self.tokenizer, self.step_s, self.prefill_s = tokenizer, step_s, prefill_s_per_token
+        self.tokenizer, self.step_cost, self.prefill_s = tokenizer, step_cost, prefill_s_per_token
         self.rng, self.median, self.sigma, self.finish_p, self.cap = random.Random(seed), median_tokens, sigma, finish_p, max_tokens
         self._version, self._cond = 0, threading.Condition()
         self._active: list[list] = []  # [remaining steps, future, ids]
@@ -98,7 +123,7 @@ class ReplayEngine:
             length = min(self.cap, params.max_tokens, max(len(self._call), int(self.rng.lognormvariate(math.log(self.median), self.sigma))))
             body = self._finish if self.rng.random() < self.finish_p else self._call
             ids = (self._pad * length)[: max(0, length - len(body))] + body
-            prefill_steps = math.ceil(len(prompt_ids) * self.prefill_s / self.step_s)
+            prefill_steps = math.ceil(len(prompt_ids) * self.prefill_s / self.step_cost(len(self._active) + 1))
             self._active.append([prefill_steps + len(ids), future, ids])
             self._cond.notify()
         return future
@@ -110,7 +135,8 @@ class ReplayEngine:
                     self._cond.wait()
                 if self._stop:
                     return
-            time.sleep(self.step_s)  # one decode step for every active sequence at once
+                batch = len(self._active)
+            time.sleep(self.step_cost(batch))  # one decode step for every active sequence at once
             with self._cond:
                 version = self._version
                 for item in self._active:
@@ -152,42 +178,15 @@ class ModeledLearner:
         self.version = state["version"]
 
 
-def measure_costs(model, tokenizer) -> dict[str, float]:
-    """Per-token decode and prefill seconds of the real engine at batch 32; learner seconds per token."""
-    prompts = [[tokenizer.pad_token_id + 1] * 700 for _ in range(32)]
-    with LocalEngine(model, EngineConfig(max_batch=32)) as engine:
-        t0 = time.perf_counter()
-        engine.generate([p[:700] for p in prompts], SamplingParams(temperature=1.0, max_tokens=1))
-        prefill = (time.perf_counter() - t0) / (32 * 700)
-        t0 = time.perf_counter()
-        engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=64))
-        step = (time.perf_counter() - t0 - prefill * 32 * 700) / 64
-    return {"decode_step_s_b32": step, "prefill_s_per_token": prefill}
-
-
-def learner_cost(model, config: LearnerConfig) -> float:
-    from flywheel.agent.trajectory import Status, Trajectory  # noqa: PLC0415
-
-    trajs = [Trajectory(task_id="t", family="f", tokens=[5] * 1200, loss_mask=[0] * 900 + [1] * 300,
-                        logprobs=[0.0] * 900 + [-1.0] * 300, versions=[-1] * 900 + [0] * 300, prompt_len=900,
-                        status=Status.FINISHED, reward=0.0, reward_parts={}, turns=1, tool_calls=0,
-                        invalid_tool_calls=0, asked_question=False, group_id="g") for _ in range(8)]
-    learner = Learner(model, config)
-    t0 = time.perf_counter()
-    learner.train_step(trajs, [0.1 * (i % 2) for i in range(8)])
-    return (time.perf_counter() - t0) / sum(len(t.tokens) for t in trajs)
-
-
-def costs_from_file(path: Path, shape: str) -> tuple[dict[str, float], float]:
-    """measure_costs's and learner_cost's figures, as bench/engine_costs.py wrote them for `shape`."""
+def costs_from_file(path: Path, shape: str) -> tuple[dict, float]:
+    """The decode and prefill costs and the learner's seconds per token that bench/engine_costs.py
+    wrote for `shape`."""
     measured = json.loads(path.read_text())
     if shape not in measured["shapes"]:
         raise SystemExit(f"{path} has no shape {shape!r}; it has {', '.join(measured['shapes'])}")
     costs = measured["shapes"][shape]
-    if "32" not in costs["decode_step_s"]:
-        raise SystemExit(f"{path}: shape {shape!r} was not measured at batch 32 (the modeled engine's batch)")
     log(f"costs from {path} ({shape}, measured on {measured['device']})")
-    return ({"decode_step_s_b32": costs["decode_step_s"]["32"], "prefill_s_per_token": costs["prefill_s_per_token"]},
+    return ({"decode_step_s": costs["decode_step_s"], "prefill_s_per_token": costs["prefill_s_per_token"]},
             costs["learner_s_per_token"])
 
 
@@ -210,24 +209,32 @@ def run_mode(mode: str, orch_config: OrchestratorConfig, tasks, engine, learner,
             "staleness_max": max((m["staleness_max"] for m in history), default=0)}
 
 
-def every_admitted_episode(args) -> int:
+def every_admitted_episode(args, max_staleness: int | None = None) -> int:
     """Concurrency for every episode the admission limit lets start (G x B x (1 + max_staleness))."""
-    return args.group_size * args.groups * (1 + args.max_staleness)
+    return args.group_size * args.groups * (1 + (args.max_staleness if max_staleness is None else max_staleness))
 
 
 def modeled(args, tokenizer, costs: dict, learner_s_per_token: float, tasks, pool) -> dict:
-    step_s = costs["decode_step_s_b32"]
-    config = OrchestratorConfig(group_size=args.group_size, groups_per_step=args.groups, max_staleness=args.max_staleness,
-                                concurrency=every_admitted_episode(args),
-                                filter_zero_signal=False,
-                                episode={"max_turns": 8, "max_tokens_per_turn": 1024, "max_tokens": 16384})
-    out = {}
-    for mode in ("sync", "async"):
-        engine = ReplayEngine(tokenizer, step_s, costs["prefill_s_per_token"], seed=args.seed)
+    """Sync once, then async at each of `--modeled-staleness` (sync never lets a token lag, so its
+    time does not depend on the bound)."""
+    step_cost = StepCost(costs["decode_step_s"])
+    out: dict = {"async_by_staleness": {}}
+    for mode, staleness in [("sync", 0)] + [("async", k) for k in args.modeled_staleness]:
+        config = OrchestratorConfig(group_size=args.group_size, groups_per_step=args.groups, max_staleness=staleness,
+                                    concurrency=every_admitted_episode(args, staleness),
+                                    filter_zero_signal=False,
+                                    episode={"max_turns": 8, "max_tokens_per_turn": 1024, "max_tokens": 16384})
+        engine = ReplayEngine(tokenizer, step_cost, costs["prefill_s_per_token"], seed=args.seed)
         learner = ModeledLearner(learner_s_per_token / args.learner_speedup)
-        log(f"modeled {mode}: decode step {step_s * 1e3:.1f} ms, learner {learner.s_per_token * 1e6:.1f} µs/token")
-        out[mode] = run_mode(mode, config, tasks, engine, learner, tokenizer, pool, args.steps, None)
+        slots = every_admitted_episode(args, staleness)
+        log(f"modeled {mode} (max_staleness {staleness}): decode step {step_cost(32) * 1e3:.1f} ms at batch 32, "
+            f"{step_cost(slots) * 1e3:.1f} ms at {slots}; learner {learner.s_per_token * 1e6:.1f} µs/token")
+        run = run_mode(mode, config, tasks, engine, learner, tokenizer, pool, args.steps, None)
         engine.close()
+        if mode == "sync":
+            out["sync"] = run
+        else:
+            out["async_by_staleness"][str(staleness)] = run
     return out
 
 
@@ -275,7 +282,12 @@ def main() -> None:
     parser.add_argument("--learner-speedup", type=float,
                         help="modeled learner: measured seconds per token divided by this (a cluster trainer); "
                              "default 8 for costs measured here, 1 for costs from --costs")
-    parser.add_argument("--costs", type=Path, help="modeled: per-token costs from bench/engine_costs.py --out")
+    parser.add_argument("--modeled-staleness", type=lambda v: [int(k) for k in v.split(",")], default=[1, 2, 4],
+                        help="modeled: the max_staleness bounds async runs with (comma-separated); the headline "
+                             "speedup is at the largest")
+    parser.add_argument("--costs", type=Path, default=COSTS,
+                        help="modeled: per-token costs from bench/engine_costs.py --out (default: those measured on "
+                             "an H200); 'here' measures them on this machine")
     parser.add_argument("--costs-shape", default="default", help="modeled: which model shape of --costs")
     parser.add_argument("--budget-s", type=float, default=600.0)
     parser.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks per family (0: no eval)")
@@ -309,21 +321,25 @@ def main() -> None:
     load_embedder()
     with SandboxPool(PoolConfig(max_active=64)) as pool:
         if "modeled" in parts:
-            if args.costs:
+            if str(args.costs) != "here":
                 costs, per_token = costs_from_file(args.costs, args.costs_shape)
                 result["costs_from"] = f"{args.costs} ({args.costs_shape})"
             else:
-                costs = measure_costs(model, tokenizer)
-                per_token = learner_cost(model.train(), LearnerConfig())
-                model.eval()
+                costs = decode_costs(model, len(tokenizer), [32], 700, torch.device("cpu"))
+                per_token = learner_cost(model, repeats=1, device=torch.device("cpu"))
             if args.learner_speedup is None:
-                args.learner_speedup = 1.0 if args.costs else 8.0
+                args.learner_speedup = 8.0 if str(args.costs) == "here" else 1.0
             result["measured_costs"] = {**costs, "learner_s_per_token": per_token}
             result["learner_speedup"] = args.learner_speedup
             m = modeled(args, tokenizer, costs, per_token, tasks, pool)
             result["modeled"] = m
-            result["speedup_async_vs_sync_modeled"] = m["sync"]["seconds"] / m["async"]["seconds"]
-            log(f"modeled speedup {result['speedup_async_vs_sync_modeled']:.2f}")
+            by_staleness = {k: m["sync"]["seconds"] / r["seconds"] for k, r in m["async_by_staleness"].items()}
+            result["speedup_modeled_by_staleness"] = by_staleness
+            # The headline figure at the largest bound tried (cluster frameworks run 2 to 8: AReaL's
+            # 2.77x is async with such a bound against sync on the same GPUs).
+            result["modeled_max_staleness"] = max(args.modeled_staleness)
+            result["speedup_async_vs_sync_modeled"] = by_staleness[str(max(args.modeled_staleness))]
+            log("modeled speedup by max_staleness: " + ", ".join(f"{k}: {v:.2f}" for k, v in by_staleness.items()))
         if "real" in parts:
             # This machine's speed drifts by tens of percent over minutes (shared cores), so the modes
             # alternate (sync, async, async, sync, ...): a drift that is linear in time cancels out.
