@@ -378,6 +378,10 @@ class Sandbox:
             "--setenv", "TMPDIR", "/tmp",
             "--setenv", "LANG", "C.UTF-8",
             "--setenv", "PYTHONUNBUFFERED", "1",  # interleave prints and tracebacks as a terminal would
+            # No .pyc files: CPython trusts a cached one whose source has the same mtime (1 s) and
+            # size, so a same-length fix (0 -> 1) made within a second of a test run would be
+            # tested as the old code.
+            "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
             "/bin/sh", "-c", _prologue(cfg), "sh", command,
         ]  # fmt: skip
         if setpriv is not None:

@@ -50,9 +50,19 @@ def test_runs_as_nobody_in_workspace_with_clean_env(box: Sandbox):
         "PATH",
         "PWD",
         "PYTHONUNBUFFERED",
+        "PYTHONDONTWRITEBYTECODE",
         "TMPDIR",
         "SHLVL",
     }
+
+
+def test_an_edit_right_after_a_run_is_what_the_next_run_imports(box: Sandbox):
+    """The same length, the same second: a cached .pyc would still hold the old code."""
+    box.write_text("limits.py", "LIMIT = 0\n")
+    assert box.run("python3 -c 'import limits; print(limits.LIMIT)'").output == "0\n"
+    box.write_text("limits.py", "LIMIT = 1\n")
+    assert box.run("python3 -c 'import limits; print(limits.LIMIT)'").output == "1\n"
+    assert "__pycache__" not in box.run("ls -a").output
 
 
 def test_stdout_and_stderr_interleave_in_order(box: Sandbox):
