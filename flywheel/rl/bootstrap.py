@@ -45,6 +45,9 @@ class BootstrapConfig(BaseModel):
     # Measured at 0.1 (560 s of SFT): held-out greedy 0.60, T=1 pass@8 0.68, yet the greedy policy
     # still never recovered from a missing file (13 such episodes, none passed); off by default.
     demo_wrong_path_rate: float = 0.0
+    # Of the demonstrations that left part of their fix out, the share that repair it after the
+    # failing test run instead of finishing anyway (ScriptedExpert.repair_rate).
+    demo_repair_rate: float = 0.0
     eval_tasks_per_family: int = 24
     eval_difficulty: int = 1
     vocab_size: int = 4096

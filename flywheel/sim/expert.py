@@ -50,9 +50,15 @@ def _named_path(instruction: str) -> str | None:
 
 
 class ScriptedExpert:
-    def __init__(self, seed: int = 0, mistake_rate: float = 0.0, wrong_path_rate: float = 0.0):
+    def __init__(self, seed: int = 0, mistake_rate: float = 0.0, wrong_path_rate: float = 0.0,
+                 repair_rate: float = 0.0):
         self.rng = random.Random(seed)
         self.mistake_rate = mistake_rate
+        # How often an episode that left part of its fix out, once its test run fails, reads the
+        # files again, makes the rest of the fix and runs the tests again instead of finishing
+        # anyway: the other way to meet a red test run, so the start policy holds both and RL can
+        # choose between them.
+        self.repair_rate = repair_rate
         # How often a file the instruction names is first read under a wrong package (the slip a
         # small model makes most), then from the path the tool's error suggests: a demonstration
         # of recovering from a failed call, which agents otherwise never see.
@@ -92,12 +98,26 @@ class ScriptedExpert:
             yield Action("Reading the code I need to change.", (call("read_file", path=wrong),))
         if to_read:
             yield Action("Reading the code I need to change.", tuple(call("read_file", path=p) for p in to_read))
+        left: list = []
         if slip and edits:
-            edits = edits[: self.rng.randrange(len(edits))]  # leaves part of the fix out
+            cut = self.rng.randrange(len(edits))
+            edits, left = edits[:cut], edits[cut:]  # leaves part of the fix out
         if edits:
             yield Action("Making the change.", tuple(call("edit_file", path=e.path, old=e.old, new=e.new) for e in edits))
-        yield Action("Running the tests.", (call("run_command", command=task.test_command),))
+        results = yield Action("Running the tests.", (call("run_command", command=task.test_command),))
+        if left and _tests_failed(results) and self.rng.random() < self.repair_rate:
+            rereads = sorted({e.path for e in left if e.old})
+            if rereads:
+                yield Action("The tests still fail. Reading the code again.",
+                             tuple(call("read_file", path=p) for p in rereads))
+            yield Action("Fixing the rest.", tuple(call("edit_file", path=e.path, old=e.old, new=e.new) for e in left))
+            yield Action("Running the tests.", (call("run_command", command=task.test_command),))
         yield Action("Done.", (call("finish", summary="Made the change and ran the tests."),))
+
+
+def _tests_failed(results: Observation | None) -> bool:
+    """Whether a test run's result shows a failure (its status line is not exit code 0)."""
+    return isinstance(results, list) and bool(results) and not results[-1].content.endswith("[exit code 0]")
 
 
 @dataclass
@@ -154,12 +174,13 @@ def demonstration_messages(task: Task, episode: ExpertEpisode) -> list[dict[str,
 
 
 def demonstrations(tasks: list[Task], pool: SandboxPool, mistake_rate: float = 0.0, seed: int = 0,
-                   workers: int = 8, wrong_path_rate: float = 0.0) -> list[list[dict[str, Any]]]:
+                   workers: int = 8, wrong_path_rate: float = 0.0, repair_rate: float = 0.0) -> list[list[dict[str, Any]]]:
     """Expert episodes on `tasks` as chat messages, run concurrently (commands are subprocesses)."""
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
     def one(i: int) -> list[dict[str, Any]]:
-        expert = ScriptedExpert(seed=seed * 100_003 + i, mistake_rate=mistake_rate, wrong_path_rate=wrong_path_rate)
+        expert = ScriptedExpert(seed=seed * 100_003 + i, mistake_rate=mistake_rate, wrong_path_rate=wrong_path_rate,
+                                repair_rate=repair_rate)
         return demonstration_messages(tasks[i], run_policy(tasks[i], expert.play(tasks[i]), pool))
 
     with ThreadPoolExecutor(workers) as executor:
@@ -170,4 +191,4 @@ def bootstrap_demonstrations(config: BootstrapConfig, pool: SandboxPool) -> list
     """What `flywheel bootstrap` and the demo train version 0 on: the expert on the config's
     training tasks, as imperfect as its `demo_*` rates say."""
     return demonstrations(train_tasks(config), pool, mistake_rate=config.demo_mistake_rate, seed=config.seed,
-                          wrong_path_rate=config.demo_wrong_path_rate)
+                          wrong_path_rate=config.demo_wrong_path_rate, repair_rate=config.demo_repair_rate)

@@ -80,3 +80,21 @@ def test_expert_recovers_from_a_wrong_package_through_the_errors_hint(pool):
     assert grade(task, episode.final).all_passed
     plain = run_policy(task, ScriptedExpert(seed=0).play(task), pool)
     assert [c.arguments["path"] for a, _ in plain.turns for c in a.calls if c.name == "read_file"] == [right]
+
+
+def test_expert_repairs_after_a_failing_test_run_only(pool):
+    """repair_rate: an episode that left part of its fix out and sees its test run fail reads the
+    code again, makes the rest of the fix and runs the tests again; a green run is left alone."""
+    repaired = 0
+    for task in generate("crossfile", "train", 6, seed=11, difficulty=1):
+        episode = run_policy(task, ScriptedExpert(seed=0, mistake_rate=1.0, repair_rate=1.0).play(task), pool)
+        runs = [r for action, results in episode.turns if not isinstance(results, str)
+                for c, r in zip(action.calls, results, strict=True) if c.name == "run_command"]
+        assert episode.finished
+        if runs[0].content.endswith("[exit code 0]"):
+            assert len(runs) == 1
+            continue
+        repaired += 1
+        assert len(runs) == 2 and runs[1].content.endswith("[exit code 0]")
+        assert grade(task, episode.final).all_passed, f"{task.id}: the repair did not fix it"
+    assert repaired >= 3
