@@ -17,6 +17,8 @@ the data was collected:
 A group whose rewards are all equal carries no signal (every advantage is 0, so it adds nothing
 to the gradient but still costs a forward and backward pass); `group_has_signal` and
 `zero_signal_groups` let the orchestrator count them and, if it wants, drop or resample them.
+A group whose episodes all failed (or all passed) but whose rewards differ is `outcome_tied`: it
+is trained on (a broken tool call must cost something), and the orchestrator counts it.
 
 Departures from the papers:
 - GRPO (Shao et al. 2024) divides by the group's standard deviation; we use the sample standard
@@ -63,6 +65,15 @@ class AdvantageConfig(BaseModel):
 def group_has_signal(rewards: Sequence[float]) -> bool:
     """Whether the rewards of one group differ, so that its advantages are not all zero."""
     return len(rewards) > 1 and max(rewards) - min(rewards) > SIGNAL_TOLERANCE
+
+
+def outcome_tied(passed: Sequence[bool], rewards: Sequence[float]) -> bool:
+    """Whether a group's episodes all passed or all failed, yet its rewards differ: then its whole
+    signal comes from the reward's small parts (a penalty per invalid tool call, partial test
+    credit). With the std scaling of `grpo` such a group weighs as much as one whose episodes
+    differ in success, and when successes are rare these groups teach "do less": fewer calls,
+    fewer penalties (watch `outcome_tied_groups` in the metrics)."""
+    return len(set(passed)) == 1 and group_has_signal(rewards)
 
 
 def zero_signal_groups(rewards: Sequence[float], groups: Sequence[str]) -> int:

@@ -69,7 +69,7 @@ from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
 from flywheel.model.engine import Engine
-from flywheel.rl.advantages import AdvantageConfig, group_has_signal
+from flywheel.rl.advantages import AdvantageConfig, group_has_signal, outcome_tied
 from flywheel.rl.learner import Learner
 
 
@@ -339,7 +339,10 @@ class Orchestrator:
             if self.step % self.config.checkpoint_every == 0:
                 self._save_state()
         passed = [t.reward_parts.get("all_passed", 0.0) for t in trajectories]
+        tied = sum(outcome_tied([t.reward_parts.get("all_passed", 0.0) == 1.0 for t in g.trajectories()],
+                                [t.reward for t in g.trajectories()]) for g in batch)
         metrics.update({
+            "outcome_tied_groups": tied,
             "step": self.step, "version": self.learner.version, "reward_mean": sum(rewards) / len(rewards),
             "pass_rate": sum(passed) / len(passed), "train_s": train_s, "weight_update_s": update_s,
             "episodes_trained": len(trajectories), "time": time.time(), "staleness_max": staleness,

@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flywheel.rl.advantages import AdvantageConfig, compute_advantages, group_has_signal, zero_signal_groups
+from flywheel.rl.advantages import (
+    AdvantageConfig,
+    compute_advantages,
+    group_has_signal,
+    outcome_tied,
+    zero_signal_groups,
+)
 
 REWARDS = [1.0, 0.0, 0.0, 2.0, 2.0, 5.0]
 GROUPS = ["a", "a", "a", "b", "b", "c"]  # a: has signal; b: all equal; c: alone
@@ -93,3 +99,10 @@ def test_identities_between_the_methods(rewards, n_groups):
 def test_equal_rewards_have_no_signal(reward, size):
     assert compute_advantages([reward] * size, ["g"] * size, method="grpo") == [0.0] * size
     assert zero_signal_groups([reward] * size, ["g"] * size) == 1
+
+
+def test_a_group_that_differs_only_in_penalties_is_outcome_tied():
+    assert outcome_tied([False, False, False], [0.0, -0.1, 0.0])  # all failed; one broken call
+    assert outcome_tied([True, True], [1.0, 0.9])
+    assert not outcome_tied([False, True, False], [0.0, 1.0, -0.1])  # success differs: the real signal
+    assert not outcome_tied([False, False], [0.0, 0.0])  # no signal at all
