@@ -220,13 +220,13 @@ def modeled(args, tokenizer, costs: dict, learner_s_per_token: float, tasks, poo
     step_cost = StepCost(costs["decode_step_s"])
     out: dict = {"async_by_staleness": {}}
     for mode, staleness in [("sync", 0)] + [("async", k) for k in args.modeled_staleness]:
+        slots = every_admitted_episode(args, staleness)
         config = OrchestratorConfig(group_size=args.group_size, groups_per_step=args.groups, max_staleness=staleness,
-                                    concurrency=every_admitted_episode(args, staleness),
+                                    concurrency=slots,
                                     filter_zero_signal=False,
                                     episode={"max_turns": 8, "max_tokens_per_turn": 1024, "max_tokens": 16384})
         engine = ReplayEngine(tokenizer, step_cost, costs["prefill_s_per_token"], seed=args.seed)
         learner = ModeledLearner(learner_s_per_token / args.learner_speedup)
-        slots = every_admitted_episode(args, staleness)
         log(f"modeled {mode} (max_staleness {staleness}): decode step {step_cost(32) * 1e3:.1f} ms at batch 32, "
             f"{step_cost(slots) * 1e3:.1f} ms at {slots}; learner {learner.s_per_token * 1e6:.1f} µs/token")
         run = run_mode(mode, config, tasks, engine, learner, tokenizer, pool, args.steps, None)

@@ -65,6 +65,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from flywheel.agent.episode import EpisodeConfig, EpisodeState, run_episode
+from flywheel.agent.evaluate import passed
 from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
@@ -338,13 +339,13 @@ class Orchestrator:
             self._admit()
             if self.step % self.config.checkpoint_every == 0:
                 self._save_state()
-        passed = [t.reward_parts.get("all_passed", 0.0) for t in trajectories]
-        tied = sum(outcome_tied([t.reward_parts.get("all_passed", 0.0) == 1.0 for t in g.trajectories()],
-                                [t.reward for t in g.trajectories()]) for g in batch)
+        outcomes = [passed(t) for t in trajectories]
+        tied = sum(outcome_tied([passed(t) for t in g.trajectories()], [t.reward for t in g.trajectories()])
+                   for g in batch)
         metrics.update({
             "outcome_tied_groups": tied,
             "step": self.step, "version": self.learner.version, "reward_mean": sum(rewards) / len(rewards),
-            "pass_rate": sum(passed) / len(passed), "train_s": train_s, "weight_update_s": update_s,
+            "pass_rate": sum(outcomes) / len(outcomes), "train_s": train_s, "weight_update_s": update_s,
             "episodes_trained": len(trajectories), "time": time.time(), "staleness_max": staleness,
             **self._counts,
         })

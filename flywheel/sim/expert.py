@@ -84,6 +84,12 @@ class ScriptedExpert:
             n += 1
             return ToolCall(id=f"call_{n}", name=name, arguments=dict(arguments))
 
+        def edit(text: str, some: list) -> Action:
+            return Action(text, tuple(call("edit_file", path=e.path, old=e.old, new=e.new) for e in some))
+
+        def run_tests() -> Action:
+            return Action("Running the tests.", (call("run_command", command=task.test_command),))
+
         slip = self.rng.random() < self.mistake_rate
         if task.metadata.ambiguous and not (slip and self.rng.random() < 0.5):
             yield Action(CLARIFYING_QUESTION)
@@ -103,15 +109,15 @@ class ScriptedExpert:
             cut = self.rng.randrange(len(edits))
             edits, left = edits[:cut], edits[cut:]  # leaves part of the fix out
         if edits:
-            yield Action("Making the change.", tuple(call("edit_file", path=e.path, old=e.old, new=e.new) for e in edits))
-        results = yield Action("Running the tests.", (call("run_command", command=task.test_command),))
+            yield edit("Making the change.", edits)
+        results = yield run_tests()
         if left and _tests_failed(results) and self.rng.random() < self.repair_rate:
             rereads = sorted({e.path for e in left if e.old})
             if rereads:
                 yield Action("The tests still fail. Reading the code again.",
                              tuple(call("read_file", path=p) for p in rereads))
-            yield Action("Fixing the rest.", tuple(call("edit_file", path=e.path, old=e.old, new=e.new) for e in left))
-            yield Action("Running the tests.", (call("run_command", command=task.test_command),))
+            yield edit("Fixing the rest.", left)
+            yield run_tests()
         yield Action("Done.", (call("finish", summary="Made the change and ran the tests."),))
 
 
