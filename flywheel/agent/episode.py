@@ -104,6 +104,7 @@ class EpisodeState(BaseModel):
     invalid_tool_calls: int
     invalid_streak: int
     asked_question: bool
+    broken_turns: list[tuple[int, int, int]] = Field(default_factory=list)
     workspace: dict[str, str]  # path -> base64 of the file's bytes (exact for any content)
     timings: dict[str, float] = Field(default_factory=dict)
 
@@ -119,6 +120,7 @@ class _Recorder:
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.broken_turns: list[tuple[int, int, int]] = []  # [start, end, invalid calls] of generated turns
 
     def context(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -131,6 +133,10 @@ class _Recorder:
         self.mask += [1] * len(ids)
         self.logprobs += logprobs
         self.versions += versions
+
+    def broken(self, turn_start: int, invalid_calls: int) -> None:
+        """The turn generated from `turn_start` to the end so far made `invalid_calls` invalid calls."""
+        self.broken_turns.append((turn_start, len(self.tokens), invalid_calls))
 
 
 def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, pool: SandboxPool,
@@ -157,6 +163,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
             raise ValueError(f"episode state is for task {resume.task_id}, not {task.id}")
         rec.tokens, rec.mask = list(resume.tokens), list(resume.loss_mask)
         rec.logprobs, rec.versions = list(resume.logprobs), list(resume.versions)
+        rec.broken_turns = list(resume.broken_turns)
         prompt_len, files, group_id = resume.prompt_len, resume.files(), resume.group_id or group_id
         turns, n_calls, n_invalid = resume.turns, resume.tool_calls, resume.invalid_tool_calls
         invalid_streak, asked = resume.invalid_streak, resume.asked_question
@@ -173,7 +180,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
         on_turn(EpisodeState(
             task_id=task.id, group_id=group_id, tokens=rec.tokens, loss_mask=rec.mask, logprobs=rec.logprobs,
             versions=rec.versions, prompt_len=prompt_len, turns=turns, tool_calls=n_calls, invalid_tool_calls=n_invalid,
-            invalid_streak=invalid_streak, asked_question=asked,
+            invalid_streak=invalid_streak, asked_question=asked, broken_turns=rec.broken_turns,
             timings=dict(timings, total_s=earlier_s + time.perf_counter() - start),
             workspace={p: base64.b64encode(d).decode() for p, d in snap.files.items()},
         ))
@@ -195,6 +202,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                                         f"{config.generation_timeout_s:.0f} s (episode.generation_timeout_s); "
                                         "is its loop alive?") from None
                 timings["generate_s"] += time.perf_counter() - t0
+                turn_start = len(rec.tokens)
                 rec.generated(gen.token_ids, gen.logprobs, gen.versions)
                 turns += 1
                 if gen.finish_reason == "aborted":
@@ -214,6 +222,8 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                 n_calls += len(calls)
                 invalid = sum(not c.valid for c in calls)
                 n_invalid += invalid
+                if invalid:
+                    rec.broken(turn_start, invalid)
                 invalid_streak = invalid_streak + 1 if invalid == len(calls) else 0
                 if any(c.valid and c.name == "finish" for c in calls):
                     status = Status.FINISHED
@@ -247,6 +257,6 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
     return Trajectory(
         task_id=task.id, family=task.family, tokens=rec.tokens, loss_mask=rec.mask, logprobs=rec.logprobs,
         versions=rec.versions, prompt_len=prompt_len, status=status, reward=reward - penalty, reward_parts=parts,
-        turns=turns, tool_calls=n_calls, invalid_tool_calls=n_invalid, asked_question=asked, timings=timings,
-        group_id=group_id, error=error,
+        turns=turns, tool_calls=n_calls, invalid_tool_calls=n_invalid, asked_question=asked,
+        broken_turns=rec.broken_turns, timings=timings, group_id=group_id, error=error,
     )

@@ -5,6 +5,11 @@ Per-token arrays all have the length of `tokens`:
 - `logprobs`   the behaviour logprob of each generated token (0.0 where the mask is 0)
 - `versions`   the policy version that generated each token (-1 where the mask is 0)
 
+`broken_turns` says which generated tokens made the invalid tool calls: one `[start, end, calls]`
+per assistant turn that held at least one invalid call, `tokens[start:end]` being that turn and
+`calls` how many of its calls were invalid. The Learner can put the broken-call penalty on those
+tokens alone (`flywheel.rl.advantages`, `broken_calls = "turn"`).
+
 The record lives in `agent/` (not `rl/`, as DESIGN.md first placed it) because the episode runner
 produces it and `agent` may not import `rl`; the Learner and Orchestrator import it from here.
 """
@@ -39,6 +44,7 @@ class Trajectory(BaseModel):
     tool_calls: int
     invalid_tool_calls: int
     asked_question: bool  # replied to the user instead of calling a tool at least once
+    broken_turns: list[tuple[int, int, int]] = Field(default_factory=list)  # [start, end, invalid calls] per turn that had any
     timings: dict[str, float] = Field(default_factory=dict)
     group_id: str = ""  # episodes of one task sampled together (GRPO group)
     error: str = ""  # what went wrong, for sandbox_error / aborted
@@ -49,6 +55,10 @@ class Trajectory(BaseModel):
         for name in ("loss_mask", "logprobs", "versions"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"trajectory {self.task_id}: {name} has {len(getattr(self, name))} entries, tokens {n}")
+        for start, end, calls in self.broken_turns:
+            if not (0 <= start < end <= n) or calls < 1 or not all(self.loss_mask[start:end]):
+                raise ValueError(f"trajectory {self.task_id}: broken turn [{start}, {end}, {calls}] is not a span of "
+                                 f"generated tokens within its {n} tokens with at least one invalid call")
         return self
 
     @property

@@ -20,6 +20,18 @@ to the gradient but still costs a forward and backward pass); `group_has_signal`
 A group whose episodes all failed (or all passed) but whose rewards differ is `outcome_tied`: it
 is trained on (a broken tool call must cost something), and the orchestrator counts it.
 
+Where a broken tool call's penalty lands (`broken_calls`, for trajectories):
+
+    episode   the penalty is part of the episode's reward, so it moves the advantage of every token
+              of the episode (and of its group mates, through the baseline)
+    turn      the group baseline compares outcomes only (the reward without the penalty), and each
+              turn that made invalid calls gets the penalty it earned, as a negative advantage on
+              that turn's own tokens (`Trajectory.broken_turns`), on top of the episode's advantage
+
+With `episode`, a group whose episodes all failed and differ only by their broken calls rewards
+the episodes that did less: shorter, fewer calls. With `turn` the same group teaches "do not emit
+that call" and nothing about the rest; the penalty is still paid, never dropped.
+
 Departures from the papers:
 - GRPO (Shao et al. 2024) divides by the group's standard deviation; we use the sample standard
   deviation (Bessel's correction), as TRL and verl do.
@@ -46,7 +58,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flywheel.agent.trajectory import Trajectory
+
 AdvantageMethod = Literal["grpo", "dr_grpo", "rloo", "family_loo"]
+BrokenCallCredit = Literal["episode", "turn"]
 GROUPED_METHODS = ("grpo", "dr_grpo", "rloo")
 SIGNAL_TOLERANCE = 1e-9  # rewards closer than this count as equal: sums of the same parts may differ in the last bit
 
@@ -56,10 +71,52 @@ class AdvantageConfig(BaseModel):
     method: AdvantageMethod = "grpo"
     scale_by_std: bool = True  # grpo only: unit-scale advantages per group; off = Dr.GRPO, which does not upweight near-unanimous groups
     eps: float = Field(default=1e-6, gt=0)  # grpo only: keeps a group of near-equal rewards from exploding
+    broken_calls: BrokenCallCredit = "episode"  # where an invalid tool call's penalty lands (module docstring)
 
     def compute(self, rewards: Sequence[float], groups: Sequence[str],
                 families: Sequence[str] | None = None) -> list[float]:
         return compute_advantages(rewards, groups, families, self.method, scale_by_std=self.scale_by_std, eps=self.eps)
+
+    def for_trajectories(self, trajectories: Sequence[Trajectory]) -> list[float | list[float]]:
+        """One advantage per trajectory, for `Learner.train_step`: a number for all its generated
+        tokens, or (broken_calls = "turn", for a trajectory with broken calls) one per token."""
+        groups, families = [t.group_id for t in trajectories], [t.family for t in trajectories]
+        if self.broken_calls == "episode":
+            return list(self.compute([t.reward for t in trajectories], groups, families))
+        episode = self.compute([outcome_reward(t) for t in trajectories], groups, families)
+        return [charge_broken_turns(t, a) for t, a in zip(trajectories, episode, strict=True)]
+
+    def has_signal(self, trajectories: Sequence[Trajectory]) -> bool:
+        """Whether training on this group would move the policy: its rewards differ, or (broken_calls
+        = "turn") one of its episodes made a broken call, whose tokens are charged either way."""
+        if self.broken_calls == "turn":
+            return (any(broken_call_penalty(t) > 0 for t in trajectories)
+                    or group_has_signal([outcome_reward(t) for t in trajectories]))
+        return group_has_signal([t.reward for t in trajectories])
+
+
+def broken_call_penalty(t: Trajectory) -> float:
+    """What the episode's invalid tool calls cost it (>= 0; `EpisodeConfig.invalid_call_penalty`)."""
+    return -t.reward_parts.get("invalid_call_penalty", 0.0)
+
+
+def outcome_reward(t: Trajectory) -> float:
+    """The episode's reward without its broken-call penalty: what the workspace it left earned."""
+    return t.reward + broken_call_penalty(t)
+
+
+def charge_broken_turns(t: Trajectory, advantage: float) -> float | list[float]:
+    """`advantage` on every token, minus the episode's broken-call penalty on the turns that made
+    the broken calls, shared by their invalid calls (so the cap on the penalty holds). A trajectory
+    without broken calls keeps its single number."""
+    penalty, calls = broken_call_penalty(t), sum(n for _, _, n in t.broken_turns)
+    if penalty <= 0 or not calls:
+        return advantage
+    per_token = [advantage] * len(t.tokens)
+    for start, end, n in t.broken_turns:
+        for i in range(start, end):
+            per_token[i] -= penalty * n / calls
+    return per_token
 
 
 def group_has_signal(rewards: Sequence[float]) -> bool:

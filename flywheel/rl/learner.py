@@ -81,7 +81,7 @@ class MicroBatch:
     attention: torch.Tensor  # long, 1 on real tokens
     mask: torch.Tensor  # float, 1 on tokens that carry loss
     logp_behaviour: torch.Tensor  # float32, as the engine recorded them
-    advantages: torch.Tensor  # [batch] float32
+    advantages: torch.Tensor  # [batch, seq] float32
     logp_prox: torch.Tensor | None = None  # float32, filled by `proximal_pass`
     logp_ref: torch.Tensor | None = None  # float32, filled by `proximal_pass` when there is a reference model
 
@@ -136,7 +136,10 @@ def staleness_histogram(trajectories: Sequence[Trajectory], version: int) -> dic
     return dict(sorted(counts.items()))
 
 
-def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[float], masks: Sequence[Sequence[int]],
+Advantage = float | Sequence[float]  # one for every token of a trajectory, or one per token
+
+
+def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[Advantage], masks: Sequence[Sequence[int]],
                        micro_batch_tokens: int, rng: random.Random,
                        device: torch.device | str = "cpu") -> list[MicroBatch]:
     """Pack trajectories so that each micro-batch's padded size (rows x longest) is within the budget.
@@ -149,13 +152,14 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
         attention = torch.zeros((len(rows), width), dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.float32)
         behaviour = torch.zeros((len(rows), width), dtype=torch.float32)
+        adv = torch.zeros((len(rows), width), dtype=torch.float32)
         for r, i in enumerate(rows):
             t, n = trajectories[i], len(trajectories[i].tokens)
             ids[r, :n] = torch.tensor(t.tokens)
             attention[r, :n] = 1
             mask[r, :n] = torch.tensor(masks[i], dtype=torch.float32)
             behaviour[r, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
-        adv = torch.tensor([advantages[i] for i in rows], dtype=torch.float32)
+            adv[r, :n] = torch.tensor(advantages[i], dtype=torch.float32)  # a number broadcasts over the row
         batches.append(MicroBatch(ids.to(device), attention.to(device), mask.to(device), behaviour.to(device), adv.to(device)))
     return batches
 
@@ -253,8 +257,9 @@ class Learner:
             return [0] * len(trajectory.tokens)
         return list(trajectory.loss_mask)
 
-    def train_step(self, trajectories: Sequence[Trajectory], advantages: Sequence[float]) -> dict[str, float]:
-        """Learn from one batch; returns its metrics. Advantages: one per trajectory (`flywheel.rl.advantages`).
+    def train_step(self, trajectories: Sequence[Trajectory], advantages: Sequence[Advantage]) -> dict[str, float]:
+        """Learn from one batch; returns its metrics. Advantages: one per trajectory
+        (`flywheel.rl.advantages`), each a number for all its tokens or a list with one per token.
 
         Metrics: loss (mean over steps taken), entropy (of the proximal policy, per loss token),
         kl, clip_low_frac / clip_high_frac, is_weight_mean / is_weight_max (pi_prox / pi_behaviour
@@ -266,10 +271,14 @@ class Learner:
             raise ValueError("train_step got no trajectories; wait for a batch before stepping")
         if len(advantages) != len(trajectories):
             raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages; give one per trajectory")
+        for t, a in zip(trajectories, advantages, strict=True):
+            if not isinstance(a, int | float) and len(a) != len(t.tokens):
+                raise ValueError(f"trajectory {t.task_id} has {len(t.tokens)} tokens but {len(a)} per-token advantages; "
+                                 "give one per token, or one number for the whole trajectory")
         with intra_op_threads(self.config.threads):
             return self._train_step(trajectories, advantages)
 
-    def _train_step(self, trajectories: Sequence[Trajectory], advantages: Sequence[float]) -> dict[str, float]:
+    def _train_step(self, trajectories: Sequence[Trajectory], advantages: Sequence[Advantage]) -> dict[str, float]:
         start = time.perf_counter()
         config = self.config
         staleness = staleness_histogram(trajectories, self.version)

@@ -70,7 +70,7 @@ from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
 from flywheel.model.engine import Engine
-from flywheel.rl.advantages import AdvantageConfig, group_has_signal, outcome_tied
+from flywheel.rl.advantages import AdvantageConfig, outcome_tied
 from flywheel.rl.learner import Learner
 
 
@@ -305,7 +305,7 @@ class Orchestrator:
             if not g.complete or g.signal_checked:
                 continue
             g.signal_checked = True
-            if not group_has_signal([t.reward for t in g.trajectories()]):
+            if not self.config.advantages.has_signal(g.trajectories()):
                 self._counts["zero_signal_groups"] += 1
                 if self.config.filter_zero_signal:
                     self._counts["filtered_groups"] += 1
@@ -317,8 +317,7 @@ class Orchestrator:
     def _learn(self, batch: list[_Group]) -> dict[str, Any]:
         trajectories = [t for g in batch for t in g.trajectories()]
         rewards = [t.reward for t in trajectories]
-        advantages = self.config.advantages.compute(rewards, [t.group_id for t in trajectories],
-                                                    [t.family for t in trajectories])
+        advantages = self.config.advantages.for_trajectories(trajectories)
         # A sandbox failure or an abort is not the policy's doing: recorded, but no gradient.
         advantages = [a if t.status not in (Status.SANDBOX_ERROR, Status.ABORTED) else 0.0
                       for a, t in zip(advantages, trajectories, strict=True)]

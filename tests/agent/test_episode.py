@@ -95,13 +95,20 @@ def test_invalid_calls_are_answered_counted_and_penalized(task, tokenizer, pool)
         call("delete_repo") + IM_END,  # unknown tool
         call("finish") + IM_END,
     ]
-    engine = ScriptedEngine(tokenizer, turns)
-    traj = run_episode(task, engine, tokenizer, pool)
+    engine, saved = ScriptedEngine(tokenizer, turns), []
+    traj = run_episode(task, engine, tokenizer, pool, on_turn=saved.append)
     assert traj.status == Status.FINISHED and traj.invalid_tool_calls == 2
     assert traj.reward_parts["invalid_tool_calls"] == 2.0 and traj.reward_parts["invalid_call_penalty"] == pytest.approx(-0.2)
     assert traj.reward == pytest.approx(-0.2)  # the untouched workspace fails, and the broken calls cost
     second_prompt = tokenizer.decode(engine.prompts[1])
     assert "error: invalid tool call: bad JSON" in second_prompt  # the model was told
+    # The tokens that made each broken call: the first two turns, not the finish.
+    assert [n for _, _, n in traj.broken_turns] == [1, 1]
+    spans = [tokenizer.decode(traj.tokens[start:end]) for start, end, _ in traj.broken_turns]
+    assert spans[0].startswith("<tool_call>") and '"path": 1' in spans[0] and spans[0].endswith(IM_END)
+    assert "delete_repo" in spans[1] and "finish" not in "".join(spans)
+    assert all(traj.loss_mask[start:end] == [1] * (end - start) for start, end, _ in traj.broken_turns)
+    assert saved[-1].broken_turns == traj.broken_turns  # a resumed episode keeps them
 
 
 def test_only_invalid_calls_end_in_tool_error(task, tokenizer, pool):

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.rl.advantages import (
     AdvantageConfig,
     compute_advantages,
@@ -106,3 +107,44 @@ def test_a_group_that_differs_only_in_penalties_is_outcome_tied():
     assert outcome_tied([True, True], [1.0, 0.9])
     assert not outcome_tied([False, True, False], [0.0, 1.0, -0.1])  # success differs: the real signal
     assert not outcome_tied([False, False], [0.0, 0.0])  # no signal at all
+
+
+def episode(outcome: float, broken_turns: list[tuple[int, int, int]] = (), n_tokens: int = 12, group: str = "g",
+            call_penalty: float = 0.1, max_penalty: float = 0.5) -> Trajectory:
+    """A trajectory whose tokens 2.. were generated; its reward is `outcome` minus the broken-call
+    penalty, as the episode runner computes it."""
+    calls = sum(n for _, _, n in broken_turns)
+    penalty = min(max_penalty, call_penalty * calls)
+    return Trajectory(task_id="t", family="f", tokens=list(range(n_tokens)), loss_mask=[0, 0] + [1] * (n_tokens - 2),
+                      logprobs=[0.0] * n_tokens, versions=[-1, -1] + [0] * (n_tokens - 2), prompt_len=2,
+                      status=Status.FINISHED, reward=outcome - penalty,
+                      reward_parts={"invalid_tool_calls": float(calls), "invalid_call_penalty": -penalty},
+                      turns=3, tool_calls=3, invalid_tool_calls=calls, asked_question=False,
+                      broken_turns=list(broken_turns), group_id=group)
+
+
+def test_turn_credit_compares_outcomes_and_charges_the_broken_turns_tokens():
+    # All three failed; the second broke one call in tokens 4..7, the third two calls in 2..4 and one in 8..10.
+    group = [episode(0.0), episode(0.0, [(4, 7, 1)]), episode(0.0, [(2, 4, 2), (8, 10, 1)])]
+    assert AdvantageConfig(method="dr_grpo").for_trajectories(group) == pytest.approx([0.4 / 3, 0.1 / 3, -0.5 / 3])  # rewards 0, -0.1, -0.3
+    first, second, third = AdvantageConfig(method="dr_grpo", broken_calls="turn").for_trajectories(group)
+    assert first == 0.0  # the outcomes are tied: nothing for tokens that broke nothing
+    assert second == pytest.approx([0.0] * 4 + [-0.1] * 3 + [0.0] * 5)
+    assert third == pytest.approx([0.0] * 2 + [-0.2] * 2 + [0.0] * 4 + [-0.1] * 2 + [0.0] * 2)
+
+
+def test_turn_credit_adds_the_charge_to_the_outcome_advantage_and_keeps_the_cap():
+    # One passed after a broken call; one failed with 7 broken calls, whose penalty the 0.5 cap holds.
+    group = [episode(1.0, [(3, 5, 1)]), episode(0.0, [(2, 9, 7)])]
+    passed, failed = AdvantageConfig(method="dr_grpo", broken_calls="turn").for_trajectories(group)
+    assert passed == pytest.approx([0.5] * 3 + [0.4] * 2 + [0.5] * 7)  # outcome advantage +0.5, the call -0.1
+    assert failed == pytest.approx([-0.5] * 2 + [-1.0] * 7 + [-0.5] * 3)  # -0.5, and the capped 0.5, not 0.7
+
+
+def test_turn_credit_gives_a_group_with_equal_rewards_but_broken_calls_signal():
+    tied = [episode(0.0, [(3, 5, 1)]), episode(0.0, [(6, 8, 1)])]  # equal rewards, each broke one call
+    assert not AdvantageConfig(broken_calls="episode").has_signal(tied)
+    assert AdvantageConfig(broken_calls="turn").has_signal(tied)
+    clean = [episode(1.0), episode(1.0)]
+    assert not AdvantageConfig(broken_calls="turn").has_signal(clean)
+    assert AdvantageConfig(broken_calls="turn").has_signal([episode(1.0), episode(0.0)])

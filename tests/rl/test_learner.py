@@ -121,6 +121,20 @@ def test_one_step_per_batch_has_ratio_one_and_on_policy_weight_one(model):
     assert metrics["loss_tokens"] == n
 
 
+def test_per_token_advantages_weigh_each_token_and_a_constant_list_is_a_number(tokenizer):
+    model = build_model(TINY, tokenizer)
+    t = trajectory(model, 20, seed=3)  # generated tokens 5..10 and 14..19
+    split = [0.0] * 5 + [1.0] * 6 + [0.0] * 3 + [-0.5] * 6
+    metrics = Learner(copy.deepcopy(model), LearnerConfig()).train_step([t], [split])
+    assert metrics["loss"] == pytest.approx(-(1.0 * 6 - 0.5 * 6) / 12, abs=1e-5)  # ratio 1: minus the mean advantage
+    as_number, as_list = Learner(copy.deepcopy(model), LearnerConfig()), Learner(copy.deepcopy(model), LearnerConfig())
+    assert as_number.train_step([t], [0.7])["loss"] == pytest.approx(as_list.train_step([t], [[0.7] * 20])["loss"])
+    for name, weight in params(as_number.model).items():
+        torch.testing.assert_close(params(as_list.model)[name], weight)
+    with pytest.raises(ValueError, match="20 tokens but 19 per-token advantages"):
+        as_list.train_step([t], [[0.7] * 19])
+
+
 def test_several_steps_per_batch_engage_the_clip(model):
     batch = [trajectory(model, 24, seed=s) for s in range(4)]
     config = LearnerConfig(lr=2e-2, ppo_epochs=3, minibatches=2, loss=LossConfig(clip_low=0.05, clip_high=0.05))

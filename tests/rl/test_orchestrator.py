@@ -35,8 +35,10 @@ FAKES = textwrap.dedent('''
     class RandomLatencyEngine:
         """Answers each turn after a long-tailed delay with a tool call, ending with finish or a solution."""
 
-        def __init__(self, tokenizer, tasks, seed=0, mean_delay_s=0.01, solve_rate=0.5, max_turns=4, slow_tasks=()):
+        def __init__(self, tokenizer, tasks, seed=0, mean_delay_s=0.01, solve_rate=0.5, max_turns=4, slow_tasks=(),
+                     broken_rate=0.0):
             self.tokenizer, self.rng, self.mean = tokenizer, random.Random(seed), mean_delay_s
+            self.broken_rate = broken_rate  # a turn that is not the last calls a tool that does not exist
             self.slow = {t.instruction for t in slow_tasks}  # 10x slower: the stragglers the bound must survive
             self.tasks = {t.instruction: t for t in tasks}
             self.solve_rate, self.max_turns = solve_rate, max_turns
@@ -56,6 +58,7 @@ FAKES = textwrap.dedent('''
                 turn = text.count("<|im_start|>assistant") - 1
                 solve = self.rng.random() < self.solve_rate
                 last = turn + 1 >= self.max_turns or self.rng.random() < 0.4
+                broken = self.rng.random() < self.broken_rate
             task = next((t for i, t in self.tasks.items() if i in text), None)
             with self._lock:
                 self.priorities.append((params.priority, task.id if task is not None else None))
@@ -66,6 +69,8 @@ FAKES = textwrap.dedent('''
                 body = call("edit_file", path=e.path, old=e.old, new=e.new) + call("finish")
             elif last:
                 body = call("finish")
+            elif broken:
+                body = call("no_such_tool")
             else:
                 body = call("list_dir")
             ids = self.tokenizer(body + "<|im_end|>", add_special_tokens=False)["input_ids"]
@@ -217,6 +222,28 @@ def test_zero_signal_groups_are_counted_and_replaced(tmp_path, tasks, tokenizer,
                       tmp_path / "kept") as orch:
         (metrics,) = orch.train()
     assert metrics["zero_signal_groups"] >= 2 and metrics["filtered_groups"] == 0
+
+
+def test_turn_credit_trains_tied_groups_on_their_broken_calls_only(tmp_path, tasks, tokenizer, pool):
+    # Nobody solves, so outcomes are tied; some turns call a tool that does not exist.
+    engine = RandomLatencyEngine(tokenizer, tasks, seed=3, solve_rate=0.0, broken_rate=0.5)
+    learner = RecordingLearner()
+    cfg = config(max_steps=2, advantages={"method": "dr_grpo", "broken_calls": "turn"}, zero_signal_patience=5)
+    with Orchestrator(cfg, tasks, engine, learner, tokenizer, pool, tmp_path) as orch:
+        orch.train()
+    trained = [json.loads(line)["trajectory"] for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    by_group = {}
+    for t in trained:
+        by_group.setdefault(t["group_id"], []).append(t)
+    advantages = [a for b in learner.batches for a in b["advantages"]]
+    assert len(advantages) == 8 and any(isinstance(a, list) for a in advantages)
+    for a in advantages:
+        if isinstance(a, list):  # 0 on every token but the broken turns', which carry the -0.1 per call
+            assert set(a) == {0.0, -0.1} or set(a) == {-0.1}
+        else:
+            assert a == 0.0  # a tied outcome and no broken call: nothing to learn
+    for b in learner.batches:  # every group trained on had a broken call in it
+        assert all(any(t["broken_turns"] for t in by_group[g]) for g in b["groups"])
 
 
 def test_a_stuck_engine_fails_loudly(tmp_path, tasks, tokenizer, pool):
