@@ -94,6 +94,12 @@ def full_logprobs(model, prompt: list[int], generated: list[int], temperature: f
     return logp.gather(1, torch.tensor(generated).unsqueeze(1)).squeeze(1)
 
 
+# A cached, padded, batched decode and one full forward add up in different orders: in float32 the
+# logprobs agree to about 1e-4, and up to 2e-4 at temperature 0.7 (the logits are divided) on
+# some CPUs; a child process with its own thread count sums in its own order too. A wrong
+# position, mask or cache is off by 0.1 or more.
+LOGPROB_ATOL = 5e-4
+
 def greedy_reference(model, prompt: list[int], max_tokens: int, stop: tuple[int, ...] = ()) -> Generation:
     """One sequence at a time, no cache, no padding: the plainest possible greedy decoder."""
     tokens: list[int] = []
@@ -122,13 +128,13 @@ def test_logprobs_equal_a_full_forward_pass(model, prompts, temperature):
     for prompt, gen in zip(prompts, gens, strict=True):
         assert gen.finish_reason == "length" and gen.versions == [0] * len(gen.token_ids)
         expected = full_logprobs(model, prompt, gen.token_ids, temperature)
-        torch.testing.assert_close(torch.tensor(gen.logprobs), expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(gen.logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_greedy_logprobs_are_of_temperature_one(model, prompts):
     with engine_for(model) as engine:
         gen = engine.submit(prompts[0], SamplingParams(temperature=0, max_tokens=6)).result(TIMEOUT_S)
-    torch.testing.assert_close(torch.tensor(gen.logprobs), full_logprobs(model, prompts[0], gen.token_ids), atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(gen.logprobs), full_logprobs(model, prompts[0], gen.token_ids), atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_weight_swap_mid_generation_rebuilds_the_cache(model, other_weights, prompts):
@@ -148,8 +154,8 @@ def test_weight_swap_mid_generation_rebuilds_the_cache(model, other_weights, pro
         assert gen.versions == [0] * before + [1] * (len(gen.versions) - before)
         old = full_logprobs(model, prompt, gen.token_ids[:before])
         new = full_logprobs(new_model, prompt, gen.token_ids)[before:]
-        torch.testing.assert_close(torch.tensor(gen.logprobs[:before]), old, atol=1e-4, rtol=0)
-        torch.testing.assert_close(torch.tensor(gen.logprobs[before:]), new, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(gen.logprobs[:before]), old, atol=LOGPROB_ATOL, rtol=0)
+        torch.testing.assert_close(torch.tensor(gen.logprobs[before:]), new, atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_a_swap_that_keeps_the_cache_records_the_logprobs_it_sampled_with(model, other_weights, prompts):
@@ -170,7 +176,7 @@ def test_a_swap_that_keeps_the_cache_records_the_logprobs_it_sampled_with(model,
         assert 0 < before < len(gen.versions), "the swap should land mid-generation"
         assert gen.versions == [0] * before + [1] * (len(gen.versions) - before)
         torch.testing.assert_close(torch.tensor(gen.logprobs[:before]), full_logprobs(model, prompt, gen.token_ids[:before]),
-                                   atol=1e-4, rtol=0)
+                                   atol=LOGPROB_ATOL, rtol=0)
         # The reference: the old model's cache over everything fed before the swap (the newest
         # sampled token was not yet fed), then the new model over the rest on top of it.
         tokens = prompt + gen.token_ids
@@ -180,7 +186,7 @@ def test_a_swap_that_keeps_the_cache_records_the_logprobs_it_sampled_with(model,
             model(input_ids=torch.tensor([tokens[:fed]]), cache=cache, use_cache=True)
             logits = new_model(input_ids=torch.tensor([tokens[fed:-1]]), cache=cache, use_cache=True).logits[0].float()
         mixed = torch.log_softmax(logits, -1).gather(1, torch.tensor(gen.token_ids[before:]).unsqueeze(1)).squeeze(1)
-        torch.testing.assert_close(torch.tensor(gen.logprobs[before:]), mixed, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(gen.logprobs[before:]), mixed, atol=LOGPROB_ATOL, rtol=0)
         recomputed = full_logprobs(new_model, prompt, gen.token_ids)[before:]
         assert (torch.tensor(gen.logprobs[before:]) - recomputed).abs().max() > 1e-3, "the old KV should matter"
 
@@ -212,7 +218,7 @@ def test_a_session_turn_prefills_only_its_new_tokens_and_equals_a_full_forward(m
         assert engine.reused_tokens == sum(len(c) - len(tool_result) - 1 for c in seconds)
         for context, reply in zip(seconds + [prompts[4]], replies, strict=True):
             expected = full_logprobs(model, context, reply.token_ids)
-            torch.testing.assert_close(torch.tensor(reply.logprobs), expected, atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(reply.logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
 
         # A prompt that does not extend the kept tokens is prefilled whole (and still right).
         third = prompts[5] + seconds[0]
@@ -220,7 +226,7 @@ def test_a_session_turn_prefills_only_its_new_tokens_and_equals_a_full_forward(m
         wrong = engine.submit(third, SamplingParams(max_tokens=5, session="s0")).result(TIMEOUT_S)
         assert engine.reused_tokens == reused
         torch.testing.assert_close(torch.tensor(wrong.logprobs), full_logprobs(model, third, wrong.token_ids),
-                                   atol=1e-4, rtol=0)
+                                   atol=LOGPROB_ATOL, rtol=0)
 
         # New weights: kept KV is stale, so nothing is reused.
         engine.update_weights(other_weights, 1, timeout_s=TIMEOUT_S)
@@ -230,7 +236,7 @@ def test_a_session_turn_prefills_only_its_new_tokens_and_equals_a_full_forward(m
     new_model = copy.deepcopy(model)
     new_model.load_state_dict(other_weights)
     torch.testing.assert_close(torch.tensor(after.logprobs), full_logprobs(new_model, fourth, after.token_ids),
-                               atol=1e-4, rtol=0)
+                               atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_the_session_cache_keeps_only_the_most_recent(model, prompts):
@@ -428,10 +434,10 @@ def test_process_engine_answers_as_the_local_engine_does(model, other_weights, p
         assert remote.version == 1
         swapped = remote.generate(prompts, params)
     assert [g.token_ids for g in first] == [g.token_ids for g in before]
-    torch.testing.assert_close(torch.tensor(first[0].logprobs), torch.tensor(before[0].logprobs), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(first[0].logprobs), torch.tensor(before[0].logprobs), atol=LOGPROB_ATOL, rtol=0)
     assert [g.token_ids for g in swapped] == [g.token_ids for g in after] != [g.token_ids for g in before]
     assert all(g.versions == [1] * len(g.token_ids) for g in swapped)
-    torch.testing.assert_close(torch.tensor(swapped[0].logprobs), torch.tensor(after[0].logprobs), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(swapped[0].logprobs), torch.tensor(after[0].logprobs), atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_process_engine_checks_requests_and_fails_loudly_when_its_process_dies(model, prompts):
