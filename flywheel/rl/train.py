@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.agent.evaluate import evaluate
 from flywheel.env.families import FAMILIES, task_set
@@ -55,6 +55,16 @@ class TrainConfig(BaseModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
+
+    @model_validator(mode="after")
+    def _sampling_matches_learning(self) -> TrainConfig:
+        sampled = self.orchestrator.episode.temperature
+        if sampled > 0 and self.learner.temperature != sampled:
+            raise ValueError(f"episodes sample at temperature {sampled} but the learner scores at "
+                             f"{self.learner.temperature}: the behaviour logprobs would not be the learner's, and every "
+                             "token would carry a spurious importance weight; set learner.temperature = "
+                             "orchestrator.episode.temperature")
+        return self
 
 
 def train_tasks(config: TrainConfig):
