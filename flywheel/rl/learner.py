@@ -30,9 +30,11 @@ the convention of the engine's behaviour logprobs (`flywheel.model.engine`); set
 the sampling temperature (1.0 for greedy).
 
 Departures from AReaL and PPO: no value model or GAE (the advantage of an episode is given to all
-its generated tokens); minibatches are contiguous chunks of the batch in the order given, the same
-in every epoch (episodes of one GRPO group stay together), not reshuffled; the learning rate is
-constant (no schedule, so there is no scheduler state to resume).
+its generated tokens, or, where the caller gives one per token, to each token its own: the penalty
+of a broken tool call on the turn that made it, `flywheel.rl.advantages`); minibatches are
+contiguous chunks of the batch in the order given, the same in every epoch (episodes of one GRPO
+group stay together), not reshuffled; the learning rate is constant (no schedule, so there is no
+scheduler state to resume).
 """
 
 from __future__ import annotations
