@@ -107,15 +107,18 @@ def outcome_reward(t: Trajectory) -> float:
 
 def charge_broken_turns(t: Trajectory, advantage: float) -> float | list[float]:
     """`advantage` on every token, minus the episode's broken-call penalty on the turns that made
-    the broken calls, shared by their invalid calls (so the cap on the penalty holds). A trajectory
-    without broken calls keeps its single number."""
-    penalty, calls = broken_call_penalty(t), sum(n for _, _, n in t.broken_turns)
-    if penalty <= 0 or not calls:
+    the broken calls, shared by its invalid calls (so the cap on the penalty holds). Calls no span
+    records (an episode resumed from a state saved before spans were kept) are charged to every
+    generated token: the penalty is never dropped. A trajectory without broken calls keeps its
+    single number."""
+    penalty = broken_call_penalty(t)
+    if penalty <= 0 or not t.invalid_tool_calls:
         return advantage
-    per_token = [advantage] * len(t.tokens)
+    per_call = penalty / t.invalid_tool_calls
+    unrecorded = t.invalid_tool_calls - sum(n for _, _, n in t.broken_turns)
+    per_token = [advantage - per_call * unrecorded * m for m in t.loss_mask]
     for start, end, n in t.broken_turns:
-        for i in range(start, end):
-            per_token[i] -= penalty * n / calls
+        per_token[start:end] = [a - per_call * n for a in per_token[start:end]]
     return per_token
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.rl.advantages import (
     AdvantageConfig,
+    charge_broken_turns,
     compute_advantages,
     group_has_signal,
     outcome_tied,
@@ -139,6 +140,14 @@ def test_turn_credit_adds_the_charge_to_the_outcome_advantage_and_keeps_the_cap(
     passed, failed = AdvantageConfig(method="dr_grpo", broken_calls="turn").for_trajectories(group)
     assert passed == pytest.approx([0.5] * 3 + [0.4] * 2 + [0.5] * 7)  # outcome advantage +0.5, the call -0.1
     assert failed == pytest.approx([-0.5] * 2 + [-1.0] * 7 + [-0.5] * 3)  # -0.5, and the capped 0.5, not 0.7
+
+
+def test_turn_credit_charges_calls_no_span_records_to_the_whole_episode():
+    # Three invalid calls, one recorded in tokens 4..6 (the other two made before a resume from an
+    # older saved state): 0.1 on the span, 0.2 on every generated token, none on the prompt.
+    t = episode(0.0, [(4, 6, 1)]).model_copy(update={"invalid_tool_calls": 3, "reward": -0.3,
+                                                     "reward_parts": {"invalid_call_penalty": -0.3}})
+    assert charge_broken_turns(t, 0.5) == pytest.approx([0.5] * 2 + [0.3] * 2 + [0.2] * 2 + [0.3] * 6)
 
 
 def test_turn_credit_gives_a_group_with_equal_rewards_but_broken_calls_signal():
