@@ -23,6 +23,11 @@ prompt the whole conversation so far (the last answer, then the tool results and
 header), each answer the length of the demonstration's turn. With sessions (`SamplingParams.session`)
 the engine keeps each conversation's KV cache between turns and prefills only the new tokens;
 without, every turn prefills the whole context. `speedup_sessions` is the ratio of the two.
+
+`groups` replays them as GRPO rollouts start: `--group-size` episodes of each task at once, all
+from the task's one prompt (with sessions either way). With the prompt cache
+(`EngineConfig.prompt_cache`) the prompt is prefilled once per group and its KV copied to the
+others; `speedup_prompt_cache` is the ratio to the same replay without it.
 """
 
 from __future__ import annotations
@@ -120,9 +125,10 @@ def conversation(messages: list[dict], encode, with_tools: bool) -> list[tuple[l
 
 
 def run_conversations(model, conversations: list[list[tuple[list[int], int]]], params: SamplingParams,
-                      sessions: bool) -> tuple[float, int, int]:
+                      sessions: bool, prompt_cache: int) -> tuple[float, int, int]:
     """Seconds to play every conversation to its end, all at once; prompt tokens prefilled; reused."""
-    with LocalEngine(model, EngineConfig(max_batch=len(conversations))) as engine:
+    config = EngineConfig(max_batch=len(conversations), prompt_cache=prompt_cache)
+    with LocalEngine(model, config) as engine:
         def play(i: int) -> int:
             context, prefilled = [], 0
             for new, length in conversations[i]:
@@ -139,19 +145,21 @@ def run_conversations(model, conversations: list[list[tuple[list[int], int]]], p
         return time.perf_counter() - t0, prompt_tokens, engine.reused_tokens
 
 
-def compare_sessions(model, conversations, params, repeats: int) -> dict[str, float]:
+def compare_reuse(model, conversations, params, repeats: int, name: str, on: dict, off: dict) -> dict[str, float]:
+    """The same conversations with a kind of KV reuse on and off (`on`/`off`: run_conversations'
+    sessions and prompt_cache), best of `repeats` each, in alternating order."""
     runs: dict[bool, list[float]] = {True: [], False: []}
     for r in range(repeats):
-        for sessions in ((True, False) if r % 2 == 0 else (False, True)):
-            seconds, prompt_tokens, reused = run_conversations(model, conversations, params, sessions)
-            runs[sessions].append(seconds)
-            if sessions:
+        for enabled in ((True, False) if r % 2 == 0 else (False, True)):
+            seconds, prompt_tokens, reused = run_conversations(model, conversations, params, **(on if enabled else off))
+            runs[enabled].append(seconds)
+            if enabled:
                 reused_share = reused / prompt_tokens
-    out = {"with_sessions_s": round(min(runs[True]), 2), "without_sessions_s": round(min(runs[False]), 2),
-           "speedup_sessions": round(min(runs[False]) / min(runs[True]), 2), "conversations": len(conversations),
+    out = {f"with_{name}_s": round(min(runs[True]), 2), f"without_{name}_s": round(min(runs[False]), 2),
+           f"speedup_{name}": round(min(runs[False]) / min(runs[True]), 2), "conversations": len(conversations),
            "turns": sum(len(c) for c in conversations), "prompt_tokens": prompt_tokens,
            "reused_prompt_share": round(reused_share, 3)}
-    log(f"  multi-turn: {out}")
+    log(f"  multi-turn, {name}: {out}")
     return out
 
 
@@ -185,6 +193,8 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--conversations", type=int, default=32, help="multi-turn: demonstrations replayed at once")
+    parser.add_argument("--group-size", type=int, default=8,
+                        help="GRPO groups: episodes that start from one prompt (multi-turn, prompt cache on and off)")
     parser.add_argument("--tools-in-prompt", action="store_true",
                         help="prompts list the tool schemas (~650 more tokens each), as a real checkpoint's would")
     args = parser.parse_args()
@@ -221,7 +231,16 @@ def main() -> None:
         results[batch] = compare(model, *draw(n), batch, params, pad_id, args.repeats)
     log(f"multi-turn, {args.conversations} conversations ...")
     conversations = [conversation(d, encode, args.tools_in_prompt) for d in rng.sample(demos, args.conversations)]
-    results["multi_turn"] = compare_sessions(model, conversations, params, args.repeats)
+    results["multi_turn"] = compare_reuse(model, conversations, params, args.repeats, "sessions",
+                                          on={"sessions": True, "prompt_cache": 0},
+                                          off={"sessions": False, "prompt_cache": 0})
+    group = args.group_size
+    log(f"multi-turn GRPO groups: {args.conversations // group} demonstrations x {group} episodes ...")
+    grouped = [c for c in rng.sample(demos, args.conversations // group) for _ in range(group)]
+    grouped = [conversation(d, encode, args.tools_in_prompt) for d in grouped]
+    results["groups"] = compare_reuse(model, grouped, params, args.repeats, "prompt_cache",
+                                      on={"sessions": True, "prompt_cache": 64},
+                                      off={"sessions": True, "prompt_cache": 0})
     fixed = round(statistics.mean(turn_lengths))
     log(f"batch 32, fixed length {fixed} ...")
     results["fixed"] = compare(model, *draw(args.requests, fixed), 32, params, pad_id, args.repeats)
@@ -236,6 +255,8 @@ def main() -> None:
         "target_speedup_b32": 3.0,
         "speedup_sessions": results["multi_turn"]["speedup_sessions"],
         "multi_turn": results["multi_turn"],
+        "speedup_prompt_cache": results["groups"]["speedup_prompt_cache"],
+        "groups": results["groups"],
         "fixed_length_tokens": fixed,
         "fixed_length": results["fixed"],
         "runs": {f"b{b}": results[b] for b in (1, 8, 32)},

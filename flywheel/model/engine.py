@@ -105,6 +105,11 @@ class EngineConfig(BaseModel):
     # first). Each costs its tokens' KV (about 1 MB per 1,000 tokens for the embedded default).
     # On 2 cores, re-prefilling every turn's whole context was half of an RL rollout's engine time.
     session_cache: int = Field(default=256, ge=0)
+    # Fresh prompts whose KV is kept for an identical prompt (least recently used dropped first).
+    # A GRPO group's G episodes start from one prompt: it is prefilled once and the others copy its
+    # KV (a prefix cache, as vLLM's and SGLang's, for the exact prompt). Dropped on every weight swap,
+    # so a reused prompt's KV is always of the current weights.
+    prompt_cache: int = Field(default=64, ge=0)
     # What a weight swap does to the KV computed under the old weights (in-flight rows, kept sessions).
     # "recompute": rebuild it under the new weights, so each token is sampled from one version.
     # "keep": leave it (an in-flight update, as in PipelineRL): later tokens come from the new
@@ -314,7 +319,9 @@ class LocalEngine:
         self._generator = torch.Generator().manual_seed(self.config.seed)
         # session -> (the tokens whose KV is kept, per layer (keys, values) [kv_heads, tokens, head_dim])
         self._sessions: OrderedDict[str, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
-        self.reused_tokens = 0  # prompt tokens not prefilled thanks to a kept session
+        # prompt -> (its tokens but the last, per layer (keys, values) [kv_heads, tokens, head_dim])
+        self._prompts: OrderedDict[tuple[int, ...], tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
+        self.reused_tokens = 0  # prompt tokens not prefilled thanks to a kept session or an identical prompt
         self._vocab = model.get_input_embeddings().num_embeddings
         text = model.config.get_text_config(decoder=True)
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -445,6 +452,7 @@ class LocalEngine:
             self.model.load_state_dict(weights, strict=True)
             self._version = version
             self.swaps += 1
+            self._prompts.clear()  # computed under the old weights; a new group's prompt starts fresh
             if self.config.kv_on_update == "recompute":
                 self._sessions.clear()  # their KV was computed under the old weights
                 self._compact()
@@ -512,18 +520,60 @@ class LocalEngine:
             return tokens, layers
         return None
 
+    def _same_prompt(self, seq: _Sequence) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The kept KV of an identical earlier prompt: all its tokens but the last, which is fed anew
+        for this request's own first logits. Shared, not used up: `_prefill` only copies from it."""
+        entry = self._prompts.get(tuple(seq.prompt))
+        if entry is not None:
+            self._prompts.move_to_end(tuple(seq.prompt))
+        return entry
+
+    def _keep_prompts(self, seqs: list[_Sequence], cache: _BatchCache) -> None:
+        """Keep the KV of freshly prefilled prompts (rows of `cache`, right-aligned) for their twins."""
+        if not self.config.prompt_cache:
+            return
+        width = cache.width
+        for row, s in enumerate(seqs):
+            n = len(s.prompt) - 1
+            if n < 1 or tuple(s.prompt) in self._prompts:
+                continue
+            kv = [(k[row, :, width - n - 1 : width - 1].clone(), v[row, :, width - n - 1 : width - 1].clone())
+                  for k, v in cache.layers]
+            self._prompts[tuple(s.prompt)] = (s.prompt[:-1], kv)
+            while len(self._prompts) > self.config.prompt_cache:
+                self._prompts.popitem(last=False)
+
     def _admit(self, seqs: list[_Sequence]) -> None:
         kept = [self._kept(s) for s in seqs]
-        fresh = [s for s, k in zip(seqs, kept, strict=True) if k is None]
         extended = [(s, k) for s, k in zip(seqs, kept, strict=True) if k is not None]
-        # Two prefills, not one: a short new part beside a long fresh prompt would be padded to its width.
-        parts = []
+        # A prompt seen before (kept, or earlier in this admission: a group's other members) is
+        # prefilled as its last token on top of the kept KV of the others.
+        fresh, twins, firsts = [], [], set()
+        for s, k in zip(seqs, kept, strict=True):
+            if k is not None:
+                continue
+            if tuple(s.prompt) in self._prompts or (self.config.prompt_cache and tuple(s.prompt) in firsts):
+                twins.append(s)
+            else:
+                fresh.append(s)
+                firsts.add(tuple(s.prompt))
+        # Separate prefills: a short new part beside a long fresh prompt would be padded to its width.
+        parts, order = [], []
         if fresh:
             parts.append(self._prefill([s.prompt for s in fresh]))
-        if extended:
-            parts.append(self._prefill([s.prompt[len(k[0]) :] for s, k in extended], [k for _, k in extended]))
-            self.reused_tokens += sum(len(k[0]) for _, k in extended)
-        seqs = fresh + [s for s, _ in extended]  # the rows of the new cache, in order
+            self._keep_prompts(fresh, parts[-1][1])
+            order += fresh
+        shared = [(s, self._same_prompt(s)) for s in twins]
+        alone = [s for s, k in shared if k is None]  # its twin's KV was not kept (a one-token prompt, or evicted)
+        if alone:
+            parts.append(self._prefill([s.prompt for s in alone]))
+            order += alone
+        for group in (extended, [(s, k) for s, k in shared if k is not None]):
+            if group:
+                parts.append(self._prefill([s.prompt[len(k[0]) :] for s, k in group], [k for _, k in group]))
+                self.reused_tokens += sum(len(k[0]) for _, k in group)
+                order += [s for s, _ in group]
+        seqs = order  # the rows of the new cache, in order
         logits = torch.cat([p[0] for p in parts])
         cache = parts[0][1] if len(parts) == 1 else _BatchCache.from_parts([p[1] for p in parts])
         for s in seqs:

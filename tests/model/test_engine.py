@@ -239,6 +239,33 @@ def test_a_session_turn_prefills_only_its_new_tokens_and_equals_a_full_forward(m
                                atol=LOGPROB_ATOL, rtol=0)
 
 
+def test_a_groups_shared_prompt_is_prefilled_once_and_equals_a_full_forward(model, other_weights, prompts):
+    """G episodes of a GRPO group send one prompt: the first is prefilled, the others copy its KV,
+    whether they arrive in the same admission or later, and sample exactly as from a full forward."""
+    group = 5
+    with engine_for(model, max_batch=8, max_prefill_per_step=3) as engine:
+        futures = [engine.submit(prompts[0], SamplingParams(max_tokens=6 + i)) for i in range(group)]
+        futures.append(engine.submit(prompts[2], SamplingParams(max_tokens=6)))  # another task's prompt alongside
+        gens = wait_all(futures, TIMEOUT_S)
+        assert engine.reused_tokens == (group - 1) * (len(prompts[0]) - 1)
+        for prompt, gen in zip([prompts[0]] * group + [prompts[2]], gens, strict=True):
+            torch.testing.assert_close(torch.tensor(gen.logprobs), full_logprobs(model, prompt, gen.token_ids),
+                                       atol=LOGPROB_ATOL, rtol=0)
+
+        # New weights: the kept prompt KV is of the old ones, so the prompt is prefilled anew.
+        engine.update_weights(other_weights, 1, timeout_s=TIMEOUT_S)
+        reused = engine.reused_tokens
+        after = engine.submit(prompts[0], SamplingParams(max_tokens=5)).result(TIMEOUT_S)
+        assert engine.reused_tokens == reused
+    new_model = copy.deepcopy(model)
+    new_model.load_state_dict(other_weights)
+    torch.testing.assert_close(torch.tensor(after.logprobs), full_logprobs(new_model, prompts[0], after.token_ids),
+                               atol=LOGPROB_ATOL, rtol=0)
+    with engine_for(model, prompt_cache=0) as engine:
+        wait_all([engine.submit(prompts[0], SamplingParams(max_tokens=3)) for _ in range(3)], TIMEOUT_S)
+        assert engine.reused_tokens == 0
+
+
 def test_the_session_cache_keeps_only_the_most_recent(model, prompts):
     with engine_for(model, session_cache=2) as engine:
         gens = [engine.submit(p, SamplingParams(max_tokens=3, session=f"s{i}")).result(TIMEOUT_S)
