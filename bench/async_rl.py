@@ -252,7 +252,9 @@ def real(args, registry: Registry, ref: str, tasks, pool, budget_s: float | None
         config = OrchestratorConfig(group_size=args.group_size, groups_per_step=args.groups,
                                     max_staleness=args.max_staleness,
                                     concurrency=every_admitted_episode(args),
-                                    episode={"max_turns": 8, "max_tokens_per_turn": 256, "temperature": 1.0})
+                                    episode={"max_turns": args.max_turns, "max_tokens_per_turn": args.max_tokens_per_turn,
+                                             "max_tokens": args.max_tokens,
+                                             "temperature": 1.0})
         torch.manual_seed(args.seed)
         engine_config = EngineConfig(max_batch=args.engine_batch, kv_on_update=args.kv_on_update,
                                      separate_process=args.engine_process)
@@ -289,6 +291,9 @@ def main() -> None:
                         help="modeled: per-token costs from bench/engine_costs.py --out (default: those measured on "
                              "an H200); 'here' measures them on this machine")
     parser.add_argument("--costs-shape", default="default", help="modeled: which model shape of --costs")
+    parser.add_argument("--max-turns", type=int, default=8, help="real: an episode's turn limit")
+    parser.add_argument("--max-tokens-per-turn", type=int, default=256, help="real: an answer's token limit")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="real: an episode's token limit, prompt included")
     parser.add_argument("--budget-s", type=float, default=600.0)
     parser.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks per family (0: no eval)")
     parser.add_argument("--lr", type=float, default=2e-4)
