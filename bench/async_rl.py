@@ -30,7 +30,9 @@ slowest episode, and the engine idles while the learner trains).
    in-flight KV across weight swaps (`--kv-on-update keep`; sync never swaps mid-rollout), and run
    the engine in a process of its own (`--engine-process`): in the learner's process the engine's
    decode loop waits on the GIL whenever the learner or a rollout thread holds it, and the two
-   overlap little (`--no-engine-process` measures that).
+   overlap little (`--no-engine-process` measures that). Episodes end at `--max-turns`,
+   `--max-tokens-per-turn` and `--max-tokens` (8, 256, 4096 by default: the policy's episodes are
+   then only mildly long-tailed, p99 about twice the median; 16, 1024 and 8192 lengthen the tail).
 3. budget: each mode trains for the same wall-clock budget (`--budget-s`), then both are
    evaluated on the same held-out tasks at temperature 0: `pass_rate_async`, `pass_rate_sync`,
    `pass_rate_start`; the async one is `pass_rate_after_budget`.
