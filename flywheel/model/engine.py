@@ -51,6 +51,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, Protocol
 
 import torch
@@ -188,6 +189,11 @@ class _Sequence:
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt) :]
 
+    @cached_property
+    def prompt_key(self) -> tuple[int, ...]:
+        """The prompt as the prompt cache's key, built once per request."""
+        return tuple(self.prompt)
+
 
 class EngineError(RuntimeError):
     pass
@@ -295,6 +301,10 @@ class _BatchCache:
             v[:, :, : self.width] = ov[:, :, : self.width]
         mask[:, : self.width] = self.mask[:, : self.width]
         self.layers, self.mask = layers, mask
+
+    def row_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of one row's keys and values over time columns [start, end), per layer."""
+        return [(k[row, :, start:end].clone(), v[row, :, start:end].clone()) for k, v in self.layers]
 
     def hf_cache(self) -> DynamicCache:
         cache = DynamicCache()
@@ -528,9 +538,9 @@ class LocalEngine:
     def _same_prompt(self, seq: _Sequence) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """The kept KV of an identical earlier prompt: all its tokens but the last, which is fed anew
         for this request's own first logits. Shared, not used up: `_prefill` only copies from it."""
-        entry = self._prompts.get(tuple(seq.prompt))
+        entry = self._prompts.get(seq.prompt_key)
         if entry is not None:
-            self._prompts.move_to_end(tuple(seq.prompt))
+            self._prompts.move_to_end(seq.prompt_key)
         return entry
 
     def _keep_prompts(self, seqs: list[_Sequence], cache: _BatchCache) -> None:
@@ -540,11 +550,9 @@ class LocalEngine:
         width = cache.width
         for row, s in enumerate(seqs):
             n = len(s.prompt) - 1
-            if n < 1 or tuple(s.prompt) in self._prompts:
+            if n < 1 or s.prompt_key in self._prompts:
                 continue
-            kv = [(k[row, :, width - n - 1 : width - 1].clone(), v[row, :, width - n - 1 : width - 1].clone())
-                  for k, v in cache.layers]
-            self._prompts[tuple(s.prompt)] = (s.prompt[:-1], kv)
+            self._prompts[s.prompt_key] = (s.prompt[:-1], cache.row_kv(row, width - n - 1, width - 1))
             while len(self._prompts) > self.config.prompt_cache:
                 self._prompts.popitem(last=False)
 
@@ -557,11 +565,11 @@ class LocalEngine:
         for s, k in zip(seqs, kept, strict=True):
             if k is not None:
                 continue
-            if tuple(s.prompt) in self._prompts or (self.config.prompt_cache and tuple(s.prompt) in firsts):
+            if s.prompt_key in self._prompts or (self.config.prompt_cache and s.prompt_key in firsts):
                 twins.append(s)
             else:
                 fresh.append(s)
-                firsts.add(tuple(s.prompt))
+                firsts.add(s.prompt_key)
         # Separate prefills: a short new part beside a long fresh prompt would be padded to its width.
         parts, order = [], []
         if fresh:
@@ -642,9 +650,7 @@ class LocalEngine:
         width = self._cache.width
         if int(self._cache.mask[row, :width].sum()) != cached or int(self._cache.mask[row, width - cached : width].sum()) != cached:
             return  # not one contiguous run at the right (never expected): prefill it next time instead
-        kv = [(k[row, :, width - cached : width].clone(), v[row, :, width - cached : width].clone())
-              for k, v in self._cache.layers]
-        self._sessions[seq.params.session] = (seq.tokens[:-1], kv)
+        self._sessions[seq.params.session] = (seq.tokens[:-1], self._cache.row_kv(row, width - cached, width))
         self._sessions.move_to_end(seq.params.session)
         while len(self._sessions) > self.config.session_cache:
             self._sessions.popitem(last=False)
