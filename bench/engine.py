@@ -28,6 +28,9 @@ without, every turn prefills the whole context. `speedup_sessions` is the ratio 
 from the task's one prompt (with sessions either way). With the prompt cache
 (`EngineConfig.prompt_cache`) the prompt is prefilled once per group and its KV copied to the
 others; `speedup_prompt_cache` is the ratio to the same replay without it.
+
+`speedup_lean_decode` replays the `multi_turn` conversations (with sessions) decoding through
+`decode.LeanDecoder` and through the `transformers` forward (`EngineConfig.lean_decode`).
 """
 
 from __future__ import annotations
@@ -125,9 +128,9 @@ def conversation(messages: list[dict], encode, with_tools: bool) -> list[tuple[l
 
 
 def run_conversations(model, conversations: list[list[tuple[list[int], int]]], params: SamplingParams,
-                      sessions: bool, prompt_cache: int) -> tuple[float, int, int]:
+                      sessions: bool, prompt_cache: int, lean_decode: bool = True) -> tuple[float, int, int]:
     """Seconds to play every conversation to its end, all at once; prompt tokens prefilled; reused."""
-    config = EngineConfig(max_batch=len(conversations), prompt_cache=prompt_cache)
+    config = EngineConfig(max_batch=len(conversations), prompt_cache=prompt_cache, lean_decode=lean_decode)
     with LocalEngine(model, config) as engine:
         def play(i: int) -> int:
             context, prefilled = [], 0
@@ -146,8 +149,8 @@ def run_conversations(model, conversations: list[list[tuple[list[int], int]]], p
 
 
 def compare_reuse(model, conversations, params, repeats: int, name: str, on: dict, off: dict) -> dict[str, float]:
-    """The same conversations with a kind of KV reuse on and off (`on`/`off`: run_conversations'
-    sessions and prompt_cache), best of `repeats` each, in alternating order."""
+    """The same conversations with a feature on and off (`on`/`off`: run_conversations' sessions,
+    prompt_cache and lean_decode), best of `repeats` each, in alternating order."""
     runs: dict[bool, list[float]] = {True: [], False: []}
     for r in range(repeats):
         for enabled in ((True, False) if r % 2 == 0 else (False, True)):
@@ -241,6 +244,10 @@ def main() -> None:
     results["groups"] = compare_reuse(model, grouped, params, args.repeats, "prompt_cache",
                                       on={"sessions": True, "prompt_cache": 64},
                                       off={"sessions": True, "prompt_cache": 0})
+    log("multi-turn, lean decode against the transformers forward ...")
+    results["lean"] = compare_reuse(model, conversations, params, args.repeats, "lean_decode",
+                                    on={"sessions": True, "prompt_cache": 0, "lean_decode": True},
+                                    off={"sessions": True, "prompt_cache": 0, "lean_decode": False})
     fixed = round(statistics.mean(turn_lengths))
     log(f"batch 32, fixed length {fixed} ...")
     results["fixed"] = compare(model, *draw(args.requests, fixed), 32, params, pad_id, args.repeats)
@@ -257,6 +264,8 @@ def main() -> None:
         "multi_turn": results["multi_turn"],
         "speedup_prompt_cache": results["groups"]["speedup_prompt_cache"],
         "groups": results["groups"],
+        "speedup_lean_decode": results["lean"]["speedup_lean_decode"],
+        "lean_decode": results["lean"],
         "fixed_length_tokens": fixed,
         "fixed_length": results["fixed"],
         "runs": {f"b{b}": results[b] for b in (1, 8, 32)},

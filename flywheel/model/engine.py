@@ -59,6 +59,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from flywheel.model.decode import LeanDecoder
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -126,6 +128,9 @@ class EngineConfig(BaseModel):
     # Run the engine in a process of its own (`process_engine.ProcessEngine`, through `start_engine`):
     # its decode loop then does not share the GIL with rollout threads and the learner.
     separate_process: bool = False
+    # Decode steps through `decode.LeanDecoder` (Qwen3 and Qwen3-MoE models; others always use the
+    # `transformers` forward, as prefills do). False: the `transformers` forward for every step.
+    lean_decode: bool = True
 
 
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, vocab: int) -> None:
@@ -345,6 +350,7 @@ class LocalEngine:
         self._device = next(model.parameters()).device
         empty = torch.empty(0, kv_heads, 0, head_dim, dtype=model.dtype, device=self._device)
         self._layer_shapes = [(empty, empty)] * text.num_hidden_layers  # templates for `_BatchCache.allocate`
+        self._lean = LeanDecoder(model) if self.config.lean_decode and LeanDecoder.supports(model) else None
         self.steps = 0
         self.swaps = 0
         self._error: BaseException | None = None
@@ -465,6 +471,8 @@ class LocalEngine:
             weights, version, done = self._weights.get_nowait()
             self._applying = done  # if loading fails, the handler in `_loop` releases its waiter
             self.model.load_state_dict(weights, strict=True)
+            if self._lean is not None:
+                self._lean.refresh()  # its fused weights are copies
             self._version = version
             self.swaps += 1
             self._prompts.clear()  # computed under the old weights; a new group's prompt starts fresh
@@ -609,9 +617,17 @@ class LocalEngine:
         _, self._cache = self._prefill([s.tokens[:-1] for s in self._active])
 
     def _decode(self) -> None:
-        assert self._cache is not None
-        last = torch.tensor([[s.tokens[-1]] for s in self._active], device=self._device)  # [batch, 1]
-        logits = self._forward(last, self._cache, self._cache.positions.unsqueeze(1))
+        cache = self._cache
+        assert cache is not None
+        last = torch.tensor([s.tokens[-1] for s in self._active], device=self._device)  # [batch]
+        if self._lean is None:
+            logits = self._forward(last.unsqueeze(1), cache, cache.positions.unsqueeze(1))
+        else:
+            cache.reserve(1)
+            cache.mask[:, cache.width] = 1
+            logits = self._lean.step(last, cache.layers, cache.mask[:, : cache.width + 1], cache.positions, cache.width).float()
+            cache.width += 1
+            cache.positions += 1
         self.steps += 1
         self._sample(self._active, logits)
 

@@ -120,9 +120,11 @@ def wait_until(condition, timeout_s: float = TIMEOUT_S) -> None:
         time.sleep(0.001)
 
 
+@pytest.mark.parametrize("lean_decode", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_equal_a_full_forward_pass(model, prompts, temperature):
-    with engine_for(model, max_batch=4, max_prefill_per_step=2) as engine:
+def test_logprobs_equal_a_full_forward_pass(model, prompts, temperature, lean_decode):
+    with engine_for(model, max_batch=4, max_prefill_per_step=2, lean_decode=lean_decode) as engine:
+        assert (engine._lean is not None) == lean_decode
         futures = [engine.submit(p, SamplingParams(temperature=temperature, max_tokens=12 + i)) for i, p in enumerate(prompts)]
         gens = wait_all(futures, TIMEOUT_S)
     for prompt, gen in zip(prompts, gens, strict=True):
@@ -275,7 +277,8 @@ def test_the_session_cache_keeps_only_the_most_recent(model, prompts):
         assert engine.reused_tokens == len(prompts[2]) + len(gens[2].token_ids) - 1
 
 
-def test_continuous_batching_matches_one_at_a_time_greedy(model, prompts):
+@pytest.mark.parametrize("lean_decode", [True, False])
+def test_continuous_batching_matches_one_at_a_time_greedy(model, prompts, lean_decode):
     lengths = [5, 30, 9, 17, 3, 24, 12]
     # A stop token that greedy decoding reaches mid-way in some sequences but not all.
     free = [greedy_reference(model, p, n).token_ids for p, n in zip(prompts, lengths, strict=True)]
@@ -283,7 +286,7 @@ def test_continuous_batching_matches_one_at_a_time_greedy(model, prompts):
     expected = [greedy_reference(model, p, n, (stop,)) for p, n in zip(prompts, lengths, strict=True)]
     assert {"stop", "length"} == {g.finish_reason for g in expected}
 
-    with engine_for(model, max_batch=3, max_prefill_per_step=2) as engine:  # 7 requests: most wait for a slot
+    with engine_for(model, max_batch=3, max_prefill_per_step=2, lean_decode=lean_decode) as engine:  # 7 requests: most wait
         futures = [engine.submit(p, SamplingParams(temperature=0, max_tokens=n, stop_token_ids=(stop,)))
                    for p, n in zip(prompts, lengths, strict=True)]
         gens = wait_all(futures, TIMEOUT_S)
