@@ -56,6 +56,19 @@ def bench_run_true(config: SandboxConfig, n: int = 300) -> dict[str, float]:
     return {"run_true_ms_p50": p50, "run_true_ms_p99": p99}
 
 
+def bench_python_start(config: SandboxConfig, n: int = 100) -> dict[str, float]:
+    """`python3 -c pass` in a jail, and the same interpreter on the host with and without its
+    site-packages (`-S`): the jail hides them, so it should cost a jail plus the `-S` start."""
+    python = os.path.join(os.path.realpath(sys.base_prefix), "bin", "python3")
+    with Sandbox.create(FILES, config) as sb:
+        sb.run("python3 -c pass")
+        jail_p50, jail_p99 = percentiles(timed(lambda: sb.run("python3 -c pass"), n))
+    host_p50, _ = percentiles(timed(lambda: subprocess.run([python, "-c", "pass"]), n))
+    bare_p50, _ = percentiles(timed(lambda: subprocess.run([python, "-S", "-c", "pass"]), n))
+    return {"python_start_ms_p50": jail_p50, "python_start_ms_p99": jail_p99,
+            "host_python_start_ms_p50": host_p50, "host_python_start_no_site_ms_p50": bare_p50}
+
+
 def bench_baseline(n: int = 300) -> dict[str, float]:
     """The same operations without a sandbox, measured in this run so the numbers above are relative."""
     sub_p50, sub_p99 = percentiles(timed(lambda: subprocess.run(["true"]), n))
@@ -192,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     for step, fn in [
         ("create/destroy", lambda: bench_create_destroy(config)),
         ("run true", lambda: bench_run_true(config)),
+        ("python start", lambda: bench_python_start(config)),
         ("tools", lambda: bench_tools(config)),
         ("concurrent", lambda: bench_concurrent(config, args.concurrent)),
         ("leaks", lambda: bench_leaks(config, args.episodes)),

@@ -1,9 +1,10 @@
 """Isolated workspaces where agent-written code runs: one bubblewrap jail per command.
 
 Each `Sandbox` owns a workspace directory on the host. `Sandbox.run` starts `/bin/sh -c COMMAND`
-inside a fresh bubblewrap (bwrap) jail that sees the workspace read-write at `/workspace`,
-the system directories (`/usr`) and the Python interpreter (`sys.base_prefix`) read-only, and a
-private, size-capped `/tmp` and `/dev/shm` that vanish when the command ends. Nothing else of the
+inside a fresh bubblewrap (bwrap) jail that sees the workspace read-write at `/workspace`, the
+system directories (`/usr`) and the Python interpreter (`sys.base_prefix`, with its site-packages
+hidden: the standard library only) read-only, and a private, size-capped `/tmp` and `/dev/shm`
+that vanish when the command ends. Nothing else of the
 host is visible: no home directories, no project source, no other workspaces, no hidden tests.
 
 What it protects against (each has a test in tests/env/test_sandbox.py):
@@ -50,6 +51,7 @@ import secrets
 import select
 import shutil
 import signal
+import site
 import stat
 import subprocess
 import sys
@@ -364,6 +366,7 @@ class Sandbox:
             "--ro-bind-try", "/etc/alternatives", "/etc/alternatives",
             "--ro-bind-try", "/etc/localtime", "/etc/localtime",
             "--ro-bind", prefix_src, prefix,
+            *_hidden_site_packages(prefix),
             "--proc", "/proc",
             "--dev", "/dev",
             "--size", tmp_bytes, "--tmpfs", "/dev/shm",
@@ -695,6 +698,20 @@ def _interpreter_source(root: Path) -> tuple[str, str]:
         _mount(prefix, staged, None, _MS_BIND, None)
         _mount(prefix, staged, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, None)
     return str(staged), prefix
+
+
+@functools.cache
+def _hidden_site_packages(prefix: str) -> tuple[str, ...]:
+    """bwrap arguments that cover the interpreter's site-packages with empty read-only tmpfs mounts.
+
+    The jail's Python is the standard library only. The host interpreter's installed packages are
+    not part of any task, and their `.pth` files run code at every interpreter start: on one 2-core
+    host a hook importing `certifi` made each `python3` in a jail cost 58 ms of CPU instead of 16,
+    a quarter of a core in async RL rollouts (`bench/sandbox.py`: python_start)."""
+    args: list[str] = []
+    for path in sorted({os.path.realpath(p) for p in site.getsitepackages([prefix]) if os.path.isdir(p)}):
+        args += ["--size", "4096", "--tmpfs", path, "--remount-ro", path]
+    return tuple(args)
 
 
 def _traversable_by_others(path: str) -> bool:

@@ -3,8 +3,11 @@ result for the model, no effect on the host, and the sandbox still usable afterw
 
 from __future__ import annotations
 
+import json
 import os
+import site
 import socket
+import sys
 import time
 import tracemalloc
 
@@ -239,6 +242,23 @@ def test_host_files_outside_workspace_are_invisible(config: SandboxConfig, box: 
         assert box.run("ls /").output.split() == [
             "bin", "dev", "etc", "lib", "lib64", "proc", "root", "sbin", "tmp", "usr", "workspace"
         ]  # fmt: skip
+
+
+def test_the_jails_python_is_the_standard_library_without_host_packages(box: Sandbox):
+    """The host interpreter's site-packages (installed packages, `.pth` startup hooks) are hidden
+    behind empty read-only mounts; the standard library stays."""
+    host_site = [p for p in site.getsitepackages([os.path.realpath(sys.base_prefix)]) if os.path.isdir(p)]
+    assert host_site and any(os.listdir(p) for p in host_site)  # there is something to hide
+    script = "import json, site, os; print(json.dumps({p: os.listdir(p) for p in site.getsitepackages() if os.path.isdir(p)}))"
+    result = box.run(f"python3 -c '{script}'")
+    assert result.exit_code == 0, result.render()
+    seen = json.loads(result.output)
+    assert set(seen) == {os.path.realpath(p) for p in host_site} and all(v == [] for v in seen.values())
+    installed = next(n for p in host_site for n in sorted(os.listdir(p))  # a package the host can import
+                     if n.isidentifier() and n not in sys.stdlib_module_names and os.path.isfile(f"{p}/{n}/__init__.py"))
+    assert box.run(f"python3 -c 'import {installed}'").exit_code != 0
+    assert box.run(f"touch {host_site[0]}/planted.pth").exit_code != 0 and not os.path.exists(f"{host_site[0]}/planted.pth")
+    assert box.run("python3 -c 'import json, sqlite3, unittest'").exit_code == 0
 
 
 def test_writes_outside_workspace_fail(box: Sandbox):
