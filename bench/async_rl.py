@@ -33,6 +33,12 @@ slowest episode, and the engine idles while the learner trains).
    overlap little (`--no-engine-process` measures that). Episodes end at `--max-turns`,
    `--max-tokens-per-turn` and `--max-tokens` (8, 256, 4096 by default: the policy's episodes are
    then only mildly long-tailed, p99 about twice the median; 16, 1024 and 8192 lengthen the tail).
+   Each run reports its episodes' tail (`episodes`: wall seconds and generated tokens at p50, p90,
+   p99 and max, and what the slowest episode spent its time on) and the learner's wait per step.
+   The real tail is rare and large: an edit that makes the code hang costs each test run and the
+   grading their whole 10 s timeout (one episode of 384 took 49 s). A sync step waits for it; an
+   async one too once the learner is `--max-staleness` steps past the episode's group, so a single
+   run's ratio depends on whether, and in which mode, such an episode was drawn.
 3. budget: each mode trains for the same wall-clock budget (`--budget-s`), then both are
    evaluated on the same held-out tasks at temperature 0: `pass_rate_async`, `pass_rate_sync`,
    `pass_rate_start`; the async one is `pass_rate_after_budget`.
@@ -206,9 +212,33 @@ def run_mode(mode: str, orch_config: OrchestratorConfig, tasks, engine, learner,
                 f"staleness ≤{m['staleness_max']}, waited {m['wait_s']:.1f} s")
         seconds = time.perf_counter() - t0
         orch.close()
+        episodes = episode_tail(Path(run_dir) / "trajectories.jsonl")
     return {"seconds": seconds, "steps": len(history),
             "reward_by_step": [round(m["reward_mean"], 4) for m in history],
-            "staleness_max": max((m["staleness_max"] for m in history), default=0)}
+            "wait_s_by_step": [round(m["wait_s"], 2) for m in history],
+            "staleness_max": max((m["staleness_max"] for m in history), default=0),
+            "episodes": episodes}
+
+
+def episode_tail(path: Path) -> dict:
+    """How long-tailed the run's episodes were: wall seconds and generated tokens (p50, p90, p99,
+    max), and what the slowest episode spent its time on."""
+    trajectories = [json.loads(line)["trajectory"] for line in path.read_text().splitlines() if line.strip()]
+    if not trajectories:
+        return {"n": 0}
+
+    def quantiles(values: list[float]) -> dict[str, float]:
+        v = sorted(values)
+        return {q: round(v[min(len(v) - 1, int(f * len(v)))], 2) for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))} | {
+            "max": round(v[-1], 2)}
+
+    slowest = max(trajectories, key=lambda t: t["timings"].get("total_s", 0.0))
+    return {"n": len(trajectories),
+            "seconds": quantiles([t["timings"].get("total_s", 0.0) for t in trajectories]),
+            "generated_tokens": quantiles([sum(t["loss_mask"]) for t in trajectories]),
+            "slowest": {"task_id": slowest["task_id"], "status": slowest["status"], "turns": slowest["turns"],
+                        "generated_tokens": sum(slowest["loss_mask"]),
+                        **{k: round(v, 2) for k, v in slowest["timings"].items()}}}
 
 
 def every_admitted_episode(args, max_staleness: int | None = None) -> int:
