@@ -35,6 +35,10 @@ A fresh prompt's KV is kept (LRU) for the same weights; an identical prompt, in 
 or later, copies it and prefills only its last token (for its own first logits). 32 first turns of
 450 tokens in groups of 8 are admitted in a fifth of the time.
 
+Prefills run the model's `transformers` forward; decode steps of a Qwen3 or Qwen3-MoE model run
+`decode.LeanDecoder`, the same function in fewer and larger ops over the same KV buffers
+(`EngineConfig.lean_decode`; 1.32x on whole agent conversations on 2 cores).
+
 `Engine` is the small interface; `LocalEngine` implements it in-process, `ProcessEngine`
 (`flywheel.model.process_engine`) runs a LocalEngine in a child process. An OpenAI-compatible
 HTTP engine (vLLM, SGLang) can implement the same four methods.
