@@ -4,8 +4,8 @@ Each `Sandbox` owns a workspace directory on the host. `Sandbox.run` starts `/bi
 inside a fresh bubblewrap (bwrap) jail that sees the workspace read-write at `/workspace`, the
 system directories (`/usr`) and the Python interpreter (`sys.base_prefix`, with its site-packages
 hidden: the standard library only) read-only, and a private, size-capped `/tmp` and `/dev/shm`
-that vanish when the command ends. Nothing else of the
-host is visible: no home directories, no project source, no other workspaces, no hidden tests.
+that vanish when the command ends. Nothing else of the host is visible: no home directories, no
+project source, no other workspaces, no hidden tests.
 
 What it protects against (each has a test in tests/env/test_sandbox.py):
 - network use: the jail has its own network namespace with no interfaces; nothing, not even the
@@ -706,8 +706,8 @@ def _hidden_site_packages(prefix: str) -> tuple[str, ...]:
 
     The jail's Python is the standard library only. The host interpreter's installed packages are
     not part of any task, and their `.pth` files run code at every interpreter start: on one 2-core
-    host a hook importing `certifi` made each `python3` in a jail cost 58 ms of CPU instead of 16,
-    a quarter of a core in async RL rollouts (`bench/sandbox.py`: python_start)."""
+    host a hook importing `certifi` made each `python3` in a jail cost 58 ms of CPU instead of 28,
+    about a quarter of a core in async RL rollouts (`bench/sandbox.py`: python_start)."""
     args: list[str] = []
     for path in sorted({os.path.realpath(p) for p in site.getsitepackages([prefix]) if os.path.isdir(p)}):
         args += ["--size", "4096", "--tmpfs", path, "--remount-ro", path]

@@ -77,10 +77,12 @@ class LeanDecoder:
                 num, inter = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[1] // 2
                 fused.update(
                     router=mlp.gate.weight, top_k=mlp.gate.top_k, norm_topk=mlp.gate.norm_topk_prob, experts=num,
-                    inter=inter, expert_gate_up=experts.gate_up_proj, expert_down=experts.down_proj,  # [E, 2I, H], [E, H, I]
-                    gate_up=experts.gate_up_proj.reshape(num * 2 * inter, -1),  # [E*2I, H]: expert e's rows e*2I..
-                    # [H, E*I]: column e*I + i is expert e's down column i
-                    down=experts.down_proj.permute(1, 0, 2).reshape(experts.down_proj.shape[1], num * inter).contiguous())
+                    inter=inter, expert_gate_up=experts.gate_up_proj, expert_down=experts.down_proj)  # [E, 2I, H], [E, H, I]
+                if self.dense_experts:
+                    fused.update(
+                        gate_up=experts.gate_up_proj.reshape(num * 2 * inter, -1),  # [E*2I, H]: expert e's rows e*2I..
+                        # [H, E*I]: column e*I + i is expert e's down column i
+                        down=experts.down_proj.permute(1, 0, 2).reshape(experts.down_proj.shape[1], num * inter).contiguous())
             else:  # a dense MLP
                 fused.update(gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), down=mlp.down_proj.weight,
                              inter=mlp.gate_proj.weight.shape[0])

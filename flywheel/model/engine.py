@@ -503,16 +503,21 @@ class LocalEngine:
     def _forward(self, input_ids: torch.Tensor, cache: _BatchCache, positions: torch.Tensor,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
         """One model call appending to `cache`. input_ids, positions and mask (None: all real) [batch, new].
-        Returns the last logits [batch, vocab]."""
+        Returns the last logits [batch, vocab]. A decode step (one new token, all real) goes through
+        the lean decoder when there is one."""
         new = input_ids.shape[1]
         cache.reserve(new)
         cache.mask[:, cache.width : cache.width + new] = 1 if mask is None else mask
-        hf_cache = cache.hf_cache()
-        out = self.model(input_ids=input_ids, attention_mask=cache.mask[:, : cache.width + new], position_ids=positions,
-                         cache=hf_cache, use_cache=True, logits_to_keep=1)
+        if self._lean is not None and new == 1 and mask is None:  # a decode step
+            logits = self._lean.step(input_ids[:, 0], cache.layers, cache.mask[:, : cache.width + 1], positions[:, 0],
+                                     cache.width)
+        else:
+            out = self.model(input_ids=input_ids, attention_mask=cache.mask[:, : cache.width + new], position_ids=positions,
+                             cache=cache.hf_cache(), use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1, :]
         cache.width += new
         cache.positions += new if mask is None else mask.sum(-1)
-        return out.logits[:, -1, :].float()
+        return logits.float()
 
     def _prefill(self, rows: list[list[int]], kept: list[tuple[list[int], list]] | None = None
                  ) -> tuple[torch.Tensor, _BatchCache]:
@@ -621,17 +626,9 @@ class LocalEngine:
         _, self._cache = self._prefill([s.tokens[:-1] for s in self._active])
 
     def _decode(self) -> None:
-        cache = self._cache
-        assert cache is not None
-        last = torch.tensor([s.tokens[-1] for s in self._active], device=self._device)  # [batch]
-        if self._lean is None:
-            logits = self._forward(last.unsqueeze(1), cache, cache.positions.unsqueeze(1))
-        else:
-            cache.reserve(1)
-            cache.mask[:, cache.width] = 1
-            logits = self._lean.step(last, cache.layers, cache.mask[:, : cache.width + 1], cache.positions, cache.width).float()
-            cache.width += 1
-            cache.positions += 1
+        assert self._cache is not None
+        last = torch.tensor([[s.tokens[-1]] for s in self._active], device=self._device)  # [batch, 1]
+        logits = self._forward(last, self._cache, self._cache.positions.unsqueeze(1))
         self.steps += 1
         self._sample(self._active, logits)
 
