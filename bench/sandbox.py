@@ -21,7 +21,7 @@ from pathlib import Path
 
 from flywheel.env.families import generate
 from flywheel.env.sandbox import INTERPRETER_DIR, SANDBOX_UID, Sandbox, SandboxConfig
-from flywheel.env.tools import Toolbox, ToolCall
+from flywheel.env.tools import Toolbox, ToolCall, _rg
 
 FILES = {
     "main.py": "print('hi')\n",
@@ -102,15 +102,28 @@ def bench_concurrent(config: SandboxConfig, n: int = 256) -> dict[str, int | flo
 
 
 def sandbox_processes() -> int:
-    """Host processes running as the sandbox user."""
+    """Live host processes running as the sandbox user. Zombies do not count: a jail's exited inner
+    bwrap is reparented to init, which may reap it a second or two later; it runs nothing."""
     count = 0
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                count += os.stat(f"/proc/{name}").st_uid == SANDBOX_UID
-            except OSError:
+                if os.stat(f"/proc/{name}").st_uid != SANDBOX_UID:
+                    continue
+                with open(f"/proc/{name}/stat") as f:
+                    count += f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            except (OSError, IndexError):
                 continue
     return count
+
+
+def settled(count, wait_s: float = 2.0) -> int:
+    """`count()` once it reaches 0 or after `wait_s`: the last jail's processes are killed by the
+    kernel as its pid 1 exits, which can finish a few milliseconds after `close` returns."""
+    deadline = time.perf_counter() + wait_s
+    while (n := count()) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    return n
 
 
 def workspace_dirs(root: Path) -> set[str]:
@@ -135,7 +148,7 @@ def bench_leaks(config: SandboxConfig, episodes: int) -> dict[str, int | float]:
     return {
         "episodes": episodes,
         "episodes_per_s": round(episodes / (time.perf_counter() - t0), 1),
-        "leaked_processes": max(0, sandbox_processes() - procs_before),
+        "leaked_processes": max(0, settled(sandbox_processes) - procs_before),
         "leaked_dirs": len(workspace_dirs(root) - dirs_before),
         "leaked_mounts": mounts,
     }
@@ -174,7 +187,7 @@ def bench_tools(config: SandboxConfig, n: int = 200) -> dict:
         host = box.resolve(path)
         baseline = {
             "read_text": percentiles(timed(host.read_text, n))[0],
-            "rg_process": percentiles(timed(lambda: subprocess.run(["rg", "-j1", "-n", rf"\b{symbol}\b",
+            "rg_process": percentiles(timed(lambda: subprocess.run([_rg(), "-j1", "-n", rf"\b{symbol}\b",
                                                                     str(box.workspace)], capture_output=True), n))[0],
         }
         turn = [
