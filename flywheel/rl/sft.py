@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -34,6 +34,10 @@ from flywheel.agent.episode import tool_turn, user_turn
 class SFTConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     epochs: float = 3.0
+    # Optimizer steps, in place of epochs (the cosine ends with them). A number of steps, not a
+    # time budget, fixes what a run learns: the same config and seed give the same weights on a
+    # fast machine and a slow one, only later.
+    steps: int | None = Field(default=None, gt=0)
     lr: float = 5e-3  # high for a tiny model trained for minutes; lower it for real checkpoints
     warmup_steps: int = 20
     weight_decay: float = 0.0
@@ -218,13 +222,14 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
     weighted = [loss_weights(t, m, config, rare, free=shared + 1)[p:] for t, m in kept]
     kept = [(t[p:], m[p:]) for t, m in kept]
     batches = pack_batches([len(t) for t, _ in kept], config.batch_tokens, rng)
-    total_steps = max(1, math.ceil(len(batches) * config.epochs))
+    total_steps = config.steps or max(1, math.ceil(len(batches) * config.epochs))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     start = time.perf_counter()
 
     def progress(step: int) -> float:
         """How far through training: by steps, or by the time budget if that runs out first, so
-        a run cut by the budget still ends its cosine at a low learning rate."""
+        a run cut by the budget still ends its cosine at a low learning rate (and learns less on
+        a slower machine: `SFTConfig.steps` is the budget that does not depend on speed)."""
         by_time = (time.perf_counter() - start) / time_budget_s if time_budget_s else 0.0
         return min(1.0, max(step / total_steps, by_time))
 
@@ -271,6 +276,7 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
     tail = losses[-max(1, len(losses) // 10):]
     return {
         "sft_steps": float(len(losses)),
+        "sft_steps_planned": float(total_steps),
         "sft_loss_final": sum(tail) / len(tail) if tail else float("nan"),
         "sft_loss_first": losses[0] if losses else float("nan"),
         "sft_tokens_per_s": tokens_seen / max(elapsed, 1e-9),

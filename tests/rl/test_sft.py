@@ -146,3 +146,28 @@ def test_sharing_the_prompt_leaves_the_context_loss_as_it_is():
                            context_loss_weight=1.0, copy_weight=3.0)
         first[share] = train_sft(model, examples, config, tokenizer.pad_token_id)["sft_loss_first"]
     assert first[True] == pytest.approx(first[False], abs=1e-4)
+
+
+def test_a_step_budget_learns_the_same_weights_on_a_slow_machine(monkeypatch):
+    """`SFTConfig.steps` fixes the schedule and the number of updates: a machine whose clock runs 100
+    s per step learns exactly what a fast one does. A time budget on that machine stops early."""
+    tokenizer = train_tokenizer(["<tool_call>\n{\"name\": \"list_dir\", \"arguments\": {}}\n</tool_call>"] * 20, vocab_size=300)
+    ids = tokenizer("Look.<tool_call>\n{\"name\": \"list_dir\", \"arguments\": {}}\n</tool_call>")["input_ids"]
+    examples = [(ids, [0] * 3 + [1] * (len(ids) - 3))] * 8
+    config = SFTConfig(steps=12, lr=1e-2, warmup_steps=1, batch_tokens=len(ids) * 2)
+
+    def trained(time_budget_s: float | None = None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                                        num_experts=4, experts_per_token=2, moe_intermediate_size=32, seed=3), tokenizer)
+        metrics = train_sft(model, examples, config, tokenizer.pad_token_id, time_budget_s=time_budget_s)
+        return metrics, {k: v.clone() for k, v in model.state_dict().items()}
+
+    fast_metrics, fast = trained()
+    clock = iter(range(0, 10**6, 100))  # every reading of the clock 100 s after the last
+    monkeypatch.setattr("flywheel.rl.sft.time.perf_counter", lambda: float(next(clock)))
+    slow_metrics, slow = trained()
+    assert fast_metrics["sft_steps"] == slow_metrics["sft_steps"] == fast_metrics["sft_steps_planned"] == 12
+    assert all(torch.equal(fast[k], slow[k]) for k in fast)
+    budget_metrics, budgeted = trained(time_budget_s=450.0)  # the same machine under a time budget
+    assert budget_metrics["sft_steps"] < 12
+    assert not all(torch.equal(fast[k], budgeted[k]) for k in fast)
