@@ -85,7 +85,10 @@ def run_eval(config: TrainConfig, engine: Engine, tokenizer, pool: SandboxPool) 
 
 
 def step_line(m: dict[str, Any]) -> str:
-    return (f"step {m['step']:>3}  v{m['version']}  reward {m['reward_mean']:+.3f}  pass {m['pass_rate']:.2f}  "
+    # pass: every episode completed since the last step; trained: the batch's (dynamic sampling
+    # leaves out all-pass groups, so it reads lower)
+    return (f"step {m['step']:>3}  v{m['version']}  reward {m['reward_mean']:+.3f}  "
+            f"pass {m['rollout_pass_rate']:.2f} (trained {m['pass_rate']:.2f})  "
             f"{m.get('tokens_per_s', 0.0):,.0f} tok/s  staleness ≤{m['staleness_max']}  "
             f"wait {m['wait_s']:.1f}s train {m['train_s']:.1f}s  filtered {m['filtered_groups']}")
 

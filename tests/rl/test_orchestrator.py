@@ -224,6 +224,21 @@ def test_zero_signal_groups_are_counted_and_replaced(tmp_path, tasks, tokenizer,
     assert metrics["zero_signal_groups"] >= 2 and metrics["filtered_groups"] == 0
 
 
+def test_the_rollout_pass_rate_counts_the_groups_dynamic_sampling_drops(tmp_path, tasks, tokenizer, pool):
+    # Groups of two that mostly solve: all-pass groups carry no signal and are filtered, so every
+    # trained group is one pass and one failure (trained pass rate 0.5) while most episodes pass.
+    engine = RandomLatencyEngine(tokenizer, tasks, seed=5, solve_rate=0.8)
+    with Orchestrator(config(max_steps=4, zero_signal_patience=20), tasks, engine, RecordingLearner(), tokenizer, pool,
+                      tmp_path) as orch:
+        history = orch.train()
+    assert all(m["pass_rate"] == 0.5 for m in history)
+    seen = sum(m["rollout_episodes"] for m in history)
+    passed_seen = sum(m["rollout_pass_rate"] * m["rollout_episodes"] for m in history)
+    assert seen >= sum(m["episodes_trained"] for m in history)  # each trained group was counted once, when it completed
+    assert all(m["rollout_episodes"] % 2 == 0 for m in history)  # whole groups
+    assert history[-1]["filtered_groups"] > 0 and passed_seen / seen > 0.6
+
+
 def test_turn_credit_trains_tied_groups_on_their_broken_calls_only(tmp_path, tasks, tokenizer, pool):
     # Nobody solves, so outcomes are tied; some turns call a tool that does not exist.
     engine = RandomLatencyEngine(tokenizer, tasks, seed=3, solve_rate=0.0, broken_rate=0.5)
