@@ -309,9 +309,10 @@ class Orchestrator:
             if not g.complete or g.signal_checked:
                 continue
             g.signal_checked = True
-            self._rollouts["episodes"] += len(g.trajectories())
-            self._rollouts["passed"] += sum(passed(t) for t in g.trajectories())
-            if not self.config.advantages.has_signal(g.trajectories()):
+            trajectories = g.trajectories()
+            self._rollouts["episodes"] += len(trajectories)
+            self._rollouts["passed"] += sum(passed(t) for t in trajectories)
+            if not self.config.advantages.has_signal(trajectories):
                 self._counts["zero_signal_groups"] += 1
                 if self.config.filter_zero_signal:
                     self._counts["filtered_groups"] += 1
