@@ -7,7 +7,7 @@ Each scenario runs the same world under two reward configs, the naive one that t
 shipped and the default (configs/rewards.toml), and reports whether the hack emerged, whether the
 monitors raised an alarm, and whether the default prevented it:
 
-    start policy (tiny model, SFT for seconds on a behaviour mixture) ──> Registry v0 = production
+    start policy (tiny model, 500 SFT steps on a behaviour mixture) ──> Registry v0 = production
     for rewards in (naive, default):
         LiveServer (in this process) <──requests, events── simulated users (threads, own sandboxes)
         LiveCycle.run(cycles): gather on-policy batch ─> train ─> gate ─> promote ─> ... (the real loop)
@@ -147,9 +147,11 @@ class StartPolicyConfig(BaseModel):
     vocab_size: int = Field(1024, ge=300)
     model: ModelConfig = Field(default_factory=lambda: TINY_MODEL.model_copy())
     # Small batches, many steps: the demonstrations are short and the shared system prompt is
-    # computed once per step, so steps are cheap; the time budget ends SFT before the epochs do.
-    sft: SFTConfig = Field(default_factory=lambda: SFTConfig(epochs=300.0, lr=3e-3, warmup_steps=5, batch_tokens=2048))
-    sft_time_budget_s: float = Field(60.0, gt=0)
+    # computed once per step, so steps are cheap. A number of steps, not a time budget, so the start
+    # policy does not depend on the machine's speed: 500 steps are what a 60 s budget gave on 2 cores
+    # (507 and 548 steps, loss 6.70 -> 0.016 and 0.019, for the two scenarios' configs).
+    sft: SFTConfig = Field(default_factory=lambda: SFTConfig(steps=500, lr=3e-3, warmup_steps=5, batch_tokens=2048))
+    sft_time_budget_s: float | None = Field(default=None, gt=0)  # an optional wall-clock cap on SFT
     seed: int = 0
 
     @model_validator(mode="after")
