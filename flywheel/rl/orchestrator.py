@@ -3,7 +3,7 @@
     rollout workers (threads, `concurrency` episodes at once)          learner (the caller's thread)
     ┌──────────────────────────────────────────────────────┐         ┌────────────────────────────────┐
     │ wait: admission (unconsumed groups < admit_limit)     │         │ wait: ≥ B complete groups with  │
-    │ run_episode × G on one task ── Engine ── Sandbox      │ ──────> │  signal, and no unfinished group │
+    │ run_episode × G on one task (or k siblings) ── Engine │ ──────> │  signal, and no unfinished group │
     │ each turn: EpisodeState -> run/inflight/ (resumable)  │ buffer  │  that would exceed max_staleness │
     │ done: Trajectory appended to run/trajectories.jsonl   │         │ advantages -> Learner.train_step │
     └──────────────────────────────────────────────────────┘         │ Engine.update_weights(w, v+1) ──┐│
@@ -30,7 +30,7 @@ cannot form a batch for `stall_timeout_s`, and a weight update that is not appli
 `weight_update_timeout_s` each raise `OrchestratorStalled` naming what was waited for.
 
 Durable runs (`run_dir`):
-- `groups.jsonl`       every group when it starts (id, task, version)
+- `groups.jsonl`       every group when it starts (id, its task or sibling tasks, version)
 - `trajectories.jsonl` every finished episode the moment it arrives, failed ones too
 - `inflight/*.json`    the latest `EpisodeState` of each unfinished episode (written atomically)
 - `state/`             learner weights + optimizer + which groups were trained on, every
@@ -77,7 +77,14 @@ from flywheel.rl.learner import Learner
 class OrchestratorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mode: Literal["async", "sync"] = "async"
-    group_size: int = 8  # G episodes per task; their rewards are compared to each other
+    group_size: int = 8  # G episodes per group; their rewards are compared to each other
+    # Tasks per group: 1 is GRPO's group (G samples of one task). k > 1 spreads the G episodes over
+    # k sibling tasks (same family and template: one request, different hidden details), so the
+    # baseline is the template's. A policy that answers every sibling alike then still gets signal
+    # wherever the siblings' tests disagree, e.g. an `ambiguous` policy that writes the variant
+    # it prefers whatever the user's answer said: one-task groups reward that guess when it happens
+    # to match and drop the group when all G guesses tie.
+    tasks_per_group: int = 1
     groups_per_step: int = 4  # B complete groups make one learner step
     # How many versions a token may lag the learner when it is trained on. Higher values keep the
     # engine busy through long-tailed episodes (better throughput) at the cost of off-policy noise
@@ -110,6 +117,9 @@ class OrchestratorConfig(BaseModel):
                              "set group_size ≥ 2 or filter_zero_signal=false")
         if self.max_staleness < 0:
             raise ValueError("max_staleness must be ≥ 0 (0 is on-policy)")
+        if self.tasks_per_group < 1 or self.group_size % self.tasks_per_group:
+            raise ValueError(f"group_size {self.group_size} must be a multiple of tasks_per_group "
+                             f"{self.tasks_per_group} (each sibling task gets the same number of episodes)")
         if self.concurrency < self.group_size:
             raise ValueError(f"concurrency {self.concurrency} < group_size {self.group_size}: a group could never run "
                              "whole; raise --set concurrency")
@@ -136,7 +146,7 @@ class _Stopped(Exception):
 @dataclass
 class _Group:
     id: str
-    task: Task
+    tasks: tuple[Task, ...]  # one, or sibling tasks (`tasks_per_group`), each run size / len(tasks) times
     start_version: int
     size: int
     results: dict[int, Trajectory] = field(default_factory=dict)  # member index -> trajectory
@@ -147,6 +157,9 @@ class _Group:
     def order(self) -> int:
         """The n of `g<n>`: groups are started in this order, and the engine serves older ones first."""
         return int(self.id[1:])
+
+    def task(self, member: int) -> Task:
+        return self.tasks[member * len(self.tasks) // self.size]
 
     @property
     def complete(self) -> bool:
@@ -232,6 +245,9 @@ class Orchestrator:
         self.tokenizer, self.pool, self.on_step = tokenizer, pool, on_step
         self.run = RunFolder(Path(run_dir))
         self._tasks_by_id = {t.id: t for t in self.tasks}
+        self._siblings: dict[tuple[str, object], list[Task]] = {}
+        for t in self.tasks:
+            self._siblings.setdefault(_sibling_key(t), []).append(t)
         self._cond = threading.Condition()
         self._groups: dict[str, _Group] = {}  # started, not yet consumed
         self._next_group = 0  # groups started so far, also the task cursor
@@ -366,11 +382,12 @@ class Orchestrator:
     def _admit(self) -> None:
         """Start groups while fewer than the admission limit are unconsumed. Caller holds the lock."""
         while not self._closed and len(self._groups) < self.config.admit_limit:
-            task = self._task(self._next_group)
-            group = _Group(f"g{self._next_group}", task, self.learner.version, self.config.group_size)
+            tasks = self._group_tasks(self._next_group)
+            group = _Group(f"g{self._next_group}", tasks, self.learner.version, self.config.group_size)
             self._next_group += 1
             self._groups[group.id] = group
-            self.run.append("groups.jsonl", {"group": group.id, "task": task.id, "version": group.start_version})
+            self.run.append("groups.jsonl", {"group": group.id, "task": tasks[0].id, "tasks": [t.id for t in tasks],
+                                             "version": group.start_version})
             for i in range(group.size):
                 self._launch(group, i, None)
 
@@ -385,6 +402,18 @@ class Orchestrator:
             random.Random(self.config.seed * 1_000_003 + rounds).shuffle(order)
             self._order = (rounds, order)
         return self.tasks[self._order[1][i]]
+
+    def _group_tasks(self, n: int) -> tuple[Task, ...]:
+        """The tasks of the n-th group: the n-th task (`_task`), then `tasks_per_group - 1` of its
+        siblings, other tasks where the task set has enough (a function of n alone, as `_task` is)."""
+        first = self._task(n)
+        k = self.config.tasks_per_group
+        if k == 1:
+            return (first,)
+        rng = random.Random(f"siblings/{self.config.seed}/{n}")
+        others = [t for t in self._siblings[_sibling_key(first)] if t.id != first.id] or [first]
+        picked = rng.sample(others, k - 1) if len(others) >= k - 1 else [rng.choice(others) for _ in range(k - 1)]
+        return (first, *picked)
 
     def _launch(self, group: _Group, index: int, state: EpisodeState | None) -> None:
         group.running[index] = time.monotonic()
@@ -401,7 +430,7 @@ class Orchestrator:
                     raise _Stopped
 
         try:
-            traj = run_episode(group.task, self.engine, self.tokenizer, self.pool, self.config.episode,
+            traj = run_episode(group.task(index), self.engine, self.tokenizer, self.pool, self.config.episode,
                                group_id=group.id, resume=state, on_turn=saved, priority=group.order)
         except _Stopped:
             return
@@ -427,7 +456,7 @@ class Orchestrator:
             for i, since in g.running.items():
                 if now - since > self.config.episode_timeout_s:
                     raise OrchestratorStalled(
-                        f"episode {g.id}/{i} ({g.task.id}) made no progress for {now - since:.0f} s "
+                        f"episode {g.id}/{i} ({g.task(i).id}) made no progress for {now - since:.0f} s "
                         f"(episode_timeout_s={self.config.episode_timeout_s:.0f}); {self._describe()}")
 
     def _describe(self) -> str:
@@ -466,11 +495,16 @@ class Orchestrator:
             for record in started:
                 if record["group"] in consumed:
                     continue
-                task = self._tasks_by_id.get(record["task"])
-                if task is None:
-                    raise ValueError(f"run {self.run.root} trained on task {record['task']}, which is not in this task "
+                ids = record.get("tasks", [record["task"]])
+                missing = [i for i in ids if i not in self._tasks_by_id]
+                if missing:
+                    raise ValueError(f"run {self.run.root} trained on task {missing[0]}, which is not in this task "
                                      "set; resume with the same task config")
-                group = _Group(record["group"], task, record["version"], self.config.group_size)
+                if self.config.group_size % len(ids):
+                    raise ValueError(f"run {self.run.root} started groups of {len(ids)} tasks; resume with the same "
+                                     "group_size and tasks_per_group")
+                group = _Group(record["group"], tuple(self._tasks_by_id[i] for i in ids), record["version"],
+                               self.config.group_size)
                 self._groups[group.id] = group
                 for i in range(group.size):
                     episode_id = f"{group.id}/{i}"
@@ -496,3 +530,8 @@ class Orchestrator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _sibling_key(task: Task) -> tuple[str, object]:
+    """Tasks with the same key are siblings: one family, one template (the function they are about)."""
+    return task.family, task.metadata.extra.get("template")

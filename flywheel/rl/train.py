@@ -123,7 +123,8 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
             elif config.eval_at_start:
                 record_eval(run_eval(config, engine, tokenizer, pool), 0)
             log(f"training v{learner.version} on {len(tasks)} tasks: {config.orchestrator.mode}, "
-                f"G={config.orchestrator.group_size}, B={config.orchestrator.groups_per_step}, "
+                f"G={config.orchestrator.group_size} over {config.orchestrator.tasks_per_group} task(s), "
+                f"B={config.orchestrator.groups_per_step}, "
                 f"max_staleness={config.orchestrator.staleness_bound}")
             while orchestrator.step < config.orchestrator.max_steps:
                 if config.time_budget_s is not None and time.perf_counter() - start > config.time_budget_s:

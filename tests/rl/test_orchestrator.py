@@ -239,6 +239,43 @@ def test_the_rollout_pass_rate_counts_the_groups_dynamic_sampling_drops(tmp_path
     assert history[-1]["filtered_groups"] > 0 and passed_seen / seen > 0.6
 
 
+def test_sibling_groups_give_signal_to_a_policy_that_answers_every_sibling_alike(tmp_path, tokenizer, pool):
+    # The engine knows the answer to one task per template and answers the others with no edit,
+    # the way a policy that ignores the detail that tells siblings apart would. Each task alone
+    # always gets the same reward: one-task groups have no signal; groups of siblings do.
+    tasks = generate("ambiguous", "train", 12, seed=11, difficulty=1)
+    known = list({t.metadata.extra["template"]: t for t in reversed(tasks)}.values())
+    solo = config(max_steps=1, zero_signal_patience=2)
+    with Orchestrator(solo, tasks, RandomLatencyEngine(tokenizer, known, seed=1, solve_rate=1.0), RecordingLearner(),
+                      tokenizer, pool, tmp_path / "solo") as orch:
+        with pytest.raises(OrchestratorStalled, match="had equal rewards"):
+            orch.train()
+    learner = RecordingLearner()
+    siblings = config(max_steps=2, tasks_per_group=2, zero_signal_patience=5)
+    with Orchestrator(siblings, tasks, RandomLatencyEngine(tokenizer, known, seed=1, solve_rate=1.0), learner,
+                      tokenizer, pool, tmp_path / "siblings") as orch:
+        orch.train()
+    by_id = {t.id: t for t in tasks}
+    started = [json.loads(line) for line in (tmp_path / "siblings" / "groups.jsonl").read_text().splitlines()]
+    for record in started:
+        first, second = (by_id[i] for i in record["tasks"])
+        assert record["task"] == first.id and first.metadata.extra["template"] == second.metadata.extra["template"]
+    assert any(len(set(r["tasks"])) == 2 for r in started)
+    trained = {json.loads(line)["trajectory"]["task_id"]
+               for line in (tmp_path / "siblings" / "trajectories.jsonl").read_text().splitlines()}
+    for batch in learner.batches:
+        assert batch["advantages"] and all(a != 0 for a in batch["advantages"])  # a known task against its sibling
+    assert trained - {t.id for t in known}  # the siblings ran too
+    resumed = Orchestrator(siblings, tasks, RandomLatencyEngine(tokenizer, known), RecordingLearner(), tokenizer, pool,
+                           tmp_path / "siblings")
+    with resumed:
+        assert resumed.resume() and resumed._groups  # the groups started but not trained on
+        assert {g.id: [t.id for t in g.tasks] for g in resumed._groups.values()} == {
+            r["group"]: r["tasks"] for r in started if r["group"] in resumed._groups}
+    with pytest.raises(ValueError, match="multiple of tasks_per_group"):
+        config(group_size=3, tasks_per_group=2)
+
+
 def test_turn_credit_trains_tied_groups_on_their_broken_calls_only(tmp_path, tasks, tokenizer, pool):
     # Nobody solves, so outcomes are tied; some turns call a tool that does not exist.
     engine = RandomLatencyEngine(tokenizer, tasks, seed=3, solve_rate=0.0, broken_rate=0.5)
