@@ -228,15 +228,16 @@ def test_the_rollout_pass_rate_counts_the_groups_dynamic_sampling_drops(tmp_path
     # Groups of two that mostly solve: all-pass groups carry no signal and are filtered, so every
     # trained group is one pass and one failure (trained pass rate 0.5) while most episodes pass.
     engine = RandomLatencyEngine(tokenizer, tasks, seed=5, solve_rate=0.8)
-    with Orchestrator(config(max_steps=4, zero_signal_patience=20), tasks, engine, RecordingLearner(), tokenizer, pool,
+    with Orchestrator(config(max_steps=6, zero_signal_patience=20), tasks, engine, RecordingLearner(), tokenizer, pool,
                       tmp_path) as orch:
         history = orch.train()
     assert all(m["pass_rate"] == 0.5 for m in history)
     seen = sum(m["rollout_episodes"] for m in history)
-    passed_seen = sum(m["rollout_pass_rate"] * m["rollout_episodes"] for m in history)
+    passed_seen = sum(m["rollout_pass_rate"] * m["rollout_episodes"] for m in history if m["rollout_episodes"])
     assert seen >= sum(m["episodes_trained"] for m in history)  # each trained group was counted once, when it completed
     assert all(m["rollout_episodes"] % 2 == 0 for m in history)  # whole groups
-    assert history[-1]["filtered_groups"] > 0 and passed_seen / seen > 0.6
+    # Above the trained batches' 0.5 (the engine's draws depend on thread timing, so 0.8 is only an expectation)
+    assert history[-1]["filtered_groups"] > 0 and passed_seen / seen > 0.55, (passed_seen, seen)
 
 
 def test_sibling_groups_give_signal_to_a_policy_that_answers_every_sibling_alike(tmp_path, tokenizer, pool):
