@@ -533,5 +533,6 @@ class Orchestrator:
 
 
 def _sibling_key(task: Task) -> tuple[str, object]:
-    """Tasks with the same key are siblings: one family, one template (the function they are about)."""
+    """Tasks with the same key are siblings: one family, one template (the function they are about).
+    Tasks whose family records no template (`metadata.extra["template"]`) are siblings of their whole family."""
     return task.family, task.metadata.extra.get("template")
