@@ -144,7 +144,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     print(f"v{checkpoint.version} on {len(tasks)} {args.split} tasks: pass rate {report['pass_rate']:.3f} "
           f"[{report['pass_rate_ci'][0]:.3f}, {report['pass_rate_ci'][1]:.3f}], valid tool calls "
-          f"{report['valid_tool_call_rate']:.3f}, mean turns {report['mean_turns']:.1f}, mean tokens {report['mean_tokens']:.0f}")
+          f"{report['valid_tool_call_rate']:.3f} (failed {report['failed_tool_call_rate']:.3f}), mean turns {report['mean_turns']:.1f}, mean tokens {report['mean_tokens']:.0f}")
     for family, row in report["per_family"].items():
         lo, hi = row["pass_rate_ci"]
         at_k = f"  pass@{row['samples_per_task']} {row['pass_at_k']:.3f}" if "pass_at_k" in row else ""

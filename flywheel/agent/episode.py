@@ -105,6 +105,7 @@ class EpisodeState(BaseModel):
     invalid_streak: int
     asked_question: bool
     broken_turns: list[tuple[int, int, int]] = Field(default_factory=list)
+    failed_turns: list[tuple[int, int, int]] = Field(default_factory=list)
     workspace: dict[str, str]  # path -> base64 of the file's bytes (exact for any content)
     timings: dict[str, float] = Field(default_factory=dict)
 
@@ -121,6 +122,7 @@ class _Recorder:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.broken_turns: list[tuple[int, int, int]] = []  # [start, end, invalid calls] of generated turns
+        self.failed_turns: list[tuple[int, int, int]] = []  # [start, end, failed calls]: valid calls the tool refused
 
     def context(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -137,6 +139,10 @@ class _Recorder:
     def broken(self, turn_start: int, invalid_calls: int) -> None:
         """The turn generated from `turn_start` to the end so far made `invalid_calls` invalid calls."""
         self.broken_turns.append((turn_start, len(self.tokens), invalid_calls))
+
+    def failed(self, turn_start: int, failed_calls: int) -> None:
+        """The turn generated from `turn_start` to the end so far made `failed_calls` valid calls that failed."""
+        self.failed_turns.append((turn_start, len(self.tokens), failed_calls))
 
 
 def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, pool: SandboxPool,
@@ -163,7 +169,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
             raise ValueError(f"episode state is for task {resume.task_id}, not {task.id}")
         rec.tokens, rec.mask = list(resume.tokens), list(resume.loss_mask)
         rec.logprobs, rec.versions = list(resume.logprobs), list(resume.versions)
-        rec.broken_turns = list(resume.broken_turns)
+        rec.broken_turns, rec.failed_turns = list(resume.broken_turns), list(resume.failed_turns)
         prompt_len, files, group_id = resume.prompt_len, resume.files(), resume.group_id or group_id
         turns, n_calls, n_invalid = resume.turns, resume.tool_calls, resume.invalid_tool_calls
         invalid_streak, asked = resume.invalid_streak, resume.asked_question
@@ -181,7 +187,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
             task_id=task.id, group_id=group_id, tokens=rec.tokens, loss_mask=rec.mask, logprobs=rec.logprobs,
             versions=rec.versions, prompt_len=prompt_len, turns=turns, tool_calls=n_calls, invalid_tool_calls=n_invalid,
             invalid_streak=invalid_streak, asked_question=asked, broken_turns=rec.broken_turns,
-            timings=dict(timings, total_s=earlier_s + time.perf_counter() - start),
+            failed_turns=rec.failed_turns, timings=dict(timings, total_s=earlier_s + time.perf_counter() - start),
             workspace={p: base64.b64encode(d).decode() for p, d in snap.files.items()},
         ))
 
@@ -224,6 +230,9 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                 n_invalid += invalid
                 if invalid:
                     rec.broken(turn_start, invalid)
+                failed = sum(c.valid and not r.ok for c, r in zip(calls, results, strict=True))
+                if failed:
+                    rec.failed(turn_start, failed)
                 invalid_streak = invalid_streak + 1 if invalid == len(calls) else 0
                 if any(c.valid and c.name == "finish" for c in calls):
                     status = Status.FINISHED
@@ -258,5 +267,5 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
         task_id=task.id, family=task.family, tokens=rec.tokens, loss_mask=rec.mask, logprobs=rec.logprobs,
         versions=rec.versions, prompt_len=prompt_len, status=status, reward=reward - penalty, reward_parts=parts,
         turns=turns, tool_calls=n_calls, invalid_tool_calls=n_invalid, asked_question=asked,
-        broken_turns=rec.broken_turns, timings=timings, group_id=group_id, error=error,
+        broken_turns=rec.broken_turns, failed_turns=rec.failed_turns, timings=timings, group_id=group_id, error=error,
     )

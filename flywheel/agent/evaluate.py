@@ -84,6 +84,7 @@ def _summarize(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         },
         "valid_tool_call_rate": (calls - invalid) / calls if calls else 0.0,
         "tool_calls": calls,
+        "failed_tool_call_rate": sum(t.failed_tool_calls for t in trajectories) / calls if calls else 0.0,  # valid calls the tool refused
         "mean_turns": sum(t.turns for t in trajectories) / n if n else 0.0,
         "mean_tokens": sum(len(t.tokens) for t in trajectories) / n if n else 0.0,
         "mean_generated_tokens": sum(t.generated_tokens for t in trajectories) / n if n else 0.0,

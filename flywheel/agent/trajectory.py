@@ -8,7 +8,10 @@ Per-token arrays all have the length of `tokens`:
 `broken_turns` says which generated tokens made the invalid tool calls: one `[start, end, calls]`
 per assistant turn that held at least one invalid call, `tokens[start:end]` being that turn and
 `calls` how many of its calls were invalid. The Learner can put the broken-call penalty on those
-tokens alone (`flywheel.rl.advantages`, `broken_calls = "turn"`).
+tokens alone (`flywheel.rl.advantages`, `broken_calls = "turn"`). `failed_turns` does the same for
+calls that were well formed but failed: the tool answered with an error (a missing file, an `old`
+snippet that is not in the file). They cost nothing in the reward; `failed_call_cost` in
+`flywheel.rl.advantages` can charge them to their turn.
 
 The record lives in `agent/` (not `rl/`, as DESIGN.md first placed it) because the episode runner
 produces it and `agent` may not import `rl`; the Learner and Orchestrator import it from here.
@@ -45,6 +48,7 @@ class Trajectory(BaseModel):
     invalid_tool_calls: int
     asked_question: bool  # replied to the user instead of calling a tool at least once
     broken_turns: list[tuple[int, int, int]] = Field(default_factory=list)  # [start, end, invalid calls] per turn that had any
+    failed_turns: list[tuple[int, int, int]] = Field(default_factory=list)  # [start, end, failed calls]: valid calls the tool refused
     timings: dict[str, float] = Field(default_factory=dict)
     group_id: str = ""  # episodes of one task sampled together (GRPO group)
     error: str = ""  # what went wrong, for sandbox_error / aborted
@@ -55,15 +59,21 @@ class Trajectory(BaseModel):
         for name in ("loss_mask", "logprobs", "versions"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"trajectory {self.task_id}: {name} has {len(getattr(self, name))} entries, tokens {n}")
-        for start, end, calls in self.broken_turns:
-            if not (0 <= start < end <= n) or calls < 1 or not all(self.loss_mask[start:end]):
-                raise ValueError(f"trajectory {self.task_id}: broken turn [{start}, {end}, {calls}] is not a span of "
-                                 f"generated tokens within its {n} tokens with at least one invalid call")
+        for kind, spans in (("broken", self.broken_turns), ("failed", self.failed_turns)):
+            for start, end, calls in spans:
+                if not (0 <= start < end <= n) or calls < 1 or not all(self.loss_mask[start:end]):
+                    raise ValueError(f"trajectory {self.task_id}: {kind} turn [{start}, {end}, {calls}] is not a span "
+                                     f"of generated tokens within its {n} tokens with at least one {kind} call")
         return self
 
     @property
     def generated_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    @property
+    def failed_tool_calls(self) -> int:
+        """Valid calls whose tool answered with an error (those `failed_turns` records)."""
+        return sum(calls for _, _, calls in self.failed_turns)
 
     def version_span(self) -> tuple[int, int]:
         """(oldest, newest) policy version among generated tokens."""

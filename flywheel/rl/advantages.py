@@ -32,6 +32,16 @@ With `episode`, a group whose episodes all failed and differ only by their broke
 the episodes that did less: shorter, fewer calls. With `turn` the same group teaches "do not emit
 that call" and nothing about the rest; the penalty is still paid, never dropped.
 
+A call can also be well formed and fail: the tool answers with an error (`edit_file` on a path that
+does not exist, an `old` snippet that is not in the file). Such calls are not in the reward; an
+episode that recovers from one loses nothing. `failed_call_cost` > 0 charges each of them to the
+turn that made it, as a negative advantage on that turn's tokens (`Trajectory.failed_turns`). It is
+credit inside the episode, where the group baseline gives one number to all of it: the tiny
+bootstrap's failing episodes repeat a failed edit turn after turn (33 of 96 held-out episodes ran
+out of turns that way, 5 failed calls each on average; the 49 that passed made none), and with
+`failed_call_cost` every such turn is pushed down on its own, also in groups whose outcomes tie.
+A group with a failed call then has signal (`has_signal`).
+
 Departures from the papers:
 - GRPO (Shao et al. 2024) divides by the group's standard deviation; we use the sample standard
   deviation (Bessel's correction), as TRL and verl do.
@@ -72,6 +82,7 @@ class AdvantageConfig(BaseModel):
     scale_by_std: bool = True  # grpo only: unit-scale advantages per group; off = Dr.GRPO, which does not upweight near-unanimous groups
     eps: float = Field(default=1e-6, gt=0)  # grpo only: keeps a group of near-equal rewards from exploding
     broken_calls: BrokenCallCredit = "episode"  # where an invalid tool call's penalty lands (module docstring)
+    failed_call_cost: float = Field(default=0.0, ge=0)  # advantage taken from a turn per valid call the tool refused (module docstring)
 
     def compute(self, rewards: Sequence[float], groups: Sequence[str],
                 families: Sequence[str] | None = None) -> list[float]:
@@ -82,13 +93,20 @@ class AdvantageConfig(BaseModel):
         tokens, or (broken_calls = "turn", for a trajectory with broken calls) one per token."""
         groups, families = [t.group_id for t in trajectories], [t.family for t in trajectories]
         if self.broken_calls == "episode":
-            return list(self.compute([t.reward for t in trajectories], groups, families))
-        episode = self.compute([outcome_reward(t) for t in trajectories], groups, families)
-        return [charge_broken_turns(t, a) for t, a in zip(trajectories, episode, strict=True)]
+            advantages: list[float | list[float]] = list(self.compute([t.reward for t in trajectories], groups, families))
+        else:
+            episode = self.compute([outcome_reward(t) for t in trajectories], groups, families)
+            advantages = [charge_broken_turns(t, a) for t, a in zip(trajectories, episode, strict=True)]
+        if self.failed_call_cost > 0:
+            advantages = [charge_failed_turns(t, a, self.failed_call_cost) for t, a in zip(trajectories, advantages, strict=True)]
+        return advantages
 
     def has_signal(self, trajectories: Sequence[Trajectory]) -> bool:
         """Whether training on this group would move the policy: its rewards differ, or (broken_calls
-        = "turn") one of its episodes made a broken call, whose tokens are charged either way."""
+        = "turn") one of its episodes made a broken call, or (failed_call_cost > 0) a failed one, whose
+        tokens are charged either way."""
+        if self.failed_call_cost > 0 and any(t.failed_turns for t in trajectories):
+            return True
         if self.broken_calls == "turn":
             return (any(broken_call_penalty(t) > 0 for t in trajectories)
                     or group_has_signal([outcome_reward(t) for t in trajectories]))
@@ -119,6 +137,17 @@ def charge_broken_turns(t: Trajectory, advantage: float) -> float | list[float]:
     per_token = [advantage - per_call * unrecorded * m for m in t.loss_mask]
     for start, end, n in t.broken_turns:
         per_token[start:end] = [a - per_call * n for a in per_token[start:end]]
+    return per_token
+
+
+def charge_failed_turns(t: Trajectory, advantage: float | Sequence[float], cost: float) -> float | list[float]:
+    """`advantage` (a number, or one per token) minus `cost` per failed call on the tokens of the
+    turn that made it. A trajectory without failed calls keeps its advantage as given."""
+    if not t.failed_turns:
+        return advantage if isinstance(advantage, int | float) else list(advantage)
+    per_token = [float(advantage)] * len(t.tokens) if isinstance(advantage, int | float) else list(advantage)
+    for start, end, n in t.failed_turns:
+        per_token[start:end] = [a - cost * n for a in per_token[start:end]]
     return per_token
 
 

@@ -368,7 +368,9 @@ class Orchestrator:
         metrics.update({
             "outcome_tied_groups": tied,
             "step": self.step, "version": self.learner.version, "reward_mean": sum(rewards) / len(rewards),
-            "pass_rate": sum(outcomes) / len(outcomes), "train_s": train_s, "weight_update_s": update_s,
+            "pass_rate": sum(outcomes) / len(outcomes),
+            "failed_tool_calls": sum(t.failed_tool_calls for t in trajectories) / len(trajectories),  # per episode
+            "train_s": train_s, "weight_update_s": update_s,
             "rollout_episodes": rollouts["episodes"],
             "rollout_pass_rate": rollouts["passed"] / rollouts["episodes"] if rollouts["episodes"] else float("nan"),
             "episodes_trained": len(trajectories), "time": time.time(), "staleness_max": staleness,

@@ -112,7 +112,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
             f.write(json.dumps(row) + "\n")
         log(f"eval at step {step} (v{learner.version}): pass rate {report['pass_rate']:.3f} "
             f"[{report['pass_rate_ci'][0]:.2f}, {report['pass_rate_ci'][1]:.2f}], "
-            f"valid tool calls {report['valid_tool_call_rate']:.2f}")
+            f"valid tool calls {report['valid_tool_call_rate']:.2f}, failed {report['failed_tool_call_rate']:.2f}")
 
     with start_engine(engine_model, config.engine, version=parent.version) as engine, SandboxPool(config.pool) as pool:
         orchestrator = Orchestrator(config.orchestrator, tasks, engine, learner, tokenizer, pool, config.run_dir,

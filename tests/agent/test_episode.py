@@ -111,6 +111,29 @@ def test_invalid_calls_are_answered_counted_and_penalized(task, tokenizer, pool)
     assert saved[-1].broken_turns == traj.broken_turns  # a resumed episode keeps them
 
 
+def test_calls_the_tools_refuse_are_recorded_by_turn_and_cost_no_reward(task, tokenizer, pool):
+    (edit,) = task.reference_edits
+    turns = [
+        call("edit_file", path="nowhere/" + edit.path, old=edit.old, new=edit.new) + IM_END,  # no such file
+        call("read_file", path=edit.path) + call("edit_file", path=edit.path, old="not in the file", new="x")
+        + call("read_file", path="missing.py") + IM_END,  # one good call, two refused
+        call("edit_file", path=edit.path, old=edit.old, new=edit.new) + IM_END,
+        call("finish") + IM_END,
+    ]
+    engine, saved = ScriptedEngine(tokenizer, turns), []
+    traj = run_episode(task, engine, tokenizer, pool, on_turn=saved.append)
+    assert traj.status == Status.FINISHED and traj.invalid_tool_calls == 0 and not traj.broken_turns
+    assert traj.reward_parts["all_passed"] == 1.0 and traj.reward == pytest.approx(1.0)  # recovered: nothing lost
+    assert [n for _, _, n in traj.failed_turns] == [1, 2] and traj.failed_tool_calls == 3
+    spans = [tokenizer.decode(traj.tokens[start:end]) for start, end, _ in traj.failed_turns]
+    assert "nowhere/" in spans[0] and "not in the file" in spans[1] and "missing.py" in spans[1]
+    assert all(traj.loss_mask[start:end] == [1] * (end - start) for start, end, _ in traj.failed_turns)
+    assert "error: no such file or folder: nowhere/" in tokenizer.decode(engine.prompts[1])
+    assert saved[-1].failed_turns == traj.failed_turns  # a resumed episode keeps them
+    resumed = run_episode(task, ScriptedEngine(tokenizer, [call("finish") + IM_END]), tokenizer, pool, resume=saved[1])
+    assert resumed.failed_turns == traj.failed_turns
+
+
 def test_only_invalid_calls_end_in_tool_error(task, tokenizer, pool):
     engine = ScriptedEngine(tokenizer, ["<tool_call>\nnot json\n</tool_call>" + IM_END] * 5)
     traj = run_episode(task, engine, tokenizer, pool, EpisodeConfig(max_invalid_turns=3))

@@ -12,6 +12,7 @@ from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.rl.advantages import (
     AdvantageConfig,
     charge_broken_turns,
+    charge_failed_turns,
     compute_advantages,
     group_has_signal,
     outcome_tied,
@@ -157,3 +158,27 @@ def test_turn_credit_gives_a_group_with_equal_rewards_but_broken_calls_signal():
     clean = [episode(1.0), episode(1.0)]
     assert not AdvantageConfig(broken_calls="turn").has_signal(clean)
     assert AdvantageConfig(broken_calls="turn").has_signal([episode(1.0), episode(0.0)])
+
+
+def test_failed_call_cost_charges_the_turns_whose_calls_the_tools_refused():
+    # Both failed; the second's turn in tokens 4..7 made two calls the tools refused (no reward part).
+    group = [episode(0.0), episode(0.0).model_copy(update={"failed_turns": [(4, 7, 2)]})]
+    assert AdvantageConfig(method="dr_grpo").for_trajectories(group) == [0.0, 0.0]  # off: no cost, no signal
+    assert not AdvantageConfig(method="dr_grpo").has_signal(group)
+    config = AdvantageConfig(method="dr_grpo", failed_call_cost=0.05)
+    first, second = config.for_trajectories(group)
+    assert first == 0.0
+    assert second == pytest.approx([0.0] * 4 + [-0.1] * 3 + [0.0] * 5)
+    assert config.has_signal(group)  # tied outcomes, but a turn to push down
+
+
+def test_failed_call_cost_adds_to_the_outcome_advantage_and_to_broken_turn_credit():
+    passed = episode(1.0, [(2, 4, 1)]).model_copy(update={"failed_turns": [(6, 8, 1)]})
+    failed = episode(0.0).model_copy(update={"failed_turns": [(3, 5, 1), (8, 12, 3)]})
+    config = AdvantageConfig(method="dr_grpo", broken_calls="turn", failed_call_cost=0.1)
+    a_passed, a_failed = config.for_trajectories([passed, failed])
+    assert a_passed == pytest.approx([0.5] * 2 + [0.4] * 2 + [0.5] * 2 + [0.4] * 2 + [0.5] * 4)
+    assert a_failed == pytest.approx([-0.5] * 3 + [-0.6] * 2 + [-0.5] * 3 + [-0.8] * 4)
+    assert charge_failed_turns(episode(0.0), 0.25, 0.1) == 0.25  # nothing refused: the number stays a number
+    with pytest.raises(ValueError, match="failed turn"):  # tokens 0 and 1 are the prompt, not a turn
+        Trajectory.model_validate(episode(0.0).model_dump() | {"failed_turns": [(0, 3, 1)]})
