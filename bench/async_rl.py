@@ -39,6 +39,25 @@ slowest episode, and the engine idles while the learner trains).
    grading their whole 10 s timeout (one episode of 384 took 49 s). A sync step waits for it; an
    async one too once the learner is `--max-staleness` steps past the episode's group, so a single
    run's ratio depends on whether, and in which mode, such an episode was drawn.
+   `--suite-seconds S` (0, off, by default) gives every task's test suites, visible and hidden, one
+   more test that sleeps a lognormal time (median S, `--suite-sigma`, at most 8 s so that a run fits
+   the sandbox's 10 s limit), the same for a task in every mode: the rest of a real project's suite,
+   which takes seconds to run where these toy suites take milliseconds. Then an episode's wall time
+   is long-tailed through its test runs and grading, as a production agent's is, and those seconds
+   are waiting, not computing: sync's learner waits for the slowest episode of each batch while the
+   CPU is idle, and async trains meanwhile. The default workload has no such waiting (its time is
+   decoding and training, both on the 2 cores), and its speedup is bounded near 1.2 here.
+   Measured on 2 cores (`--parts real --registry R --checkpoint 0 --steps 12 --eval-tasks 0`, the
+   bootstrap at 0.199 held-out, two repeats each, run back to back):
+
+       workload               episode seconds p50 / p99   sync s         async s        speedup
+       default                4.1-5.2 / 5.9-8.8          81.0, 122.9    131.8, 116.0   0.82
+       --suite-seconds 1      4.9-6.6 / 19.6-20.4        159.9, 212.8   110.1, 123.8   1.59 (1.45, 1.72)
+
+   In three of the four default runs, and in the second sync run with suites, step 10 waited 37 to
+   57 s for one episode whose edit made the code hang (every test run and the grading hit their
+   timeouts); async hides a straggler for `max_staleness` steps only. Without it the default pair
+   is about even (sync 6.7 s a step, async 7.1), the suite pair 1.45.
 3. budget: each mode trains for the same wall-clock budget (`--budget-s`), then both are
    evaluated on the same held-out tasks at temperature 0: `pass_rate_async`, `pass_rate_sync`,
    `pass_rate_start`; the async one is `pass_rate_after_budget`.
@@ -65,6 +84,7 @@ from flywheel.agent.evaluate import evaluate
 from flywheel.env.families import task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.env.semantic import load_embedder
+from flywheel.env.task import Task
 from flywheel.model.engine import EngineConfig, Generation, LocalEngine, SamplingParams
 from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import Registry
@@ -241,6 +261,24 @@ def episode_tail(path: Path) -> dict:
                         **{k: round(v, 2) for k, v in slowest["timings"].items()}}}
 
 
+SUITE_WAIT_CAP_S = 8.0  # below the sandbox's 10 s command limit, with room for the real tests
+
+
+def with_suite_time(tasks: Sequence[Task], median_s: float, sigma: float, seed: int) -> list[Task]:
+    """`tasks` whose visible and hidden test suites each gain a test that sleeps for the task's
+    suite time: lognormal (median `median_s`), drawn from the seed and the task id alone."""
+    if median_s <= 0:
+        return list(tasks)
+    out = []
+    for task in tasks:
+        wait = min(SUITE_WAIT_CAP_S, random.Random(f"{seed}/{task.id}").lognormvariate(math.log(median_s), sigma))
+        body = (f'"""The rest of the project\'s suite, which takes {wait:.2f} s to run."""\nimport time\n\n\n'
+                f"def test_rest_of_suite():\n    time.sleep({wait:.3f})\n")
+        out.append(task.model_copy(update={"files": {**task.files, "tests/test_rest_of_suite.py": body},
+                                           "hidden_tests": {**task.hidden_tests, "tests_hidden/test_rest_of_suite.py": body}}))
+    return out
+
+
 def every_admitted_episode(args, max_staleness: int | None = None) -> int:
     """Concurrency for every episode the admission limit lets start (G x B x (1 + max_staleness))."""
     return args.group_size * args.groups * (1 + (args.max_staleness if max_staleness is None else max_staleness))
@@ -326,6 +364,9 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=8, help="real: an episode's turn limit")
     parser.add_argument("--max-tokens-per-turn", type=int, default=256, help="real: an answer's token limit")
     parser.add_argument("--max-tokens", type=int, default=4096, help="real: an episode's token limit, prompt included")
+    parser.add_argument("--suite-seconds", type=float, default=0.0,
+                        help="median seconds each task's test suites sleep (lognormal; 0: off; docstring)")
+    parser.add_argument("--suite-sigma", type=float, default=1.0, help="sigma of the suite time's lognormal")
     parser.add_argument("--budget-s", type=float, default=600.0)
     parser.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks per family (0: no eval)")
     parser.add_argument("--lr", type=float, default=2e-4)
@@ -347,8 +388,9 @@ def main() -> None:
     registry = Registry(args.registry)
     checkpoint = registry.get(args.checkpoint)
     model, tokenizer = registry.load(checkpoint.version)
-    tasks = task_set(FAMILIES, "train", 32, seed=100, difficulty=1)
-    result: dict = {"checkpoint": checkpoint.version, "group_size": args.group_size, "groups_per_step": args.groups,
+    tasks = with_suite_time(task_set(FAMILIES, "train", 32, seed=100, difficulty=1), args.suite_seconds, args.suite_sigma,
+                            args.seed)
+    result: dict = {"suite_seconds": args.suite_seconds, "suite_sigma": args.suite_sigma,"checkpoint": checkpoint.version, "group_size": args.group_size, "groups_per_step": args.groups,
                     "max_staleness": args.max_staleness, "steps": args.steps,
                     "async_learner_threads": args.async_learner_threads, "engine_process": args.engine_process,
                     "repeats": args.repeats}
