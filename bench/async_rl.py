@@ -45,8 +45,9 @@ slowest episode, and the engine idles while the learner trains).
    which takes seconds to run where these toy suites take milliseconds. Then an episode's wall time
    is long-tailed through its test runs and grading, as a production agent's is, and those seconds
    are waiting, not computing: sync's learner waits for the slowest episode of each batch while the
-   CPU is idle, and async trains meanwhile. The default workload has no such waiting (its time is
-   decoding and training, both on the 2 cores), and its speedup is bounded near 1.2 here.
+   CPU is idle, and async trains meanwhile. The default workload has little such waiting (its time
+   is decoding and training, both on the 2 cores) except for a rare straggler, so what async gains
+   there depends on `--max-staleness` and on whether a straggler was drawn.
    Measured on 2 cores (`--parts real --registry R --checkpoint 0 --steps 12 --eval-tasks 0`, the
    bootstrap at 0.199 held-out, two repeats each, run back to back; steady = s/step, steps 4 to 12):
 
@@ -54,11 +55,13 @@ slowest episode, and the engine idles while the learner trains).
        default, 1                81.0, 122.9    131.8, 116.0   0.82                6.9, 12.1 / 12.6, 10.7
        --suite-seconds 1, 1      159.9, 212.8   110.1, 123.8   1.59 (1.45, 1.72)   14.7, 20.0 / 9.1, 10.3
        default, 4                139.0, 98.2    73.1, 82.3     1.53 (1.90, 1.19)   14.0, 8.3 / 5.5, 6.2
+       default, 4, 24 steps      251.8          181.0          1.39                steps 10-24: 8.6 / 5.2
 
-   In three of the four default runs at 1, and in one sync run of each other row, step 10 waited 37
-   to 63 s for one episode whose edit made the code hang (every test run and the grading hit their
+   In three of the four default runs at 1, in one sync run of the next two rows and in both modes of
+   the last, step 10 waited 37 to 63 s for one episode whose edit made the code hang (every test run and the grading hit their
    timeouts); async hides a straggler for `max_staleness` steps only, so at 4 it did and at 1 it did
-   not. Without it the default pair at 1 is about even (sync 6.7 s a step, async 7.1), the suite
+   not (in the 24-step run async still waited 36.8 s: the straggler ran longer than 4 of its
+   steps). Without it the default pair at 1 is about even (sync 6.7 s a step, async 7.1), the suite
    pair 1.45. At 4 async admits 160 episodes and ends 12 steps with more of them done or under way
    than sync (429 and 436 finished, sync 392): over a short run its total time flatters it, and the
    steady per-step times are the fairer reading.
