@@ -58,10 +58,10 @@ slowest episode, and the engine idles while the learner trains).
        default, 4, 24 steps      251.8          181.0          1.39                steps 10-24: 8.6 / 5.2
 
    In three of the four default runs at 1, in one sync run of the next two rows and in both modes of
-   the last, step 10 waited 37 to 63 s for one episode whose edit made the code hang (every test run and the grading hit their
-   timeouts); async hides a straggler for `max_staleness` steps only, so at 4 it did and at 1 it did
-   not (in the 24-step run async still waited 36.8 s: the straggler ran longer than 4 of its
-   steps). Without it the default pair at 1 is about even (sync 6.7 s a step, async 7.1), the suite
+   the last, step 10 waited 37 to 63 s for one episode whose edit made the code hang (every test
+   run and the grading hit their timeouts); async hides a straggler for `max_staleness` steps only,
+   so at 4 it did and at 1 it did not (in the 24-step run async still waited 36.8 s: the straggler
+   ran longer than 4 of its steps). Without it the default pair at 1 is about even (sync 6.7 s a step, async 7.1), the suite
    pair 1.45. At 4 async admits 160 episodes and ends 12 steps with more of them done or under way
    than sync (429 and 436 finished, sync 392): over a short run its total time flatters it, and the
    steady per-step times are the fairer reading.
@@ -397,10 +397,10 @@ def main() -> None:
     model, tokenizer = registry.load(checkpoint.version)
     tasks = with_suite_time(task_set(FAMILIES, "train", 32, seed=100, difficulty=1), args.suite_seconds, args.suite_sigma,
                             args.seed)
-    result: dict = {"suite_seconds": args.suite_seconds, "suite_sigma": args.suite_sigma,"checkpoint": checkpoint.version, "group_size": args.group_size, "groups_per_step": args.groups,
+    result: dict = {"checkpoint": checkpoint.version, "group_size": args.group_size, "groups_per_step": args.groups,
                     "max_staleness": args.max_staleness, "steps": args.steps,
                     "async_learner_threads": args.async_learner_threads, "engine_process": args.engine_process,
-                    "repeats": args.repeats}
+                    "repeats": args.repeats, "suite_seconds": args.suite_seconds, "suite_sigma": args.suite_sigma}
     # Process-wide lazy loads happen before anything is timed: the first semantic_search loads the
     # sentence embedder (~10 s on 2 cores), which would otherwise be charged to whichever mode ran first.
     log("loading the search embedder")

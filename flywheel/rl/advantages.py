@@ -134,8 +134,12 @@ def charge_broken_turns(t: Trajectory, advantage: float) -> float | list[float]:
         return advantage
     per_call = penalty / t.invalid_tool_calls
     unrecorded = t.invalid_tool_calls - sum(n for _, _, n in t.broken_turns)
-    per_token = [advantage - per_call * unrecorded * m for m in t.loss_mask]
-    for start, end, n in t.broken_turns:
+    return charge_spans([advantage - per_call * unrecorded * m for m in t.loss_mask], t.broken_turns, per_call)
+
+
+def charge_spans(per_token: list[float], spans: Sequence[tuple[int, int, int]], per_call: float) -> list[float]:
+    """Take `per_call x calls` from the tokens of each `[start, end, calls]` span, in place; returns `per_token`."""
+    for start, end, n in spans:
         per_token[start:end] = [a - per_call * n for a in per_token[start:end]]
     return per_token
 
@@ -146,9 +150,7 @@ def charge_failed_turns(t: Trajectory, advantage: float | Sequence[float], cost:
     if not t.failed_turns:
         return advantage if isinstance(advantage, int | float) else list(advantage)
     per_token = [float(advantage)] * len(t.tokens) if isinstance(advantage, int | float) else list(advantage)
-    for start, end, n in t.failed_turns:
-        per_token[start:end] = [a - cost * n for a in per_token[start:end]]
-    return per_token
+    return charge_spans(per_token, t.failed_turns, cost)
 
 
 def group_has_signal(rewards: Sequence[float]) -> bool:
