@@ -58,13 +58,13 @@ slowest episode, and the engine idles while the learner trains).
        default, 4, 24 steps      251.8          181.0          1.39                steps 10-24: 8.6 / 5.2
 
    In three of the four default runs at 1, in one sync run of the next two rows and in both modes of
-   the last, step 10 waited 37 to 63 s for one episode whose edit made the code hang (every test
-   run and the grading hit their timeouts); async hides a straggler for `max_staleness` steps only,
-   so at 4 it did and at 1 it did not (in the 24-step run async still waited 36.8 s: the straggler
-   ran longer than 4 of its steps). Without it the default pair at 1 is about even (sync 6.7 s a step, async 7.1), the suite
-   pair 1.45. At 4 async admits 160 episodes and ends 12 steps with more of them done or under way
-   than sync (429 and 436 finished, sync 392): over a short run its total time flatters it, and the
-   steady per-step times are the fairer reading.
+   the last, step 10 waited 37 to 63 s for one episode whose edit made the code hang (every test run
+   and the grading hit their timeouts); async hides a straggler for `max_staleness` steps only, so
+   at 4 it did and at 1 it did not (in the 24-step run async still waited 36.8 s: the straggler ran
+   longer than 4 of its steps). Without it the default pair at 1 is about even (sync 6.7 s a step,
+   async 7.1), the suite pair 1.45. At 4 async admits 160 episodes and ends 12 steps with more of
+   them done or under way than sync (429 and 436 finished, sync 392): over a short run its total
+   time flatters it, and the steady per-step times are the fairer reading.
 3. budget: each mode trains for the same wall-clock budget (`--budget-s`), then both are
    evaluated on the same held-out tasks at temperature 0: `pass_rate_async`, `pass_rate_sync`,
    `pass_rate_start`; the async one is `pass_rate_after_budget`.
