@@ -1,11 +1,12 @@
 """`flywheel train` end to end: the real CLI, engine, sandboxes, grading and Learner raise the reward.
 
 The policy is a tiny model and the objective an easy one it can learn in a few steps: stop writing
-broken tool calls. A short SFT teaches it to open its one turn with `<tool_call>` about half the
-time and then say a few words; the unclosed call is answered as invalid and costs `invalid_call_penalty`
-(never dropped), while a plain-text turn costs nothing. Every episode is the same task with its
-workspace untouched, so reward differences are exactly those penalties: the reward can only rise
-if the policy emits fewer broken calls.
+broken tool calls. A short SFT teaches it to open its one turn with `<tool_call>` more often than
+not (73 of 128 version-0 episodes over four runs; with the two openings trained 1:1 it was 10 of 32,
+and step 1 once drew too few broken calls to tell) and then say a few words; the unclosed call is
+answered as invalid and costs `invalid_call_penalty` (never dropped), while a plain-text turn costs
+nothing. Every episode is the same task with its workspace untouched, so reward differences are
+exactly those penalties: the reward can only rise if the policy emits fewer broken calls.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def test_train_on_a_tiny_budget_raises_mean_reward(tmp_path):
     examples = []
     for task in tasks:
         prompt = tokenizer(initial_prompt(task), add_special_tokens=False)["input_ids"]
-        for body in (tokenizer.convert_tokens_to_ids([TOOL_CALL_OPEN]) + ramble, ramble):
+        broken = tokenizer.convert_tokens_to_ids([TOOL_CALL_OPEN]) + ramble
+        for body in (broken, broken, ramble):  # 2:1, so that step 1's 16 episodes surely hold broken calls
             examples.append((prompt + body, [0] * len(prompt) + [1] * len(body)))
     train_sft(model, examples, SFTConfig(epochs=60, lr=1e-2, warmup_steps=1, batch_tokens=100_000), tokenizer.pad_token_id)
     with Registry(tmp_path / "registry") as registry:
