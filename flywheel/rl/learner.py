@@ -33,8 +33,8 @@ Departures from AReaL and PPO: no value model or GAE (the advantage of an episod
 its generated tokens, or, where the caller gives one per token, to each token its own: the penalty
 of a broken tool call on the turn that made it, `flywheel.rl.advantages`); minibatches are
 contiguous chunks of the batch in the order given, the same in every epoch (episodes of one GRPO
-group stay together), not reshuffled; the learning rate is constant (no schedule, so there is no
-scheduler state to resume).
+group stay together), not reshuffled; the learning rate is constant after an optional linear
+warmup, a function of the optimizer steps taken (`lr_at`), so there is no scheduler state to resume.
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ from flywheel.rl.sft import pack_batches, scored_logits
 class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lr: float = Field(default=1e-4, gt=0)  # for the tiny model; real checkpoints want ~1e-6
+    # Optimizer steps over which the learning rate ramps linearly from lr / warmup_steps up to lr
+    # (0: none). Adam's first steps move every weight by about lr whatever its gradient's noise;
+    # the ramp keeps them small until the moment estimates have seen a few batches.
+    warmup_steps: int = Field(default=0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(default=0.0, ge=0)
     grad_clip: float = Field(default=1.0, gt=0)
@@ -270,7 +274,8 @@ class Learner:
         Metrics: loss (mean over steps taken), entropy (of the proximal policy, per loss token),
         kl, clip_low_frac / clip_high_frac, is_weight_mean / is_weight_max (pi_prox / pi_behaviour
         before the cap), is_truncated_frac / is_masked_frac, grad_norm (before clipping; token
-        statistics over the steps taken), optimizer_steps, skipped_steps (non-finite, this call),
+        statistics over the steps taken), lr (of the last step taken), optimizer_steps, skipped_steps
+        (non-finite, this call),
         skipped_steps_total, version, staleness/<k> (generated tokens k versions old),
         staleness_mean / _max, sequences, loss_tokens, tokens_per_s, seconds."""
         if not trajectories:
@@ -320,6 +325,8 @@ class Learner:
                     skipped += 1  # before the optimizer touches anything: weights and Adam moments stay as they were
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.lr_at(self.optimizer_steps + len(losses))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 losses.append(loss)
@@ -353,6 +360,7 @@ class Learner:
             "is_truncated_frac": per_token("is_capped") if config.loss.behaviour_mode == "truncate" else 0.0,
             "is_masked_frac": per_token("is_capped") if config.loss.behaviour_mode == "mask" else 0.0,
             "grad_norm": float(torch.stack(grad_norms).mean()) if grad_norms else nan,  # before clipping
+            "lr": self.optimizer.param_groups[0]["lr"],  # of the last step taken
             "optimizer_steps": float(taken),
             "skipped_steps": float(skipped),
             "skipped_steps_total": float(self.skipped_steps),
@@ -366,6 +374,11 @@ class Learner:
         }
         metrics.update({f"staleness/{s}": float(c) for s, c in staleness.items()})
         return metrics
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0 for the first): linear warmup, then constant."""
+        warmup = self.config.warmup_steps
+        return self.config.lr * min(1.0, (step + 1) / warmup) if warmup else self.config.lr
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of the weights (the model's state_dict) for `Engine.update_weights`.

@@ -275,6 +275,25 @@ def test_state_resumes_weights_and_optimizer(tokenizer):
         learner.load_state({"version": 3})
 
 
+def test_warmup_ramps_the_step_size_and_resumes_where_it_was(tokenizer):
+    model = build_model(TINY, tokenizer)
+    batch = [trajectory(model, 20, seed=1), trajectory(model, 24, seed=2)]
+    config = LearnerConfig(lr=1e-2, warmup_steps=4)
+    learner = Learner(model, config)
+    before = params(model)
+    metrics = learner.train_step(batch, [1.0, -1.0])
+    # Adam's first step moves each weight with a gradient by the learning rate itself (m / sqrt(v) = +-1)
+    moved = max(float((p - before[n]).abs().max()) for n, p in params(model).items())
+    assert moved == pytest.approx(1e-2 / 4, rel=1e-3)
+    assert metrics["lr"] == pytest.approx(1e-2 / 4)
+    learner.train_step(batch, [1.0, -1.0])
+    twin = Learner(build_model(TINY, tokenizer), config)
+    twin.load_state(torch.load(_saved(learner.state()), weights_only=False))
+    rates = [twin.train_step(batch, [1.0, -1.0])["lr"] for _ in range(3)]
+    assert rates == pytest.approx([1e-2 * 3 / 4, 1e-2, 1e-2])  # steps 3, 4, 5: the ramp goes on from the resumed step
+    assert Learner(model, LearnerConfig(lr=1e-2)).lr_at(0) == 1e-2  # no warmup: the full rate from the first step
+
+
 def _saved(obj) -> io.BytesIO:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
