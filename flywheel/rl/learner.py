@@ -54,7 +54,7 @@ from transformers import PreTrainedModel
 
 from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.rl.loss import LossConfig, loss_denominator, policy_loss
-from flywheel.rl.sft import pack_batches, scored_logits
+from flywheel.rl.sft import pack_batches, scored_logits, warmup_factor
 
 
 class LearnerConfig(BaseModel):
@@ -376,8 +376,7 @@ class Learner:
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0 for the first): linear warmup, then constant."""
-        warmup = self.config.warmup_steps
-        return self.config.lr * min(1.0, (step + 1) / warmup) if warmup else self.config.lr
+        return self.config.lr * warmup_factor(step, self.config.warmup_steps)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of the weights (the model's state_dict) for `Engine.update_weights`.

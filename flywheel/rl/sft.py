@@ -204,6 +204,12 @@ def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor
     return (nll * weights[:, 1:][where]).sum(), (mask[:, 1:] > 0).sum()
 
 
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """The share of the full learning rate at optimizer step `step` (0 for the first) under a
+    linear warmup of `warmup_steps` steps (0: none); SFT's schedule and the RL Learner share it."""
+    return min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+
+
 def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[int]]], config: SFTConfig,
               pad_id: int, time_budget_s: float | None = None) -> dict[str, float]:
     """Train in place. Returns metrics; shows a progress bar with loss and tokens/s."""
@@ -234,7 +240,7 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
         return min(1.0, max(step / total_steps, by_time))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / config.warmup_steps) * 0.5 * (1 + math.cos(math.pi * progress(s)))
+        optimizer, lambda s: warmup_factor(s, config.warmup_steps) * 0.5 * (1 + math.cos(math.pi * progress(s)))
     )
     model.train()
     tokens_seen = 0
