@@ -54,7 +54,7 @@ from transformers import PreTrainedModel
 
 from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.rl.loss import LossConfig, loss_denominator, policy_loss
-from flywheel.rl.sft import pack_batches, scored_logits, warmup_factor
+from flywheel.rl.training import pack_batches, scored_logits, warmup_factor
 
 
 class LearnerConfig(BaseModel):
@@ -103,7 +103,7 @@ def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.T
 
     ids, attention: [batch, seq], right-padded, so positions are the natural ones.
     scored: [batch, seq] loss mask; when given, the output head runs only where it is 1 (the other
-    entries are 0; `flywheel.rl.sft.scored_logits`)."""
+    entries are 0; `flywheel.rl.training.scored_logits`)."""
     if scored is None:
         logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # [batch, seq-1, vocab]: position t predicts token t+1
         targets = ids[:, 1:]

@@ -4,7 +4,8 @@ A demonstration is a list of chat messages. It is tokenized the way the episode 
 sequences — turn by turn, with the same rendering helpers — so what SFT trains on is token for
 token what the agent later sees at inference. Only assistant tokens carry loss.
 Micro-batches are packed by a token budget (long demonstrations do not blow up memory, short
-ones are not padded to the longest of a fixed-size batch).
+ones are not padded to the longest of a fixed-size batch); the packing, the output head on scored
+positions and the warmup are the RL Learner's too (`flywheel.rl.training`).
 
 Every demonstration starts with the same system prompt and tool schemas (about 700 tokens on the
 embedded default, more than half of a median demonstration). `train_sft` runs that shared prefix
@@ -29,6 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flywheel.agent.chat import render_assistant_body, render_messages, tool_schemas, tools_in_prompt
 from flywheel.agent.episode import tool_turn, user_turn
+from flywheel.rl.training import pack_batches, scored_logits, warmup_factor
 
 
 class SFTConfig(BaseModel):
@@ -97,23 +99,6 @@ def encode_conversation(messages: Sequence[dict[str, Any]], tokenizer: PreTraine
     return tokens, mask
 
 
-def pack_batches(lengths: Sequence[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
-    """Group example indices so each batch's padded size (rows x longest) stays within the budget."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])  # similar lengths together: little padding
-    batches, current, longest = [], [], 0
-    for i in order:
-        longest_if_added = max(longest, lengths[i])
-        if current and longest_if_added * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, longest_if_added = [], lengths[i]
-        current.append(i)
-        longest = longest_if_added
-    if current:
-        batches.append(current)
-    rng.shuffle(batches)
-    return batches
-
-
 def shared_prefix_length(examples: Sequence[tuple[list[int], list[int]]]) -> int:
     """Tokens that every example starts with and that carry no loss in any, nor does the token after.
 
@@ -129,19 +114,6 @@ def shared_prefix_length(examples: Sequence[tuple[list[int], list[int]]]) -> int
         if 1 in mask[: n + 1]:
             n = mask.index(1) - 1
     return max(n, 0)
-
-
-def scored_logits(model: PreTrainedModel, hidden: torch.Tensor, ids: torch.Tensor,
-                  scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The output head only where a token is scored: (logits [n, vocab] float32, targets [n], where
-    [batch, seq-1]) for the n positions whose next token has loss mask 1. Generated tokens are a
-    small share of a demonstration or trajectory, and the head (vocab x hidden) is a large share of
-    a small model's FLOPs.
-
-    hidden: [batch, seq, hidden] from `model.base_model`; ids, scored: [batch, seq]."""
-    where = scored[:, 1:] > 0  # [batch, seq-1]: position t predicts token t+1
-    logits = model.get_output_embeddings()(hidden[:, :-1][where]).float()
-    return logits, ids[:, 1:][where], where
 
 
 def rare_tokens(examples: Sequence[tuple[list[int], list[int]]], share: float) -> set[int]:
@@ -202,12 +174,6 @@ def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor
     logits, targets, where = scored_logits(model, hidden, ids, weights)
     nll = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
     return (nll * weights[:, 1:][where]).sum(), (mask[:, 1:] > 0).sum()
-
-
-def warmup_factor(step: int, warmup_steps: int) -> float:
-    """The share of the full learning rate at optimizer step `step` (0 for the first) under a
-    linear warmup of `warmup_steps` steps (0: none); SFT's schedule and the RL Learner share it."""
-    return min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
 
 
 def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[int]]], config: SFTConfig,

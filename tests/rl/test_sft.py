@@ -17,11 +17,11 @@ from flywheel.rl.sft import (
     encode_conversation,
     loss_weights,
     masked_ce_loss,
-    pack_batches,
     rare_tokens,
     shared_prefix_length,
     train_sft,
 )
+from flywheel.rl.training import pack_batches
 from flywheel.sim.expert import demonstrations
 
 
