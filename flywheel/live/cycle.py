@@ -58,7 +58,6 @@ seconds each stage took.
 
 from __future__ import annotations
 
-import os
 import time
 import tomllib
 from collections.abc import Callable, Iterator, Sequence
@@ -84,6 +83,7 @@ from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.registry import Registry
 from flywheel.report import render_cycle
 from flywheel.rl.learner import Learner, LearnerConfig
+from flywheel.store.files import write_atomic
 
 if TYPE_CHECKING:
     from flywheel.live.server import LiveServer
@@ -651,7 +651,7 @@ class LiveCycle:
     def _save(self, state: CycleState) -> None:
         folder = self._cycle_dir(state.cycle)
         folder.mkdir(parents=True, exist_ok=True)
-        _write_atomic(folder / "state.json", state.model_dump_json(indent=2))
+        write_atomic(folder / "state.json", state.model_dump_json(indent=2))
 
     def _report(self, state: CycleState) -> CycleReport:
         assert state.decision is not None and state.production_after is not None
@@ -663,19 +663,10 @@ class LiveCycle:
             gate=state.gate, ab=state.ab, alarms=state.alarms, blocking_alarms=state.blocking_alarms,
             monitor=state.monitor, timings=state.timings)
         folder = self._cycle_dir(state.cycle)
-        _write_atomic(folder / "report.json", report.model_dump_json(indent=2, by_alias=True))
-        _write_atomic(folder / "report.html", render_cycle(report.model_dump(mode="json", by_alias=True),
-                                                        title=f"flywheel cycle {state.cycle}: {state.decision}"))
+        write_atomic(folder / "report.json", report.model_dump_json(indent=2, by_alias=True))
+        write_atomic(folder / "report.html", render_cycle(report.model_dump(mode="json", by_alias=True),
+                                                       title=f"flywheel cycle {state.cycle}: {state.decision}"))
         return report
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load_report(path: str | Path) -> CycleReport:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import re
 import shutil
 import threading
@@ -46,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
+from flywheel.store.files import publish_folder
 from flywheel.store.sqlite import connect, transaction
 
 if TYPE_CHECKING:
@@ -178,9 +178,7 @@ class Registry:
             tmp.mkdir()
             metadata = {"version": version, "parent": parent, "created_at": created_at, "metrics": metrics, "note": note}
             self._write_files(tmp, model, tokenizer, metadata)
-            _fsync_tree(tmp)
-            os.rename(tmp, final)  # the folder appears whole or not at all
-            _fsync_dir(self.checkpoints_dir)
+            publish_folder(tmp, final)  # fsynced, then renamed: the folder appears whole or not at all
             self._index(version, parent, created_at, final, metrics, note, aliases)
         return self.get(version)
 
@@ -320,23 +318,3 @@ def _check_alias(alias: str) -> None:
     if _VERSION_REF.fullmatch(alias):
         raise ValueError(f"alias {alias!r} reads as a version number; pick a name, e.g. {CANDIDATE!r}")
 
-
-def _fsync_tree(folder: Path) -> None:
-    """Flush every file and the folder itself, so the rename that follows publishes whole files."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    for sub in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
-        _fsync_dir(sub)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,6 +41,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from flywheel.store.files import write_atomic
 
 _RECORD = ConfigDict(extra="ignore")
 _STALENESS_KEY = re.compile(r"staleness/(\d+)")
@@ -289,9 +290,7 @@ def write_cycle_summary(summary: CycleSummary, directory: Path) -> Path:
     """Write `directory/cycle-NNNN.json` atomically (a reader never sees half a file); returns its path."""
     directory.mkdir(parents=True, exist_ok=True)
     path = cycle_path(directory, summary.cycle)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(summary.model_dump_json(indent=2), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, summary.model_dump_json(indent=2))
     return path
 
 

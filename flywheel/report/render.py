@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -40,6 +39,7 @@ from flywheel.report.svg import (
     interval_chart,
     line_chart,
 )
+from flywheel.store.files import write_atomic
 
 # The monitors' metrics in the order flywheel/live/monitors.py lists them; others follow by name.
 MONITOR_ORDER = ("edit_rate", "clarify_rate_clear", "clarify_rate_ambiguous", "invalid_call_rate",
@@ -369,17 +369,11 @@ def render_cycle(cycle: CycleSummary | dict[str, Any], title: str | None = None)
             f'<main id="content">{body}</main></body></html>')
 
 
-def write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def render_report(run_dir: str | Path, out_path: str | Path | None = None, title: str | None = None) -> Path:
     """Write the HTML report of everything under `run_dir` to `out_path` (default run_dir/report.html)."""
     run_dir = Path(run_dir)
     out = Path(out_path) if out_path is not None else run_dir / "report.html"
     data = build_report_data([run_dir], title=title or f"flywheel report: {run_dir.name}")
-    write_atomically(out, render_page(data))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, render_page(data))
     return out
