@@ -97,6 +97,8 @@ from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import Registry
 from flywheel.rl.learner import Learner, LearnerConfig
 from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig
+from flywheel.rl.run_folder import RunFolder
+from flywheel.rl.train import learning_step
 
 FAMILIES = ["bugfix", "implement", "crossfile", "ambiguous"]
 COSTS = Path(__file__).resolve().parent / "costs" / "h200.json"  # bench/gpu_check.sh measured them
@@ -229,11 +231,12 @@ def run_mode(mode: str, orch_config: OrchestratorConfig, tasks, engine, learner,
              budget_s: float | None) -> dict:
     config = orch_config.model_copy(update={"mode": mode})
     with tempfile.TemporaryDirectory() as run_dir, \
-            Orchestrator(config, tasks, engine, learner, tokenizer, pool, Path(run_dir)) as orch:
+            Orchestrator(config, tasks, engine, tokenizer, pool, Path(run_dir), version=lambda: learner.version) as orch:
+        run = RunFolder(run_dir)
         t0 = time.perf_counter()
         history = []
         while orch.step < steps and (budget_s is None or time.perf_counter() - t0 < budget_s):
-            history += orch.train(orch.step + 1)
+            history.append(learning_step(config, orch, learner, engine, run))
             m = history[-1]
             log(f"  {mode} step {m['step']}: {time.perf_counter() - t0:.1f} s, reward {m['reward_mean']:+.3f}, "
                 f"staleness ≤{m['staleness_max']}, waited {m['wait_s']:.1f} s")

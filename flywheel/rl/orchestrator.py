@@ -1,20 +1,23 @@
-"""The asynchronous GRPO Orchestrator: rollouts and learning overlap, staleness stays bounded.
+"""The asynchronous GRPO Orchestrator: schedules rollouts so that learning overlaps them and
+staleness stays bounded. It only schedules; the learning step is `flywheel.rl.train.learning_step`.
 
-    rollout workers (threads, `concurrency` episodes at once)          learner (the caller's thread)
+    rollout workers (threads, `concurrency` episodes at once)          training loop (the caller's thread)
     ┌──────────────────────────────────────────────────────┐         ┌────────────────────────────────┐
-    │ wait: admission (unconsumed groups < admit_limit)     │         │ wait: ≥ B complete groups with  │
-    │ run_episode × G on one task (or k siblings) ── Engine │ ──────> │  signal, and no unfinished group │
-    │ each turn: EpisodeState -> run/inflight/ (resumable)  │ buffer  │  that would exceed max_staleness │
-    │ done: Trajectory appended to run/trajectories.jsonl   │         │ advantages -> Learner.train_step │
-    └──────────────────────────────────────────────────────┘         │ Engine.update_weights(w, v+1) ──┐│
-              ^  in-flight episodes pause, their KV cache is rebuilt │ checkpoint, eval, metrics      ││
-              └── under the new weights (or kept), and they resume ──┴────────────────────────────────┘│
-                  (partial rollouts): every token keeps the version that made it  <───────────────────┘
+    │ wait: admission (unconsumed groups < admit_limit)     │         │ next_batch() waits: ≥ B complete │
+    │ run_episode × G on one task (or k siblings) ── Engine │ ──────> │  groups with signal, and no      │
+    │ each turn: EpisodeState -> run/inflight/ (resumable)  │ buffer  │  unfinished group that would     │
+    │ done: Trajectory appended to run/trajectories.jsonl   │         │  exceed max_staleness            │
+    └──────────────────────────────────────────────────────┘         │ advantages -> Learner.train_step │
+              ^                                                       │ Engine.update_weights(w, v+1) ──┐│
+              │  consumed(groups, v+1): admission reopens  <───────── │ consumed(...), checkpoint, eval ││
+              │                                                       └────────────────────────────────┘│
+              └── in-flight episodes pause, their KV cache is rebuilt under the new weights (or kept),  │
+                  and they resume (partial rollouts): every token keeps the version that made it <──────┘
 
 What unblocks what:
 - A rollout worker starts a new group when one is consumed (or filtered): the admission limit
   `groups_per_step * (1 + max_staleness)` caps the groups that are started but not yet trained on.
-- The learner steps when B complete groups are buffered, except that a group started at version
+- `next_batch` returns when B complete groups are buffered, except that a group started at version
   s may only be trained on at version v ≤ s + max_staleness. Before the learner moves from v to
   v + 1 it therefore takes every buffered group started at v − max_staleness into this batch,
   and waits for any such group still in flight. Staleness (current version minus the oldest
@@ -25,20 +28,22 @@ What unblocks what:
 - Every turn asks the engine with its group's start order as priority: when more episodes are in
   flight than the engine has rows, the oldest groups, the ones the learner waits on, go first.
 
-Nothing hangs silently: an episode that makes no progress for `episode_timeout_s`, a learner that
-cannot form a batch for `stall_timeout_s`, and a weight update that is not applied within
+What goes in and out is plain: tasks, an Engine and a SandboxPool to run episodes on, a getter of
+the current policy version (the Orchestrator never holds a Learner, so it can run as a Ray actor);
+out come `Batch` records (groups of `Trajectory`), in come `consumed(group ids, version)` calls, and
+`progress()` is the dict the loop checkpoints with the learner state and `resume` takes back.
+
+Nothing hangs silently: an episode that makes no progress for `episode_timeout_s`, a batch that
+cannot be formed for `stall_timeout_s`, and (in the loop) a weight update that is not applied within
 `weight_update_timeout_s` each raise `OrchestratorStalled` naming what was waited for.
 
-Durable runs (`run_dir`):
-- `groups.jsonl`       every group when it starts (id, its task or sibling tasks, version)
-- `trajectories.jsonl` every finished episode the moment it arrives, failed ones too
-- `inflight/*.json`    the latest `EpisodeState` of each unfinished episode (written atomically)
-- `state/`             learner weights + optimizer + which groups were trained on, every
-                       `checkpoint_every` steps (written to a temporary folder, then renamed)
-- `metrics.jsonl`      one line per step
-A run killed at any moment restarts from `state/`: groups trained on after that checkpoint are
-buffered again, finished episodes are read back, and unfinished ones resume from their saved
-state (an episode that had not finished its first turn restarts). No rollout is dropped.
+Durable runs (`run_dir`, `flywheel.rl.run_folder`): the Orchestrator writes `groups.jsonl` (every
+group when it starts), `trajectories.jsonl` (every finished episode the moment it arrives, failed
+ones too) and `inflight/` (each unfinished episode's latest state); the loop writes `state/` (learner
+state + `progress()`, every `checkpoint_every` steps) and `metrics.jsonl`. A run killed at any moment
+restarts from `state/`: groups consumed after that checkpoint are buffered again, finished episodes
+are read back, and unfinished ones resume from their saved state (an episode that had not finished
+its first turn restarts). No rollout is dropped.
 
 Departures from AReaL: rollout workers are threads of one process, not RPC servers (the Engine may
 run in a process of its own, `EngineConfig.separate_process`, so that its decode loop does not wait
@@ -48,10 +53,7 @@ discarding rollouts, so no work is thrown away.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,7 +62,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 from transformers import PreTrainedTokenizerBase
 
@@ -70,8 +71,8 @@ from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
 from flywheel.model.engine import Engine
-from flywheel.rl.advantages import AdvantageConfig, outcome_tied
-from flywheel.rl.learner import Learner
+from flywheel.rl.advantages import AdvantageConfig
+from flywheel.rl.run_folder import RunFolder
 
 
 class OrchestratorConfig(BaseModel):
@@ -95,16 +96,16 @@ class OrchestratorConfig(BaseModel):
     # Filtered groups in a row, in units of groups_per_step, before the run stops: every group
     # scoring the same means the tasks are all too hard or all too easy for this policy.
     zero_signal_patience: int = 10
-    max_steps: int = 10
+    max_steps: int = 10  # learner steps of the run (read by the training loop, like checkpoint_every)
     # Tasks are drawn in a fresh seeded order each pass over the task set. In the order given
     # (family by family) the learner would spend a quarter of a run on each family in turn and
     # unlearn the last one while on the next.
     shuffle_tasks: bool = True
     seed: int = 0
-    checkpoint_every: int = 1  # learner state to run_dir/state every N steps (resume point)
+    checkpoint_every: int = 1  # learner state + progress() to run_dir/state every N steps (resume point)
     episode_timeout_s: float = 600.0
     stall_timeout_s: float = 1800.0
-    weight_update_timeout_s: float = 120.0
+    weight_update_timeout_s: float = 120.0  # the loop's Engine.update_weights
     episode: EpisodeConfig = EpisodeConfig()
     advantages: AdvantageConfig = AdvantageConfig()
 
@@ -169,131 +170,85 @@ class _Group:
         return [self.results[i] for i in sorted(self.results)]
 
 
-class RunFolder:
-    """The run's files; every write that a resume depends on is appended or atomically replaced."""
+@dataclass(frozen=True)
+class ReadyGroup:
+    """A complete group handed to the training loop: its episodes in member order."""
+    id: str
+    start_version: int  # the policy version when the group started (its oldest tokens' at most)
+    trajectories: tuple[Trajectory, ...]
 
-    def __init__(self, root: Path):
-        self.root = root
-        self.inflight = root / "inflight"
-        self.state = root / "state"
-        self.inflight.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
 
-    def append(self, name: str, record: dict[str, Any]) -> None:
-        line = json.dumps(record, separators=(",", ":")) + "\n"
-        with self._lock, open(self.root / name, "a") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+@dataclass(frozen=True)
+class Batch:
+    """What `Orchestrator.next_batch` hands out: B complete groups (or more, when older groups are
+    due), and how the policy did on every group completed since the previous batch."""
+    groups: tuple[ReadyGroup, ...]
+    # Episodes and passes of the groups completed since the previous batch, trained or filtered:
+    # the policy's pass rate on training tasks. The trained batch's own pass rate is biased low by
+    # dynamic sampling, which drops all-pass groups (0.25 there where held-out sampled was 0.47).
+    rollout_episodes: int
+    rollout_passed: int
 
-    def read(self, name: str) -> list[dict[str, Any]]:
-        path = self.root / name
-        if not path.exists():
-            return []
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash mid-write: its episode is still in inflight/ or restarts
-        return records
+    @property
+    def group_ids(self) -> list[str]:
+        return [g.id for g in self.groups]
 
-    def save_episode_state(self, episode_id: str, state: EpisodeState) -> None:
-        path = self.inflight / f"{episode_id.replace('/', '_')}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(state.model_dump_json())
-        os.replace(tmp, path)
-
-    def drop_episode_state(self, episode_id: str) -> None:
-        (self.inflight / f"{episode_id.replace('/', '_')}.json").unlink(missing_ok=True)
-
-    def episode_states(self) -> dict[str, EpisodeState]:
-        states = {}
-        for path in self.inflight.glob("*.json"):
-            states[path.stem.replace("_", "/", 1)] = EpisodeState.model_validate_json(path.read_text())
-        return states
-
-    def save_learner(self, learner: Learner, extra: dict[str, Any]) -> None:
-        tmp = self.root / "state.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        torch.save(learner.state(), tmp / "learner.pt")
-        (tmp / "progress.json").write_text(json.dumps(extra))
-        old = self.root / "state.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if self.state.exists():
-            os.replace(self.state, old)
-        os.replace(tmp, self.state)
-        shutil.rmtree(old, ignore_errors=True)
-
-    def load_learner(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        for folder in (self.state, self.root / "state.old"):  # a crash between the two renames leaves state.old
-            if (folder / "progress.json").exists():
-                return torch.load(folder / "learner.pt", weights_only=False), json.loads((folder / "progress.json").read_text())
-        return None
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajectories]
 
 
 class Orchestrator:
-    """Drives rollouts and learning; knows nothing of who calls it (the CLI, a benchmark, a test)."""
+    """Schedules rollouts into batches; knows nothing of who consumes them (the training loop, a
+    benchmark, a test) nor of the Learner: the current version comes from `version()`."""
 
-    def __init__(self, config: OrchestratorConfig, tasks: Sequence[Task], engine: Engine, learner: Learner,
-                 tokenizer: PreTrainedTokenizerBase, pool: SandboxPool, run_dir: Path,
-                 on_step: Callable[[dict[str, Any]], None] | None = None):
+    def __init__(self, config: OrchestratorConfig, tasks: Sequence[Task], engine: Engine,
+                 tokenizer: PreTrainedTokenizerBase, pool: SandboxPool, run_dir: str | Path,
+                 version: Callable[[], int]):
         if not tasks:
             raise ValueError("no training tasks")
-        self.config, self.tasks, self.engine, self.learner = config, list(tasks), engine, learner
-        self.tokenizer, self.pool, self.on_step = tokenizer, pool, on_step
-        self.run = RunFolder(Path(run_dir))
+        self.config, self.tasks, self.engine, self.version = config, list(tasks), engine, version
+        self.tokenizer, self.pool = tokenizer, pool
+        self.run = RunFolder(run_dir)
         self._tasks_by_id = {t.id: t for t in self.tasks}
         self._siblings: dict[tuple[str, object], list[Task]] = {}
         for t in self.tasks:
             self._siblings.setdefault(_sibling_key(t), []).append(t)
         self._cond = threading.Condition()
         self._groups: dict[str, _Group] = {}  # started, not yet consumed
+        self._handed_out: list[str] = []  # groups of the last batch, until `consumed` is called
         self._next_group = 0  # groups started so far, also the task cursor
         self._order: tuple[int, list[int]] = (-1, [])  # (pass over the task set, its task order)
-        self._consumed: list[str] = []
+        self._consumed: dict[str, int] = {}  # group -> the version it was consumed at (trained, or filtered)
         self._counts = {"zero_signal_groups": 0, "filtered_groups": 0, "episodes": 0, "failed_episodes": 0,
                         "resumed_episodes": 0}
         self._error: BaseException | None = None
         self._filtered_in_a_row = 0
-        # Episodes and passes of the groups completed since the last learner step, trained or filtered:
-        # the policy's pass rate on training tasks. The trained batch's `pass_rate` is biased low by
-        # dynamic sampling, which drops all-pass groups (0.25 there where held-out sampled was 0.47).
-        self._rollouts = {"episodes": 0, "passed": 0}
+        self._rollouts = {"episodes": 0, "passed": 0}  # since the previous batch, see `Batch`
         self._workers = ThreadPoolExecutor(config.concurrency, thread_name_prefix="rollout")
         self._closed = False
-        self.step = 0
+        self.step = 0  # batches consumed: the learner steps taken, resumed ones included
 
-    # ---- the learner loop ---------------------------------------------------------------------------
+    # ---- what the training loop calls -------------------------------------------------------------
 
-    def train(self, max_steps: int | None = None) -> list[dict[str, Any]]:
-        """Run until `max_steps` learner steps in total (resuming counts earlier ones)."""
-        goal = self.config.max_steps if max_steps is None else max_steps
-        history = []
-        with self._cond:
-            self._admit()
-        while self.step < goal:
-            t0 = time.perf_counter()
-            batch = self._wait_for_batch()
-            waited = time.perf_counter() - t0
-            metrics = self._learn(batch)
-            metrics["wait_s"] = waited
-            history.append(metrics)
-            if self.on_step is not None:
-                self.on_step(metrics)
-        return history
-
-    def _wait_for_batch(self) -> list[_Group]:
+    def next_batch(self) -> Batch:
+        """Wait for the next batch (starting groups up to the admission limit first). Call
+        `consumed` with its groups before asking for another."""
+        if self._handed_out:
+            raise RuntimeError(f"groups {self._handed_out} were handed out and not reported consumed; call "
+                               "consumed(batch.group_ids, version) after training on a batch, before the next")
         deadline = time.monotonic() + self.config.stall_timeout_s
         with self._cond:
+            self._admit()
             while True:
                 if self._error is not None:
                     raise OrchestratorStalled(f"a rollout worker failed: {self._error!r}") from self._error
-                batch = self._ready_batch()
-                if batch is not None:
+                groups = self._ready_batch()
+                if groups is not None:
                     self._filtered_in_a_row = 0
-                    return batch
+                    self._handed_out = [g.id for g in groups]
+                    rollouts, self._rollouts = self._rollouts, {"episodes": 0, "passed": 0}
+                    return Batch(tuple(ReadyGroup(g.id, g.start_version, tuple(g.trajectories())) for g in groups),
+                                 rollouts["episodes"], rollouts["passed"])
                 if self._filtered_in_a_row > self.config.zero_signal_patience * self.config.groups_per_step:
                     raise OrchestratorStalled(
                         f"{self._filtered_in_a_row} groups in a row had equal rewards (no signal): the tasks are all "
@@ -305,10 +260,93 @@ class Orchestrator:
                                               f"{self._describe()}; check the engine and the sandbox pool")
                 self._cond.wait(timeout=1.0)
 
+    def consumed(self, group_ids: Sequence[str], version: int) -> None:
+        """The groups of the last batch were trained on, and the policy is now at `version`: they leave
+        the buffer and as many new groups start, at that version."""
+        if sorted(group_ids) != sorted(self._handed_out):
+            raise ValueError(f"consumed({list(group_ids)}) but the last batch handed out {self._handed_out}; "
+                             "report exactly the group ids of the batch that was trained on")
+        with self._cond:
+            for group_id in group_ids:
+                del self._groups[group_id]
+                self._consumed[group_id] = version
+            self._handed_out = []
+            self.step += 1
+            self._admit(version)
+
+    def counts(self) -> dict[str, int]:
+        """Running totals: episodes, failed episodes, resumed episodes, zero-signal and filtered groups."""
+        with self._cond:
+            return dict(self._counts)
+
+    def progress(self) -> dict[str, Any]:
+        """What a resume needs besides the learner (a plain dict for `RunFolder.save_state`): batches
+        consumed, groups started, which groups were consumed at which version, the counts."""
+        with self._cond:
+            return {"step": self.step, "next_group": self._next_group, "consumed": dict(self._consumed),
+                    "counts": dict(self._counts)}
+
+    def resume(self, progress: dict[str, Any] | None) -> bool:
+        """Restore from `run_dir` and the `progress()` saved with the learner (None: no checkpoint was
+        taken); returns whether there was a run to resume. Call before `next_batch`."""
+        started = self.run.read("groups.jsonl")
+        if progress is None and not started:
+            return False
+        if progress is not None:
+            self.step = progress["step"]
+            consumed = progress["consumed"]  # a list in runs saved before the versions were kept
+            self._consumed = dict(consumed) if isinstance(consumed, dict) else dict.fromkeys(consumed, -1)
+            self._counts.update(progress["counts"])
+        finished: dict[str, Trajectory] = {}
+        for record in self.run.read("trajectories.jsonl"):
+            finished[record["episode"]] = Trajectory.model_validate(record["trajectory"])
+        states = self.run.episode_states()
+        with self._cond:
+            for record in started:
+                if record["group"] in self._consumed:
+                    continue
+                ids = record.get("tasks", [record["task"]])
+                missing = [i for i in ids if i not in self._tasks_by_id]
+                if missing:
+                    raise ValueError(f"run {self.run.root} trained on task {missing[0]}, which is not in this task "
+                                     "set; resume with the same task config")
+                if self.config.group_size % len(ids):
+                    raise ValueError(f"run {self.run.root} started groups of {len(ids)} tasks; resume with the same "
+                                     "group_size and tasks_per_group")
+                group = _Group(record["group"], tuple(self._tasks_by_id[i] for i in ids), record["version"],
+                               self.config.group_size)
+                self._groups[group.id] = group
+                for i in range(group.size):
+                    episode_id = f"{group.id}/{i}"
+                    if episode_id in finished:
+                        group.results[i] = finished[episode_id]
+                        self.run.drop_episode_state(episode_id)
+                    else:
+                        self._counts["resumed_episodes"] += episode_id in states
+                        self._launch(group, i, states.get(episode_id))
+            self._next_group = max((int(r["group"][1:]) + 1 for r in started), default=0)
+        return True
+
+    def close(self, wait: bool = True) -> None:
+        """Stop: no new episodes; running ones stop at their next turn boundary (after saving their
+        state, so a later run with the same run_dir resumes them). wait: until they have stopped."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._workers.shutdown(wait=wait, cancel_futures=True)
+
+    def __enter__(self) -> Orchestrator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- forming batches --------------------------------------------------------------------------
+
     def _ready_batch(self) -> list[_Group] | None:
         """B complete groups, oldest first, including every group that must be trained on now."""
         self._filter_zero_signal()
-        v, bound = self.learner.version, self.config.staleness_bound
+        v, bound = self.version(), self.config.staleness_bound
         unfinished_due = [g for g in self._groups.values() if g.start_version + bound <= v and not g.complete]
         complete = sorted((g for g in self._groups.values() if g.complete), key=lambda g: (g.start_version, g.id))
         due = [g for g in complete if g.start_version + bound <= v]
@@ -334,58 +372,18 @@ class Orchestrator:
                     self._counts["filtered_groups"] += 1
                     self._filtered_in_a_row += 1
                     del self._groups[g.id]
-                    self._consumed.append(g.id)
+                    self._consumed[g.id] = self.version()
                     self._admit()
-
-    def _learn(self, batch: list[_Group]) -> dict[str, Any]:
-        trajectories = [t for g in batch for t in g.trajectories()]
-        rewards = [t.reward for t in trajectories]
-        advantages = self.config.advantages.for_trajectories(trajectories)
-        # A sandbox failure or an abort is not the policy's doing: recorded, but no gradient.
-        advantages = [a if t.status not in (Status.SANDBOX_ERROR, Status.ABORTED) else 0.0
-                      for a, t in zip(advantages, trajectories, strict=True)]
-        oldest = [t.version_span()[0] for t in trajectories if t.generated_tokens]
-        staleness = self.learner.version - min(oldest) if oldest else 0
-        t0 = time.perf_counter()
-        metrics = dict(self.learner.train_step(trajectories, advantages))
-        train_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.engine.update_weights(self.learner.weights(), self.learner.version,
-                                   timeout_s=self.config.weight_update_timeout_s)
-        update_s = time.perf_counter() - t0
-        with self._cond:
-            for g in batch:
-                del self._groups[g.id]
-                self._consumed.append(g.id)
-            self.step += 1
-            rollouts, self._rollouts = self._rollouts, {"episodes": 0, "passed": 0}
-            self._admit()
-            if self.step % self.config.checkpoint_every == 0:
-                self._save_state()
-        outcomes = [passed(t) for t in trajectories]
-        tied = sum(outcome_tied([passed(t) for t in g.trajectories()], [t.reward for t in g.trajectories()])
-                   for g in batch)
-        metrics.update({
-            "outcome_tied_groups": tied,
-            "step": self.step, "version": self.learner.version, "reward_mean": sum(rewards) / len(rewards),
-            "pass_rate": sum(outcomes) / len(outcomes),
-            "failed_tool_calls": sum(t.failed_tool_calls for t in trajectories) / len(trajectories),  # per episode
-            "train_s": train_s, "weight_update_s": update_s,
-            "rollout_episodes": rollouts["episodes"],
-            "rollout_pass_rate": rollouts["passed"] / rollouts["episodes"] if rollouts["episodes"] else float("nan"),
-            "episodes_trained": len(trajectories), "time": time.time(), "staleness_max": staleness,
-            **self._counts,
-        })
-        self.run.append("metrics.jsonl", metrics)
-        return metrics
 
     # ---- rollouts -----------------------------------------------------------------------------------
 
-    def _admit(self) -> None:
-        """Start groups while fewer than the admission limit are unconsumed. Caller holds the lock."""
+    def _admit(self, version: int | None = None) -> None:
+        """Start groups while fewer than the admission limit are unconsumed, at `version` (default:
+        the current one). Caller holds the lock."""
+        version = self.version() if version is None else version
         while not self._closed and len(self._groups) < self.config.admit_limit:
             tasks = self._group_tasks(self._next_group)
-            group = _Group(f"g{self._next_group}", tasks, self.learner.version, self.config.group_size)
+            group = _Group(f"g{self._next_group}", tasks, version, self.config.group_size)
             self._next_group += 1
             self._groups[group.id] = group
             self.run.append("groups.jsonl", {"group": group.id, "task": tasks[0].id, "tasks": [t.id for t in tasks],
@@ -464,74 +462,8 @@ class Orchestrator:
     def _describe(self) -> str:
         running = sum(len(g.running) for g in self._groups.values())
         complete = sum(g.complete for g in self._groups.values())
-        return (f"version {self.learner.version}, {len(self._groups)} groups unconsumed ({complete} complete), "
+        return (f"version {self.version()}, {len(self._groups)} groups unconsumed ({complete} complete), "
                 f"{running} episodes running")
-
-    # ---- durability ---------------------------------------------------------------------------------
-
-    def _save_state(self) -> None:
-        self.run.save_learner(self.learner, {"step": self.step, "next_group": self._next_group,
-                                             "consumed": self._consumed, "counts": self._counts})
-
-    def resume(self) -> bool:
-        """Restore from `run_dir` if it holds a run; returns whether it did. Call before `train`."""
-        saved = self.run.load_learner()
-        started = self.run.read("groups.jsonl")
-        if saved is None and not started:
-            return False
-        consumed: set[str] = set()
-        if saved is not None:
-            learner_state, progress = saved
-            self.learner.load_state(learner_state)
-            self.engine.update_weights(self.learner.weights(), self.learner.version,
-                                       timeout_s=self.config.weight_update_timeout_s)
-            self.step = progress["step"]
-            self._consumed = list(progress["consumed"])
-            self._counts.update(progress["counts"])
-            consumed = set(self._consumed)
-        finished: dict[str, Trajectory] = {}
-        for record in self.run.read("trajectories.jsonl"):
-            finished[record["episode"]] = Trajectory.model_validate(record["trajectory"])
-        states = self.run.episode_states()
-        with self._cond:
-            for record in started:
-                if record["group"] in consumed:
-                    continue
-                ids = record.get("tasks", [record["task"]])
-                missing = [i for i in ids if i not in self._tasks_by_id]
-                if missing:
-                    raise ValueError(f"run {self.run.root} trained on task {missing[0]}, which is not in this task "
-                                     "set; resume with the same task config")
-                if self.config.group_size % len(ids):
-                    raise ValueError(f"run {self.run.root} started groups of {len(ids)} tasks; resume with the same "
-                                     "group_size and tasks_per_group")
-                group = _Group(record["group"], tuple(self._tasks_by_id[i] for i in ids), record["version"],
-                               self.config.group_size)
-                self._groups[group.id] = group
-                for i in range(group.size):
-                    episode_id = f"{group.id}/{i}"
-                    if episode_id in finished:
-                        group.results[i] = finished[episode_id]
-                        self.run.drop_episode_state(episode_id)
-                    else:
-                        self._counts["resumed_episodes"] += episode_id in states
-                        self._launch(group, i, states.get(episode_id))
-            self._next_group = max((int(r["group"][1:]) + 1 for r in started), default=0)
-        return True
-
-    def close(self, wait: bool = True) -> None:
-        """Stop: no new episodes; running ones stop at their next turn boundary (after saving their
-        state, so a later run with the same run_dir resumes them). wait: until they have stopped."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._workers.shutdown(wait=wait, cancel_futures=True)
-
-    def __enter__(self) -> Orchestrator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _sibling_key(task: Task) -> tuple[str, object]:

@@ -2,19 +2,28 @@
 
     flywheel train [--config configs/train.toml] [--set orchestrator.max_staleness=2]
 
-1. load the start checkpoint twice: one copy for the Engine (sampling), one for the Learner
-2. the Orchestrator runs G episodes per training task in sandboxes, the Learner trains on every
-   B complete groups, and the new weights go to the Engine while rollouts continue
-3. every `eval_every` steps (and at the start and the end): held-out pass rate at temperature 0
-4. register the result in the Registry (parent = the start version), with its eval metrics
+`train` sets up and runs the loop; `learning_step` is one step of it, in the order it happens:
+
+1. tasks: the training task set; the start checkpoint loaded twice, one copy for the Engine
+   (sampling), one for the Learner
+2. rollouts: the Orchestrator runs G episodes per task in sandboxes while the loop learns, and
+   hands over a batch of B complete groups whose staleness is within the bound (`next_batch`)
+3. advantages: group-relative, zero for episodes the sandbox or an abort spoiled
+4. Learner step: one policy update on the batch (version v -> v + 1)
+5. weights to the Engine, which swaps them in under the in-flight episodes; the Orchestrator is
+   told the batch was consumed at v + 1, so new groups start
+6. checkpoint: learner state + the Orchestrator's progress to run/state every `checkpoint_every`
+   steps; the step's metrics to run/metrics.jsonl
+7. eval every `eval_every` steps (and at the start and the end): held-out pass rate at temperature 0
+8. register the result in the Registry (parent = the start version), with its eval metrics
 
 Progress: one line per step (step, reward, pass rate, tokens/s, staleness); metrics.jsonl and
-eval.jsonl in the run folder. A run folder that already holds a run is resumed, not overwritten.
+eval.jsonl in the run folder (`flywheel.rl.run_folder`). A run folder that already holds a run is
+resumed, not overwritten.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,14 +32,17 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from flywheel.agent.evaluate import evaluate
+from flywheel.agent.evaluate import evaluate, passed
+from flywheel.agent.trajectory import Status
 from flywheel.env.families import FAMILIES, task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.engine import Engine, EngineConfig
 from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import Checkpoint, Registry
+from flywheel.rl.advantages import outcome_tied
 from flywheel.rl.learner import Learner, LearnerConfig
-from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig
+from flywheel.rl.orchestrator import Batch, Orchestrator, OrchestratorConfig
+from flywheel.rl.run_folder import RunFolder
 
 
 class TrainConfig(BaseModel):
@@ -93,50 +105,123 @@ def step_line(m: dict[str, Any]) -> str:
             f"wait {m['wait_s']:.1f}s train {m['train_s']:.1f}s  filtered {m['filtered_groups']}")
 
 
+def learning_step(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Learner, engine: Engine,
+                  run: RunFolder) -> dict[str, Any]:
+    """One step of the loop: a batch of rollouts, its advantages, a Learner step, the new weights to
+    the Engine, a checkpoint. Returns the step's metrics (also appended to run/metrics.jsonl)."""
+    t0 = time.perf_counter()
+    batch = orchestrator.next_batch()  # blocks until B complete groups within the staleness bound
+    wait_s = time.perf_counter() - t0
+    trajectories = batch.trajectories()
+    advantages = config.advantages.for_trajectories(trajectories)
+    # A sandbox failure or an abort is not the policy's doing: recorded, but no gradient.
+    advantages = [a if t.status not in (Status.SANDBOX_ERROR, Status.ABORTED) else 0.0
+                  for a, t in zip(advantages, trajectories, strict=True)]
+    oldest = [t.version_span()[0] for t in trajectories if t.generated_tokens]
+    staleness = learner.version - min(oldest) if oldest else 0
+
+    t0 = time.perf_counter()
+    metrics = dict(learner.train_step(trajectories, advantages))
+    train_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    engine.update_weights(learner.weights(), learner.version, timeout_s=config.weight_update_timeout_s)
+    update_s = time.perf_counter() - t0
+    orchestrator.consumed(batch.group_ids, learner.version)
+
+    if orchestrator.step % config.checkpoint_every == 0:
+        run.save_state(learner.state(), orchestrator.progress())
+    metrics.update(batch_metrics(batch, orchestrator.counts()))
+    metrics.update({"step": orchestrator.step, "version": learner.version, "staleness_max": staleness,
+                    "wait_s": wait_s, "train_s": train_s, "weight_update_s": update_s, "time": time.time()})
+    run.append("metrics.jsonl", metrics)
+    return metrics
+
+
+def batch_metrics(batch: Batch, counts: dict[str, int]) -> dict[str, Any]:
+    """What the batch and the rollouts since the previous one say about the policy."""
+    trajectories = batch.trajectories()
+    outcomes = [passed(t) for t in trajectories]
+    tied = sum(outcome_tied([passed(t) for t in g.trajectories], [t.reward for t in g.trajectories])
+               for g in batch.groups)
+    return {
+        "outcome_tied_groups": tied,
+        "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
+        "pass_rate": sum(outcomes) / len(outcomes),
+        "failed_tool_calls": sum(t.failed_tool_calls for t in trajectories) / len(trajectories),  # per episode
+        "rollout_episodes": batch.rollout_episodes,
+        "rollout_pass_rate": batch.rollout_passed / batch.rollout_episodes if batch.rollout_episodes else float("nan"),
+        "episodes_trained": len(trajectories),
+        **counts,
+    }
+
+
+def learn(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Learner, engine: Engine, run: RunFolder,
+          until: int | None = None, on_step: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """`learning_step` until `until` steps in total (default `config.max_steps`; resumed steps count)."""
+    goal = config.max_steps if until is None else until
+    history = []
+    while orchestrator.step < goal:
+        history.append(learning_step(config, orchestrator, learner, engine, run))
+        if on_step is not None:
+            on_step(history[-1])
+    return history
+
+
+def resume(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Learner, engine: Engine,
+           run: RunFolder) -> bool:
+    """Continue the run in `run` if it holds one: the learner and the engine get the checkpointed
+    weights, the Orchestrator its groups and episodes. Returns whether there was a run."""
+    saved = run.load_state()
+    if saved is not None:
+        learner_state, progress = saved
+        learner.load_state(learner_state)
+        engine.update_weights(learner.weights(), learner.version, timeout_s=config.weight_update_timeout_s)
+    return orchestrator.resume(saved[1] if saved is not None else None)
+
+
 def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Checkpoint | None, dict[str, Any]]:
     torch.set_num_threads(config.threads)
     start = time.perf_counter()
     config.run_dir.mkdir(parents=True, exist_ok=True)
+    run = RunFolder(config.run_dir)
     registry = Registry(config.registry_root)
     parent = registry.get(config.checkpoint)
     engine_model, tokenizer = registry.load(parent.version)
     learner_model, _ = registry.load(parent.version)
     learner = Learner(learner_model.train(), config.learner, version=parent.version)
     tasks = train_tasks(config)
+    orch_config = config.orchestrator
     evals: list[dict[str, Any]] = []
 
     def record_eval(report: dict[str, Any], step: int) -> None:
         row = {"step": step, "version": learner.version, "time_s": time.perf_counter() - start, **report}
         evals.append(row)
-        with open(config.run_dir / "eval.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        run.append("eval.jsonl", row)
         log(f"eval at step {step} (v{learner.version}): pass rate {report['pass_rate']:.3f} "
             f"[{report['pass_rate_ci'][0]:.2f}, {report['pass_rate_ci'][1]:.2f}], "
             f"valid tool calls {report['valid_tool_call_rate']:.2f}, failed {report['failed_tool_call_rate']:.2f}")
 
-    with start_engine(engine_model, config.engine, version=parent.version) as engine, SandboxPool(config.pool) as pool:
-        orchestrator = Orchestrator(config.orchestrator, tasks, engine, learner, tokenizer, pool, config.run_dir,
-                                    on_step=lambda m: log(step_line(m)))
-        with orchestrator:
-            if orchestrator.resume():
-                log(f"resumed {config.run_dir} at step {orchestrator.step} (v{learner.version})")
-            elif config.eval_at_start:
-                record_eval(run_eval(config, engine, tokenizer, pool), 0)
-            log(f"training v{learner.version} on {len(tasks)} tasks: {config.orchestrator.mode}, "
-                f"G={config.orchestrator.group_size} over {config.orchestrator.tasks_per_group} task(s), "
-                f"B={config.orchestrator.groups_per_step}, "
-                f"max_staleness={config.orchestrator.staleness_bound}")
-            while orchestrator.step < config.orchestrator.max_steps:
-                if config.time_budget_s is not None and time.perf_counter() - start > config.time_budget_s:
-                    log(f"time budget of {config.time_budget_s:.0f} s reached at step {orchestrator.step}")
-                    break
-                orchestrator.train(orchestrator.step + 1)
-                if config.eval_every and orchestrator.step % config.eval_every == 0 \
-                        and orchestrator.step < config.orchestrator.max_steps:
-                    record_eval(run_eval(config, engine, tokenizer, pool), orchestrator.step)
-            orchestrator.close()  # in-flight episodes stop at a turn boundary, saved for a resume
-            final = run_eval(config, engine, tokenizer, pool)
-            record_eval(final, orchestrator.step)
+    with start_engine(engine_model, config.engine, version=parent.version) as engine, SandboxPool(config.pool) as pool, \
+            Orchestrator(orch_config, tasks, engine, tokenizer, pool, config.run_dir,
+                         version=lambda: learner.version) as orchestrator:
+        if resume(orch_config, orchestrator, learner, engine, run):
+            log(f"resumed {config.run_dir} at step {orchestrator.step} (v{learner.version})")
+        elif config.eval_at_start:
+            record_eval(run_eval(config, engine, tokenizer, pool), 0)
+        log(f"training v{learner.version} on {len(tasks)} tasks: {orch_config.mode}, "
+            f"G={orch_config.group_size} over {orch_config.tasks_per_group} task(s), B={orch_config.groups_per_step}, "
+            f"max_staleness={orch_config.staleness_bound}")
+        while orchestrator.step < orch_config.max_steps:
+            if config.time_budget_s is not None and time.perf_counter() - start > config.time_budget_s:
+                log(f"time budget of {config.time_budget_s:.0f} s reached at step {orchestrator.step}")
+                break
+            log(step_line(learning_step(orch_config, orchestrator, learner, engine, run)))
+            if config.eval_every and orchestrator.step % config.eval_every == 0 and orchestrator.step < orch_config.max_steps:
+                record_eval(run_eval(config, engine, tokenizer, pool), orchestrator.step)
+        orchestrator.close()  # in-flight episodes stop at a turn boundary, saved for a resume
+        final = run_eval(config, engine, tokenizer, pool)
+        record_eval(final, orchestrator.step)
     summary = {"steps": orchestrator.step, "version": learner.version, "seconds": time.perf_counter() - start,
                "pass_rate_start": evals[0]["pass_rate"] if evals and evals[0]["step"] == 0 else float("nan"),
                "pass_rate_end": final["pass_rate"]}
@@ -146,8 +231,8 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
                    "train_steps": float(orchestrator.step)}
         checkpoint = registry.register(learner.model.eval(), tokenizer, parent=parent.version, metrics=metrics,
                                        aliases=[config.alias] if config.alias else [],
-                                       note=f"simulated RL ({config.orchestrator.mode}), {orchestrator.step} steps")
+                                       note=f"simulated RL ({orch_config.mode}), {orchestrator.step} steps")
         log(f"registered v{checkpoint.version} (parent v{parent.version}) at {checkpoint.path}")
     registry.close()
-    (config.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.write_json("summary.json", summary)
     return checkpoint, summary

@@ -2,7 +2,8 @@
 
 Episodes run in real sandboxes with real tools and grading. The engine is a scripted one with
 random, long-tailed latencies (so that the interleavings the bound must survive actually happen)
-and the learner a recording one: what is under test is the scheduling, not the model.
+and the learner a recording one: what is under test is the scheduling, not the model. The loop
+that drives them is the real one, `flywheel.rl.train.learn`, wired as `train` wires it.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.engine import SamplingParams
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig, OrchestratorStalled
+from flywheel.rl.run_folder import RunFolder
+from flywheel.rl.train import resume
 
 FAKES = textwrap.dedent('''
     import json, random, threading, time
     from concurrent.futures import Future
     from flywheel.model.engine import Generation
+    from flywheel.rl.orchestrator import Orchestrator
+    from flywheel.rl.run_folder import RunFolder
+    from flywheel.rl.train import learn
 
     def call(name, **arguments):
         return "<tool_call>\\n" + json.dumps({"name": name, "arguments": arguments}) + "\\n</tool_call>"
@@ -113,10 +119,19 @@ FAKES = textwrap.dedent('''
 
         def load_state(self, state):
             self.version, self.batches = state["version"], list(state["batches"])
+
+    def orchestrator(config, tasks, engine, learner, tokenizer, pool, run_dir):
+        """An Orchestrator wired as flywheel.rl.train wires it: the version comes from the learner."""
+        return Orchestrator(config, tasks, engine, tokenizer, pool, run_dir, version=lambda: learner.version)
+
+    def train(orch, learner, until=None):
+        """flywheel.rl.train's loop over this Orchestrator, its engine and `learner`."""
+        return learn(orch.config, orch, learner, orch.engine, RunFolder(orch.run.root), until)
 ''')
 namespace: dict = {}
 exec(FAKES, namespace)  # the same fakes run in the subprocess of the kill test
 RandomLatencyEngine, RecordingLearner = namespace["RandomLatencyEngine"], namespace["RecordingLearner"]
+orchestrator, train = namespace["orchestrator"], namespace["train"]
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +166,8 @@ def test_staleness_never_exceeds_the_bound(tmp_path_factory, tasks, tokenizer, p
                  max_steps=4)
     engine = RandomLatencyEngine(tokenizer, tasks, seed=seed, mean_delay_s=0.005, slow_tasks=tasks[::3])
     learner = RecordingLearner()
-    with Orchestrator(cfg, tasks, engine, learner, tokenizer, pool, tmp_path_factory.mktemp("run")) as orch:
-        history = orch.train()
+    with orchestrator(cfg, tasks, engine, learner, tokenizer, pool, tmp_path_factory.mktemp("run")) as orch:
+        history = train(orch, learner)
     assert len(history) == 4 and learner.version == 4
     for batch in learner.batches:
         assert batch["staleness"] and max(batch["staleness"]) <= max_staleness
@@ -164,8 +179,8 @@ def test_async_rollouts_continue_under_new_weights(tmp_path, tasks, tokenizer, p
     """Partial rollouts: episodes started under one version finish under the next, and both are recorded."""
     engine = RandomLatencyEngine(tokenizer, tasks, seed=3, mean_delay_s=0.02)
     learner = RecordingLearner(step_s=0.05)
-    with Orchestrator(config(max_staleness=2, max_steps=6), tasks, engine, learner, tokenizer, pool, tmp_path) as orch:
-        orch.train()
+    with orchestrator(config(max_staleness=2, max_steps=6), tasks, engine, learner, tokenizer, pool, tmp_path) as orch:
+        train(orch, learner)
     mixed = 0
     for line in (tmp_path / "trajectories.jsonl").read_text().splitlines():
         traj = json.loads(line)["trajectory"]
@@ -177,10 +192,10 @@ def test_async_rollouts_continue_under_new_weights(tmp_path, tasks, tokenizer, p
 def test_every_turn_asks_the_engine_with_its_groups_start_order(tmp_path, tasks, tokenizer, pool):
     """Older groups first when the engine has more requests than rows: a turn's priority is the
     number of the group it belongs to, so the groups the learner waits on are served first."""
-    engine = RandomLatencyEngine(tokenizer, tasks, seed=4)
-    with Orchestrator(config(max_staleness=1, max_steps=3), tasks, engine, RecordingLearner(), tokenizer, pool,
+    engine, learner = RandomLatencyEngine(tokenizer, tasks, seed=4), RecordingLearner()
+    with orchestrator(config(max_staleness=1, max_steps=3), tasks, engine, learner, tokenizer, pool,
                       tmp_path) as orch:
-        orch.train()
+        train(orch, learner)
     started = {int(r["group"][1:]): r["task"] for r in map(json.loads, (tmp_path / "groups.jsonl").read_text().splitlines())}
     assert len({p for p, _ in engine.priorities}) > 2
     assert all(p in started and started[p] == task for p, task in engine.priorities)
@@ -189,22 +204,22 @@ def test_every_turn_asks_the_engine_with_its_groups_start_order(tmp_path, tasks,
 def test_sync_mode_trains_only_on_policy(tmp_path, tasks, tokenizer, pool):
     engine = RandomLatencyEngine(tokenizer, tasks, seed=5)
     learner = RecordingLearner()
-    with Orchestrator(config(mode="sync", max_staleness=3), tasks, engine, learner, tokenizer, pool, tmp_path) as orch:
-        orch.train()
+    with orchestrator(config(mode="sync", max_staleness=3), tasks, engine, learner, tokenizer, pool, tmp_path) as orch:
+        train(orch, learner)
     assert all(max(b["staleness"]) == 0 for b in learner.batches)
 
 
 def test_tasks_come_in_a_fresh_seeded_order_each_pass(tmp_path, tokenizer, pool):
     mixed = [t for family in ("bugfix", "implement") for t in generate(family, "train", 4, seed=11, difficulty=1)]
-    engine = RandomLatencyEngine(tokenizer, mixed, seed=2)
-    with Orchestrator(config(max_steps=6), mixed, engine, RecordingLearner(), tokenizer, pool, tmp_path) as orch:
-        orch.train()
+    engine, learner = RandomLatencyEngine(tokenizer, mixed, seed=2), RecordingLearner()
+    with orchestrator(config(max_steps=6), mixed, engine, learner, tokenizer, pool, tmp_path) as orch:
+        train(orch, learner)
     started = [json.loads(line)["task"] for line in (tmp_path / "groups.jsonl").read_text().splitlines()]
     first, second = started[:8], started[8:16]
     assert sorted(first) == sorted(t.id for t in mixed) == sorted(second)  # every task once per pass
     assert first != second  # a fresh order each pass
     assert {t.split("/")[0] for t in first[:4]} == {"bugfix", "implement"}  # not family by family
-    with Orchestrator(config(shuffle_tasks=False), mixed, engine, RecordingLearner(), tokenizer, pool,
+    with orchestrator(config(shuffle_tasks=False), mixed, engine, RecordingLearner(), tokenizer, pool,
                       tmp_path / "in-order") as orch:
         assert [orch._task(n).id for n in range(10)] == [t.id for t in mixed + mixed[:2]]
 
@@ -213,24 +228,24 @@ def test_zero_signal_groups_are_counted_and_replaced(tmp_path, tasks, tokenizer,
     engine = RandomLatencyEngine(tokenizer, tasks, seed=1, solve_rate=0.0)  # nobody solves: every group is all-equal
     learner = RecordingLearner()
     cfg = config(max_steps=1, filter_zero_signal=True, zero_signal_patience=2)
-    with Orchestrator(cfg, tasks, engine, learner, tokenizer, pool, tmp_path) as orch:
+    with orchestrator(cfg, tasks, engine, learner, tokenizer, pool, tmp_path) as orch:
         with pytest.raises(OrchestratorStalled, match="had equal rewards"):
-            orch.train()
+            train(orch, learner)
         assert orch._counts["zero_signal_groups"] >= 5 and orch._counts["filtered_groups"] >= 5
-    engine = RandomLatencyEngine(tokenizer, tasks, seed=1, solve_rate=0.0)
-    with Orchestrator(config(max_steps=1, filter_zero_signal=False), tasks, engine, RecordingLearner(), tokenizer, pool,
+    engine, learner = RandomLatencyEngine(tokenizer, tasks, seed=1, solve_rate=0.0), RecordingLearner()
+    with orchestrator(config(max_steps=1, filter_zero_signal=False), tasks, engine, learner, tokenizer, pool,
                       tmp_path / "kept") as orch:
-        (metrics,) = orch.train()
+        (metrics,) = train(orch, learner)
     assert metrics["zero_signal_groups"] >= 2 and metrics["filtered_groups"] == 0
 
 
 def test_the_rollout_pass_rate_counts_the_groups_dynamic_sampling_drops(tmp_path, tasks, tokenizer, pool):
     # Groups of two that mostly solve: all-pass groups carry no signal and are filtered, so every
     # trained group is one pass and one failure (trained pass rate 0.5) while most episodes pass.
-    engine = RandomLatencyEngine(tokenizer, tasks, seed=5, solve_rate=0.8)
-    with Orchestrator(config(max_steps=6, zero_signal_patience=20), tasks, engine, RecordingLearner(), tokenizer, pool,
+    engine, learner = RandomLatencyEngine(tokenizer, tasks, seed=5, solve_rate=0.8), RecordingLearner()
+    with orchestrator(config(max_steps=6, zero_signal_patience=20), tasks, engine, learner, tokenizer, pool,
                       tmp_path) as orch:
-        history = orch.train()
+        history = train(orch, learner)
     assert all(m["pass_rate"] == 0.5 for m in history)
     seen = sum(m["rollout_episodes"] for m in history)
     passed_seen = sum(m["rollout_pass_rate"] * m["rollout_episodes"] for m in history if m["rollout_episodes"])
@@ -247,15 +262,16 @@ def test_sibling_groups_give_signal_to_a_policy_that_answers_every_sibling_alike
     tasks = generate("ambiguous", "train", 12, seed=11, difficulty=1)
     known = list({t.metadata.extra["template"]: t for t in reversed(tasks)}.values())
     solo = config(max_steps=1, zero_signal_patience=2)
-    with Orchestrator(solo, tasks, RandomLatencyEngine(tokenizer, known, seed=1, solve_rate=1.0), RecordingLearner(),
+    learner = RecordingLearner()
+    with orchestrator(solo, tasks, RandomLatencyEngine(tokenizer, known, seed=1, solve_rate=1.0), learner,
                       tokenizer, pool, tmp_path / "solo") as orch:
         with pytest.raises(OrchestratorStalled, match="had equal rewards"):
-            orch.train()
+            train(orch, learner)
     learner = RecordingLearner()
     siblings = config(max_steps=2, tasks_per_group=2, zero_signal_patience=5)
-    with Orchestrator(siblings, tasks, RandomLatencyEngine(tokenizer, known, seed=1, solve_rate=1.0), learner,
+    with orchestrator(siblings, tasks, RandomLatencyEngine(tokenizer, known, seed=1, solve_rate=1.0), learner,
                       tokenizer, pool, tmp_path / "siblings") as orch:
-        orch.train()
+        train(orch, learner)
     by_id = {t.id: t for t in tasks}
     started = [json.loads(line) for line in (tmp_path / "siblings" / "groups.jsonl").read_text().splitlines()]
     for record in started:
@@ -267,10 +283,10 @@ def test_sibling_groups_give_signal_to_a_policy_that_answers_every_sibling_alike
     for batch in learner.batches:
         assert batch["advantages"] and all(a != 0 for a in batch["advantages"])  # a known task against its sibling
     assert trained - {t.id for t in known}  # the siblings ran too
-    resumed = Orchestrator(siblings, tasks, RandomLatencyEngine(tokenizer, known), RecordingLearner(), tokenizer, pool,
-                           tmp_path / "siblings")
+    again, engine = RecordingLearner(), RandomLatencyEngine(tokenizer, known)
+    resumed = orchestrator(siblings, tasks, engine, again, tokenizer, pool, tmp_path / "siblings")
     with resumed:
-        assert resumed.resume() and resumed._groups  # the groups started but not trained on
+        assert resume(siblings, resumed, again, engine, RunFolder(tmp_path / "siblings")) and resumed._groups  # the groups started but not trained on
         assert {g.id: [t.id for t in g.tasks] for g in resumed._groups.values()} == {
             r["group"]: r["tasks"] for r in started if r["group"] in resumed._groups}
     with pytest.raises(ValueError, match="multiple of tasks_per_group"):
@@ -282,8 +298,8 @@ def test_turn_credit_trains_tied_groups_on_their_broken_calls_only(tmp_path, tas
     engine = RandomLatencyEngine(tokenizer, tasks, seed=3, solve_rate=0.0, broken_rate=0.5)
     learner = RecordingLearner()
     cfg = config(max_steps=2, advantages={"method": "dr_grpo", "broken_calls": "turn"}, zero_signal_patience=5)
-    with Orchestrator(cfg, tasks, engine, learner, tokenizer, pool, tmp_path) as orch:
-        orch.train()
+    with orchestrator(cfg, tasks, engine, learner, tokenizer, pool, tmp_path) as orch:
+        train(orch, learner)
     trained = [json.loads(line)["trajectory"] for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
     by_group = {}
     for t in trained:
@@ -305,9 +321,10 @@ def test_a_stuck_engine_fails_loudly(tmp_path, tasks, tokenizer, pool):
             return Future()  # never answers
 
     cfg = config(max_steps=1, episode={"generation_timeout_s": 1.0})
-    with Orchestrator(cfg, tasks, SilentEngine(tokenizer, tasks), RecordingLearner(), tokenizer, pool, tmp_path) as orch:
+    learner = RecordingLearner()
+    with orchestrator(cfg, tasks, SilentEngine(tokenizer, tasks), learner, tokenizer, pool, tmp_path) as orch:
         with pytest.raises(OrchestratorStalled, match="did not answer turn 1"):
-            orch.train()
+            train(orch, learner)
 
 
 KILL_SCRIPT = '''
@@ -316,7 +333,7 @@ from pathlib import Path
 from flywheel.env.families import generate
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.tokenizer import train_tokenizer
-from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig
+from flywheel.rl.orchestrator import OrchestratorConfig
 {fakes}
 tasks = generate("bugfix", "train", 6, seed=11, difficulty=1)
 corpus = [t.instruction for t in tasks] + ['<tool_call>\\n{{"name": "list_dir", "arguments": {{}}}}\\n</tool_call>'] * 20
@@ -325,7 +342,8 @@ cfg = OrchestratorConfig(group_size=3, groups_per_step=2, concurrency=12, max_st
                          episode={{"max_turns": 6}})
 engine = RandomLatencyEngine(tokenizer, tasks, seed=7, mean_delay_s=0.05, max_turns=6)
 with SandboxPool(PoolConfig(max_active=24)) as pool:
-    Orchestrator(cfg, tasks, engine, RecordingLearner(step_s=0.05), tokenizer, pool, Path(sys.argv[1])).train()
+    learner = RecordingLearner(step_s=0.05)
+    train(orchestrator(cfg, tasks, engine, learner, tokenizer, pool, Path(sys.argv[1])), learner)
 '''
 
 
@@ -354,10 +372,10 @@ def test_a_run_killed_mid_rollout_resumes_with_its_in_flight_episodes(tmp_path, 
     learner = RecordingLearner()
     engine = RandomLatencyEngine(tokenizer, tasks, seed=8, mean_delay_s=0.01, max_turns=6)
     cfg = OrchestratorConfig(group_size=3, groups_per_step=2, concurrency=12, max_staleness=1, episode={"max_turns": 6})
-    with Orchestrator(cfg, tasks, engine, learner, tokenizer, pool, run) as orch:
-        assert orch.resume()
+    with orchestrator(cfg, tasks, engine, learner, tokenizer, pool, run) as orch:
+        assert resume(cfg, orch, learner, engine, RunFolder(run))
         assert orch.step == progress["step"] and learner.version == progress["step"]
-        orch.train(orch.step + len(open_groups) // 2 + 2)
+        train(orch, learner, orch.step + len(open_groups) // 2 + 2)
     finished = {}
     for line in (run / "trajectories.jsonl").read_text().splitlines():
         try:
@@ -375,3 +393,27 @@ def test_a_run_killed_mid_rollout_resumes_with_its_in_flight_episodes(tmp_path, 
     assert resumed >= 1 and orch._counts["resumed_episodes"] >= 1
     lost = set(open_groups) - set(orch._consumed) - set(orch._groups)
     assert not lost  # every group open at the kill was trained on, filtered, or is still running
+
+
+def test_the_orchestrator_hands_out_batches_and_is_told_what_was_consumed_at_which_version(tmp_path, tasks,
+                                                                                         tokenizer, pool):
+    """The scheduler's whole contract, driven by hand: no Learner, a version getter, plain records."""
+    version = [0]
+    engine = RandomLatencyEngine(tokenizer, tasks, seed=6)
+    with Orchestrator(config(max_staleness=0, filter_zero_signal=False), tasks, engine, tokenizer, pool, tmp_path,
+                      version=lambda: version[0]) as orch:
+        batch = orch.next_batch()
+        assert len(batch.groups) == 2 and all(len(g.trajectories) == 2 and g.start_version == 0 for g in batch.groups)
+        assert batch.rollout_episodes >= 4 and len(batch.trajectories()) == 4
+        with pytest.raises(RuntimeError, match="not reported consumed"):
+            orch.next_batch()
+        with pytest.raises(ValueError, match="report exactly the group ids"):
+            orch.consumed(["g99"], 1)
+        version[0] = 1
+        orch.consumed(batch.group_ids, 1)
+        progress = orch.progress()
+        assert progress["step"] == 1 and {g: progress["consumed"][g] for g in batch.group_ids} == dict.fromkeys(
+            batch.group_ids, 1)
+        started = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()]
+        assert [r["version"] for r in started] == [0, 0, 1, 1]  # the next groups start at the new version
+        assert orch.next_batch().groups[0].start_version == 1

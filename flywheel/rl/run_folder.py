@@ -1,0 +1,91 @@
+"""The durable folder of a simulated RL run: what a resume reads back after a crash at any moment.
+
+    groups.jsonl        every group when it starts (id, its task or sibling tasks, version)   Orchestrator
+    trajectories.jsonl  every finished episode the moment it arrives, failed ones too          Orchestrator
+    inflight/*.json     the latest `EpisodeState` of each unfinished episode                   Orchestrator
+    state/              learner.pt (weights, optimizer, version) + progress.json (the          training loop
+                        Orchestrator's `progress()`: groups consumed and at which version)
+    metrics.jsonl       one line per learner step                                               training loop
+    eval.jsonl          one line per held-out eval                                              training loop
+
+Every write goes through `flywheel.store.files` (fsync, then rename or append): a line cut by a crash
+is skipped on reading, a replaced file or folder is the old one or the new one whole. `state/` is
+swapped in as a folder, so the learner's weights and the progress that names what they were trained
+on always belong together.
+
+The Orchestrator and the training loop each hold a `RunFolder` on the same root and write different
+files; the lock orders the appends of one instance's threads (the rollout workers).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flywheel.agent.episode import EpisodeState
+from flywheel.store.files import append_line, displaced, replace_folder, write_atomic
+
+
+class RunFolder:
+    """The run's files; every write that a resume depends on is appended or atomically replaced."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.inflight = self.root / "inflight"
+        self.state = self.root / "state"
+        self.inflight.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def append(self, name: str, record: dict[str, Any]) -> None:
+        line = json.dumps(record, separators=(",", ":"))
+        with self._lock:
+            append_line(self.root / name, line)
+
+    def read(self, name: str) -> list[dict[str, Any]]:
+        path = self.root / name
+        if not path.exists():
+            return []
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash mid-write: its episode is still in inflight/ or restarts
+        return records
+
+    def write_json(self, name: str, record: dict[str, Any]) -> None:
+        write_atomic(self.root / name, json.dumps(record, indent=2))
+
+    def save_episode_state(self, episode_id: str, state: EpisodeState) -> None:
+        write_atomic(self.inflight / f"{episode_id.replace('/', '_')}.json", state.model_dump_json())
+
+    def drop_episode_state(self, episode_id: str) -> None:
+        (self.inflight / f"{episode_id.replace('/', '_')}.json").unlink(missing_ok=True)
+
+    def episode_states(self) -> dict[str, EpisodeState]:
+        states = {}
+        for path in self.inflight.glob("*.json"):
+            states[path.stem.replace("_", "/", 1)] = EpisodeState.model_validate_json(path.read_text())
+        return states
+
+    def save_state(self, learner_state: dict[str, Any], progress: dict[str, Any]) -> None:
+        """The resume point: `Learner.state()` and the Orchestrator's `progress()`, swapped in together."""
+        tmp = self.root / "state.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died halfway
+        tmp.mkdir()
+        torch.save(learner_state, tmp / "learner.pt")
+        (tmp / "progress.json").write_text(json.dumps(progress))  # fsynced by replace_folder
+        replace_folder(tmp, self.state)
+
+    def load_state(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(learner state, progress) of the last `save_state`, or None before the first."""
+        for folder in (self.state, displaced(self.state)):  # a crash between replace_folder's renames
+            if (folder / "progress.json").exists():
+                return (torch.load(folder / "learner.pt", weights_only=False),
+                        json.loads((folder / "progress.json").read_text()))
+        return None
