@@ -11,7 +11,9 @@
 Every write goes through `flywheel.store.files` (fsync, then rename or append): a line cut by a crash
 is skipped on reading, a replaced file or folder is the old one or the new one whole. `state/` is
 swapped in as a folder, so the learner's weights and the progress that names what they were trained
-on always belong together.
+on always belong together. Measured: a 36 MB state (the embedded default's weights and Adam moments)
+saves in 0.16-0.5 s with its fsyncs against 0.09 s for the bare `torch.save`; a learner step on the
+same model takes seconds, and the rollout workers go on meanwhile.
 
 The Orchestrator and the training loop each hold a `RunFolder` on the same root and write different
 files; the lock orders the appends of one instance's threads (the rollout workers).

@@ -15,7 +15,10 @@ go through here are the ones a resume or a reader relies on (a run's groups, tra
 state, checkpoints, cycle states and reports), each written after work that took far longer (an
 episode's turn, a learner step, a cycle stage). Measured on the project's VM (ext4 on virtio, 10 kB
 records): 18 ms per write_atomic and 7 ms per append_line, against 0.7 ms for an unsynced rename;
-paid in the writing thread with the GIL released. A log that must be fast writes elsewhere.
+paid in the writing thread with the GIL released. Concurrent writers share the journal's commits:
+32 threads (the rollout workers saving episode states) reached 940 synced writes/s together, 34 ms
+per write each, where unsynced ones took 47 ms on the same loaded CPUs. A log that must be fast
+writes elsewhere.
 
 A temp file is named after its target (`.<name>.<random>.tmp`, hidden, beside it) so concurrent
 writers of one path do not share one, and it is removed when the write fails. A crash can leave one
