@@ -1,18 +1,18 @@
 """The asynchronous GRPO Orchestrator: schedules rollouts so that learning overlaps them and
 staleness stays bounded. It only schedules; the learning step is `flywheel.rl.train.learning_step`.
 
-    rollout workers (threads, `concurrency` episodes at once)          training loop (the caller's thread)
-    ┌──────────────────────────────────────────────────────┐         ┌────────────────────────────────┐
-    │ wait: admission (unconsumed groups < admit_limit)     │         │ next_batch() waits: ≥ B complete │
-    │ run_episode × G on one task (or k siblings) ── Engine │ ──────> │  groups with signal, and no      │
-    │ each turn: EpisodeState -> run/inflight/ (resumable)  │ buffer  │  unfinished group that would     │
-    │ done: Trajectory appended to run/trajectories.jsonl   │         │  exceed max_staleness            │
-    └──────────────────────────────────────────────────────┘         │ advantages -> Learner.train_step │
-              ^                                                       │ Engine.update_weights(w, v+1) ──┐│
-              │  consumed(groups, v+1): admission reopens  <───────── │ consumed(...), checkpoint, eval ││
-              │                                                       └────────────────────────────────┘│
-              └── in-flight episodes pause, their KV cache is rebuilt under the new weights (or kept),  │
-                  and they resume (partial rollouts): every token keeps the version that made it <──────┘
+    rollout workers (threads, `concurrency` episodes at once)         training loop (`flywheel.rl.train`)
+    ┌───────────────────────────────────────────────────────┐         ┌───────────────────────────────────┐
+    │ wait: admission (unconsumed groups < admit_limit)     │         │ next_batch() waits: ≥ B complete  │
+    │ run_episode × G on one task (or k siblings) ── Engine │ ──────> │  groups with signal, and no       │
+    │ each turn: EpisodeState -> run/inflight/ (resumable)  │ buffer  │  unfinished group that would      │
+    │ done: Trajectory appended to run/trajectories.jsonl   │         │  exceed max_staleness             │
+    └───────────────────────────────────────────────────────┘         │ advantages -> Learner.train_step  │
+              ^                                                       │ Engine.update_weights(w, v+1)     │──┐
+              │  consumed(): admission reopens, new groups    <────── │ consumed(groups, v+1), checkpoint │  │
+              │                                                       └───────────────────────────────────┘  │
+              └── in-flight episodes pause, their KV cache is rebuilt under the new weights (or kept),       │
+                  and they resume (partial rollouts): every token keeps the version that made it <───────────┘
 
 What unblocks what:
 - A rollout worker starts a new group when one is consumed (or filtered): the admission limit
