@@ -172,12 +172,12 @@ def resume(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Lear
            run: RunFolder) -> bool:
     """Continue the run in `run` if it holds one: the learner and the engine get the checkpointed
     weights, the Orchestrator its groups and episodes. Returns whether there was a run."""
-    saved = run.load_state()
+    saved, progress = run.load_state(), None
     if saved is not None:
         learner_state, progress = saved
         learner.load_state(learner_state)
         engine.update_weights(learner.weights(), learner.version, timeout_s=config.weight_update_timeout_s)
-    return orchestrator.resume(saved[1] if saved is not None else None)
+    return orchestrator.resume(progress)
 
 
 def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Checkpoint | None, dict[str, Any]]:
