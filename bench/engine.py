@@ -46,7 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from transformers import GenerationConfig
 
-from flywheel.agent.chat import (
+from flywheel.agent.episode import initial_prompt
+from flywheel.env.families import generate
+from flywheel.model.chat import (
     IM_END,
     IM_START,
     render_assistant_body,
@@ -54,8 +56,6 @@ from flywheel.agent.chat import (
     render_turns,
     tool_schemas,
 )
-from flywheel.agent.episode import initial_prompt
-from flywheel.env.families import generate
 from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model, parameter_count
 from flywheel.model.tokenizer import train_tokenizer

@@ -39,12 +39,12 @@ import httpx
 import openai
 import torch
 
-from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.client import EventClient
 from flywheel.env.families import generate
 from flywheel.live.records import Completion
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.store import SCHEMA, LiveStore
+from flywheel.model.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.model.engine import SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import PRODUCTION, Registry
