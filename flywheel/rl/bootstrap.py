@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.agent.episode import EpisodeConfig
 from flywheel.agent.evaluate import evaluate
-from flywheel.env.families import FAMILIES, task_set
+from flywheel.env.families import FAMILIES, held_out_tasks, task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.chat import render_messages, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
@@ -84,8 +84,7 @@ def train_tasks(config: BootstrapConfig):
 
 
 def eval_tasks(config: BootstrapConfig):
-    return task_set(config.families, "eval", config.eval_tasks_per_family, seed=config.seed + 1,
-                    difficulty=config.eval_difficulty)
+    return held_out_tasks(config.families, config.eval_tasks_per_family, config.eval_difficulty)
 
 
 def bootstrap(config: BootstrapConfig, demonstrations: Sequence[list[dict[str, Any]]], log=print) -> Checkpoint:
