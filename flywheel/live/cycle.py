@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import os
 import time
-import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,6 +69,7 @@ import httpx
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from flywheel.config import merge_tables, read_toml
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.env.task import Task
 from flywheel.live.abtest import ARMS, ABConfig, ABReport, analyze, compare, metric_samples
@@ -196,14 +196,7 @@ def _include(data: dict[str, Any], field: str, file_field: str) -> None:
     if not path.is_file():
         raise ValueError(f"{file_field} {path} not found; paths are relative to the working directory (run from the "
                          f"repo root), or set {file_field} to null and give a [{field}] table")
-    data[field] = _merge(tomllib.loads(path.read_text()), data.get(field) or {})
-
-
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+    data[field] = merge_tables(read_toml(path), data.get(field) or {})
 
 
 # ---- how the cycle changes what the server serves

@@ -52,7 +52,6 @@ import random
 import shutil
 import threading
 import time
-import tomllib
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -61,6 +60,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from flywheel.config import read_toml
 from flywheel.env.families.workspace import Draft, to_task
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
@@ -341,8 +341,7 @@ class ScenarioConfig(BaseModel):
 
     def rewards(self, arm: Literal["naive", "default"]) -> RewardConfig:
         path = self.naive_rewards_file if arm == "naive" else self.default_rewards_file
-        data = tomllib.loads(path.read_text())
-        return RewardConfig.model_validate({**data, **self.reward_overrides})
+        return RewardConfig.model_validate({**read_toml(path), **self.reward_overrides})
 
 
 class ArmResult(BaseModel):
