@@ -70,7 +70,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
-from flywheel.live.monitors import Monitor, MonitorConfig, label_tests_passed
+from flywheel.live.monitors import Monitor, MonitorConfig, monitor_window
 from flywheel.live.records import Completion, CompletionToolCall, Event
 from flywheel.live.rewards import RewardConfig, RewardDistiller
 from flywheel.live.store import Ingest, LiveStore
@@ -98,7 +98,7 @@ class DashboardConfig(BaseModel):
     report_dirs: list[Path] = Field(default_factory=list)
     # The page polls this often; the data is recomputed at most this often, however many pages are open.
     refresh_s: float = Field(default=5.0, ge=0.5)
-    # The monitors read every completion of this last stretch (and its events) on each recomputation:
+    # The monitors read every completion of this last stretch (and its sessions') on each recomputation:
     # longer shows more history at a cost that grows with the traffic.
     horizon_s: float = Field(default=6 * 3600.0, gt=0)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
@@ -406,9 +406,7 @@ class LiveServer:
             if self._dashboard is not None and time.monotonic() - self._dashboard[0] < config.refresh_s:
                 return self._dashboard[1]
             now = time.time()
-            events = self.store.events(start=now - config.horizon_s)
-            completions = label_tests_passed(self.store.completions(start=now - config.horizon_s), events)
-            rewards = RewardDistiller(config.rewards).distill(completions, events, now)
+            completions, rewards = monitor_window(self.store, RewardDistiller(config.rewards), now, config.horizon_s)
             d = self.deployment
             baseline = d.production if any(c.version == d.production for c in completions) else None
             monitors = Monitor(config.monitor).run(completions, rewards, baseline_version=baseline)
