@@ -114,3 +114,12 @@ def test_a_malformed_file_is_an_error_naming_it_also_when_another_config_include
         load_config(RewardConfig, bad)
     with pytest.raises(ConfigError, match=f"{re.escape(str(bad))} is not valid TOML"):
         load_config(LiveConfig, None, [f"rewards_file='{bad}'"])
+
+
+def test_typos_in_tables_of_models_are_errors_at_load_too():
+    # A scenario's reward_overrides are applied to its reward files when an arm runs: checked at load.
+    with pytest.raises(ConfigError, match=r"reward_overrides on the naive rewards file.*\nfeedback_windw_s\n"):
+        load_config(ScenarioConfig, CONFIGS / "scenario_drop_invalid.toml", ["reward_overrides.feedback_windw_s=3"])
+    # A check of the gate is one of two models; the error names the key under either.
+    with pytest.raises(ConfigError, match=r"checks\.pass_rate\.NonInferiorityCheck\.margn"):
+        load_config(GateConfig, CONFIGS / "gate.toml", ["checks.pass_rate.margn=0.1"])

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flywheel.config import read_toml
@@ -337,6 +337,11 @@ class ScenarioConfig(BaseModel):
             if not path.is_file():
                 raise ValueError(f"{name} {path} not found; paths are relative to the working directory "
                                  "(run from the repo root)")
+        for arm in ("naive", "default"):  # a typo in reward_overrides is an error now, not when the arm runs
+            try:
+                self.rewards(arm)
+            except ValidationError as exc:
+                raise ValueError(f"reward_overrides on the {arm} rewards file: {exc}") from None
         return self
 
     def rewards(self, arm: Literal["naive", "default"]) -> RewardConfig:
