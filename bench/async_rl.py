@@ -88,7 +88,7 @@ import torch
 from engine_costs import decode_costs, learner_cost  # bench/engine_costs.py, beside this script
 
 from flywheel.agent.evaluate import evaluate
-from flywheel.env.families import task_set
+from flywheel.env.families import held_out_tasks, task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.env.semantic import load_embedder
 from flywheel.env.task import Task
@@ -342,7 +342,7 @@ def real(args, registry: Registry, ref: str, tasks, pool, budget_s: float | None
             log(f"real {mode}: v{checkpoint.version}, {steps} steps" + (f" or {budget_s:.0f} s" if budget_s else ""))
             result = run_mode(mode, config, tasks, engine, learner, tokenizer, pool, steps, budget_s)
             if args.eval_tasks:
-                eval_set = task_set(FAMILIES, "eval", args.eval_tasks, seed=1, difficulty=1)
+                eval_set = held_out_tasks(FAMILIES, args.eval_tasks, difficulty=1)
                 report, _ = evaluate(eval_set, engine, tokenizer, pool,
                                      config.episode.model_copy(update={"temperature": 0.0}), progress=False)
                 result["pass_rate"] = report["pass_rate"]
@@ -443,7 +443,7 @@ def main() -> None:
             result["speedup_async_vs_sync_per_repeat"] = [s / a for s, a in zip(seconds["sync"], seconds["async"], strict=True)]
             log(f"real speedup {result['speedup_async_vs_sync']:.2f} (sync {seconds['sync']}, async {seconds['async']})")
         if "budget" in parts:
-            eval_set = task_set(FAMILIES, "eval", args.eval_tasks, seed=1, difficulty=1)
+            eval_set = held_out_tasks(FAMILIES, args.eval_tasks, difficulty=1)
             with LocalEngine(model, EngineConfig(max_batch=32)) as engine:
                 from flywheel.agent.episode import EpisodeConfig  # noqa: PLC0415
 

@@ -36,6 +36,7 @@ others; `speedup_prompt_cache` is the ratio to the same replay without it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -46,23 +47,21 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from transformers import GenerationConfig
 
-from flywheel.agent.chat import (
-    IM_END,
-    IM_START,
-    render_assistant_body,
-    render_messages,
-    render_turns,
-    tool_schemas,
-)
 from flywheel.agent.episode import initial_prompt
 from flywheel.env.families import generate
+from flywheel.model.chat import (
+    IM_END,
+    render_assistant_body,
+    render_messages,
+    tool_schemas,
+)
+from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model, parameter_count
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.sim.expert import ScriptedExpert, demonstration_messages, run_policy
 
 FAMILIES = ("bugfix", "implement", "crossfile", "ambiguous", "humaneval")
-ASSISTANT_HEADER = f"{IM_START}assistant\n"
 
 
 def log(msg: str) -> None:
@@ -115,16 +114,11 @@ def run_hf(model, prompts: list[list[int]], lengths: list[int], batch: int, para
     return time.perf_counter() - t0
 
 
-def conversation(messages: list[dict], encode, with_tools: bool) -> list[tuple[list[int], int]]:
-    """(new context tokens, answer length) per assistant turn of a demonstration."""
-    turns, pending = [], ""
-    for piece in render_turns(messages, tool_schemas() if with_tools else None):
-        if piece.startswith(ASSISTANT_HEADER):
-            turns.append((encode(pending + ASSISTANT_HEADER), len(encode(piece[len(ASSISTANT_HEADER):].rstrip("\n")))))
-            pending = "\n"  # after the answer's end-of-turn token
-        else:
-            pending += piece
-    return turns
+def conversation(messages: list[dict], encoder: ConversationEncoder) -> list[tuple[list[int], int]]:
+    """(new context tokens, answer length) per assistant turn of a demonstration, as an episode appends them."""
+    tokens, mask = encoder.conversation(messages)
+    runs = [[t for t, _ in run] for _, run in itertools.groupby(zip(tokens, mask, strict=True), key=lambda x: x[1])]
+    return [(runs[k], len(runs[k + 1])) for k in range(0, len(runs) - 1, 2)]  # context, answer, context, ...
 
 
 def run_conversations(model, conversations: list[list[tuple[list[int], int]]], params: SamplingParams,
@@ -211,8 +205,8 @@ def main() -> None:
     tokenizer = train_tokenizer(corpus, tools_in_prompt=args.tools_in_prompt)
     model = build_model(ModelConfig(), tokenizer)
 
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    encoder = ConversationEncoder(tokenizer)
+    encode = encoder.text
 
     prompt_pool = [encode(p) for p in prompt_texts]
     turn_lengths = [len(encode(t)) for t in turn_texts]
@@ -233,14 +227,14 @@ def main() -> None:
         log(f"batch {batch}, {n} requests ...")
         results[batch] = compare(model, *draw(n), batch, params, pad_id, args.repeats)
     log(f"multi-turn, {args.conversations} conversations ...")
-    conversations = [conversation(d, encode, args.tools_in_prompt) for d in rng.sample(demos, args.conversations)]
+    conversations = [conversation(d, encoder) for d in rng.sample(demos, args.conversations)]
     results["multi_turn"] = compare_reuse(model, conversations, params, args.repeats, "sessions",
                                           on={"sessions": True, "prompt_cache": 0},
                                           off={"sessions": False, "prompt_cache": 0})
     group = args.group_size
     log(f"multi-turn GRPO groups: {args.conversations // group} demonstrations x {group} episodes ...")
     grouped = [c for c in rng.sample(demos, args.conversations // group) for _ in range(group)]
-    grouped = [conversation(d, encode, args.tools_in_prompt) for d in grouped]
+    grouped = [conversation(d, encoder) for d in grouped]
     results["groups"] = compare_reuse(model, grouped, params, args.repeats, "prompt_cache",
                                       on={"sessions": True, "prompt_cache": 64},
                                       off={"sessions": True, "prompt_cache": 0})

@@ -39,12 +39,13 @@ import httpx
 import openai
 import torch
 
-from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.client import EventClient
 from flywheel.env.families import generate
 from flywheel.live.records import Completion
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.store import SCHEMA, LiveStore
+from flywheel.model.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
+from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import PRODUCTION, Registry
@@ -157,6 +158,7 @@ def bench_overhead(registry_root: Path, run_dir: Path, requests: int, max_tokens
     chats = conversations(2)
     engine = server.router.engine(server.deployment.production)
     tokenizer = server.router.tokenizer(server.deployment.production)
+    encoder = ConversationEncoder(tokenizer)
     stop = (tokenizer.convert_tokens_to_ids(IM_END),)
     pairs, same_request, engine_ms, server_ms, openai_ms = [], [], [], [], []
     with serve_in_thread(server) as running, httpx.Client(base_url=running.url, timeout=60,
@@ -167,8 +169,7 @@ def bench_overhead(registry_root: Path, run_dir: Path, requests: int, max_tokens
             chat = chats[i % len(chats)]
             body = json.dumps({"model": "flywheel", "messages": chat, "tools": tool_schemas(), "max_tokens": max_tokens,
                                "temperature": 0})
-            prompt = tokenizer(render_messages(chat, tool_schemas(), add_generation_prompt=True),
-                               add_special_tokens=False)["input_ids"]
+            prompt = encoder.encode(chat, tool_schemas())
             t0 = time.perf_counter()
             alone = engine.submit(prompt, SamplingParams(0.0, 1.0, max_tokens, stop)).result()
             e = (time.perf_counter() - t0) * 1000
@@ -194,8 +195,7 @@ def bench_overhead(registry_root: Path, run_dir: Path, requests: int, max_tokens
             "server_overhead_same_request_ms_p50": sp50, "server_overhead_same_request_ms_p99": sp99,
             "engine_alone_ms_p50": percentiles(engine_ms)[0], "through_server_ms_p50": percentiles(server_ms)[0],
             "through_openai_client_ms_p50": percentiles(openai_ms)[0], "requests": requests, "max_tokens": max_tokens,
-            "prompt_tokens_mean": round(sum(len(tokenizer(render_messages(c, tool_schemas(), add_generation_prompt=True),
-                                                          add_special_tokens=False)["input_ids"]) for c in chats) / len(chats))}
+            "prompt_tokens_mean": round(sum(len(encoder.encode(c, tool_schemas())) for c in chats) / len(chats))}
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:

@@ -32,14 +32,14 @@ import time
 
 import torch
 
-from flywheel.agent.chat import render_messages, tool_schemas
 from flywheel.env.pool import SandboxPool
+from flywheel.model.chat import render_messages, tool_schemas
+from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.factory import ModelConfig, build_model, parameter_count
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.bootstrap import BootstrapConfig, train_tasks
 from flywheel.rl.sft import (
     SFTConfig,
-    encode_conversation,
     masked_ce_loss,
     rare_tokens,
     repeats_rare,
@@ -103,8 +103,9 @@ def main() -> None:
             schemas = tool_schemas() if with_tools else None
             tokenizer = train_tokenizer([render_messages(m, schemas) for m in train], vocab_size=config.vocab_size,
                                         tools_in_prompt=with_tools)
-            train_examples = [encode_conversation(m, tokenizer) for m in train]
-            encoded[with_tools] = (tokenizer, train_examples, [encode_conversation(m, tokenizer) for m in held],
+            encoder = ConversationEncoder(tokenizer)
+            train_examples = [encoder.conversation(m) for m in train]
+            encoded[with_tools] = (tokenizer, train_examples, [encoder.conversation(m) for m in held],
                                    rare_tokens(train_examples, config.sft.copy_rare_share))
         return encoded[with_tools]
 

@@ -125,7 +125,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from flywheel.agent.episode import EpisodeConfig  # noqa: PLC0415
     from flywheel.agent.evaluate import evaluate  # noqa: PLC0415
-    from flywheel.env.families import task_set  # noqa: PLC0415
+    from flywheel.env.families import held_out_tasks, task_set  # noqa: PLC0415
     from flywheel.model.engine import LocalEngine  # noqa: PLC0415
     from flywheel.model.registry import Registry  # noqa: PLC0415
 
@@ -134,7 +134,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         checkpoint = registry.get(args.checkpoint)
         model, tokenizer = registry.load(checkpoint.version)
     families = args.families.split(",") if args.families else list(FAMILIES)
-    tasks = task_set(families, args.split, args.n, seed=args.seed, difficulty=args.difficulty)
+    if args.split == "eval" and args.seed is None:
+        tasks = held_out_tasks(families, args.n, args.difficulty)
+    else:  # another draw: the train split's tasks, or eval tasks off the held-out set
+        tasks = task_set(families, args.split, args.n, seed=1 if args.seed is None else args.seed,
+                         difficulty=args.difficulty)
     episode = EpisodeConfig(temperature=args.temperature)
     with LocalEngine(model, version=checkpoint.version) as engine, SandboxPool() as pool:
         report, _ = evaluate(tasks, engine, tokenizer, pool, episode, progress=not args.json, samples=args.samples)
@@ -267,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--families", default=None, help="comma-separated; default: the procedural families")
     ev.add_argument("--n", type=int, default=24, help="tasks per family")
     ev.add_argument("--difficulty", type=int, choices=[1, 2, 3])
-    ev.add_argument("--seed", type=int, default=1)
+    ev.add_argument("--seed", type=int, default=None,
+                    help="draw other tasks; default: with --split eval, the held-out set the bootstrap, "
+                    "train and the gate evaluate on")
     ev.add_argument("--temperature", type=float, default=0.7)
     ev.add_argument("--samples", type=int, default=1,
                     help="episodes per task; above 1 the report adds pass@k: the headroom RL has on these tasks")

@@ -3,6 +3,12 @@
 Each component owns its small config next to its code (`SandboxConfig`, `ToolConfig`, ...);
 a command's config composes them. The resolved config is written into each run's folder, so
 a run can always be reproduced from what it wrote down.
+
+This module is the only TOML reader: a config that includes another file (the live cycle's
+`rewards_file`, a scenario's reward files) reads it with `read_toml` and layers tables with
+`merge_tables`, so every file gets the same errors. Every config model forbids unknown keys
+(`extra="forbid"`; tests/test_architecture.py checks each one), so a typo such as
+`--set pool.max_actve=3` is an error naming the field, never a silently ignored setting.
 """
 
 from __future__ import annotations
@@ -33,6 +39,26 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The tables of one TOML file; a missing or malformed file is a ConfigError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; the repo's configs are in configs/ and paths are "
+                          "relative to the working directory (run from the repo root)")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+
+
+def merge_tables(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `top`'s keys on top, table by table (a key of `top` replaces a value, merges into a table)."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = merge_tables(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def merge_override(data: dict[str, Any], path: list[str], value: Any) -> None:
     node = data
     for part in path[:-1]:
@@ -43,12 +69,7 @@ def merge_override(data: dict[str, Any], path: list[str], value: Any) -> None:
 
 
 def load_config(model: type[M], path: str | Path | None = None, overrides: list[str] | None = None) -> M:
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} not found; the repo's configs are in configs/")
-        data = tomllib.loads(path.read_text())
+    data = read_toml(path) if path is not None else {}
     for item in overrides or []:
         merge_override(data, *parse_override(item))
     try:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from pathlib import Path
+from types import UnionType
+from typing import Union, get_args, get_origin
 
 import pytest
+from pydantic import BaseModel
 
 from flywheel.config import ConfigError, load_config, parse_override, write_resolved
 from flywheel.demo import DemoConfig
@@ -73,3 +78,48 @@ def test_resolved_config_is_written(tmp_path):
     config = load_config(DemoConfig, None, ["bootstrap.seed=4"])
     out = write_resolved(config, tmp_path / "run")
     assert DemoConfig.model_validate_json(out.read_text()) == config
+
+
+def _sections(model: type[BaseModel], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], type[BaseModel]]]:
+    """(path, model) of `model` and of every table under it a `--set` can reach (nested config models)."""
+    yield path, model
+    for name, field in model.model_fields.items():
+        # The model itself or `Model | None`; lists and dicts of models are not a `--set` table.
+        options = get_args(field.annotation) if get_origin(field.annotation) in (Union, UnionType) else ()
+        nested = [t for t in (field.annotation, *options) if isinstance(t, type) and issubclass(t, BaseModel)]
+        for sub in nested[:1]:
+            yield from _sections(sub, (*path, name))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_typo_in_any_section_of_any_config_file_is_an_error_naming_it(name):
+    model = MODELS[name]
+    sections = list(_sections(model))
+    assert len(sections) > 1 or model in (RewardConfig, Population), f"{name}: no nested sections found"
+    for path, _ in sections:
+        typo = ".".join((*path, "max_actve"))
+        with pytest.raises(ConfigError, match=re.escape(typo)):
+            load_config(model, CONFIGS / name, [f"{typo}=3"])
+
+
+def test_the_issue_s_example_typo_names_the_field():
+    with pytest.raises(ConfigError, match=r"pool\.max_actve\n.*Extra inputs are not permitted"):
+        load_config(TrainConfig, CONFIGS / "train.toml", ["pool.max_actve=3"])
+
+
+def test_a_malformed_file_is_an_error_naming_it_also_when_another_config_includes_it(tmp_path):
+    bad = tmp_path / "rewards.toml"
+    bad.write_text("feedback_window_s = [\n")
+    with pytest.raises(ConfigError, match=f"{re.escape(str(bad))} is not valid TOML"):
+        load_config(RewardConfig, bad)
+    with pytest.raises(ConfigError, match=f"{re.escape(str(bad))} is not valid TOML"):
+        load_config(LiveConfig, None, [f"rewards_file='{bad}'"])
+
+
+def test_typos_in_tables_of_models_are_errors_at_load_too():
+    # A scenario's reward_overrides are applied to its reward files when an arm runs: checked at load.
+    with pytest.raises(ConfigError, match=r"reward_overrides on the naive rewards file.*\nfeedback_windw_s\n"):
+        load_config(ScenarioConfig, CONFIGS / "scenario_drop_invalid.toml", ["reward_overrides.feedback_windw_s=3"])
+    # A check of the gate is one of two models; the error names the key under either.
+    with pytest.raises(ConfigError, match=r"checks\.pass_rate\.NonInferiorityCheck\.margn"):
+        load_config(GateConfig, CONFIGS / "gate.toml", ["checks.pass_rate.margn=0.1"])

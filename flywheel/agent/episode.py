@@ -32,23 +32,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
-from flywheel.agent.chat import (
-    GENERATION_PROMPT,
-    IM_END,
-    IM_START,
-    SYSTEM_PROMPT,
-    parse_assistant,
-    render_messages,
-    render_tool_results,
-    tool_schemas,
-    tools_in_prompt,
-)
 from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.env.grading import GradeConfig, grade
 from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import SandboxError
 from flywheel.env.task import Task
 from flywheel.env.tools import Toolbox, ToolConfig
+from flywheel.model.chat import IM_END, SYSTEM_PROMPT, parse_assistant, render_messages, tool_schemas
+from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import Engine, SamplingParams
 
 
@@ -68,21 +59,15 @@ class EpisodeConfig(BaseModel):
     tools: ToolConfig = ToolConfig()
 
 
+def opening(task: Task) -> list[dict[str, str]]:
+    """The messages an episode starts from: the system prompt and the task's instruction."""
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.instruction}]
+
+
 def initial_prompt(task: Task, with_tools: bool = True) -> str:
-    """System and user turns, then the assistant header; with_tools: list the tool schemas
+    """The opening as text, then the assistant header; with_tools: list the tool schemas
     (`chat.tools_in_prompt` of the model's tokenizer)."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.instruction}]
-    return render_messages(messages, tool_schemas() if with_tools else None, add_generation_prompt=True)
-
-
-def user_turn(text: str) -> str:
-    """Appended after a generated `<|im_end|>`: the newline the template puts there, the user's
-    message, and the header of the next assistant turn."""
-    return f"\n{IM_START}user\n{text}{IM_END}\n{GENERATION_PROMPT}"
-
-
-def tool_turn(contents: list[str]) -> str:
-    return "\n" + render_tool_results(contents) + GENERATION_PROMPT
+    return render_messages(opening(task), tool_schemas() if with_tools else None, add_generation_prompt=True)
 
 
 class EngineTimeout(RuntimeError):
@@ -154,15 +139,13 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
     start = time.perf_counter()
     timings = {"generate_s": 0.0, "tools_s": 0.0, "grade_s": 0.0}
     rec = _Recorder()
-
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    encoder = ConversationEncoder(tokenizer)
 
     turns = n_calls = n_invalid = invalid_streak = 0
     asked = False
     earlier_s = 0.0  # time spent on this episode before it was resumed
     if resume is None:
-        rec.context(encode(initial_prompt(task, tools_in_prompt(tokenizer))))
+        rec.context(encoder.encode(opening(task), encoder.tools))
         prompt_len, files = len(rec.tokens), task.files
     else:
         if resume.task_id != task.id:
@@ -219,7 +202,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                 content, calls = parse_assistant(tokenizer.decode(gen.token_ids), call_id_prefix=f"call_{turns}")
                 if not calls:
                     asked = True
-                    rec.context(encode(user_turn(task.answer_question(content))))
+                    rec.context(encoder.user_reply(task.answer_question(content)))
                     checkpoint()
                     continue
                 t0 = time.perf_counter()
@@ -240,7 +223,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                 if invalid_streak >= config.max_invalid_turns:
                     status = Status.TOOL_ERROR
                     break
-                rec.context(encode(tool_turn([r.content for r in results])))
+                rec.context(encoder.tool_reply([r.content for r in results]))
                 checkpoint()
             final = box.snapshot()
     except SandboxError as exc:

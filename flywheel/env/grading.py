@@ -21,7 +21,7 @@ import json
 import secrets
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from flywheel.env.sandbox import Sandbox, SandboxConfig, Snapshot
 from flywheel.env.task import Task
@@ -32,6 +32,7 @@ RUNNER_SOURCE = (Path(__file__).parent / "testrun.py").read_text()
 
 
 class GradeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     timeout_s: float = 20.0  # whole hidden-test run; a solution that hangs scores 0, not forever
     pass_frac_weight: float = 0.5  # partial credit keeps a learning signal on hard tasks
     all_passed_weight: float = 0.5

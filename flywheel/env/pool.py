@@ -37,7 +37,7 @@ _OWNED_NAME = re.compile(r"^(\d+)-\d+-[0-9a-f]+$")
 
 
 class PoolConfig(BaseModel):
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
     # Sandboxes out at once. Each holds up to sandbox.disk_mb of memory (tmpfs), so this times
     # disk_mb must fit in RAM; higher serves more concurrent rollouts.
     max_active: int = Field(64, ge=1)

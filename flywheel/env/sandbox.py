@@ -77,7 +77,7 @@ _READ_CHUNK = 1 << 16
 
 
 class SandboxConfig(BaseModel):
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
     # Per command. Longer lets slow test suites finish; shorter bounds how long a stuck episode
     # holds a rollout worker.
     wall_time_s: float = Field(10.0, gt=0)

@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from flywheel.env.sandbox import PathEscapeError, Sandbox
 from flywheel.env.semantic import SemanticIndex
 
 
 class ToolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     read_max_lines: int = 400  # longer files are cut (with a marker); the model can ask for a line range
     grep_max_matches: int = 50  # more matches cost context tokens and rarely help the next step
     list_max_entries: int = 200

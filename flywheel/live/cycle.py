@@ -59,7 +59,6 @@ seconds each stage took.
 from __future__ import annotations
 
 import time
-import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,15 +68,16 @@ import httpx
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from flywheel.config import merge_tables, read_toml
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.env.task import Task
 from flywheel.live.abtest import ARMS, ABConfig, ABReport, analyze, compare, metric_samples
 from flywheel.live.batch import OnPolicyBatch, on_policy_batch
 from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import Contender, Gate, GateConfig, GateRun
-from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorConfig, label_tests_passed
+from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorConfig, monitor_window
 from flywheel.live.records import Completion
-from flywheel.live.rewards import Reward, RewardConfig, RewardDistiller
+from flywheel.live.rewards import Reward, RewardConfig, RewardDistiller, distill_sessions
 from flywheel.live.store import LiveStore
 from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.registry import Registry
@@ -196,14 +196,7 @@ def _include(data: dict[str, Any], field: str, file_field: str) -> None:
     if not path.is_file():
         raise ValueError(f"{file_field} {path} not found; paths are relative to the working directory (run from the "
                          f"repo root), or set {file_field} to null and give a [{field}] table")
-    data[field] = _merge(tomllib.loads(path.read_text()), data.get(field) or {})
-
-
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+    data[field] = merge_tables(read_toml(path), data.get(field) or {})
 
 
 # ---- how the cycle changes what the server serves
@@ -560,12 +553,7 @@ class LiveCycle:
     # ---- what the stages share
 
     def _distill(self, store: LiveStore, completions: Sequence[Completion], now: float) -> dict[str, Reward]:
-        """Rewards of `completions`, distilled with every completion and event of their sessions."""
-        sessions = sorted({c.session_id for c in completions})
-        context = {c.id: c for s in sessions for c in store.completions(session_id=s)}
-        context.update({c.id: c for c in completions})
-        events = [e for s in sessions for e in store.events_for_session(s)]
-        return {r.completion_id: r for r in self.distiller.distill(list(context.values()), events, now)}
+        return distill_sessions(self.distiller, store, completions, now)
 
     def served(self, store: LiveStore, completions: Sequence[Completion], now: float) -> dict[str, ServedMetric]:
         """The A/B metrics of `completions` (e.g. one version's answers in a measurement window), with
@@ -584,22 +572,14 @@ class LiveCycle:
 
     def _watch(self, state: CycleState, store: LiveStore) -> None:
         """Run the monitors over the lookback window; record alarms and which of them block the candidate."""
-        now = time.time()
-        lookback = self.config.monitor_lookback_s
-        completions = [c for c in store.completions(start=None if lookback is None else now - lookback)
-                       if c.arm != PINNED]
+        completions, rewards = monitor_window(store, self.distiller, time.time(), self.config.monitor_lookback_s)
         if not completions:
             state.monitor = MonitorSummary(baseline_version=None, tests=0, series=[])
             return
-        rewards = self._distill(store, completions, now)
-        # Whether the code worked is known when a session ends: copied onto its completions for the
-        # outcome monitors (tests_passed_rate, reward_outcome_corr); the reward never reads it.
-        sessions = sorted({c.session_id for c in completions})
-        completions = label_tests_passed(completions, [e for s in sessions for e in store.events_for_session(s)])
         baseline = state.first_production if self.config.monitor_baseline == "first" else state.production
         if baseline not in {c.version for c in completions}:
             baseline = None  # no traffic of it in the window: each version is compared with its own past
-        report = self.monitor.run(completions, [rewards[c.id] for c in completions], baseline_version=baseline)
+        report = self.monitor.run(completions, rewards, baseline_version=baseline)
         state.alarms = report.alarms
         state.blocking_alarms = report.blocking(state.candidate) if state.candidate is not None else []
         state.monitor = MonitorSummary(baseline_version=baseline, tests=report.tests, series=report.series)

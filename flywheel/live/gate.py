@@ -7,7 +7,7 @@
     # or with results from elsewhere: {task id: {metric: value}} per version
     decision = gate.decide(candidate_results, production_results)
 
-The battery (`EvalBattery`): held-out tasks of the procedural families (eval split, fixed seed),
+The battery (`EvalBattery`): the held-out tasks of the procedural families (`held_out_tasks`),
 HumanEval problems when `humaneval_tasks` > 0 (for a real checkpoint; the embedded tiny model
 solves none, so they would only cost time), and the behaviour checks below. Both versions play
 every task through `flywheel.agent.evaluate`, concurrently, at the battery's temperature: once
@@ -59,7 +59,7 @@ from transformers import PreTrainedTokenizerBase
 from flywheel.agent.episode import EpisodeConfig
 from flywheel.agent.evaluate import evaluate, passed
 from flywheel.agent.trajectory import Trajectory
-from flywheel.env.families import FAMILIES, generate, task_set
+from flywheel.env.families import FAMILIES, held_out_tasks
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
 from flywheel.model.engine import Engine
@@ -211,7 +211,6 @@ class EvalBattery(BaseModel):
     # with no discordant pair the pass-rate check needs about z^2 (1 - margin) / margin tasks in all.
     tasks_per_family: int = Field(16, ge=1)
     difficulty: int | None = Field(1, ge=1, le=3)  # None: cycle through 1, 2, 3
-    seed: int = 1  # the bootstrap's held-out seed, so gate numbers compare with its eval
     humaneval_tasks: int = Field(0, ge=0)  # HumanEval problems (eval split); set > 0 for a real checkpoint
     concurrency: int = Field(16, ge=1)  # episodes in flight per version; the engine batches their turns
     # Episodes per task and version. 1 with greedy decoding (the default); more only with a temperature
@@ -227,10 +226,8 @@ class EvalBattery(BaseModel):
         return self
 
     def tasks(self) -> list[Task]:
-        tasks = task_set(self.families, "eval", self.tasks_per_family, seed=self.seed, difficulty=self.difficulty)
-        if self.humaneval_tasks:
-            tasks += generate("humaneval", "eval", self.humaneval_tasks, seed=self.seed)
-        return tasks
+        # The bootstrap's held-out set, so gate numbers compare with its eval.
+        return held_out_tasks(self.families, self.tasks_per_family, self.difficulty, humaneval=self.humaneval_tasks)
 
 
 class GateConfig(BaseModel):

@@ -1,5 +1,6 @@
 """Monitors: each version's behaviour over time, and alarms when it changes. The reward-hacking watch.
 
+    completions, rewards = monitor_window(store, distiller, now, lookback_s)   # the cycle and the dashboard
     report = Monitor(MonitorConfig()).run(completions, rewards, baseline_version=production.version)
     report.blocking(candidate.version)   # alarms that stop a promotion
 
@@ -51,8 +52,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flywheel.live.deploy import PINNED
 from flywheel.live.records import Completion, Event, EventType
-from flywheel.live.rewards import EDIT_TOOLS, Reward, made_edit
+from flywheel.live.rewards import EDIT_TOOLS, Reward, RewardDistiller, distill_sessions, made_edit
+from flywheel.live.store import LiveStore
 from flywheel.stats import Moments, fisher_tails, normal_two_sided_p, z_quantile
 
 Sample = tuple[float, float] | float | None  # (x, y) for correlations, x otherwise, None: not applicable
@@ -248,3 +251,22 @@ def label_tests_passed(completions: Sequence[Completion], events: Sequence[Event
             passed[e.session_id] = e.payload["tests_passed"]
     return [c.model_copy(update={"request_meta": {**c.request_meta, "tests_passed": passed[c.session_id]}})
             if c.session_id in passed and "tests_passed" not in c.request_meta else c for c in completions]
+
+
+def monitor_window(store: LiveStore, distiller: RewardDistiller, now: float,
+                   lookback_s: float | None) -> tuple[list[Completion], list[Reward]]:
+    """What the monitors read at `now`, for the live cycle and the dashboard alike: the served
+    completions of the last `lookback_s` (None: all), requests pinned to a version (evals, outside
+    the A/B split) left out, each labelled with its session's outcome (`label_tests_passed`), and
+    their rewards, distilled with every completion and event of their sessions (`distill_sessions`):
+    a session that began before the window still gives its session_end to the right completion."""
+    completions = [c for c in store.completions(start=None if lookback_s is None else now - lookback_s)
+                   if c.arm != PINNED]
+    if not completions:
+        return [], []
+    rewards = distill_sessions(distiller, store, completions, now)
+    # Whether the code worked is known when a session ends: copied onto its completions for the
+    # outcome monitors (tests_passed_rate, reward_outcome_corr); the reward never reads it.
+    sessions = sorted({c.session_id for c in completions})
+    completions = label_tests_passed(completions, [e for s in sessions for e in store.events_for_session(s)])
+    return completions, [rewards[c.id] for c in completions]

@@ -64,6 +64,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.live.records import Completion, Event, EventType
+from flywheel.live.store import LiveStore
 
 EDIT_TOOLS = ("edit_file",)
 
@@ -300,3 +301,15 @@ class RewardDistiller:
         return Reward(completion_id=c.id, session_id=c.session_id, version=c.version, arm=c.arm,
                       reward=math.fsum(parts.values()), parts=parts, status=status, signals=signals,
                       ignored=dict(assignment.ignored.get(c.id, {})))
+
+
+def distill_sessions(distiller: RewardDistiller, store: LiveStore, completions: Sequence[Completion],
+                     now: float) -> dict[str, Reward]:
+    """Rewards of `completions` (by completion id), distilled with every completion and event of their
+    sessions from `store`, as `distill` requires: a session-level event (a session_end, an edit without
+    a completion id) goes to the right completion only when all of the session's are passed."""
+    sessions = sorted({c.session_id for c in completions})
+    context = {c.id: c for s in sessions for c in store.completions(session_id=s)}
+    context.update({c.id: c for c in completions})
+    events = [e for s in sessions for e in store.events_for_session(s)]
+    return {r.completion_id: r for r in distiller.distill(list(context.values()), events, now)}

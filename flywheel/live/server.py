@@ -58,7 +58,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -70,12 +69,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flywheel.agent.chat import IM_END, IM_START, parse_assistant, render_turns, tools_in_prompt
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
-from flywheel.live.monitors import Monitor, MonitorConfig, label_tests_passed
+from flywheel.live.monitors import Monitor, MonitorConfig, monitor_window
 from flywheel.live.records import Completion, CompletionToolCall, Event
 from flywheel.live.rewards import RewardConfig, RewardDistiller
 from flywheel.live.store import Ingest, LiveStore
+from flywheel.model.chat import IM_END, parse_assistant, tools_in_prompt
+from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import EngineConfig, EngineError, LocalEngine, SamplingParams
 from flywheel.model.registry import CANDIDATE, Registry
 from flywheel.report import build_report_data, dashboard_page, render_body
@@ -98,7 +98,7 @@ class DashboardConfig(BaseModel):
     report_dirs: list[Path] = Field(default_factory=list)
     # The page polls this often; the data is recomputed at most this often, however many pages are open.
     refresh_s: float = Field(default=5.0, ge=0.5)
-    # The monitors read every completion of this last stretch (and its events) on each recomputation:
+    # The monitors read every completion of this last stretch (and its sessions') on each recomputation:
     # longer shows more history at a cost that grows with the traffic.
     horizon_s: float = Field(default=6 * 3600.0, gt=0)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
@@ -330,7 +330,7 @@ class LiveServer:
         self.store = store or open_store(config)
         self.registry = registry
         self._scopes = {hashlib.sha256(k.encode()).digest(): frozenset(v) for k, v in config.keys.items()}
-        self._encoders: dict[int, PromptEncoder] = {}  # by version: a checkpoint's tokenizer never changes
+        self._encoders: dict[int, ConversationEncoder] = {}  # by version: a checkpoint's tokenizer never changes
         self._dashboard_lock = threading.Lock()
         self._dashboard: tuple[float, dict[str, Any]] | None = None  # (monotonic time computed, data)
         self.app = create_app(self)
@@ -406,9 +406,7 @@ class LiveServer:
             if self._dashboard is not None and time.monotonic() - self._dashboard[0] < config.refresh_s:
                 return self._dashboard[1]
             now = time.time()
-            events = self.store.events(start=now - config.horizon_s)
-            completions = label_tests_passed(self.store.completions(start=now - config.horizon_s), events)
-            rewards = RewardDistiller(config.rewards).distill(completions, events, now)
+            completions, rewards = monitor_window(self.store, RewardDistiller(config.rewards), now, config.horizon_s)
             d = self.deployment
             baseline = d.production if any(c.version == d.production for c in completions) else None
             monitors = Monitor(config.monitor).run(completions, rewards, baseline_version=baseline)
@@ -452,7 +450,7 @@ class LiveServer:
             tools = req.tools if req.tools and req.tool_choice != "none" else None
             encoder = self._encoders.get(lease.version)
             if encoder is None:
-                encoder = self._encoders[lease.version] = PromptEncoder(lease.tokenizer)
+                encoder = self._encoders[lease.version] = ConversationEncoder(lease.tokenizer)
             prompt_ids = encoder.encode([m.as_template_message() for m in req.messages],
                                         tools if tools_in_prompt(lease.tokenizer) else None)
             params = self._sampling(req, len(prompt_ids), lease.tokenizer)
@@ -557,45 +555,6 @@ class LiveServer:
         temperature = 1.0 if req.temperature is None else req.temperature
         return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
                               max_tokens=max_tokens, stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),))
-
-
-class PromptEncoder:
-    """A conversation's prompt ids, tokenizing each turn once (the tools prompt is ~700 tokens, ~1-3 ms).
-
-    Exact, not approximate: every turn `render_turns` yields starts with <|im_start|>, an added token
-    the tokenizer splits on before BPE, so the ids of the pieces concatenate to the ids of the whole
-    text (tests compare the two). A tokenizer without <|im_start|> as an added token gets the whole
-    text tokenized every time.
-    """
-
-    def __init__(self, tokenizer: Any, cache_size: int = 4096):
-        self.tokenizer = tokenizer
-        self.piecewise = IM_START in tokenizer.get_added_vocab()
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()  # least recently used first
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
-
-    def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        turns = render_turns(messages, tools, add_generation_prompt=True)
-        if not self.piecewise:
-            return self.tokenizer("".join(turns), add_special_tokens=False)["input_ids"]
-        ids: list[int] = []
-        for turn in turns:
-            ids += self._turn(turn)
-        return ids
-
-    def _turn(self, text: str) -> list[int]:
-        with self._lock:
-            ids = self._cache.get(text)
-            if ids is not None:
-                self._cache.move_to_end(text)
-                return ids
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        with self._lock:
-            self._cache[text] = ids
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return ids
 
 
 def _parse_chat(body: bytes) -> ChatRequest:

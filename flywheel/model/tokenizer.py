@@ -14,7 +14,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from flywheel.agent.chat import (
+from flywheel.model.chat import (
     CHAT_TEMPLATE,
     CHAT_TEMPLATE_NO_TOOLS,
     END_OF_TEXT,

@@ -23,16 +23,17 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from flywheel.agent.chat import render_messages, tool_schemas
 from flywheel.agent.episode import EpisodeConfig
 from flywheel.agent.evaluate import evaluate
-from flywheel.env.families import FAMILIES, task_set
+from flywheel.env.families import FAMILIES, held_out_tasks, task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.model.chat import render_messages, tool_schemas
+from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.factory import ModelConfig, build_model, parameter_count
 from flywheel.model.registry import Checkpoint, Registry
 from flywheel.model.tokenizer import train_tokenizer
-from flywheel.rl.sft import SFTConfig, encode_conversation, train_sft
+from flywheel.rl.sft import SFTConfig, train_sft
 
 
 class BootstrapConfig(BaseModel):
@@ -83,8 +84,7 @@ def train_tasks(config: BootstrapConfig):
 
 
 def eval_tasks(config: BootstrapConfig):
-    return task_set(config.families, "eval", config.eval_tasks_per_family, seed=config.seed + 1,
-                    difficulty=config.eval_difficulty)
+    return held_out_tasks(config.families, config.eval_tasks_per_family, config.eval_difficulty)
 
 
 def bootstrap(config: BootstrapConfig, demonstrations: Sequence[list[dict[str, Any]]], log=print) -> Checkpoint:
@@ -98,7 +98,8 @@ def bootstrap(config: BootstrapConfig, demonstrations: Sequence[list[dict[str, A
     model = build_model(config.model, tokenizer)
     log(f"model: Qwen3-MoE, {parameter_count(model) / 1e6:.2f}M parameters, "
         f"{config.model.num_experts} experts top-{config.model.experts_per_token}")
-    examples = [encode_conversation(m, tokenizer) for m in demonstrations]
+    encoder = ConversationEncoder(tokenizer)
+    examples = [encoder.conversation(m) for m in demonstrations]
     lengths = sorted(len(t) for t, _ in examples)
     log(f"sft: {len(examples)} demonstrations, median {lengths[len(lengths) // 2]} tokens, max {lengths[-1]}")
     metrics = train_sft(model, examples, config.sft, tokenizer.pad_token_id, time_budget_s=config.sft_time_budget_s)

@@ -1,7 +1,7 @@
 """Supervised fine-tuning on demonstrations: how the policy learns the tool format before RL.
 
-A demonstration is a list of chat messages. It is tokenized the way the episode runner builds
-sequences — turn by turn, with the same rendering helpers — so what SFT trains on is token for
+A demonstration is a list of chat messages. It is tokenized by the encoder the episode runner
+uses (`ConversationEncoder.conversation`), turn by turn, so what SFT trains on is token for
 token what the agent later sees at inference. Only assistant tokens carry loss.
 Micro-batches are packed by a token budget (long demonstrations do not blow up memory, short
 ones are not padded to the longest of a fixed-size batch); the packing, the output head on scored
@@ -21,15 +21,12 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
-from flywheel.agent.chat import render_assistant_body, render_messages, tool_schemas, tools_in_prompt
-from flywheel.agent.episode import tool_turn, user_turn
 from flywheel.rl.training import pack_batches, scored_logits, warmup_factor
 
 
@@ -62,41 +59,6 @@ class SFTConfig(BaseModel):
     seed: int = 0
 
 
-def encode_conversation(messages: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
-    """(tokens, loss mask) of a conversation, segment by segment as the episode runner appends them.
-
-    messages: system, user, then alternating assistant turns and their answers (tool results or
-    a user reply)."""
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    tools = tool_schemas() if tools_in_prompt(tokenizer) else None
-    tokens = encode(render_messages(messages[:2], tools, add_generation_prompt=True))
-    mask = [0] * len(tokens)
-    i = 2
-    while i < len(messages):
-        message = messages[i]
-        if message["role"] != "assistant":
-            raise ValueError(f"message {i} should be an assistant turn, got {message['role']!r}")
-        body = encode(render_assistant_body(message))
-        tokens += body
-        mask += [1] * len(body)
-        j = i + 1
-        while j < len(messages) and messages[j]["role"] == "tool":
-            j += 1
-        if j > i + 1:
-            answer = tool_turn([m["content"] for m in messages[i + 1 : j]])
-        elif j < len(messages) and messages[j]["role"] == "user":
-            answer = user_turn(messages[j]["content"])
-            j += 1
-        else:
-            answer = None
-        if answer is not None and j < len(messages):
-            ids = encode(answer)
-            tokens += ids
-            mask += [0] * len(ids)
-        i = j
-    return tokens, mask
 
 
 def shared_prefix_length(examples: Sequence[tuple[list[int], list[int]]]) -> int:

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.agent.evaluate import evaluate, passed
 from flywheel.agent.trajectory import Status
-from flywheel.env.families import FAMILIES, task_set
+from flywheel.env.families import FAMILIES, held_out_tasks, task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.engine import Engine, EngineConfig
 from flywheel.model.process_engine import start_engine
@@ -53,7 +53,7 @@ class TrainConfig(BaseModel):
     families: list[str] = Field(default_factory=lambda: list(FAMILIES))
     train_tasks_per_family: int = 64
     train_difficulty: int = 1
-    eval_tasks_per_family: int = 24  # the bootstrap's held-out set: same seed, same difficulty
+    eval_tasks_per_family: int = 24  # the bootstrap's held-out set (`held_out_tasks`): same size, same difficulty
     eval_difficulty: int = 1
     eval_every: int = 0  # steps between held-out evals (0: only at the start and the end)
     eval_at_start: bool = True  # off when the caller just evaluated the start checkpoint on the same tasks
@@ -85,9 +85,8 @@ def train_tasks(config: TrainConfig):
 
 
 def eval_tasks(config: TrainConfig):
-    # The same held-out tasks the bootstrap reported on (seed + 1), so the numbers compare.
-    return task_set(config.families, "eval", config.eval_tasks_per_family, seed=config.seed + 1,
-                    difficulty=config.eval_difficulty)
+    # The same held-out tasks the bootstrap reported on, whatever either run's seed, so the numbers compare.
+    return held_out_tasks(config.families, config.eval_tasks_per_family, config.eval_difficulty)
 
 
 def run_eval(config: TrainConfig, engine: Engine, tokenizer, pool: SandboxPool) -> dict[str, Any]:

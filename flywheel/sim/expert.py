@@ -19,12 +19,12 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from flywheel.agent.chat import SYSTEM_PROMPT, openai_tool_call
 from flywheel.env.families.functions import PACKAGES
 from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import Sandbox, Snapshot
 from flywheel.env.task import Task
 from flywheel.env.tools import Toolbox, ToolCall, ToolResult
+from flywheel.model.chat import SYSTEM_PROMPT, openai_tool_call
 from flywheel.rl.bootstrap import BootstrapConfig, train_tasks
 
 CLARIFYING_QUESTION = "Before I change anything: could you tell me exactly which behaviour you want here?"

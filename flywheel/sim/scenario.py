@@ -52,16 +52,15 @@ import random
 import shutil
 import threading
 import time
-import tomllib
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from flywheel.agent.chat import render_messages, tool_schemas
+from flywheel.config import read_toml
 from flywheel.env.families.workspace import Draft, to_task
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
@@ -70,10 +69,12 @@ from flywheel.live.cycle import LiveConfig, LiveCycle, ServerControl
 from flywheel.live.records import Completion
 from flywheel.live.rewards import RewardConfig, made_edit
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.model.chat import render_messages, tool_schemas
+from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import PRODUCTION, Registry
 from flywheel.model.tokenizer import train_tokenizer
-from flywheel.rl.sft import SFTConfig, encode_conversation, train_sft
+from flywheel.rl.sft import SFTConfig, train_sft
 from flywheel.sim.expert import CLARIFYING_QUESTION, Action, demonstration_messages, run_policy
 from flywheel.sim.users import Population, SimStats, UserProfile, run_population
 from flywheel.stats import fisher_tails
@@ -232,7 +233,8 @@ def start_policy(config: StartPolicyConfig, pool: SandboxPool,
     corpus = [render_messages(m, tool_schemas()) for m in demos]
     tokenizer = train_tokenizer(corpus, vocab_size=config.vocab_size)
     model = build_model(config.model, tokenizer)
-    examples = [encode_conversation(m, tokenizer) for m in demos]
+    encoder = ConversationEncoder(tokenizer)
+    examples = [encoder.conversation(m) for m in demos]
     torch.manual_seed(config.seed)
     metrics = train_sft(model, examples, config.sft.model_copy(update={"seed": config.seed}), tokenizer.pad_token_id,
                         time_budget_s=config.sft_time_budget_s)
@@ -335,12 +337,16 @@ class ScenarioConfig(BaseModel):
             if not path.is_file():
                 raise ValueError(f"{name} {path} not found; paths are relative to the working directory "
                                  "(run from the repo root)")
+        for arm in ("naive", "default"):  # a typo in reward_overrides is an error now, not when the arm runs
+            try:
+                self.rewards(arm)
+            except ValidationError as exc:
+                raise ValueError(f"reward_overrides on the {arm} rewards file: {exc}") from None
         return self
 
     def rewards(self, arm: Literal["naive", "default"]) -> RewardConfig:
         path = self.naive_rewards_file if arm == "naive" else self.default_rewards_file
-        data = tomllib.loads(path.read_text())
-        return RewardConfig.model_validate({**data, **self.reward_overrides})
+        return RewardConfig.model_validate({**read_toml(path), **self.reward_overrides})
 
 
 class ArmResult(BaseModel):

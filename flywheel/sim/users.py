@@ -61,7 +61,6 @@ from typing import Any
 import openai
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flywheel.agent.chat import SYSTEM_PROMPT, tool_schemas
 from flywheel.client import EventClient
 from flywheel.env.families import KNOWN_FAMILIES, generate
 from flywheel.env.grading import GradeConfig, grade
@@ -71,6 +70,7 @@ from flywheel.env.task import JUST_DO_IT, Split, Task
 from flywheel.env.tools import Toolbox, ToolCall, validate_arguments
 from flywheel.live.records import EventType
 from flywheel.live.rewards import EDIT_TOOLS
+from flywheel.model.chat import SYSTEM_PROMPT, tool_schemas
 
 log = logging.getLogger(__name__)
 

@@ -7,11 +7,11 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from flywheel.agent.chat import IM_END, render_messages, tool_schemas
 from flywheel.agent.episode import EpisodeConfig, EpisodeState, initial_prompt, run_episode
 from flywheel.agent.trajectory import Status
 from flywheel.env.families import generate
 from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.model.chat import IM_END, render_messages, tool_schemas
 from flywheel.model.engine import EngineConfig, Generation, LocalEngine, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.tokenizer import train_tokenizer

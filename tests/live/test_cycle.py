@@ -22,7 +22,6 @@ import torch
 from cycle_world import KEY, POLICY, REPO, live_world, make_registry, start_checkpoint
 from tiny_serving import stored_completion
 
-from flywheel.agent.chat import SYSTEM_PROMPT, tool_schemas
 from flywheel.agent.episode import EpisodeConfig
 from flywheel.config import ConfigError, load_config
 from flywheel.env.pool import PoolConfig, SandboxPool
@@ -33,6 +32,7 @@ from flywheel.live.gate import Contender, EvalBattery, Gate, GateConfig, NonInfe
 from flywheel.live.records import CompletionToolCall, Event, EventType
 from flywheel.live.rewards import RewardConfig, RewardDistiller, RewardStatus
 from flywheel.live.store import LiveStore
+from flywheel.model.chat import SYSTEM_PROMPT, tool_schemas
 from flywheel.model.engine import LocalEngine
 from flywheel.model.registry import CANDIDATE, PRODUCTION, CheckpointNotFound, Registry
 

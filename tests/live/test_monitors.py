@@ -7,9 +7,11 @@ from functools import cache
 
 import pytest
 
-from flywheel.live.monitors import Monitor, MonitorConfig
-from flywheel.live.records import Completion, CompletionToolCall
-from flywheel.live.rewards import Reward, RewardStatus
+from flywheel.live.deploy import PINNED
+from flywheel.live.monitors import Monitor, MonitorConfig, monitor_window
+from flywheel.live.records import Completion, CompletionToolCall, Event, EventType
+from flywheel.live.rewards import Reward, RewardConfig, RewardDistiller, RewardStatus
+from flywheel.live.store import LiveStore
 
 EDIT = CompletionToolCall(name="edit_file", arguments={})
 READ = CompletionToolCall(name="read_file", arguments={})
@@ -120,3 +122,29 @@ def test_unknown_baseline_version_is_an_error():
     cs, rs = history([(2, 0, 20, {})])
     with pytest.raises(ValueError, match="baseline version 1"):
         Monitor().run(cs, rs, baseline_version=1)
+
+
+def test_the_monitors_window_distills_with_every_completion_of_its_sessions(tmp_path):
+    """The cycle and the dashboard read the window through `monitor_window`: a session that began
+    before the window still shares its session_end with its earlier answer, as the distiller's rule
+    says, and requests pinned to a version (evals) are not watched."""
+    now, lookback = 10_000.0, 50.0
+    config = RewardConfig(session_assignment="spread", feedback_window_s=1000.0)
+
+    def completion(cid: str, session: str, at: float, arm: str = "production") -> Completion:
+        return Completion(id=cid, session_id=session, user_id="u", version=1, prompt_ids=[1], completion_ids=[2],
+                          logprobs=[-0.1], latency_ms=100.0, tool_calls=[EDIT], arm=arm, created_at=at)
+
+    before, inside = completion("a", "s", now - 100), completion("b", "s", now - 10)
+    end = Event(id="e1", type=EventType.SESSION_END, session_id="s", time=now - 5,
+                payload={"outcome": "unhappy", "tests_passed": False})
+    with LiveStore(tmp_path / "live.sqlite") as store:
+        for c in (before, inside, completion("p", "eval", now - 10, arm=PINNED)):
+            store.add_completion(c)
+        store.add_events([end])
+        completions, rewards = monitor_window(store, RewardDistiller(config), now, lookback)
+    assert [c.id for c in completions] == ["b"] and completions[0].request_meta["tests_passed"] is False
+    whole_session = RewardDistiller(config).distill([before, inside], [end], now)[1]
+    assert rewards == [whole_session] and rewards[0].parts["session_unhappy"] == pytest.approx(-0.25)
+    # Distilled from the window's completions alone (the dashboard's old way), b took all of it.
+    assert RewardDistiller(config).distill([inside], [end], now)[0].parts["session_unhappy"] == pytest.approx(-0.5)

@@ -23,7 +23,6 @@ import torch
 from cycle_world import POLICY, POPULATION, REPO
 from tiny_serving import make_registry
 
-from flywheel.agent.chat import IM_END, parse_assistant, render_assistant_body, tool_schemas
 from flywheel.config import load_config
 from flywheel.env.grading import grade
 from flywheel.env.pool import PoolConfig, SandboxPool
@@ -33,6 +32,7 @@ from flywheel.live.monitors import Monitor, MonitorConfig
 from flywheel.live.rewards import RewardDistiller
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.store import LiveStore
+from flywheel.model.chat import IM_END, parse_assistant, render_assistant_body, tool_schemas
 from flywheel.model.engine import Generation, SamplingParams
 from flywheel.model.tokenizer import load_tokenizer
 from flywheel.sim.expert import CLARIFYING_QUESTION, Action, demonstration_messages, run_policy

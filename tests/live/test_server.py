@@ -25,10 +25,11 @@ import pytest
 import torch
 from tiny_serving import KEYS, TOOL_ANSWER, ScriptedEngine, free_port, stored_completion, tiny_registry_root
 
-from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, TOOLS_IN_PROMPT, render_messages, tool_schemas
 from flywheel.live.deploy import Deployment, Router
-from flywheel.live.server import LiveServer, PromptEncoder, ServeConfig, serve_in_thread
+from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.store import LiveStore
+from flywheel.model.chat import IM_END, SYSTEM_PROMPT, TOOLS_IN_PROMPT, render_messages, tool_schemas
+from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.registry import CANDIDATE, PRODUCTION, CheckpointNotFound, Registry
 from flywheel.model.tokenizer import load_tokenizer
 
@@ -90,7 +91,7 @@ def test_openai_round_trip_is_stored_before_the_response_with_its_version(live, 
 
 def test_prompts_tokenized_turn_by_turn_equal_the_whole_text(registry_root):
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
-    encoder = PromptEncoder(tokenizer)
+    encoder = ConversationEncoder(tokenizer)
     call = {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": '{"pattern": "def  x"}'}}
     conversation = [
         *MESSAGES, {"role": "assistant", "content": "Looking.", "tool_calls": [call, call]},

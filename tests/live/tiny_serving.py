@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.live.records import Completion
+from flywheel.model.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.model.engine import Generation, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import CANDIDATE, PRODUCTION, Registry

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from flywheel.agent.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
+from flywheel.model.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.model.engine import (
     EngineConfig,
     EngineError,

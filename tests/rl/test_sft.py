@@ -7,14 +7,14 @@ import random
 import pytest
 import torch
 
-from flywheel.agent.chat import render_assistant_body, render_messages, tool_schemas
 from flywheel.env.families import generate
 from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.model.chat import render_assistant_body, render_messages, tool_schemas
+from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.sft import (
     SFTConfig,
-    encode_conversation,
     loss_weights,
     masked_ce_loss,
     rare_tokens,
@@ -31,7 +31,7 @@ def test_demonstrations_encode_as_the_whole_conversation_with_assistant_only_los
         demos = demonstrations(tasks, pool)
     tokenizer = train_tokenizer([render_messages(m, tool_schemas()) for m in demos], vocab_size=700)
     for messages in demos:
-        tokens, mask = encode_conversation(messages, tokenizer)
+        tokens, mask = ConversationEncoder(tokenizer).conversation(messages)
         whole = tokenizer(render_messages(messages, tool_schemas()), add_special_tokens=False)["input_ids"]
         assert tokens == whole[: len(tokens)]  # same tokens as rendering the conversation at once
         trained = tokenizer.decode([t for t, m in zip(tokens, mask, strict=True) if m])

@@ -15,10 +15,10 @@ import json
 
 import torch
 
-from flywheel.agent.chat import IM_END, TOOL_CALL_OPEN
 from flywheel.agent.episode import initial_prompt
 from flywheel.cli import main
 from flywheel.env.families import task_set
+from flywheel.model.chat import IM_END, TOOL_CALL_OPEN
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import Registry
 from flywheel.model.tokenizer import train_tokenizer

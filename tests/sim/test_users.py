@@ -21,7 +21,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "live"))  # tiny_serving, shared with the server tests
 from tiny_serving import KEYS, TOOL_ANSWER, tiny_registry_root  # noqa: E402
 
-from flywheel.agent.chat import IM_END  # noqa: E402
 from flywheel.env.families import generate  # noqa: E402
 from flywheel.env.pool import PoolConfig, SandboxPool  # noqa: E402
 from flywheel.env.task import JUST_DO_IT, Task  # noqa: E402
@@ -31,6 +30,7 @@ from flywheel.live.records import EventType  # noqa: E402
 from flywheel.live.rewards import RewardConfig, RewardDistiller  # noqa: E402
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread  # noqa: E402
 from flywheel.live.store import LiveStore  # noqa: E402
+from flywheel.model.chat import IM_END  # noqa: E402
 from flywheel.model.engine import Generation, SamplingParams  # noqa: E402
 from flywheel.model.tokenizer import load_tokenizer  # noqa: E402
 from flywheel.sim.users import TESTS_FAIL, Population, UserProfile, plan_sessions, run_population  # noqa: E402

@@ -9,6 +9,11 @@ index). A candidate's split is `split_of(content_key)`, so train and eval partit
 the same problem can never be in both; `generate` keeps the candidates of the requested split.
 Ids look like `bugfix/train/s0/d1/17` (17 = index in the candidate stream); HumanEval ids look
 like `humaneval/HumanEval_0`.
+
+The held-out set is defined once, by `held_out_tasks`: eval-split tasks drawn from one fixed seed
+(`HELD_OUT_SEED`), whatever the seed of the run that evaluates on them. The bootstrap's eval, the
+RL run's evals, the gate's battery and the benchmarks all call it, so their pass rates are on the
+same tasks and compare.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from flywheel.env.task import SPLITS, Split, Task, split_of
 FAMILIES: tuple[str, ...] = ("bugfix", "implement", "crossfile", "ambiguous")
 KNOWN_FAMILIES: tuple[str, ...] = FAMILIES + ("humaneval",)
 DIFFICULTIES: tuple[int, ...] = (1, 2, 3)
+HELD_OUT_SEED = 1  # the candidate stream of the held-out set; a run's own seed never moves it
 
-__all__ = ["FAMILIES", "KNOWN_FAMILIES", "all_humaneval_tasks", "candidate", "generate", "get_task", "task_set"]
+__all__ = ["FAMILIES", "HELD_OUT_SEED", "KNOWN_FAMILIES", "all_humaneval_tasks", "candidate", "generate", "get_task",
+           "held_out_tasks", "task_set"]
 
 
 def builder(family: str) -> Callable[[random.Random, int], Draft]:
@@ -92,6 +99,17 @@ def task_set(
 ) -> list[Task]:
     """`n_per_family` tasks of each family, family by family in the order given."""
     return [t for family in families for t in generate(family, split, n_per_family, seed, difficulty)]
+
+
+def held_out_tasks(families: Sequence[str], n_per_family: int, difficulty: int | None = None,
+                   humaneval: int = 0) -> list[Task]:
+    """The held-out task set: `n_per_family` eval-split tasks of each family (family by family, in
+    the order given), then `humaneval` HumanEval problems of its eval split. A smaller set is a
+    prefix of a larger one of the same families and difficulty."""
+    tasks = task_set(families, "eval", n_per_family, seed=HELD_OUT_SEED, difficulty=difficulty)
+    if humaneval:
+        tasks += generate("humaneval", "eval", humaneval, seed=HELD_OUT_SEED)
+    return tasks
 
 
 def get_task(task_id: str) -> Task:

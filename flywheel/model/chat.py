@@ -129,6 +129,18 @@ def render_tool_results(contents: Sequence[str]) -> str:
     return f"{IM_START}user{body}{IM_END}\n"
 
 
+def render_user_reply(text: str) -> str:
+    """Appended after a generated `<|im_end|>`: the newline the template puts there, the user's
+    message, and the header of the next assistant turn."""
+    return f"\n{IM_START}user\n{text}{IM_END}\n{GENERATION_PROMPT}"
+
+
+def render_tool_reply(contents: Sequence[str]) -> str:
+    """Appended after a generated `<|im_end|>`: the tool results as one user turn, then the next
+    assistant header."""
+    return "\n" + render_tool_results(contents) + GENERATION_PROMPT
+
+
 def render_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = False) -> str:
     """The same text as CHAT_TEMPLATE, in Python (tests check the two agree)."""

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flywheel.agent.chat import (
+from flywheel.model.chat import (
     CHAT_TEMPLATE,
     IM_END,
     SYSTEM_PROMPT,
@@ -16,8 +16,8 @@ from flywheel.agent.chat import (
     tool_schemas,
     tools_in_prompt,
 )
+from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.tokenizer import load_tokenizer, train_tokenizer
-from flywheel.rl.sft import encode_conversation
 
 MESSAGES = [
     {"role": "system", "content": SYSTEM_PROMPT},
@@ -62,7 +62,7 @@ def test_a_model_trained_without_tool_schemas_never_gets_them_in_its_prompt(tmp_
     jinja = loaded.apply_chat_template(MESSAGES, tools=tool_schemas(), tokenize=False, add_generation_prompt=True)
     assert jinja == render_messages(MESSAGES, None, add_generation_prompt=True) and "<tools>" not in jinja
     # SFT encodes demonstrations the same way.
-    ids, _ = encode_conversation(MESSAGES[:3], loaded)
+    ids, _ = ConversationEncoder(loaded).conversation(MESSAGES[:3])
     assert "<tools>" not in loaded.decode(ids) and loaded.decode(ids).startswith(render_messages(MESSAGES[:2]))
 
 
