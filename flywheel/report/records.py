@@ -72,7 +72,7 @@ class _Record(BaseModel):
 
 class TrainStep(_Record):
     step: int
-    version: int | None = None
+    policy_version: int | None = None  # learner steps since the run's start checkpoint; not a Registry version
     time: float | None = None  # wall clock (unix seconds) when the step finished
     reward_mean: float | None = None
     pass_rate: float | None = None  # of the batch's training episodes
@@ -104,7 +104,7 @@ class FamilyEval(_Record):
 
 class EvalPoint(_Record):
     step: int
-    version: int | None = None
+    policy_version: int | None = None
     time_s: float | None = None  # seconds since the run started
     pass_rate: float | None = None
     pass_rate_ci: tuple[float, float] | None = None

@@ -177,19 +177,19 @@ def _training_section(runs: Sequence[TrainingRun]) -> str:
         line_chart("Training reward (mean per step)", reward, x_label="step", y_label="reward"),
         line_chart("Held-out pass rate (95% Wilson band)", held_out, x_label="step", y_label="pass rate",
                    y_range=(0, 1)),
-        line_chart("Staleness of trained tokens", staleness, x_label="step", y_label="versions behind"),
+        line_chart("Staleness of trained tokens", staleness, x_label="step", y_label="policy versions behind"),
         bar_chart("Trained tokens by staleness", [Bar(str(k), histogram[k], tooltip=f"{histogram[k]:,.0f} tokens "
-                                                  f"{k} versions old") for k in sorted(histogram)],
-                  x_label="versions behind the learner", y_label="tokens"),
+                                                  f"{k} policy versions old") for k in sorted(histogram)],
+                  x_label="policy versions behind the learner", y_label="tokens"),
         line_chart("Learner throughput", throughput, x_label="step", y_label="tokens / s"),
     ]
     rows = []
     for r in runs:
         first, last = (r.evals[0], r.evals[-1]) if r.evals else (None, None)
-        rows.append([escape(r.name), str(len(r.steps)), escape(f"v{r.steps[-1].version}" if r.steps else "—"),
+        rows.append([escape(r.name), str(len(r.steps)), escape(str(r.steps[-1].policy_version) if r.steps else "—"),
                      _interval(first.pass_rate, *(first.pass_rate_ci or (None, None))) if first else "—",
                      _interval(last.pass_rate, *(last.pass_rate_ci or (None, None))) if last else "—"])
-    table = _table(["run", "steps", "version", "held-out pass rate at start", "latest"], rows, numeric=(1,))
+    table = _table(["run", "steps", "policy version", "held-out pass rate at start", "latest"], rows, numeric=(1,))
     return _section("Simulated RL", table + _charts(charts), "training")
 
 

@@ -30,7 +30,7 @@ cannot form a batch for `stall_timeout_s`, and a weight update that is not appli
 `weight_update_timeout_s` each raise `OrchestratorStalled` naming what was waited for.
 
 Durable runs (`run_dir`):
-- `groups.jsonl`       every group when it starts (id, its task or sibling tasks, version)
+- `groups.jsonl`       every group when it starts (id, its task or sibling tasks, policy version)
 - `trajectories.jsonl` every finished episode the moment it arrives, failed ones too
 - `inflight/*.json`    the latest `EpisodeState` of each unfinished episode (written atomically)
 - `state/`             learner weights + optimizer + which groups were trained on, every
@@ -367,7 +367,7 @@ class Orchestrator:
                    for g in batch)
         metrics.update({
             "outcome_tied_groups": tied,
-            "step": self.step, "version": self.learner.version, "reward_mean": sum(rewards) / len(rewards),
+            "step": self.step, "policy_version": self.learner.version, "reward_mean": sum(rewards) / len(rewards),
             "pass_rate": sum(outcomes) / len(outcomes),
             "failed_tool_calls": sum(t.failed_tool_calls for t in trajectories) / len(trajectories),  # per episode
             "train_s": train_s, "weight_update_s": update_s,
@@ -464,7 +464,7 @@ class Orchestrator:
     def _describe(self) -> str:
         running = sum(len(g.running) for g in self._groups.values())
         complete = sum(g.complete for g in self._groups.values())
-        return (f"version {self.learner.version}, {len(self._groups)} groups unconsumed ({complete} complete), "
+        return (f"policy {self.learner.version}, {len(self._groups)} groups unconsumed ({complete} complete), "
                 f"{running} episodes running")
 
     # ---- durability ---------------------------------------------------------------------------------

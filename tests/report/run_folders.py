@@ -16,7 +16,7 @@ def write_training_run(folder: Path, steps: int = 6, torn_last_line: bool = Fals
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "metrics.jsonl", "w") as f:
         for step in range(1, steps + 1):
-            row = {"loss": 0.1, "step": step, "version": step, "reward_mean": 0.1 * step, "pass_rate": 0.05 * step,
+            row = {"loss": 0.1, "step": step, "policy_version": step, "reward_mean": 0.1 * step, "pass_rate": 0.05 * step,
                    "tokens_per_s": 1000.0 + 10 * step, "staleness_max": step % 2, "staleness_mean": 0.4,
                    "train_s": 0.5, "wait_s": 0.1, "filtered_groups": 0, "time": T0 + step,
                    "staleness/0": 300.0, "staleness/1": 100.0 * (step % 2),
@@ -28,7 +28,7 @@ def write_training_run(folder: Path, steps: int = 6, torn_last_line: bool = Fals
         for step in range(0, steps + 1, 3):
             rate = 0.2 + 0.05 * step
             f.write(json.dumps({
-                "step": step, "version": step, "time_s": 2.0 * step, "episodes": 20, "pass_rate": rate,
+                "step": step, "policy_version": step, "time_s": 2.0 * step, "episodes": 20, "pass_rate": rate,
                 "pass_rate_ci": [rate - 0.1, rate + 0.1], "valid_tool_call_rate": 0.9,
                 "per_family": {"bugfix": {"episodes": 10, "pass_rate": rate + 0.05,
                                           "pass_rate_ci": [rate - 0.1, rate + 0.2], "mean_reward": 0.3},
