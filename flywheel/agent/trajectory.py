@@ -25,7 +25,7 @@ calls that were well formed but failed: the tool answered with an error (a missi
 snippet that is not in the file). They cost nothing in the reward; `failed_call_cost` in
 `flywheel.rl.advantages` can charge them to their turn.
 
-The record lives in `agent/` (not `rl/`, as DESIGN.md first placed it) because the episode runner
+The record lives in `agent/` (not `rl/`, where the first design placed it: docs/ARCHITECTURE.md) because the episode runner
 produces it and `agent` may not import `rl`; the Learner and Orchestrator import it from here.
 """
 
