@@ -3,7 +3,9 @@
 Per-token arrays all have the length of `tokens`:
 - `loss_mask`  1 where the model generated the token, 0 for prompt and tool-output tokens
 - `logprobs`   the behaviour logprob of each generated token (0.0 where the mask is 0)
-- `versions`   the policy version that generated each token (-1 where the mask is 0)
+- `versions`   the version of the weights that generated each token (-1 where the mask is 0): in
+               training data the policy version (learner steps since the run's start checkpoint);
+               the live gate's eval episodes carry the Registry version their engine serves
 
 The reward and what happened are kept apart, so that a field says one thing:
 - `reward_parts`  the additive terms of `reward`: they sum to it (checked). Simulated RL has the
