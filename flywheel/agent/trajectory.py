@@ -41,6 +41,8 @@ from pydantic import BaseModel, Field, model_validator
 from flywheel.env.grading import TestOutcome
 
 INVALID_CALL_PENALTY = "invalid_call_penalty"  # the reward part broken tool calls cost, in both loops (<= 0)
+# Keys of counts and indicators that older records kept among the reward parts (now `outcome` and the counters).
+LEGACY_PARTS = frozenset({"tests_passed_frac", "timed_out", "visible_tests_modified", "invalid_tool_calls"})
 PARTS_TOLERANCE = 1e-9  # the parts are summed in another order than the reward was: the last bits may differ
 
 
@@ -87,6 +89,10 @@ class Trajectory(BaseModel):
                                      f"of generated tokens within its {n} tokens with at least one {kind} call")
         total = math.fsum(self.reward_parts.values())
         if not abs(total - self.reward) <= PARTS_TOLERANCE * max(1.0, abs(self.reward)):
+            if legacy := sorted(LEGACY_PARTS & self.reward_parts.keys()):
+                raise ValueError(f"trajectory {self.task_id}: reward_parts has {legacy}, counts and indicators that "
+                                 "reward parts held before they became the reward's additive terms; this record "
+                                 "was written by an older flywheel: start a new run_dir rather than resume it")
             raise ValueError(f"trajectory {self.task_id}: reward_parts {self.reward_parts} sum to {total}, not to the "
                              f"reward {self.reward}; reward_parts holds the reward's additive terms only (counts and "
                              "indicators go in the trajectory's counters and `outcome`)")

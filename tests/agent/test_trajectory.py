@@ -21,6 +21,8 @@ def test_reward_parts_are_the_rewards_additive_terms():
                 "all_passed_bonus": 0.0})
     assert not t.all_passed  # never graded: no outcome
     with pytest.raises(ValidationError, match="sum to 1.1, not to the reward 0.1"):
-        record(0.1, {"invalid_tool_calls": 1.0, "invalid_call_penalty": 0.1})  # a count is not a term
+        record(0.1, {"pass_frac": 1.0, "invalid_call_penalty": 0.1})
+    with pytest.raises(ValidationError, match=r"\['invalid_tool_calls'\].*start a new run_dir"):
+        record(0.4, {"all_passed": 0.5, "invalid_tool_calls": 1.0, "invalid_call_penalty": -0.1})  # a count is not a term
     with pytest.raises(ValidationError, match="sum to 0"):
         record(1.0, {})
