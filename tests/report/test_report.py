@@ -210,3 +210,27 @@ def test_the_live_cycles_own_records_are_read_finished_or_running(tmp_path):
     assert (second.running, second.candidate, second.decision, second.ab_metrics) == ("gated", 2, None, [])
     dom = Elements(render_report(tmp_path).read_text())
     assert "running: gated" in dom.text("cycles") and dom.count("point", "monitors") == 6
+
+
+def test_the_reports_cycle_record_names_only_fields_the_cycle_writes():
+    """CycleRecord is the part of the live cycle's record the report draws: no field of its own."""
+    from flywheel.live.abtest import ABReport, MetricComparison
+    from flywheel.live.cycle import CycleReport, CycleState, MonitorSummary
+    from flywheel.live.gate import GateDecision, GateResult, GateRun
+    from flywheel.live.monitors import Alarm, MetricPoint
+    from flywheel.report import ABMetric, AlarmRecord, GateCheck, SeriesPoint
+    from flywheel.report.records import (
+        ABRecord,
+        GateDecisionRecord,
+        GateRecord,
+        MonitorRecord,
+    )
+
+    pairs = [(CycleRecord, {*CycleReport.model_fields, *CycleState.model_fields}), (GateRecord, GateRun.model_fields),
+             (GateDecisionRecord, GateDecision.model_fields), (ABRecord, ABReport.model_fields),
+             (MonitorRecord, MonitorSummary.model_fields), (AlarmRecord, Alarm.model_fields),
+             (SeriesPoint, MetricPoint.model_fields),
+             (GateCheck, {*GateResult.model_fields, "name"}),  # name: the key of GateDecision.checks
+             (ABMetric, {*MetricComparison.model_fields, "significant"})]  # significant: from the verdict
+    for record, written in pairs:
+        assert set(record.model_fields) <= set(written), (record.__name__, set(record.model_fields) - set(written))
