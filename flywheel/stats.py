@@ -121,8 +121,8 @@ def fisher_tails(successes_a: int, n_a: int, successes_b: int, n_b: int) -> tupl
     is small when a's rate is below b's, the upper when it is above.
     """
     if not (0 <= successes_a <= n_a and 0 <= successes_b <= n_b):
-        raise ValueError(f"fisher_tails: successes {successes_a}/{n_a} and {successes_b}/{n_b} must lie between 0 "
-                         "and their group's size")
+        raise ValueError(f"fisher_tails: successes {successes_a}/{n_a} and {successes_b}/{n_b} must lie "
+                         "between 0 and their group's size")
     # X ~ hypergeom(M = n_a + n_b, n = successes in all, N = n_a drawn). Not a frozen distribution:
     # freezing costs 1.1 ms a call, the two plain calls 0.4 ms (the hand-written sum took 0.09 ms).
     table = (n_a + n_b, successes_a + successes_b, n_a)

@@ -38,4 +38,4 @@ def test_every_third_party_import_is_a_declared_dependency():
         assert distributions, f"flywheel imports {module}, which no installed distribution provides"
         if not distributions & declared:
             missing[module] = sorted(distributions)
-    assert not missing, f"imported but not in pyproject.toml's dependencies (module: distributions): {missing}"
+    assert not missing, f"imported, not in pyproject.toml's dependencies (module: distributions): {missing}"

@@ -27,6 +27,6 @@ def test_links_stay_inside_the_repository_and_resolve(name):
         assert "://" not in link, f"{name} links outside the repository: {link}"
         path, _, anchor = link.partition("#")
         target = (doc.parent / path).resolve() if path else doc
-        assert target.is_relative_to(ROOT) and target.exists(), f"{name}: {link} is not a file of the repository"
+        assert target.is_relative_to(ROOT) and target.exists(), f"{name}: {link} is no file of the repository"
         if anchor:
             assert anchor in anchors(target.read_text()), f"{name}: {link} names no heading of {target.name}"

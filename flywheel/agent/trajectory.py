@@ -27,8 +27,9 @@ calls that were well formed but failed: the tool answered with an error (a missi
 snippet that is not in the file). They cost nothing in the reward; `failed_call_cost` in
 `flywheel.rl.advantages` can charge them to their turn.
 
-The record lives in `agent/` (not `rl/`, where the first design placed it: docs/ARCHITECTURE.md) because the episode runner
-produces it and `agent` may not import `rl`; the Learner and Orchestrator import it from here.
+The record lives in `agent/` (not `rl/`, where the first design placed it: docs/ARCHITECTURE.md)
+because the episode runner produces it and `agent` may not import `rl`; the Learner and
+Orchestrator import it from here.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pydantic import BaseModel, Field, model_validator
 from flywheel.env.grading import TestOutcome
 
 INVALID_CALL_PENALTY = "invalid_call_penalty"  # the reward part broken tool calls cost, in both loops (<= 0)
-# Keys of counts and indicators that older records kept among the reward parts (now `outcome` and the counters).
+# Counts and indicators that older records kept among the reward parts (now `outcome` and the counters).
 LEGACY_PARTS = frozenset({"tests_passed_frac", "timed_out", "visible_tests_modified", "invalid_tool_calls"})
 PARTS_TOLERANCE = 1e-9  # the parts are summed in another order than the reward was: the last bits may differ
 

@@ -107,7 +107,8 @@ def grade(task: Task, final: Snapshot, config: GradeConfig | None = None,
     modified = float(visible_tests_modified(task, final))
     reward = config.pass_frac_weight * frac + config.all_passed_weight * all_passed
     reward -= config.visible_tests_penalty * modified
-    parts = {"pass_frac": config.pass_frac_weight * frac, "all_passed_bonus": config.all_passed_weight * all_passed,
+    parts = {"pass_frac": config.pass_frac_weight * frac,
+             "all_passed_bonus": config.all_passed_weight * all_passed,
              "visible_tests_penalty": -config.visible_tests_penalty * modified}
     return Grade(
         reward=reward,

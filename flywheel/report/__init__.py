@@ -2,7 +2,7 @@
 
     from flywheel.report import render_report, render_cycle, build_report_data
     render_report("runs/demo")                                   # -> runs/demo/report.html
-    render_cycle(cycle_report.model_dump(mode="json", by_alias=True))   # one cycle's page (flywheel/live/cycle.py)
+    render_cycle(cycle_report.model_dump(mode="json", by_alias=True))   # one cycle's page (live/cycle.py)
 
 - `records`: the inputs, read as their writers write them (simulated-RL metrics.jsonl / eval.jsonl
              rows; the real-time cycle's own report.json / state.json per cycle, as a `CycleRecord`)
@@ -27,6 +27,6 @@ from flywheel.report.records import (
 )
 from flywheel.report.render import dashboard_page, render_body, render_cycle, render_page, render_report
 
-__all__ = ["ABMetric", "AlarmRecord", "CycleRecord", "GateCheck", "MonitorSnapshot", "ReportData", "SeriesPoint",
-           "build_report_data", "dashboard_page", "read_cycle_records", "render_body", "render_cycle",
-           "render_page", "render_report"]
+__all__ = ["ABMetric", "AlarmRecord", "CycleRecord", "GateCheck", "MonitorSnapshot", "ReportData",
+           "SeriesPoint", "build_report_data", "dashboard_page", "read_cycle_records", "render_body",
+           "render_cycle", "render_page", "render_report"]

@@ -72,7 +72,7 @@ class _Record(BaseModel):
 
 class TrainStep(_Record):
     step: int
-    policy_version: int | None = None  # learner steps since the run's start checkpoint; not a Registry version
+    policy_version: int | None = None  # learner steps since the run's start; not a Registry version
     time: float | None = None  # wall clock (unix seconds) when the step finished
     reward_mean: float | None = None
     pass_rate: float | None = None  # of the batch's training episodes
@@ -319,7 +319,7 @@ def read_training_run(folder: Path, name: str, problems: list[str]) -> TrainingR
 
 
 def cycle_files(directory: Path) -> list[Path]:
-    """The cycle records in `directory`: each `cycle-NNNN/report.json`, else its state.json (still running)."""
+    """The cycle records in `directory`: each `cycle-NNNN/report.json`, else its state.json (running)."""
     out = []
     for path in sorted(directory.iterdir()):
         if CYCLE_DIR.fullmatch(path.name) and path.is_dir():

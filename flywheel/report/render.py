@@ -177,7 +177,8 @@ def _training_section(runs: Sequence[TrainingRun]) -> str:
         line_chart("Training reward (mean per step)", reward, x_label="step", y_label="reward"),
         line_chart("Held-out pass rate (95% Wilson band)", held_out, x_label="step", y_label="pass rate",
                    y_range=(0, 1)),
-        line_chart("Staleness of trained tokens", staleness, x_label="step", y_label="policy versions behind"),
+        line_chart("Staleness of trained tokens", staleness, x_label="step",
+                   y_label="policy versions behind"),
         bar_chart("Trained tokens by staleness", [Bar(str(k), histogram[k], tooltip=f"{histogram[k]:,.0f} tokens "
                                                   f"{k} policy versions old") for k in sorted(histogram)],
                   x_label="policy versions behind the learner", y_label="tokens"),
@@ -186,10 +187,12 @@ def _training_section(runs: Sequence[TrainingRun]) -> str:
     rows = []
     for r in runs:
         first, last = (r.evals[0], r.evals[-1]) if r.evals else (None, None)
-        rows.append([escape(r.name), str(len(r.steps)), escape(str(r.steps[-1].policy_version) if r.steps else "—"),
+        policy = str(r.steps[-1].policy_version) if r.steps else "—"
+        rows.append([escape(r.name), str(len(r.steps)), escape(policy),
                      _interval(first.pass_rate, *(first.pass_rate_ci or (None, None))) if first else "—",
                      _interval(last.pass_rate, *(last.pass_rate_ci or (None, None))) if last else "—"])
-    table = _table(["run", "steps", "policy version", "held-out pass rate at start", "latest"], rows, numeric=(1,))
+    table = _table(["run", "steps", "policy version", "held-out pass rate at start", "latest"], rows,
+                   numeric=(1,))
     return _section("Simulated RL", table + _charts(charts), "training")
 
 
@@ -222,7 +225,8 @@ def cycle_section(cycle: CycleRecord, monitors: bool = False) -> str:
     if cycle.reason:
         parts.append(f"<p>{escape(cycle.reason)}</p>")
     gate = interval_chart(f"Cycle {cycle.cycle}: gate (candidate − production)",
-                          _gate_rows((g.name, g) for g in cycle.gate_checks), x_label="difference; tick: −margin",
+                          _gate_rows((g.name, g) for g in cycle.gate_checks),
+                          x_label="difference; tick: −margin",
                           empty_message="no data yet: the gate has not run")
     ab_charts = [interval_chart(f"A/B {m.name}", [IntervalRow("cand − prod", m.diff, m.ci_low, m.ci_high,
                                                                color=_ab_color(m))],
@@ -236,7 +240,8 @@ def cycle_section(cycle: CycleRecord, monitors: bool = False) -> str:
     if cycle.gate_checks:
         parts.append(_table(["gate check", "result", "difference [interval]", "margin", "reason"],
                             ([escape(g.name), _verdict(g.passed), _interval(g.diff, g.ci_low, g.ci_high),
-                              escape(format_value(g.margin)), escape(g.reason)] for g in cycle.gate_checks), numeric=(3,)))
+                              escape(format_value(g.margin)), escape(g.reason)] for g in cycle.gate_checks),
+                            numeric=(3,)))
     if cycle.ab_metrics:
         parts.append(_table(
             ["A/B metric", "production", "candidate", "difference [interval]", "n (prod / cand)", "verdict"],
@@ -257,8 +262,8 @@ def cycle_section(cycle: CycleRecord, monitors: bool = False) -> str:
 
 def _cycles_section(cycles: Sequence[CycleRecord]) -> str:
     if not cycles:
-        return _section("Real-time RL cycles", '<p class="empty-note">no data yet: no cycle-NNNN/report.json found</p>',
-                        "cycles")
+        return _section("Real-time RL cycles",
+                        '<p class="empty-note">no data yet: no cycle-NNNN/report.json found</p>', "cycles")
     rows = [[str(c.cycle), escape(_clock(c.started_at)),
              escape(f"v{c.production} → v{c.candidate}" if c.candidate is not None else "—"),
              _verdict(c.gate_passed), escape(c.ab_decision or "—"), _decision(c),

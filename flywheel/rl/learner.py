@@ -281,7 +281,8 @@ class Learner:
         before the cap), is_truncated_frac / is_masked_frac, grad_norm (before clipping; token
         statistics over the steps taken), lr (of the last step taken), optimizer_steps, skipped_steps
         (non-finite, this call), skipped_steps_total, policy_version, staleness/<k> (generated
-        tokens k policy versions old), staleness_mean / _max, sequences, loss_tokens, tokens_per_s, seconds."""
+        tokens k policy versions old), staleness_mean / _max, sequences, loss_tokens, tokens_per_s,
+        seconds."""
         if not trajectories:
             raise ValueError("train_step got no trajectories; wait for a batch before stepping")
         if len(advantages) != len(trajectories):

@@ -367,7 +367,8 @@ class Orchestrator:
                    for g in batch)
         metrics.update({
             "outcome_tied_groups": tied,
-            "step": self.step, "policy_version": self.learner.version, "reward_mean": sum(rewards) / len(rewards),
+            "step": self.step, "policy_version": self.learner.version,
+            "reward_mean": sum(rewards) / len(rewards),
             "pass_rate": sum(outcomes) / len(outcomes),
             "failed_tool_calls": sum(t.failed_tool_calls for t in trajectories) / len(trajectories),  # per episode
             "train_s": train_s, "weight_update_s": update_s,

@@ -107,12 +107,13 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
     parent = registry.get(config.checkpoint)
     engine_model, tokenizer = registry.load(parent.version)
     learner_model, _ = registry.load(parent.version)
-    learner = Learner(learner_model.train(), config.learner)  # policy version 0: the start checkpoint's weights
+    learner = Learner(learner_model.train(), config.learner)  # policy 0: the start checkpoint's weights
     tasks = train_tasks(config)
     evals: list[dict[str, Any]] = []
 
     def record_eval(report: dict[str, Any], step: int) -> None:
-        row = {"step": step, "policy_version": learner.version, "time_s": time.perf_counter() - start, **report}
+        row = {"step": step, "policy_version": learner.version, "time_s": time.perf_counter() - start,
+               **report}
         evals.append(row)
         with open(config.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -143,7 +144,8 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
             orchestrator.close()  # in-flight episodes stop at a turn boundary, saved for a resume
             final = run_eval(config, engine, tokenizer, pool)
             record_eval(final, orchestrator.step)
-    summary = {"steps": orchestrator.step, "policy_version": learner.version, "seconds": time.perf_counter() - start,
+    summary = {"steps": orchestrator.step, "policy_version": learner.version,
+               "seconds": time.perf_counter() - start,
                "pass_rate_start": evals[0]["pass_rate"] if evals and evals[0]["step"] == 0 else float("nan"),
                "pass_rate_end": final["pass_rate"]}
     checkpoint = None

@@ -12,8 +12,9 @@ from flywheel.stats import wilson_interval
 
 def episode(task: str, family: str, won: bool) -> Trajectory:
     return Trajectory(task_id=task, family=family, tokens=[], loss_mask=[], logprobs=[], versions=[], prompt_len=0,
-                      status=Status.FINISHED, reward=float(won), reward_parts={"all_passed_bonus": float(won)}, turns=1,
-                      tool_calls=1, invalid_tool_calls=0, asked_question=False,
+                      status=Status.FINISHED, reward=float(won),
+                      reward_parts={"all_passed_bonus": float(won)}, turns=1, tool_calls=1, invalid_tool_calls=0,
+                      asked_question=False,
                       outcome=TestOutcome(tests_passed_frac=float(won), all_passed=won, timed_out=False,
                                           visible_tests_modified=False))
 

@@ -46,7 +46,8 @@ def final_with(files: dict[str, str | None]):
 def test_correct_solution_gets_full_reward():
     result = grade(TASK, final_with({"mathy.py": "def double(x):\n    return 2 * x\n"}))
     assert result.passed == 3 and result.failed == 0 and result.all_passed and result.reward == pytest.approx(1.0)
-    assert result.outcome == TestOutcome(tests_passed_frac=1.0, all_passed=True, timed_out=False, visible_tests_modified=False)
+    assert result.outcome == TestOutcome(tests_passed_frac=1.0, all_passed=True, timed_out=False,
+                                         visible_tests_modified=False)
     assert result.parts == {"pass_frac": 0.5, "all_passed_bonus": 0.5, "visible_tests_penalty": 0.0}
 
 

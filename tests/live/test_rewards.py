@@ -190,7 +190,8 @@ def test_a_served_broken_call_is_charged_to_its_turn_like_a_simulated_one():
     # The live reward names its broken-call term as the episode runner does, so broken_calls = "turn"
     # finds it: the completion's tokens carry the cost on top of its outcome advantage.
     broken, clean = completion("b", calls="invalid2"), completion("c", calls="read")
-    rewards = {r.completion_id: r for r in RewardDistiller(RewardConfig(feedback_window_s=WINDOW)).distill([broken, clean], [], LATER)}
+    distiller = RewardDistiller(RewardConfig(feedback_window_s=WINDOW))
+    rewards = {r.completion_id: r for r in distiller.distill([broken, clean], [], LATER)}
     trajectories = [completion_trajectory(c, rewards[c.id], "all") for c in (broken, clean)]
     for t in trajectories:
         assert sum(t.reward_parts.values()) == pytest.approx(t.reward)
