@@ -1,7 +1,7 @@
 """HTML pages from report data: the static report of a run folder, one cycle's page, the live dashboard.
 
     render_report(Path("runs/demo"))                      # -> runs/demo/report.html
-    html = render_cycle(summary)                          # one real-time RL cycle, a standalone page
+    html = render_cycle(cycle_report)                     # one real-time RL cycle (its CycleReport), a page
     body = render_body(build_report_data(dirs))           # the sections, as the dashboard polls them
 
 Views: simulated RL (reward, held-out pass rate with its Wilson band, staleness, tokens by
