@@ -49,7 +49,8 @@ def batch(vocab: int, n: int, rng: random.Random) -> list[Trajectory]:
         tokens = [rng.randrange(vocab) for _ in range(length)]
         out.append(Trajectory(task_id=f"t{i}", family="bench", tokens=tokens, loss_mask=mask,
                               logprobs=[-1.5 if m else 0.0 for m in mask], versions=[0 if m else -1 for m in mask],
-                              prompt_len=prompt, status=Status.FINISHED, reward=float(i % 2), reward_parts={},
+                              prompt_len=prompt, status=Status.FINISHED, reward=float(i % 2),
+                              reward_parts={"all_passed_bonus": float(i % 2)},
                               turns=4, tool_calls=3, invalid_tool_calls=0, asked_question=False, group_id=f"g{i // 8}"))
     return out
 

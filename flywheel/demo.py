@@ -176,7 +176,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         "pass_rate_after_simulated_rl": rl_summary.get("pass_rate_end"),
         "simulated_rl_steps": rl_summary.get("steps"),
         "cycles": [{"cycle": r.cycle, "decision": r.decision, "reason": r.reason,
-                    "production_before": r.production, "production_after": r.production_after,
+                    "production": r.production, "production_after": r.production_after,
                     "candidate": r.candidate}
                    for r in reports],
         "production_version": final.version,

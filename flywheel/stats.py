@@ -1,11 +1,10 @@
-"""The statistics shared by eval reports, the gate, the A/B analysis and the monitors, in plain Python.
+"""The statistics shared by eval reports, the gate, the A/B analysis and the monitors.
 
-Only the standard library: the quantities are small (thousands of completions, a few hundred eval
-tasks) and a dependency on scipy for three functions is not worth it. What each function assumes:
+The distributions come from `scipy.stats` (Student's t, the hypergeometric); what scipy does not
+have is here, in plain Python on top of them. What each function assumes:
 
-- `t_quantile`: Cornish-Fisher expansion of Student's t around the normal quantile. Within 0.1% of
-  the exact value for df >= 4 at the levels used here (p <= 0.995); below df = 3 it falls back to
-  the exact quantile of floor(df) (df 1 and 2 have closed forms), which is conservative.
+- `t_quantile`: Student's t quantile (`scipy.stats.t.ppf`), for any real df >= 1 (Welch's df is
+  not an integer).
 - `mean_interval`: the t interval of a mean. Normal approximation of the sample mean, so it wants
   n >= ~10 for 0/1 data; callers enforce their own minimum sample.
 - `welch_interval`: difference of two means with unequal variances (Welch-Satterthwaite df).
@@ -13,8 +12,9 @@ tasks) and a dependency on scipy for three functions is not worth it. What each 
   and keeps its coverage at rates near 0 or 1 (a pass rate of 0.95 over 40 tasks).
 - `newcombe_interval`: difference of two proportions by Newcombe's hybrid score method (method 10
   of Newcombe 1998), built from two Wilson intervals, so it stays inside [-1, 1].
-- `fisher_tails`: Fisher's exact test on a 2x2 table. Exact (conservative) at any count, which
-  is why the monitors use it for rare behaviours such as clarifying questions on clear requests.
+- `fisher_tails`: Fisher's exact test on a 2x2 table, both one-sided tails of the hypergeometric
+  (`scipy.stats.hypergeom`). Exact (conservative) at any count, which is why the monitors use it
+  for rare behaviours such as clarifying questions on clear requests.
 - `Moments`: additive sufficient statistics (n, sums, sums of squares and cross products), so a
   pooled baseline is a sum of windows rather than a re-scan of every completion.
 """
@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import NamedTuple
+
+from scipy import stats as _scipy
 
 _NORMAL = NormalDist()
 
@@ -50,16 +52,7 @@ def t_quantile(p: float, df: float) -> float:
         raise ValueError(f"t_quantile: p={p} must be strictly between 0 and 1")
     if df < 1:
         raise ValueError(f"t_quantile: df={df} must be at least 1; an interval needs at least 2 samples")
-    if df < 2:  # Cauchy
-        return math.tan(math.pi * (p - 0.5))
-    if df < 3:
-        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
-    z = z_quantile(p)
-    g1 = (z**3 + z) / 4
-    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
-    return z + g1 / df + g2 / df**2 + g3 / df**3 + g4 / df**4
+    return float(_scipy.t.ppf(p, df))
 
 
 def mean_and_variance(values: Sequence[float]) -> tuple[float, float]:
@@ -121,23 +114,20 @@ def newcombe_interval(successes_a: int, n_a: int, successes_b: int, n_b: int,
     return Interval(diff, diff - math.hypot(pa - la, ub - pb), diff + math.hypot(ua - pa, pb - lb))
 
 
-def _log_choose(n: int, k: int) -> float:
-    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
-
-
 def fisher_tails(successes_a: int, n_a: int, successes_b: int, n_b: int) -> tuple[float, float]:
     """Fisher's exact test of "group a has the same rate as group b": (P(X <= x_a), P(X >= x_a)).
 
     X is the hypergeometric count of successes in group a given the table's margins. The lower tail
     is small when a's rate is below b's, the upper when it is above.
     """
-    total, k = n_a + n_b, successes_a + successes_b
-    lo, hi = max(0, n_a - (total - k)), min(k, n_a)
-    log_norm = _log_choose(total, n_a)
-    pmf = {x: math.exp(_log_choose(k, x) + _log_choose(total - k, n_a - x) - log_norm) for x in range(lo, hi + 1)}
-    below = math.fsum(p for x, p in pmf.items() if x <= successes_a)
-    above = math.fsum(p for x, p in pmf.items() if x >= successes_a)
-    return min(1.0, below), min(1.0, above)
+    if not (0 <= successes_a <= n_a and 0 <= successes_b <= n_b):
+        raise ValueError(f"fisher_tails: successes {successes_a}/{n_a} and {successes_b}/{n_b} must lie "
+                         "between 0 and their group's size")
+    # X ~ hypergeom(M = n_a + n_b, n = successes in all, N = n_a drawn). Not a frozen distribution:
+    # freezing costs 1.1 ms a call, the two plain calls 0.4 ms (the hand-written sum took 0.09 ms).
+    table = (n_a + n_b, successes_a + successes_b, n_a)
+    return (min(1.0, float(_scipy.hypergeom.cdf(successes_a, *table))),
+            min(1.0, float(_scipy.hypergeom.sf(successes_a - 1, *table))))
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
-from flywheel.agent.trajectory import Status, Trajectory
+from flywheel.agent.trajectory import INVALID_CALL_PENALTY, Status, Trajectory
 from flywheel.env.grading import GradeConfig, grade
 from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import SandboxError
@@ -231,24 +231,24 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
     finally:
         pool.release(box)
 
-    parts: dict[str, float] = {}
+    parts: dict[str, float] = {}  # the reward's additive terms (Trajectory's docstring)
+    outcome = None
     if final is None:  # the sandbox failed: nothing to grade
         reward = 0.0
     elif status == Status.TRUNCATED and config.truncated_reward is not None:
-        reward = config.truncated_reward
+        reward = parts["truncated_reward"] = config.truncated_reward
     else:
         t0 = time.perf_counter()
         graded = grade(task, final, config.grade)
         timings["grade_s"] = time.perf_counter() - t0
         parts.update(graded.parts)
-        reward = graded.reward
+        reward, outcome = graded.reward, graded.outcome
     penalty = min(config.max_invalid_penalty, config.invalid_call_penalty * n_invalid)
-    parts["invalid_tool_calls"] = float(n_invalid)
-    parts["invalid_call_penalty"] = -penalty
+    parts[INVALID_CALL_PENALTY] = -penalty
     timings["total_s"] = earlier_s + time.perf_counter() - start
     return Trajectory(
         task_id=task.id, family=task.family, tokens=rec.tokens, loss_mask=rec.mask, logprobs=rec.logprobs,
         versions=rec.versions, prompt_len=prompt_len, status=status, reward=reward - penalty, reward_parts=parts,
-        turns=turns, tool_calls=n_calls, invalid_tool_calls=n_invalid, asked_question=asked,
+        turns=turns, tool_calls=n_calls, invalid_tool_calls=n_invalid, asked_question=asked, outcome=outcome,
         broken_turns=rec.broken_turns, failed_turns=rec.failed_turns, timings=timings, group_id=group_id, error=error,
     )

@@ -24,7 +24,7 @@ from flywheel.stats import mean_interval, wilson_interval
 
 
 def passed(t: Trajectory) -> bool:
-    return t.reward_parts.get("all_passed", 0.0) == 1.0
+    return t.all_passed
 
 
 def clustered_interval(fractions: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:

@@ -3,7 +3,21 @@
 Per-token arrays all have the length of `tokens`:
 - `loss_mask`  1 where the model generated the token, 0 for prompt and tool-output tokens
 - `logprobs`   the behaviour logprob of each generated token (0.0 where the mask is 0)
-- `versions`   the policy version that generated each token (-1 where the mask is 0)
+- `versions`   the version of the weights that generated each token (-1 where the mask is 0): in
+               training data the policy version (learner steps since the run's start checkpoint);
+               the live gate's eval episodes carry the Registry version their engine serves
+
+The reward and what happened are kept apart, so that a field says one thing:
+- `reward_parts`  the additive terms of `reward`: they sum to it (checked). Simulated RL has the
+                  grader's `pass_frac`, `all_passed_bonus`, `visible_tests_penalty`
+                  (flywheel/env/grading.py), `invalid_call_penalty` and `truncated_reward`
+                  (flywheel/agent/episode.py); real-time RL has the distiller's parts
+                  (flywheel/live/rewards.py), its broken-call term under the same name
+                  `invalid_call_penalty`, which `flywheel.rl.advantages` reads in both loops.
+- counts and indicators: `turns`, `tool_calls`, `invalid_tool_calls`, `asked_question`, and
+  `outcome`, the hidden tests' `TestOutcome` (fraction passed, all passed, timed out, visible tests
+  modified); None when the workspace was not graded (a sandbox failure, a truncation scored with
+  `truncated_reward`, a served completion).
 
 `broken_turns` says which generated tokens made the invalid tool calls: one `[start, end, calls]`
 per assistant turn that held at least one invalid call, `tokens[start:end]` being that turn and
@@ -13,15 +27,24 @@ calls that were well formed but failed: the tool answered with an error (a missi
 snippet that is not in the file). They cost nothing in the reward; `failed_call_cost` in
 `flywheel.rl.advantages` can charge them to their turn.
 
-The record lives in `agent/` (not `rl/`, as DESIGN.md first placed it) because the episode runner
-produces it and `agent` may not import `rl`; the Learner and Orchestrator import it from here.
+The record lives in `agent/` (not `rl/`, where the first design placed it: docs/ARCHITECTURE.md)
+because the episode runner produces it and `agent` may not import `rl`; the Learner and
+Orchestrator import it from here.
 """
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 
 from pydantic import BaseModel, Field, model_validator
+
+from flywheel.env.grading import TestOutcome
+
+INVALID_CALL_PENALTY = "invalid_call_penalty"  # the reward part broken tool calls cost, in both loops (<= 0)
+# Counts and indicators that older records kept among the reward parts (now `outcome` and the counters).
+LEGACY_PARTS = frozenset({"tests_passed_frac", "timed_out", "visible_tests_modified", "invalid_tool_calls"})
+PARTS_TOLERANCE = 1e-9  # the parts are summed in another order than the reward was: the last bits may differ
 
 
 class Status(StrEnum):
@@ -42,13 +65,14 @@ class Trajectory(BaseModel):
     prompt_len: int  # tokens of the first prompt (system + instruction)
     status: Status
     reward: float
-    reward_parts: dict[str, float]
+    reward_parts: dict[str, float]  # additive terms that sum to `reward`
     turns: int
     tool_calls: int
-    invalid_tool_calls: int
+    invalid_tool_calls: int  # a count; what they cost is reward_parts["invalid_call_penalty"]
     asked_question: bool  # replied to the user instead of calling a tool at least once
     broken_turns: list[tuple[int, int, int]] = Field(default_factory=list)  # [start, end, invalid calls] per turn that had any
     failed_turns: list[tuple[int, int, int]] = Field(default_factory=list)  # [start, end, failed calls]: valid calls the tool refused
+    outcome: TestOutcome | None = None  # the hidden tests' verdict; None: not graded
     timings: dict[str, float] = Field(default_factory=dict)
     group_id: str = ""  # episodes of one task sampled together (GRPO group)
     error: str = ""  # what went wrong, for sandbox_error / aborted
@@ -64,7 +88,21 @@ class Trajectory(BaseModel):
                 if not (0 <= start < end <= n) or calls < 1 or not all(self.loss_mask[start:end]):
                     raise ValueError(f"trajectory {self.task_id}: {kind} turn [{start}, {end}, {calls}] is not a span "
                                      f"of generated tokens within its {n} tokens with at least one {kind} call")
+        total = math.fsum(self.reward_parts.values())
+        if not abs(total - self.reward) <= PARTS_TOLERANCE * max(1.0, abs(self.reward)):
+            if legacy := sorted(LEGACY_PARTS & self.reward_parts.keys()):
+                raise ValueError(f"trajectory {self.task_id}: reward_parts has {legacy}, counts and indicators that "
+                                 "reward parts held before they became the reward's additive terms; this record "
+                                 "was written by an older flywheel: start a new run_dir rather than resume it")
+            raise ValueError(f"trajectory {self.task_id}: reward_parts {self.reward_parts} sum to {total}, not to the "
+                             f"reward {self.reward}; reward_parts holds the reward's additive terms only (counts and "
+                             "indicators go in the trajectory's counters and `outcome`)")
         return self
+
+    @property
+    def all_passed(self) -> bool:
+        """Whether the hidden tests all passed (False when the workspace was not graded)."""
+        return self.outcome is not None and self.outcome.all_passed
 
     @property
     def generated_tokens(self) -> int:

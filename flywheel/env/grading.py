@@ -2,14 +2,17 @@
 
 The hidden tests are copied in only now, after the episode ended, so the agent never saw them.
 The grading sandbox starts from the final files with `run_tests.py` restored to the pristine
-runner and anything the agent put under `tests_hidden/` removed. The result has named reward
-parts, so what was rewarded can always be read back:
+runner and anything the agent put under `tests_hidden/` removed.
 
-- `tests_passed_frac`  fraction of hidden tests passed
-- `all_passed`         1 when every hidden test passed
-- `timed_out`          1 when the test run hit its time limit (the fraction then counts 0)
-- `visible_tests_modified`  1 when a visible test file was edited or deleted (other than one the
-                           task itself requires changing, such as the callers of a renamed function)
+A `Grade` says two things, kept apart so that each field means one thing:
+- `outcome` (`TestOutcome`): what the tests found, as counts and indicators: the fraction of hidden
+  tests passed, whether all passed, whether the run timed out (the fraction then counts 0), whether
+  a visible test file was edited or deleted (other than one the task itself requires changing, such
+  as the callers of a renamed function). None of these is a reward.
+- `parts`: the additive terms of the reward, which sum to `reward`:
+  `pass_frac`              pass_frac_weight x the fraction passed
+  `all_passed_bonus`       all_passed_weight when every hidden test passed
+  `visible_tests_penalty`  -visible_tests_penalty when a visible test file was modified
 
 Editing or deleting the visible tests gains nothing (the hidden tests are a superset of them)
 and costs `visible_tests_penalty`.
@@ -39,9 +42,20 @@ class GradeConfig(BaseModel):
     visible_tests_penalty: float = 0.1  # small: it only has to make tampering a strict loss
 
 
+class TestOutcome(BaseModel):
+    """What the hidden tests found: counts and indicators, never summed into a reward."""
+
+    __test__ = False  # a record, not a pytest test class
+    tests_passed_frac: float  # 0 when the run timed out or printed no result
+    all_passed: bool
+    timed_out: bool
+    visible_tests_modified: bool
+
+
 class Grade(BaseModel):
     reward: float
-    parts: dict[str, float]
+    parts: dict[str, float]  # additive terms of `reward` (module docstring)
+    outcome: TestOutcome
     passed: int
     failed: int
     tests: dict[str, bool]
@@ -49,7 +63,7 @@ class Grade(BaseModel):
 
     @property
     def all_passed(self) -> bool:
-        return self.parts["all_passed"] == 1.0
+        return self.outcome.all_passed
 
 
 def grading_files(task: Task, final: Snapshot) -> tuple[dict[str, bytes], str]:
@@ -92,17 +106,16 @@ def grade(task: Task, final: Snapshot, config: GradeConfig | None = None,
     frac = passed / total if total else 0.0
     all_passed = float(total > 0 and failed == 0)
     modified = float(visible_tests_modified(task, final))
-    parts = {
-        "tests_passed_frac": frac,
-        "all_passed": all_passed,
-        "timed_out": float(run.timed_out),
-        "visible_tests_modified": modified,
-    }
     reward = config.pass_frac_weight * frac + config.all_passed_weight * all_passed
     reward -= config.visible_tests_penalty * modified
+    parts = {"pass_frac": config.pass_frac_weight * frac,
+             "all_passed_bonus": config.all_passed_weight * all_passed,
+             "visible_tests_penalty": -config.visible_tests_penalty * modified}
     return Grade(
         reward=reward,
         parts=parts,
+        outcome=TestOutcome(tests_passed_frac=frac, all_passed=bool(all_passed), timed_out=run.timed_out,
+                            visible_tests_modified=bool(modified)),
         passed=passed,
         failed=failed,
         tests=result["tests"] if result else {},

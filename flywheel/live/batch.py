@@ -9,7 +9,12 @@ A completion becomes a one-turn Trajectory with exactly the tokens the server sa
     tokens    = prompt_ids + completion_ids
     loss_mask = [0] * len(prompt_ids) + [1] * len(completion_ids)
     logprobs  = [0.0] * len(prompt_ids) + completion.logprobs     (the engine's behaviour logprobs)
-    versions  = [-1] * len(prompt_ids) + [completion.version] * len(completion_ids)
+    versions  = [-1] * len(prompt_ids) + [0] * len(completion_ids)
+
+`versions` are policy versions, as in simulated RL: learner steps since the weights the cycle
+trains from, which are the served production checkpoint, so every token is policy 0 (on-policy,
+staleness 0). The Registry version that served them is `OnPolicyBatch.version` (and each
+`Completion.version`); the trained weights are registered under the Registry's next version.
 
 Which completions are in: those served by `version` (the production version: on-policy), from the
 user-routed arms (a request that pinned its version is an eval, not user traffic), whose reward is
@@ -69,7 +74,7 @@ def completion_trajectory(completion: Completion, reward: Reward, family: str) -
         tokens=[*completion.prompt_ids, *completion.completion_ids],
         loss_mask=[0] * p + [1] * c,
         logprobs=[0.0] * p + list(completion.logprobs),
-        versions=[-1] * p + [completion.version] * c,
+        versions=[-1] * p + [0] * c,  # policy 0: the served checkpoint itself (module docstring)
         prompt_len=p,
         status=Status.TRUNCATED if completion.finish_reason == "length" else Status.FINISHED,
         reward=reward.reward,

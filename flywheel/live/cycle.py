@@ -432,7 +432,7 @@ class LiveCycle:
         torch.manual_seed(self.config.seed * 100_003 + state.cycle)
         model, tokenizer = registry.load(state.production)
         ref = registry.load(state.production)[0] if self.config.learner.loss.kl_coef > 0 else None
-        learner = Learner(model.train(), self.config.learner, ref_model=ref, version=state.production)
+        learner = Learner(model.train(), self.config.learner, ref_model=ref)  # policy 0 = v{production}
         metrics = learner.train_step(batch.trajectories, batch.advantages())
         state.train = {k: float(v) for k, v in metrics.items()}
         if metrics["optimizer_steps"] == 0:

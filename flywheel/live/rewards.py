@@ -7,8 +7,11 @@ A reward is the sum of named parts. Two kinds:
 
 - Known when the completion is served, so they always apply, feedback or not:
   `latency`          -latency_cost_per_s per second above latency_threshold_s, at most latency_cost_max
-  `invalid_tool_calls`  invalid_tool_call per broken call. Never dropped: a trainer that drops them
-                     teaches the policy that a broken call is a free way out of a hard turn.
+  `invalid_call_penalty`  invalid_tool_call per broken call. Never dropped: a trainer that drops them
+                     teaches the policy that a broken call is a free way out of a hard turn. Simulated
+                     RL's episodes name their broken-call term the same, so `flywheel.rl.advantages`
+                     (broken_calls = "turn") finds it in both loops; the count itself is
+                     `Completion.invalid_tool_calls`, never a part.
   `clarify`          -clarify_cost when the completion asked instead of acting (`asked_question`)
   `clarify_refund`   +clarify_cost when the user's behaviour shows the question was needed (below)
 - From feedback events, each weighted by the config field of its kind: `edit_persisted`,
@@ -63,6 +66,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flywheel.agent.trajectory import INVALID_CALL_PENALTY
 from flywheel.live.records import Completion, Event, EventType
 from flywheel.live.store import LiveStore
 
@@ -282,7 +286,7 @@ class RewardDistiller:
                 over = c.latency_ms / 1000 - cfg.latency_threshold_s
                 parts["latency"] = -min(cfg.latency_cost_max, cfg.latency_cost_per_s * over)
             if c.invalid_tool_calls:
-                parts["invalid_tool_calls"] = cfg.invalid_tool_call * c.invalid_tool_calls
+                parts[INVALID_CALL_PENALTY] = cfg.invalid_tool_call * c.invalid_tool_calls
             if c.asked_question and cfg.clarify_cost > 0:
                 parts["clarify"] = -cfg.clarify_cost
                 refunded = self._refunded(c, assignment, session)

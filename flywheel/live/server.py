@@ -93,7 +93,7 @@ class DashboardConfig(BaseModel):
     """`/dashboard`: the run folders it shows next to the live monitors, and how often it refreshes."""
 
     model_config = ConfigDict(extra="forbid")
-    # Simulated-RL runs (metrics.jsonl, eval.jsonl) and real-time RL cycle reports (cycle-NNNN.json),
+    # Simulated-RL runs (metrics.jsonl, eval.jsonl) and real-time RL cycle reports (cycle-NNNN/report.json),
     # found up to three folders down; a folder that does not exist yet shows as "no data yet".
     report_dirs: list[Path] = Field(default_factory=list)
     # The page polls this often; the data is recomputed at most this often, however many pages are open.

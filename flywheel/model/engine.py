@@ -86,11 +86,15 @@ class SamplingParams:
 class Generation:
     token_ids: list[int]
     logprobs: list[float]  # of each sampled token, under the weights of its version
-    versions: list[int]  # the policy version that produced each token
+    versions: list[int]  # the engine's version (Engine docstring) when each token was produced
     finish_reason: str  # "stop" (a stop token, included in token_ids), "length" or "aborted"
 
 
 class Engine(Protocol):
+    """`version` is the number its driver gives the weights, stamped on every token: the trainer's
+    policy version in simulated RL (learner steps since the start checkpoint), the Registry version
+    it serves in the live server (docs/ARCHITECTURE.md, "Versions: two names")."""
+
     @property
     def version(self) -> int: ...
 

@@ -4,8 +4,8 @@
     data = build_report_data(dirs, monitors=monitor_report, live={"production": "v3"})   # the server's view
 
 A folder is searched up to `max_depth` levels down: every folder holding `metrics.jsonl` or
-`eval.jsonl` is a simulated-RL run, every folder holding cycle records (`cycle-NNNN.json`, or
-`cycle-NNNN/` folders as flywheel/live/cycle.py writes them) is a series of real-time RL cycles
+`eval.jsonl` is a simulated-RL run, every folder holding cycle records (`cycle-NNNN/` folders as
+flywheel/live/cycle.py writes them) is a series of real-time RL cycles
 (their cycle numbers must not repeat across folders; later folders win).
 Monitor series come from `monitors` when given (the live server computes them from its store),
 else from the cycles: the union of their series and alarms, a later cycle's point replacing an
@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.report.records import (
-    CycleSummary,
+    CycleRecord,
     MonitorSnapshot,
     ReportData,
     cycle_files,
-    read_cycle_summaries,
+    read_cycle_records,
     read_training_run,
 )
 
@@ -52,7 +52,7 @@ def find_inputs(root: Path, max_depth: int = 3) -> tuple[list[Path], list[Path]]
     return runs, cycles
 
 
-def merged_monitors(cycles: Sequence[CycleSummary]) -> MonitorSnapshot | None:
+def merged_monitors(cycles: Sequence[CycleRecord]) -> MonitorSnapshot | None:
     """The cycles' monitor series and alarms as one snapshot, or None when no cycle has any."""
     series: dict[tuple[str, int, float], Any] = {}
     alarms: dict[tuple[str, int, float], Any] = {}
@@ -85,7 +85,7 @@ def build_report_data(run_dirs: Sequence[str | Path] = (), *, monitors: Any = No
             training.append(read_training_run(folder, name if len(run_dirs) == 1 else f"{run_dir.name}/{name}",
                                               problems))
         for folder in cycle_dirs:
-            cycles_by_number.update({c.cycle: c for c in read_cycle_summaries(folder, problems)})
+            cycles_by_number.update({c.cycle: c for c in read_cycle_records(folder, problems)})
     cycles = [cycles_by_number[k] for k in sorted(cycles_by_number)]
     snapshot = MonitorSnapshot.model_validate(monitors) if monitors is not None else merged_monitors(cycles)
     data = ReportData(title=title, generated_at=time.time(), root=", ".join(str(d) for d in run_dirs),

@@ -1,23 +1,22 @@
-"""What the report reads: plain records from run folders, and the cycle summary the real-time cycle writes.
+"""What the report reads: the records the trainer and the real-time cycle write, as they write them.
 
-    summary = CycleSummary(cycle=3, production_version=2, candidate_version=3, gate=decision.checks,
-                           ab=ab_report.metrics, ab_decision=ab_report.decision, decision="promote",
-                           alarms=monitor_report.alarms, series=monitor_report.series, timings={"train_s": 41.0})
-    write_cycle_summary(summary, run_dir / "cycles")      # -> cycles/cycle-0003.json, written atomically
+    cycles = read_cycle_records(run_dir, problems)     # cycle-NNNN/report.json, else cycle-NNNN/state.json
 
 Inputs, by source:
 - a simulated-RL run folder (flywheel/rl/train.py): `metrics.jsonl`, one `TrainStep` per line, and
   `eval.jsonl`, one `EvalPoint` per held-out eval.
-- real-time RL cycles: one `CycleSummary` per cycle, `cycle-NNNN.json` in a folder; or what
-  flywheel/live/cycle.py writes itself, `cycle-NNNN/report.json` (its `CycleReport`, schema
-  "flywheel.cycle/1") or, while the cycle runs, `cycle-NNNN/state.json`: both read as a
-  `CycleSummary` (`stage` says how far an unfinished cycle got).
+- real-time RL cycles: flywheel/live/cycle.py's own record, `cycle-NNNN/report.json` (its
+  `CycleReport`, schema "flywheel.cycle/1") or, while the cycle runs, `cycle-NNNN/state.json` (its
+  `CycleState`, the same fields so far plus `stage`). There is no second cycle format: `CycleRecord`
+  is the part of that record the report draws, under the writer's own field names and nesting
+  (`production`, `candidate`, `gate.decision.checks`, `ab.metrics`, `monitor.series`), declared here
+  only so that this package imports nothing of flywheel (the live server imports it, and a report
+  renders without torch). tests/report/test_report.py reads a real CycleReport and CycleState.
 
 Every section is optional and every field that a writer may not know yet may be None: the report
 draws "no data yet" rather than failing. Records ignore fields they do not know, so a newer writer
-can add fields, and so the live records validate as they are: a `GateDecision.checks` dict, an
-`ABReport.metrics` dict, `MonitorReport.alarms` and `.series` (pydantic objects or their dumps).
-A gate check's `margin` is not in `GateResult` (it is the check's config): set it, or it is not drawn.
+can add fields, and the live records validate as they are (pydantic objects or their dumps): a
+`GateDecision.checks` dict, an `ABReport.metrics` dict, `Alarm`s and `MetricPoint`s.
 
 Reading tolerates a run in progress: a last line still being appended is skipped; any other
 unreadable line or file is named in the report's problems, not silently dropped.
@@ -42,11 +41,8 @@ from pydantic import (
     model_validator,
 )
 
-from flywheel.store.files import write_atomic
-
 _RECORD = ConfigDict(extra="ignore")
 _STALENESS_KEY = re.compile(r"staleness/(\d+)")
-CYCLE_FILE = re.compile(r"cycle-(\d+)\.json")
 CYCLE_DIR = re.compile(r"cycle-(\d+)")
 CYCLE_DIR_FILES = ("report.json", "state.json")  # in a CYCLE_DIR, the first present is read
 
@@ -76,7 +72,7 @@ class _Record(BaseModel):
 
 class TrainStep(_Record):
     step: int
-    version: int | None = None
+    policy_version: int | None = None  # learner steps since the run's start; not a Registry version
     time: float | None = None  # wall clock (unix seconds) when the step finished
     reward_mean: float | None = None
     pass_rate: float | None = None  # of the batch's training episodes
@@ -108,7 +104,7 @@ class FamilyEval(_Record):
 
 class EvalPoint(_Record):
     step: int
-    version: int | None = None
+    policy_version: int | None = None
     time_s: float | None = None  # seconds since the run started
     pass_rate: float | None = None
     pass_rate_ci: tuple[float, float] | None = None
@@ -122,7 +118,7 @@ class TrainingRun(BaseModel):
     evals: list[EvalPoint] = Field(default_factory=list)
 
 
-# ---- real-time RL (flywheel/live/cycle.py writes one CycleSummary per cycle)
+# ---- real-time RL (flywheel/live/cycle.py writes one CycleReport per cycle, a CycleState per stage)
 
 
 class GateCheck(_Record):
@@ -196,51 +192,91 @@ class MonitorSnapshot(_Record):
     alarms: list[AlarmRecord] = Field(default_factory=list)
 
 
-class CycleSummary(_Record):
-    """One real-time RL cycle: train a candidate, gate it, A/B test it, promote or roll back."""
+class GateDecisionRecord(_Record):
+    passed: bool | None = None
+    checks: list[GateCheck] = Field(default_factory=list)
+
+    @field_validator("checks", mode="before")
+    @classmethod
+    def _checks(cls, value: Any) -> Any:
+        return _named(value)
+
+
+class GateRecord(_Record):
+    """`GateRun`: the decision and its checks (the versions' eval summaries are not drawn)."""
+
+    decision: GateDecisionRecord = Field(default_factory=GateDecisionRecord)
+
+
+class ABRecord(_Record):
+    """`ABReport`: the A/B decision and each metric's comparison."""
+
+    decision: str | None = None  # promote | rollback | wait
+    reason: str = ""
+    metrics: list[ABMetric] = Field(default_factory=list)
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _metrics(cls, value: Any) -> Any:
+        return _named(value)
+
+
+class MonitorRecord(_Record):
+    """`MonitorSummary`: the monitor series of the cycle's versions."""
+
+    baseline_version: int | None = None
+    series: list[SeriesPoint] = Field(default_factory=list)
+
+
+class CycleRecord(_Record):
+    """One real-time RL cycle as flywheel/live/cycle.py records it (module docstring): train a candidate,
+    gate it, A/B test it, promote or roll back."""
 
     cycle: int
+    trigger: str = ""
     started_at: float | None = None  # unix seconds
-    production_version: int | None = None  # production when the cycle started
-    candidate_version: int | None = None
-    gate: list[GateCheck] = Field(default_factory=list)
-    gate_passed: bool | None = None  # None: the gate has not run (yet)
-    ab: list[ABMetric] = Field(default_factory=list)
-    ab_decision: str | None = None  # promote | rollback | wait
+    production: int | None = None  # the registry version serving when the cycle started
+    candidate: int | None = None  # the registry version trained this cycle
+    production_after: int | None = None  # serving when the cycle ended
+    gate: GateRecord | None = None  # None: the gate has not run (yet)
+    ab: ABRecord | None = None
     decision: str | None = None  # what the cycle did: promote | rollback | rejected (gate) | skipped | abandoned
     reason: str = ""
     alarms: list[AlarmRecord] = Field(default_factory=list)
-    series: list[SeriesPoint] = Field(default_factory=list)
-    timings: dict[str, float] = Field(default_factory=dict)  # phase -> seconds (total_s: the whole cycle)
-    stage: str | None = None  # an unfinished cycle's last finished stage; None when done
+    monitor: MonitorRecord | None = None
+    timings: dict[str, float] = Field(default_factory=dict)  # stage -> seconds (total_s: the whole cycle)
+    stage: str = "done"  # state.json: the last finished stage; a report.json is done
 
-    @model_validator(mode="before")
-    @classmethod
-    def _from_live_cycle(cls, data: Any) -> Any:
-        """flywheel/live/cycle.py's own records (`CycleReport`, `CycleState`) map onto this one."""
-        if isinstance(data, BaseModel):
-            data = data.model_dump(by_alias=True)
-        if not isinstance(data, Mapping) or not ("production_after" in data or "first_production" in data):
-            return data
-        gate = (data.get("gate") or {}).get("decision") or {}
-        ab = data.get("ab") or {}
-        return {"cycle": data["cycle"], "started_at": data.get("started_at"),
-                "production_version": data.get("production"), "candidate_version": data.get("candidate"),
-                "gate": gate.get("checks", {}), "gate_passed": gate.get("passed"), "ab": ab.get("metrics", {}),
-                "ab_decision": ab.get("decision"), "decision": data.get("decision"), "reason": data.get("reason", ""),
-                "alarms": data.get("alarms", []), "series": (data.get("monitor") or {}).get("series", []),
-                "timings": data.get("timings", {}), "stage": None if data.get("stage", "done") == "done" else data["stage"]}
+    @property
+    def running(self) -> str | None:
+        """The last finished stage of an unfinished cycle; None when the cycle is done."""
+        return None if self.stage == "done" else self.stage
+
+    @property
+    def gate_checks(self) -> list[GateCheck]:
+        return self.gate.decision.checks if self.gate is not None else []
+
+    @property
+    def gate_passed(self) -> bool | None:
+        return self.gate.decision.passed if self.gate is not None else None
+
+    @property
+    def ab_decision(self) -> str | None:
+        return self.ab.decision if self.ab is not None else None
+
+    @property
+    def ab_metrics(self) -> list[ABMetric]:
+        return self.ab.metrics if self.ab is not None else []
+
+    @property
+    def series(self) -> list[SeriesPoint]:
+        return self.monitor.series if self.monitor is not None else []
 
     @property
     def seconds(self) -> float | None:
         if not self.timings:
             return None
         return self.timings.get("total_s", sum(v for k, v in self.timings.items() if k != "total_s"))
-
-    @field_validator("gate", "ab", mode="before")
-    @classmethod
-    def _sections(cls, value: Any) -> Any:
-        return _named(value)
 
 
 class ReportData(BaseModel):
@@ -251,7 +287,7 @@ class ReportData(BaseModel):
     root: str = ""
     live: dict[str, str | int | float | None] = Field(default_factory=dict)  # facts shown in the header
     training: list[TrainingRun] = Field(default_factory=list)
-    cycles: list[CycleSummary] = Field(default_factory=list)
+    cycles: list[CycleRecord] = Field(default_factory=list)
     monitors: MonitorSnapshot | None = None
     problems: list[str] = Field(default_factory=list)  # files or lines that could not be read
 
@@ -282,35 +318,21 @@ def read_training_run(folder: Path, name: str, problems: list[str]) -> TrainingR
                        evals=read_jsonl(evals, EvalPoint, problems) if evals.is_file() else [])
 
 
-def cycle_path(directory: Path, cycle: int) -> Path:
-    return directory / f"cycle-{cycle:04d}.json"
-
-
-def write_cycle_summary(summary: CycleSummary, directory: Path) -> Path:
-    """Write `directory/cycle-NNNN.json` atomically (a reader never sees half a file); returns its path."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = cycle_path(directory, summary.cycle)
-    write_atomic(path, summary.model_dump_json(indent=2))
-    return path
-
-
 def cycle_files(directory: Path) -> list[Path]:
-    """The cycle records in `directory`: `cycle-NNNN.json`, and `cycle-NNNN/report.json` (else its state.json)."""
+    """The cycle records in `directory`: each `cycle-NNNN/report.json`, else its state.json (running)."""
     out = []
     for path in sorted(directory.iterdir()):
-        if CYCLE_FILE.fullmatch(path.name) and path.is_file():
-            out.append(path)
-        elif CYCLE_DIR.fullmatch(path.name) and path.is_dir():
+        if CYCLE_DIR.fullmatch(path.name) and path.is_dir():
             out += [p for p in (path / name for name in CYCLE_DIR_FILES) if p.is_file()][:1]
     return out
 
 
-def read_cycle_summaries(directory: Path, problems: list[str]) -> list[CycleSummary]:
+def read_cycle_records(directory: Path, problems: list[str]) -> list[CycleRecord]:
     """The cycles recorded in `directory` (`cycle_files`), by cycle number."""
     out = []
     for path in cycle_files(directory):
         try:
-            out.append(CycleSummary.model_validate_json(path.read_bytes()))
+            out.append(CycleRecord.model_validate_json(path.read_bytes()))
         except ValidationError as exc:
             problems.append(f"{path}: not a cycle record ({_short(exc)}); cycle left out")
     return sorted(out, key=lambda c: c.cycle)

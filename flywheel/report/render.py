@@ -1,7 +1,7 @@
 """HTML pages from report data: the static report of a run folder, one cycle's page, the live dashboard.
 
     render_report(Path("runs/demo"))                      # -> runs/demo/report.html
-    html = render_cycle(summary)                          # one real-time RL cycle, a standalone page
+    html = render_cycle(cycle_report)                     # one real-time RL cycle (its CycleReport), a page
     body = render_body(build_report_data(dirs))           # the sections, as the dashboard polls them
 
 Views: simulated RL (reward, held-out pass rate with its Wilson band, staleness, tokens by
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.report.data import build_report_data
-from flywheel.report.records import CycleSummary, MonitorSnapshot, ReportData, TrainingRun
+from flywheel.report.records import CycleRecord, MonitorSnapshot, ReportData, TrainingRun
 from flywheel.report.svg import (
     BAD,
     GOOD,
@@ -128,9 +128,9 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]], numeric: Sequen
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _decision(cycle: CycleSummary) -> str:
-    if cycle.stage is not None:
-        return f'<span class="muted">running: {escape(cycle.stage)}</span>'
+def _decision(cycle: CycleRecord) -> str:
+    if cycle.running is not None:
+        return f'<span class="muted">running: {escape(cycle.running)}</span>'
     return f"<b>{escape(cycle.decision or '—')}</b>"
 
 
@@ -177,19 +177,22 @@ def _training_section(runs: Sequence[TrainingRun]) -> str:
         line_chart("Training reward (mean per step)", reward, x_label="step", y_label="reward"),
         line_chart("Held-out pass rate (95% Wilson band)", held_out, x_label="step", y_label="pass rate",
                    y_range=(0, 1)),
-        line_chart("Staleness of trained tokens", staleness, x_label="step", y_label="versions behind"),
+        line_chart("Staleness of trained tokens", staleness, x_label="step",
+                   y_label="policy versions behind"),
         bar_chart("Trained tokens by staleness", [Bar(str(k), histogram[k], tooltip=f"{histogram[k]:,.0f} tokens "
-                                                  f"{k} versions old") for k in sorted(histogram)],
-                  x_label="versions behind the learner", y_label="tokens"),
+                                                  f"{k} policy versions old") for k in sorted(histogram)],
+                  x_label="policy versions behind the learner", y_label="tokens"),
         line_chart("Learner throughput", throughput, x_label="step", y_label="tokens / s"),
     ]
     rows = []
     for r in runs:
         first, last = (r.evals[0], r.evals[-1]) if r.evals else (None, None)
-        rows.append([escape(r.name), str(len(r.steps)), escape(f"v{r.steps[-1].version}" if r.steps else "—"),
+        policy = str(r.steps[-1].policy_version) if r.steps else "—"
+        rows.append([escape(r.name), str(len(r.steps)), escape(policy),
                      _interval(first.pass_rate, *(first.pass_rate_ci or (None, None))) if first else "—",
                      _interval(last.pass_rate, *(last.pass_rate_ci or (None, None))) if last else "—"])
-    table = _table(["run", "steps", "version", "held-out pass rate at start", "latest"], rows, numeric=(1,))
+    table = _table(["run", "steps", "policy version", "held-out pass rate at start", "latest"], rows,
+                   numeric=(1,))
     return _section("Simulated RL", table + _charts(charts), "training")
 
 
@@ -212,32 +215,34 @@ def _ab_color(m: Any) -> str:
     return WARN if m.significant else MUTED
 
 
-def cycle_section(cycle: CycleSummary, monitors: bool = False) -> str:
+def cycle_section(cycle: CycleRecord, monitors: bool = False) -> str:
     """One cycle: gate checks against their margins, A/B differences, alarms, timings (and its monitors)."""
-    versions = f"v{cycle.production_version if cycle.production_version is not None else '?'} → " \
-               f"v{cycle.candidate_version if cycle.candidate_version is not None else '?'}"
+    versions = f"v{cycle.production if cycle.production is not None else '?'} → " \
+               f"v{cycle.candidate if cycle.candidate is not None else '?'}"
     parts = [f'<p><b>{escape(versions)}</b> · started {escape(_clock(cycle.started_at))} · gate '
              f'{_verdict(cycle.gate_passed)} · A/B {escape(cycle.ab_decision or "—")} · decision '
              f'{_decision(cycle)}</p>']
     if cycle.reason:
         parts.append(f"<p>{escape(cycle.reason)}</p>")
     gate = interval_chart(f"Cycle {cycle.cycle}: gate (candidate − production)",
-                          _gate_rows((g.name, g) for g in cycle.gate), x_label="difference; tick: −margin",
+                          _gate_rows((g.name, g) for g in cycle.gate_checks),
+                          x_label="difference; tick: −margin",
                           empty_message="no data yet: the gate has not run")
     ab_charts = [interval_chart(f"A/B {m.name}", [IntervalRow("cand − prod", m.diff, m.ci_low, m.ci_high,
                                                                color=_ab_color(m))],
                                 x_label=m.name + (" (higher is better)" if m.higher_is_better else
                                                   " (lower is better)" if m.higher_is_better is False else ""),
                                 width=_SMALL, empty_message="not enough answers yet")
-                 for m in cycle.ab]
-    if not cycle.ab:
+                 for m in cycle.ab_metrics]
+    if not cycle.ab_metrics:
         ab_charts = [interval_chart("A/B test", [], empty_message="no data yet: no A/B test", width=_SMALL)]
     parts.append(_charts([gate, *ab_charts]))
-    if cycle.gate:
+    if cycle.gate_checks:
         parts.append(_table(["gate check", "result", "difference [interval]", "margin", "reason"],
                             ([escape(g.name), _verdict(g.passed), _interval(g.diff, g.ci_low, g.ci_high),
-                              escape(format_value(g.margin)), escape(g.reason)] for g in cycle.gate), numeric=(3,)))
-    if cycle.ab:
+                              escape(format_value(g.margin)), escape(g.reason)] for g in cycle.gate_checks),
+                            numeric=(3,)))
+    if cycle.ab_metrics:
         parts.append(_table(
             ["A/B metric", "production", "candidate", "difference [interval]", "n (prod / cand)", "verdict"],
             ([escape(m.name), escape(format_value(m.production)), escape(format_value(m.candidate)),
@@ -245,7 +250,7 @@ def cycle_section(cycle: CycleSummary, monitors: bool = False) -> str:
               escape(f"{m.n_production if m.n_production is not None else '—'} / "
                      f"{m.n_candidate if m.n_candidate is not None else '—'}"),
               f'<span style="color:{_ab_color(m)}">{escape(m.verdict or ("significant" if m.significant else "—"))}'
-              f"</span>"] for m in cycle.ab), numeric=(1, 2)))
+              f"</span>"] for m in cycle.ab_metrics), numeric=(1, 2)))
     if cycle.alarms:
         parts.append(_alarms_table(cycle.alarms))
     if cycle.timings:
@@ -255,20 +260,20 @@ def cycle_section(cycle: CycleSummary, monitors: bool = False) -> str:
     return f'<div class="cycle" id="cycle-{cycle.cycle}"><h3>Cycle {cycle.cycle}</h3>{"".join(parts)}</div>'
 
 
-def _cycles_section(cycles: Sequence[CycleSummary]) -> str:
+def _cycles_section(cycles: Sequence[CycleRecord]) -> str:
     if not cycles:
-        return _section("Real-time RL cycles", '<p class="empty-note">no data yet: no cycle-NNNN.json found</p>',
-                        "cycles")
+        return _section("Real-time RL cycles",
+                        '<p class="empty-note">no data yet: no cycle-NNNN/report.json found</p>', "cycles")
     rows = [[str(c.cycle), escape(_clock(c.started_at)),
-             escape(f"v{c.production_version} → v{c.candidate_version}" if c.candidate_version is not None else "—"),
+             escape(f"v{c.production} → v{c.candidate}" if c.candidate is not None else "—"),
              _verdict(c.gate_passed), escape(c.ab_decision or "—"), _decision(c),
              str(sum(a.blocks_promotion for a in c.alarms)),
              escape(f"{c.seconds:,.0f} s" if c.seconds is not None else "—")] for c in cycles]
     table = _table(["cycle", "started", "versions", "gate", "A/B", "decision", "blocking alarms", "time"], rows,
                    numeric=(0, 6, 7))
-    names = list(dict.fromkeys(g.name for c in cycles for g in c.gate))
+    names = list(dict.fromkeys(g.name for c in cycles for g in c.gate_checks))
     across = [interval_chart(f"Gate {name} by cycle", _gate_rows((f"cycle {c.cycle}", g) for c in cycles
-                                                                   for g in c.gate if g.name == name),
+                                                                   for g in c.gate_checks if g.name == name),
                              x_label="candidate − production; tick: −margin", width=_SMALL) for name in names]
     latest, older = cycles[-1], cycles[-2::-1]
     details = "".join(f"<details><summary>Cycle {c.cycle}: {escape(c.decision or '—')}</summary>"
@@ -359,9 +364,10 @@ def dashboard_page(data: ReportData | dict[str, Any], data_url: str, refresh_s: 
     return render_page(data, script=script.replace("</", "<\\/"))
 
 
-def render_cycle(cycle: CycleSummary | dict[str, Any], title: str | None = None) -> str:
-    """One cycle as a standalone HTML page (its gate, A/B test, alarms and monitor series)."""
-    c = cycle if isinstance(cycle, CycleSummary) else CycleSummary.model_validate(cycle)
+def render_cycle(cycle: CycleRecord | dict[str, Any], title: str | None = None) -> str:
+    """One cycle as a standalone HTML page (its gate, A/B test, alarms and monitor series); `cycle` is
+    a `CycleRecord`, or flywheel/live/cycle.py's `CycleReport` or its dump."""
+    c = cycle if isinstance(cycle, CycleRecord) else CycleRecord.model_validate(cycle)
     title = title or f"flywheel cycle {c.cycle}"
     body = f"<section>{cycle_section(c, monitors=True)}</section>"
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'

@@ -68,7 +68,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flywheel.agent.trajectory import Trajectory
+from flywheel.agent.trajectory import INVALID_CALL_PENALTY, Trajectory
 
 AdvantageMethod = Literal["grpo", "dr_grpo", "rloo", "family_loo"]
 BrokenCallCredit = Literal["episode", "turn"]
@@ -114,8 +114,9 @@ class AdvantageConfig(BaseModel):
 
 
 def broken_call_penalty(t: Trajectory) -> float:
-    """What the episode's invalid tool calls cost it (>= 0; `EpisodeConfig.invalid_call_penalty`)."""
-    return -t.reward_parts.get("invalid_call_penalty", 0.0)
+    """What the episode's invalid tool calls cost it (>= 0): `EpisodeConfig.invalid_call_penalty` per call in
+    simulated RL, `RewardConfig.invalid_tool_call` per call in real-time RL, under one part name."""
+    return -t.reward_parts.get(INVALID_CALL_PENALTY, 0.0)
 
 
 def outcome_reward(t: Trajectory) -> float:

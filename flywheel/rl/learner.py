@@ -241,7 +241,12 @@ def intra_op_threads(threads: int | None) -> Iterator[None]:
 
 
 class Learner:
-    """Owns the policy's weights and optimizer, and the version number of the weights."""
+    """Owns the policy's weights and optimizer, and the policy version of the weights.
+
+    The policy version counts the steps taken since the weights the driver started from (0 by
+    default); every generated token carries the one that sampled it, so staleness is a difference of
+    policy versions. It is not a Registry version: the driver registers the result under the
+    Registry's next version (flywheel/rl/train.py, flywheel/live/cycle.py)."""
 
     def __init__(self, model: PreTrainedModel, config: LearnerConfig, ref_model: PreTrainedModel | None = None,
                  version: int = 0):
@@ -275,8 +280,9 @@ class Learner:
         kl, clip_low_frac / clip_high_frac, is_weight_mean / is_weight_max (pi_prox / pi_behaviour
         before the cap), is_truncated_frac / is_masked_frac, grad_norm (before clipping; token
         statistics over the steps taken), lr (of the last step taken), optimizer_steps, skipped_steps
-        (non-finite, this call), skipped_steps_total, version, staleness/<k> (generated tokens k
-        versions old), staleness_mean / _max, sequences, loss_tokens, tokens_per_s, seconds."""
+        (non-finite, this call), skipped_steps_total, policy_version, staleness/<k> (generated
+        tokens k policy versions old), staleness_mean / _max, sequences, loss_tokens, tokens_per_s,
+        seconds."""
         if not trajectories:
             raise ValueError("train_step got no trajectories; wait for a batch before stepping")
         if len(advantages) != len(trajectories):
@@ -363,7 +369,7 @@ class Learner:
             "optimizer_steps": float(taken),
             "skipped_steps": float(skipped),
             "skipped_steps_total": float(self.skipped_steps),
-            "version": float(self.version),
+            "policy_version": float(self.version),
             "sequences": float(len(trajectories)),
             "loss_tokens": loss_tokens,
             "tokens_per_s": batch_tokens / max(elapsed, 1e-9),  # batch tokens (prompt included) per second of train_step

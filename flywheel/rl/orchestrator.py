@@ -38,7 +38,7 @@ cannot be formed for `stall_timeout_s`, and (in the loop) a weight update that i
 `weight_update_timeout_s` each raise `OrchestratorStalled` naming what was waited for.
 
 Durable runs (`run_dir`, `flywheel.rl.run_folder`): the Orchestrator writes `groups.jsonl` (every
-group when it starts), `trajectories.jsonl` (every finished episode the moment it arrives, failed
+group when it starts, with its policy version), `trajectories.jsonl` (every finished episode the moment it arrives, failed
 ones too) and `inflight/` (each unfinished episode's latest state); the loop writes `state/` (learner
 state + `progress()`, every `checkpoint_every` steps) and `metrics.jsonl`. A run killed at any moment
 restarts from `state/`: groups consumed after that checkpoint are buffered again, finished episodes
@@ -462,7 +462,7 @@ class Orchestrator:
     def _describe(self) -> str:
         running = sum(len(g.running) for g in self._groups.values())
         complete = sum(g.complete for g in self._groups.values())
-        return (f"version {self.version()}, {len(self._groups)} groups unconsumed ({complete} complete), "
+        return (f"policy {self.version()}, {len(self._groups)} groups unconsumed ({complete} complete), "
                 f"{running} episodes running")
 
 

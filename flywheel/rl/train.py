@@ -20,6 +20,12 @@
 Progress: one line per step (step, reward, pass rate, tokens/s, staleness); metrics.jsonl and
 eval.jsonl in the run folder (`flywheel.rl.run_folder`). A run folder that already holds a run is
 resumed, not overwritten.
+
+Two kinds of version, two names. `vN` is a Registry version: the start checkpoint ("training v3")
+and the registered result ("registered v7 (parent v3)"). The weights in between are counted by the
+Learner as `policy_version` (logs: "policy 2"): learner steps taken since the start checkpoint,
+which is policy 0. Every generated token carries the policy version that sampled it, and
+staleness is the difference of two of them. A run's policy 5 is not registry v5.
 """
 
 from __future__ import annotations
@@ -98,7 +104,7 @@ def run_eval(config: TrainConfig, engine: Engine, tokenizer, pool: SandboxPool) 
 def step_line(m: dict[str, Any]) -> str:
     # pass: every episode completed since the last step; trained: the batch's (dynamic sampling
     # leaves out all-pass groups, so it reads lower)
-    return (f"step {m['step']:>3}  v{m['version']}  reward {m['reward_mean']:+.3f}  "
+    return (f"step {m['step']:>3}  policy {m['policy_version']}  reward {m['reward_mean']:+.3f}  "
             f"pass {m['rollout_pass_rate']:.2f} (trained {m['pass_rate']:.2f})  "
             f"{m.get('tokens_per_s', 0.0):,.0f} tok/s  staleness ≤{m['staleness_max']}  "
             f"wait {m['wait_s']:.1f}s train {m['train_s']:.1f}s  filtered {m['filtered_groups']}")
@@ -131,7 +137,7 @@ def learning_step(config: OrchestratorConfig, orchestrator: Orchestrator, learne
     if orchestrator.step % config.checkpoint_every == 0:
         run.save_state(learner.state(), orchestrator.progress())
     metrics.update(batch_metrics(batch, orchestrator.counts()))
-    metrics.update({"step": orchestrator.step, "version": learner.version, "staleness_max": staleness,
+    metrics.update({"step": orchestrator.step, "policy_version": learner.version, "staleness_max": staleness,
                     "wait_s": wait_s, "train_s": train_s, "weight_update_s": update_s, "time": time.time()})
     run.append("metrics.jsonl", metrics)
     return metrics
@@ -188,27 +194,28 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
     parent = registry.get(config.checkpoint)
     engine_model, tokenizer = registry.load(parent.version)
     learner_model, _ = registry.load(parent.version)
-    learner = Learner(learner_model.train(), config.learner, version=parent.version)
+    learner = Learner(learner_model.train(), config.learner)  # policy 0: the start checkpoint's weights
     tasks = train_tasks(config)
     orch_config = config.orchestrator
     evals: list[dict[str, Any]] = []
 
     def record_eval(report: dict[str, Any], step: int) -> None:
-        row = {"step": step, "version": learner.version, "time_s": time.perf_counter() - start, **report}
+        row = {"step": step, "policy_version": learner.version, "time_s": time.perf_counter() - start,
+               **report}
         evals.append(row)
         run.append("eval.jsonl", row)
-        log(f"eval at step {step} (v{learner.version}): pass rate {report['pass_rate']:.3f} "
+        log(f"eval at step {step} (policy {learner.version}): pass rate {report['pass_rate']:.3f} "
             f"[{report['pass_rate_ci'][0]:.2f}, {report['pass_rate_ci'][1]:.2f}], "
             f"valid tool calls {report['valid_tool_call_rate']:.2f}, failed {report['failed_tool_call_rate']:.2f}")
 
-    with start_engine(engine_model, config.engine, version=parent.version) as engine, SandboxPool(config.pool) as pool, \
+    with start_engine(engine_model, config.engine, version=learner.version) as engine, SandboxPool(config.pool) as pool, \
             Orchestrator(orch_config, tasks, engine, tokenizer, pool, config.run_dir,
                          version=lambda: learner.version) as orchestrator:
         if resume(orch_config, orchestrator, learner, engine, run):
-            log(f"resumed {config.run_dir} at step {orchestrator.step} (v{learner.version})")
+            log(f"resumed {config.run_dir} at step {orchestrator.step} (policy {learner.version})")
         elif config.eval_at_start:
             record_eval(run_eval(config, engine, tokenizer, pool), 0)
-        log(f"training v{learner.version} on {len(tasks)} tasks: {orch_config.mode}, "
+        log(f"training v{parent.version} on {len(tasks)} tasks: {orch_config.mode}, "
             f"G={orch_config.group_size} over {orch_config.tasks_per_group} task(s), B={orch_config.groups_per_step}, "
             f"max_staleness={orch_config.staleness_bound}")
         while orchestrator.step < orch_config.max_steps:
@@ -221,7 +228,8 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
         orchestrator.close()  # in-flight episodes stop at a turn boundary, saved for a resume
         final = run_eval(config, engine, tokenizer, pool)
         record_eval(final, orchestrator.step)
-    summary = {"steps": orchestrator.step, "version": learner.version, "seconds": time.perf_counter() - start,
+    summary = {"steps": orchestrator.step, "policy_version": learner.version,
+               "seconds": time.perf_counter() - start,
                "pass_rate_start": evals[0]["pass_rate"] if evals and evals[0]["step"] == 0 else float("nan"),
                "pass_rate_end": final["pass_rate"]}
     checkpoint = None

@@ -77,7 +77,7 @@ def test_expert_like_script_solves_and_records_every_token(task, tokenizer, pool
     engine = ScriptedEngine(tokenizer, turns)
     traj = run_episode(task, engine, tokenizer, pool)
     assert traj.status == Status.FINISHED and traj.turns == 4 and traj.tool_calls == 4
-    assert traj.reward_parts["all_passed"] == 1.0 and traj.reward == pytest.approx(1.0)
+    assert traj.all_passed and traj.reward == pytest.approx(1.0)
     assert len(traj.tokens) == len(traj.loss_mask) == len(traj.logprobs) == len(traj.versions)
     # Token in, token out: each prompt the engine saw is a prefix of the final sequence,
     # and every generated token sits in the sequence with mask 1 and the engine's version.
@@ -98,7 +98,7 @@ def test_invalid_calls_are_answered_counted_and_penalized(task, tokenizer, pool)
     engine, saved = ScriptedEngine(tokenizer, turns), []
     traj = run_episode(task, engine, tokenizer, pool, on_turn=saved.append)
     assert traj.status == Status.FINISHED and traj.invalid_tool_calls == 2
-    assert traj.reward_parts["invalid_tool_calls"] == 2.0 and traj.reward_parts["invalid_call_penalty"] == pytest.approx(-0.2)
+    assert traj.invalid_tool_calls == 2 and traj.reward_parts["invalid_call_penalty"] == pytest.approx(-0.2)
     assert traj.reward == pytest.approx(-0.2)  # the untouched workspace fails, and the broken calls cost
     second_prompt = tokenizer.decode(engine.prompts[1])
     assert "error: invalid tool call: bad JSON" in second_prompt  # the model was told
@@ -123,7 +123,7 @@ def test_calls_the_tools_refuse_are_recorded_by_turn_and_cost_no_reward(task, to
     engine, saved = ScriptedEngine(tokenizer, turns), []
     traj = run_episode(task, engine, tokenizer, pool, on_turn=saved.append)
     assert traj.status == Status.FINISHED and traj.invalid_tool_calls == 0 and not traj.broken_turns
-    assert traj.reward_parts["all_passed"] == 1.0 and traj.reward == pytest.approx(1.0)  # recovered: nothing lost
+    assert traj.all_passed and traj.reward == pytest.approx(1.0)  # recovered: nothing lost
     assert [n for _, _, n in traj.failed_turns] == [1, 2] and traj.failed_tool_calls == 3
     spans = [tokenizer.decode(traj.tokens[start:end]) for start, end, _ in traj.failed_turns]
     assert "nowhere/" in spans[0] and "not in the file" in spans[1] and "missing.py" in spans[1]
@@ -152,7 +152,7 @@ def test_a_question_gets_the_user_answer_and_costs_a_turn(tokenizer, pool):
 def test_running_out_of_turns_or_tokens_is_truncated(task, tokenizer, pool):
     engine = ScriptedEngine(tokenizer, [call("list_dir") + IM_END] * 3)
     traj = run_episode(task, engine, tokenizer, pool, EpisodeConfig(max_turns=3))
-    assert traj.status == Status.TRUNCATED and traj.turns == 3 and "all_passed" in traj.reward_parts
+    assert traj.status == Status.TRUNCATED and traj.turns == 3 and traj.outcome is not None
     engine = ScriptedEngine(tokenizer, ["x" * 5000 + IM_END])
     traj = run_episode(task, engine, tokenizer, pool, EpisodeConfig(max_tokens_per_turn=50, truncated_reward=-1.0))
     assert traj.status == Status.TRUNCATED and traj.generated_tokens == 50 and traj.reward == -1.0

@@ -6,13 +6,17 @@ import pytest
 
 from flywheel.agent.evaluate import clustered_interval, summarize
 from flywheel.agent.trajectory import Status, Trajectory
+from flywheel.env.grading import TestOutcome
 from flywheel.stats import wilson_interval
 
 
 def episode(task: str, family: str, won: bool) -> Trajectory:
     return Trajectory(task_id=task, family=family, tokens=[], loss_mask=[], logprobs=[], versions=[], prompt_len=0,
-                      status=Status.FINISHED, reward=float(won), reward_parts={"all_passed": float(won)}, turns=1,
-                      tool_calls=1, invalid_tool_calls=0, asked_question=False)
+                      status=Status.FINISHED, reward=float(won),
+                      reward_parts={"all_passed_bonus": float(won)}, turns=1, tool_calls=1, invalid_tool_calls=0,
+                      asked_question=False,
+                      outcome=TestOutcome(tests_passed_frac=float(won), all_passed=won, timed_out=False,
+                                          visible_tests_modified=False))
 
 
 def test_one_sample_per_task_reports_wilson_intervals_and_no_pass_at_k():

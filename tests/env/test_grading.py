@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flywheel.env.families import generate
-from flywheel.env.grading import GradeConfig, grade
+from flywheel.env.grading import GradeConfig, TestOutcome, grade
 from flywheel.env.sandbox import Sandbox
 from flywheel.env.task import Edit, Task, TaskMetadata
 from flywheel.env.testrun import __file__ as RUNNER_FILE
@@ -46,7 +46,9 @@ def final_with(files: dict[str, str | None]):
 def test_correct_solution_gets_full_reward():
     result = grade(TASK, final_with({"mathy.py": "def double(x):\n    return 2 * x\n"}))
     assert result.passed == 3 and result.failed == 0 and result.all_passed and result.reward == pytest.approx(1.0)
-    assert result.parts == {"tests_passed_frac": 1.0, "all_passed": 1.0, "timed_out": 0.0, "visible_tests_modified": 0.0}
+    assert result.outcome == TestOutcome(tests_passed_frac=1.0, all_passed=True, timed_out=False,
+                                         visible_tests_modified=False)
+    assert result.parts == {"pass_frac": 0.5, "all_passed_bonus": 0.5, "visible_tests_penalty": 0.0}
 
 
 def test_partial_solution_gets_partial_credit():
@@ -62,7 +64,9 @@ def test_deleting_or_editing_visible_tests_gains_nothing():
     deleted = grade(TASK, final_with({"tests/test_mathy.py": None}))
     gutted = grade(TASK, final_with({"tests/test_mathy.py": "def test_two():\n    pass\n"}))
     for tampered in (deleted, gutted):
-        assert tampered.parts["visible_tests_modified"] == 1.0
+        assert tampered.outcome.visible_tests_modified
+        assert tampered.parts["visible_tests_penalty"] == pytest.approx(-0.1)
+        assert sum(tampered.parts.values()) == pytest.approx(tampered.reward)
         assert tampered.reward < untouched.reward
 
 
@@ -95,7 +99,7 @@ def test_output_flood_does_not_hide_the_result():
 def test_a_hanging_solution_times_out_with_zero_reward():
     hang = "def double(x):\n    while True:\n        pass\n"
     result = grade(TASK, final_with({"mathy.py": hang}), GradeConfig(timeout_s=2))
-    assert result.parts["timed_out"] == 1.0 and result.reward == 0.0
+    assert result.outcome.timed_out and result.reward == 0.0
 
 
 def test_hidden_tests_are_not_in_the_episode_workspace():

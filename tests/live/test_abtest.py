@@ -128,3 +128,8 @@ def test_missing_reward_is_an_error():
 ])
 def test_statistics_match_reference_values(name, got, want):
     assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_fisher_tails_rejects_counts_outside_their_group():
+    with pytest.raises(ValueError, match="between 0 and their group's size"):
+        fisher_tails(5, 4, 0, 4)

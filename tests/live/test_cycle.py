@@ -49,7 +49,8 @@ def test_completion_becomes_a_trajectory_with_exactly_the_served_tokens():
     (reward,) = RewardDistiller(RewardConfig(feedback_window_s=1.0)).distill([c], [], now=2000.0)
     t = completion_trajectory(c, reward, "bugfix")
     assert t.tokens == [5, 6, 7, 8, 9] and t.loss_mask == [0, 0, 0, 1, 1]
-    assert t.logprobs == [0.0, 0.0, 0.0, -0.5, -0.25] and t.versions == [-1, -1, -1, 3, 3]
+    assert t.logprobs == [0.0, 0.0, 0.0, -0.5, -0.25]
+    assert t.versions == [-1, -1, -1, 0, 0]  # policy 0: v3 itself, the weights the cycle trains from
     assert t.prompt_len == 3 and t.status == "truncated" and t.reward == reward.reward and t.family == "bugfix"
 
 

@@ -132,6 +132,7 @@ def test_gate_names_a_missing_metric():
 
 def test_task_results_from_eval_episodes():
     from flywheel.agent.trajectory import Status, Trajectory
+    from flywheel.env.grading import TestOutcome
     from flywheel.env.task import Task, TaskMetadata
 
     def task(i: int, ambiguous: bool) -> Task:
@@ -141,8 +142,10 @@ def test_task_results_from_eval_episodes():
     def episode(i: int, won: bool, calls: int, invalid: int, asked: bool) -> Trajectory:
         return Trajectory(task_id=f"t{i}", family="bugfix", tokens=[], loss_mask=[], logprobs=[], versions=[],
                           prompt_len=0, status=Status.FINISHED, reward=float(won),
-                          reward_parts={"all_passed": float(won)}, turns=1, tool_calls=calls,
-                          invalid_tool_calls=invalid, asked_question=asked)
+                          reward_parts={"all_passed_bonus": float(won)}, turns=1, tool_calls=calls,
+                          invalid_tool_calls=invalid, asked_question=asked,
+                          outcome=TestOutcome(tests_passed_frac=float(won), all_passed=won, timed_out=False,
+                                              visible_tests_modified=False))
 
     got = task_results([task(0, False), task(1, True)], [episode(0, True, 4, 1, False), episode(1, False, 0, 0, True)])
     assert got == {"t0": {"passed": 1.0, "valid_tool_call_rate": 0.75, "asked_question": 0.0, "ambiguous": False},

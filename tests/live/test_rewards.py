@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from flywheel.config import load_config
+from flywheel.live.batch import completion_trajectory
 from flywheel.live.records import Completion, CompletionToolCall, Event, EventType
 from flywheel.live.rewards import RewardConfig, RewardDistiller, RewardStatus
+from flywheel.rl.advantages import broken_call_penalty, outcome_reward
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 WINDOW = 900.0
@@ -182,3 +184,18 @@ def test_default_broken_call_never_beats_an_honest_failed_edit():
         [completion("b", calls="invalid", session="s1"), completion("f", calls="edit", session="s2")],
         [event("e", R, 60, "f", session="s2")], LATER)
     assert broken.reward <= failed.reward < 0
+
+
+def test_a_served_broken_call_is_charged_to_its_turn_like_a_simulated_one():
+    # The live reward names its broken-call term as the episode runner does, so broken_calls = "turn"
+    # finds it: the completion's tokens carry the cost on top of its outcome advantage.
+    broken, clean = completion("b", calls="invalid2"), completion("c", calls="read")
+    distiller = RewardDistiller(RewardConfig(feedback_window_s=WINDOW))
+    rewards = {r.completion_id: r for r in distiller.distill([broken, clean], [], LATER)}
+    trajectories = [completion_trajectory(c, rewards[c.id], "all") for c in (broken, clean)]
+    for t in trajectories:
+        assert sum(t.reward_parts.values()) == pytest.approx(t.reward)
+    assert trajectories[0].invalid_tool_calls == 2
+    assert broken_call_penalty(trajectories[0]) == pytest.approx(-2 * RewardConfig().invalid_tool_call)
+    assert outcome_reward(trajectories[0]) == pytest.approx(outcome_reward(trajectories[1]))
+    assert broken_call_penalty(trajectories[1]) == 0.0

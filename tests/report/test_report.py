@@ -6,15 +6,14 @@ import json
 import re
 from html.parser import HTMLParser
 
-from run_folders import T0, cycle, write_training_run
+from run_folders import T0, cycle, write_cycle, write_training_run
 
 from flywheel.report import (
-    CycleSummary,
+    CycleRecord,
     build_report_data,
-    read_cycle_summaries,
+    read_cycle_records,
     render_cycle,
     render_report,
-    write_cycle_summary,
 )
 from flywheel.report.data import merged_monitors
 
@@ -84,9 +83,12 @@ def test_partial_inputs_render_what_there_is(tmp_path):
     """A cycle that has only gated (no A/B yet, no monitors) and a run without evals yet."""
     write_training_run(tmp_path / "run")
     (tmp_path / "run" / "eval.jsonl").unlink()
-    write_cycle_summary(CycleSummary(cycle=1, production_version=0, candidate_version=1, gate=[
-        {"name": "pass_rate", "passed": False, "reason": "only 4 paired tasks, need 20: add eval tasks"}],
-        gate_passed=False), tmp_path / "cycles")
+    gated = cycle(1).model_dump(by_alias=True)
+    gated["gate"]["decision"] = {"passed": False, "checks": {"pass_rate": {
+        "passed": False, "diff": None, "ci_low": None, "ci_high": None, "n": 4,
+        "reason": "only 4 paired tasks, need 20: add eval tasks"}}}
+    gated.update(ab=None, monitor=None, alarms=[], blocking_alarms=[], decision="rejected")
+    write_cycle(type(cycle(1)).model_validate(gated), tmp_path / "cycles")
     dom = Elements(render_report(tmp_path).read_text())
     assert dom.count("point", "training") == 6 + 6 + 6
     assert "no data yet" in " ".join(dom.texts.get("training", []))  # the held-out chart
@@ -119,17 +121,18 @@ def test_data_is_plain_json_with_no_nan(tmp_path):
     assert json.loads(text) == data
 
 
-def test_cycle_summaries_round_trip_and_a_broken_one_is_named(tmp_path):
+def test_cycle_records_are_read_as_written_and_a_broken_one_is_named(tmp_path):
     folder = tmp_path / "cycles"
     for n in (2, 1, 10):
-        write_cycle_summary(cycle(n), folder)
-    assert sorted(p.name for p in folder.iterdir()) == ["cycle-0001.json", "cycle-0002.json", "cycle-0010.json"]
+        write_cycle(cycle(n), folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["cycle-0001", "cycle-0002", "cycle-0010"]
     problems: list[str] = []
-    assert [c.cycle for c in read_cycle_summaries(folder, problems)] == [1, 2, 10]
-    assert read_cycle_summaries(folder, problems)[0] == cycle(1)
-    (folder / "cycle-0003.json").write_text('{"cycle": "three"}')
-    assert [c.cycle for c in read_cycle_summaries(folder, problems)] == [1, 2, 10] and len(problems) == 1
-    assert "cycle-0003.json" in problems[0]
+    assert [c.cycle for c in read_cycle_records(folder, problems)] == [1, 2, 10]
+    assert read_cycle_records(folder, problems)[0] == CycleRecord.model_validate(cycle(1))
+    (folder / "cycle-0003").mkdir()
+    (folder / "cycle-0003" / "report.json").write_text('{"cycle": "three"}')
+    assert [c.cycle for c in read_cycle_records(folder, problems)] == [1, 2, 10] and len(problems) == 1
+    assert "cycle-0003/report.json" in problems[0]
 
 
 def test_the_cycle_writer_can_pass_the_live_records_as_they_are():
@@ -143,13 +146,13 @@ def test_the_cycle_writer_can_pass_the_live_records_as_they_are():
                   baseline_value=0.6, value=0.2, n=40, baseline_n=400, score=-5.0, p_value=1e-7, severity="critical",
                   blocks_promotion=True)
     point = MetricPoint(metric="edit_rate", version=3, window_start=T0, window_end=T0 + 60, n=40, value=0.2)
-    summary = CycleSummary(cycle=4, production_version=2, candidate_version=3, gate=gate.checks,
-                           gate_passed=gate.passed, ab=ab, alarms=[alarm], series=[point])
-    check, metric = summary.gate[0], summary.ab[0]
+    summary = CycleRecord(cycle=4, production=2, candidate=3, gate={"decision": gate}, ab={"metrics": ab},
+                          alarms=[alarm], monitor={"series": [point]})
+    check, metric = summary.gate_checks[0], summary.ab_metrics[0]
     assert (check.name, check.passed, check.method) == ("pass_rate", True, "tango") and check.margin is None
     assert metric.name == "reward" and metric.verdict == "better" and metric.significant
     assert summary.alarms[0].blocks_promotion and summary.series[0].value == 0.2
-    assert CycleSummary.model_validate_json(summary.model_dump_json()) == summary
+    assert CycleRecord.model_validate_json(summary.model_dump_json()) == summary
 
 
 def test_render_cycle_is_a_standalone_page_and_escapes_what_it_is_given():
@@ -164,12 +167,13 @@ def test_render_cycle_is_a_standalone_page_and_escapes_what_it_is_given():
 
 
 def test_later_cycles_replace_earlier_monitor_points():
-    first = cycle(1)
-    second = cycle(2).model_copy(update={"series": [p.model_copy(update={"value": 0.1}) for p in first.series[:1]]})
+    first = CycleRecord.model_validate(cycle(1))
+    second = CycleRecord.model_validate(cycle(2))
+    second.monitor.series = [p.model_copy(update={"value": 0.1}) for p in first.series[:1]]
     merged = merged_monitors([first, second])
     assert merged is not None and len(merged.series) == len(first.series)
     assert merged.series[0].value == 0.1 and merged.source == "cycles 1–2"
-    assert merged_monitors([CycleSummary(cycle=1)]) is None
+    assert merged_monitors([CycleRecord(cycle=1)]) is None
 
 
 def test_the_live_cycles_own_records_are_read_finished_or_running(tmp_path):
@@ -199,10 +203,37 @@ def test_the_live_cycles_own_records_are_read_finished_or_running(tmp_path):
     (tmp_path / "live" / "cycle-0002" / "state.json").write_text(running.model_dump_json())
     data = build_report_data([tmp_path])
     assert data["problems"] == []
-    first, second = (CycleSummary.model_validate(c) for c in data["cycles"])
-    assert (first.production_version, first.candidate_version, first.decision, first.stage) == (0, 1, "promote", None)
-    assert first.gate[0].name == "pass_rate" and first.gate_passed and first.ab[0].verdict == "better"
+    first, second = (CycleRecord.model_validate(c) for c in data["cycles"])
+    assert (first.production, first.candidate, first.decision, first.running) == (0, 1, "promote", None)
+    assert first.gate_checks[0].name == "pass_rate" and first.gate_passed
+    assert first.ab_metrics[0].verdict == "better"
     assert first.ab_decision == "promote" and len(first.series) == 6 and first.seconds == 99.0
-    assert (second.stage, second.candidate_version, second.decision, second.ab) == ("gated", 2, None, [])
+    assert (second.running, second.candidate, second.decision, second.ab_metrics) == ("gated", 2, None, [])
     dom = Elements(render_report(tmp_path).read_text())
     assert "running: gated" in dom.text("cycles") and dom.count("point", "monitors") == 6
+
+
+def test_the_reports_cycle_record_names_only_fields_the_cycle_writes():
+    """CycleRecord is the part of the live cycle's record the report draws: no field of its own."""
+    from flywheel.live.abtest import ABReport, MetricComparison
+    from flywheel.live.cycle import CycleReport, CycleState, MonitorSummary
+    from flywheel.live.gate import GateDecision, GateResult, GateRun
+    from flywheel.live.monitors import Alarm, MetricPoint
+    from flywheel.report import ABMetric, AlarmRecord, GateCheck, SeriesPoint
+    from flywheel.report.records import (
+        ABRecord,
+        GateDecisionRecord,
+        GateRecord,
+        MonitorRecord,
+    )
+
+    pairs = [(CycleRecord, {*CycleReport.model_fields, *CycleState.model_fields}),
+             (GateRecord, GateRun.model_fields), (GateDecisionRecord, GateDecision.model_fields),
+             (ABRecord, ABReport.model_fields), (MonitorRecord, MonitorSummary.model_fields),
+             (AlarmRecord, Alarm.model_fields),
+             (SeriesPoint, MetricPoint.model_fields),
+             (GateCheck, {*GateResult.model_fields, "name"}),  # name: the key of GateDecision.checks
+             (ABMetric, {*MetricComparison.model_fields, "significant"})]  # significant: from the verdict
+    for record, written in pairs:
+        own = set(record.model_fields) - set(written)
+        assert not own, f"{record.__name__} has fields the cycle never writes: {own}"

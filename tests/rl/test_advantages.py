@@ -120,7 +120,7 @@ def episode(outcome: float, broken_turns: list[tuple[int, int, int]] = (), n_tok
     return Trajectory(task_id="t", family="f", tokens=list(range(n_tokens)), loss_mask=[0, 0] + [1] * (n_tokens - 2),
                       logprobs=[0.0] * n_tokens, versions=[-1, -1] + [0] * (n_tokens - 2), prompt_len=2,
                       status=Status.FINISHED, reward=outcome - penalty,
-                      reward_parts={"invalid_tool_calls": float(calls), "invalid_call_penalty": -penalty},
+                      reward_parts={"all_passed_bonus": outcome, "invalid_call_penalty": -penalty},
                       turns=3, tool_calls=3, invalid_tool_calls=calls, asked_question=False,
                       broken_turns=list(broken_turns), group_id=group)
 

@@ -107,7 +107,7 @@ def test_positive_advantage_raises_the_sequence_logprob(model):
         metrics = learner.train_step([good, bad], [1.0, -1.0])
     assert generated_logprob(model, good) > before[0] + 1.0
     assert generated_logprob(model, bad) < before[1] - 1.0
-    assert learner.version == 4 and metrics["version"] == 4 and metrics["optimizer_steps"] == 1
+    assert learner.version == 4 and metrics["policy_version"] == 4 and metrics["optimizer_steps"] == 1
 
 
 def test_one_step_per_batch_has_ratio_one_and_on_policy_weight_one(model):
@@ -139,7 +139,7 @@ def test_several_steps_per_batch_engage_the_clip(model):
     batch = [trajectory(model, 24, seed=s) for s in range(4)]
     config = LearnerConfig(lr=2e-2, ppo_epochs=3, minibatches=2, loss=LossConfig(clip_low=0.05, clip_high=0.05))
     metrics = Learner(model, config).train_step(batch, [1.0, -1.0, 1.0, -1.0])
-    assert metrics["optimizer_steps"] == 6 and metrics["version"] == 1
+    assert metrics["optimizer_steps"] == 6 and metrics["policy_version"] == 1
     assert metrics["clip_low_frac"] > 0 and metrics["clip_high_frac"] > 0
 
 

@@ -41,8 +41,9 @@ def test_train_on_a_tiny_budget_raises_mean_reward(tmp_path):
         for body in (broken, broken, ramble):  # 2:1, so that step 1's 16 episodes surely hold broken calls
             examples.append((prompt + body, [0] * len(prompt) + [1] * len(body)))
     train_sft(model, examples, SFTConfig(epochs=60, lr=1e-2, warmup_steps=1, batch_tokens=100_000), tokenizer.pad_token_id)
-    with Registry(tmp_path / "registry") as registry:
-        registry.register(model, tokenizer, parent=None, aliases=["production"], note="random tiny policy")
+    with Registry(tmp_path / "registry") as registry:  # start at v1: registry and policy versions differ
+        registry.register(model, tokenizer, parent=None, note="an earlier version, never trained from")
+        registry.register(model, tokenizer, parent=0, aliases=["production"], note="random tiny policy")
     config = tmp_path / "train.toml"
     config.write_text(f'''
 registry_root = "{tmp_path / 'registry'}"
@@ -70,6 +71,7 @@ lr = 0.03
     assert main(["train", "--config", str(config)]) == 0
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(1, 11))
+    assert [s["policy_version"] for s in steps] == list(range(1, 11))  # steps from the start, not v1 + steps
     first = steps[0]["reward_mean"]  # all of step 1 was sampled by the start policy (staleness 0)
     last = sum(s["reward_mean"] for s in steps[-3:]) / 3
     trajectories = [json.loads(line)["trajectory"] for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
@@ -78,7 +80,7 @@ lr = 0.03
     assert last > first + 0.02, [round(s["reward_mean"], 3) for s in steps]
     assert max(s["staleness_max"] for s in steps) <= 1
     with Registry(tmp_path / "registry") as registry:
-        (_, trained) = registry.list()
-        assert trained.parent == 0 and trained.metrics["train_steps"] == 10
+        (_, _, trained) = registry.list()
+        assert trained.version == 2 and trained.parent == 1 and trained.metrics["train_steps"] == 10
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [0, 10]
+    assert [e["step"] for e in evals] == [0, 10] and [e["policy_version"] for e in evals] == [0, 10]

@@ -32,7 +32,7 @@ def test_expert_solves_what_the_untouched_workspace_fails(pool, family, difficul
         assert {"edit_file", "run_command", "finish"} <= tool_names
         result = grade(task, episode.final)
         assert result.all_passed, f"{task.id}: expert failed: {result.log or result.tests}"
-        assert result.parts["visible_tests_modified"] == 0.0
+        assert not result.outcome.visible_tests_modified
 
 
 def test_expert_asks_first_on_ambiguous_tasks_and_gets_the_detail(pool):

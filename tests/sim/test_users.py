@@ -84,7 +84,8 @@ def check_events_land(store: LiveStore, stats) -> tuple[list, list, dict]:
             task_meta = {"family": result.family, "ambiguous": result.ambiguous, "task_id": result.task_id}
             assert task_meta.items() <= c.request_meta.items() and c.user_id == result.user_id
             if c.invalid_tool_calls:  # never dropped: a broken call costs, whoever made it
-                assert rewards[c.id].parts["invalid_tool_calls"] == REWARDS.invalid_tool_call * c.invalid_tool_calls
+                assert rewards[c.id].parts["invalid_call_penalty"] == \
+                    REWARDS.invalid_tool_call * c.invalid_tool_calls
         ends = [e for e in store.events_for_session(result.session_id) if e.type == EventType.SESSION_END]
         assert [e.payload["outcome"] for e in ends] == [result.outcome]
         assert rewards[mine[-1].id].parts[f"session_{result.outcome}"] == REWARDS.session_outcome[result.outcome]
@@ -112,7 +113,7 @@ def test_a_population_drives_the_served_tiny_model_and_its_events_become_rewards
     # each is answered with its error and is a negative reward part, never dropped.
     broken = [c for c in labelled if c.invalid_tool_calls]
     assert broken and stats.invalid_tool_calls == sum(c.invalid_tool_calls for c in labelled)
-    assert all(rewards[c.id].parts["invalid_tool_calls"] < 0 for c in broken)
+    assert all(rewards[c.id].parts["invalid_call_penalty"] < 0 for c in broken)
     report = Monitor().run(labelled, list(rewards.values()))
     assert {"tests_passed_rate", "clarify_rate_clear", "invalid_call_rate"} <= {p.metric for p in report.series}
 
@@ -216,7 +217,8 @@ def test_users_keep_good_edits_revert_bad_ones_and_answer_questions_by_need(regi
     follow_up = engine.prompts[broken.instruction][1]
     assert follow_up.count("<tool_response>\nerror: invalid tool call") == 2
     assert "<tool_response>\nerror: no such file or folder: a.py" in follow_up
-    assert all(rewards[c].parts["invalid_tool_calls"] == 2 * REWARDS.invalid_tool_call for c in r.completion_ids)
+    assert all(rewards[c].parts["invalid_call_penalty"] == 2 * REWARDS.invalid_tool_call
+               for c in r.completion_ids)
     assert (stats.persisted, stats.reverted, stats.edits, stats.tests_passed) == (1, 1, 2, 1)
 
 
