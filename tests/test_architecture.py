@@ -25,7 +25,8 @@ PACKAGE = REPO / "flywheel"
 # The stages, bottom up (DESIGN.md, "dependencies point one way"): each may import itself, the
 # stages below it and the libraries; `env` imports nothing of flywheel.
 STAGES = ("env", "model", "agent", "rl", "live")
-# Libraries that know no stage: they import only themselves, and every stage but env may use them.
+# Libraries that know no stage: they import only themselves and `store` (the durable writes every
+# writer shares), and every stage but env may use them.
 LIBRARIES = ("config", "stats", "store", "report")
 
 
@@ -36,7 +37,7 @@ def allowed_imports(unit: str) -> set[str]:
     if unit in STAGES:
         return set(STAGES[: STAGES.index(unit) + 1]) | set(LIBRARIES)
     if unit in LIBRARIES:
-        return {unit}
+        return {unit, "store"}
     below = set(STAGES) | set(LIBRARIES)
     return {
         "client": below,  # the SDK: sends the live records
