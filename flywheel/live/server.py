@@ -11,6 +11,7 @@
     GET  /dashboard            [dashboard]  HTML: flywheel.report's views, live; polls GET /dashboard/data
     GET  /dashboard/data       [dashboard]  {"html": the page's sections, "data": build_report_data's dict}
     GET  /health                            no key needed
+    GET  /openapi.json                      the OpenAPI document of all of the above (tests fuzz every operation)
 
 Keys: `Authorization: Bearer KEY`; each key has scopes (`inference`, `events`, `admin`, `dashboard`)
 from the config's `[keys]` table. No or unknown key: 401; a key without the endpoint's scope: 403.
@@ -18,7 +19,13 @@ The dashboard takes a key with the `dashboard` (read only) or `admin` scope, als
 because a browser opening a URL cannot send a header: open http://HOST:PORT/dashboard?key=KEY. It
 shows behaviour metrics, not completions' text, and it is never readable without a key. Errors are
 JSON in OpenAI's shape `{"error": {"message", "type", "code", "param"}}`, always 4xx for a bad
-request (too large: 413; not JSON or not the schema: 400), never 500.
+request (too large: 413; not JSON or not the schema: 400), never 500; a bug's 500 has the same shape
+and, like every error, leaves the connection open for the next request.
+
+What a request may hold is checked before anything is computed or stored: every value that reaches
+the store passes `records.storable` (valid Unicode, finite numbers, integers within +-2**53), the
+session id, which goes back in the `x-session-id` header, is 1-200 visible ASCII characters, and
+numbers that become SQLite integers or version names are bounded. Events are judged one by one.
 
 Who is asking: the session id comes from the `X-Session-Id` header, else a `session_id` body field
 (`extra_body={"session_id": ...}` in the openai client), else `metadata["session_id"]`; a request
@@ -42,9 +49,15 @@ is generated. A tool call the model wrote badly is still returned in `tool_calls
 could not be read) with an extra `error` field, and recorded as invalid: a client answers it with
 the error, as the episode runner does, and nothing is dropped.
 
+`tool_choice: "none"` leaves the tools out of the prompt and returns whatever the model writes as
+its text, with no tool call. The Completion records the temperature and top-p it was sampled with.
+
 The prompt is rendered from the messages with the chat template on every request (the API is
 stateless); the Completion stores exactly the prompt ids the engine saw, so the Learner trains on
-the tokens that were served.
+the tokens that were served. Control tokens come from the template alone: text a client sends,
+"<|im_start|>" included, is tokenized as text (`PromptEncoder`), so no one can forge a turn in a
+prompt the Learner trains on. Tokenization runs off the event loop, and its cache is filled only by
+requests that are served.
 """
 
 from __future__ import annotations
@@ -193,8 +206,23 @@ class _MessageToolCall(BaseModel):
     function: _Function
 
 
+def _message_schema(schema: dict[str, Any]) -> None:
+    """ChatMessage's JSON schema says what `_content` checks: content is required except for assistant
+    messages, and only they carry tool_calls (so a schema-valid message is a valid message)."""
+    props = schema["properties"]
+    assistant = {"type": "object", "required": ["role"], "properties": {
+        **props, "role": {"const": "assistant"}}}
+    other = {"type": "object", "required": ["role", "content"], "properties": {
+        **props, "role": {"enum": ["system", "developer", "user", "tool"]},
+        "content": {"anyOf": [s for s in props["content"]["anyOf"] if s.get("type") != "null"]},
+        "tool_calls": {"type": "null"}}}
+    title = schema.get("title", "ChatMessage")
+    schema.clear()
+    schema.update({"title": title, "oneOf": [assistant, other]})
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_message_schema)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_TextPart] | None = None
     tool_calls: list[_MessageToolCall] | None = None
@@ -267,7 +295,9 @@ class ChatRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     user: str | None = Field(default=None, max_length=_MAX_ID_CHARS)
     metadata: dict[str, Any] | None = None
-    session_id: str | None = Field(default=None, max_length=_MAX_ID_CHARS)  # extra_body
+    # extra_body; it goes back in the x-session-id header, hence visible ASCII
+    # (documented here, checked with the header's and metadata's in `_identity`, whose message says the fix)
+    session_id: str | None = Field(default=None, json_schema_extra={"pattern": rf"^[!-~]{{1,{_MAX_ID_CHARS}}}$"})
 
     @field_validator("tools")
     @classmethod
@@ -431,7 +461,9 @@ def _json_reply(model: type[BaseModel], *errors: int, stream: bool = False) -> d
     """FastAPI `responses`: 200 with `model` (or SSE too), and each status in `errors` with ErrorResponse."""
     ok: dict[str, Any] = {"model": model}
     if stream:
-        ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+        # Each server-sent event: `data` holds a chat.completion.chunk as JSON, or [DONE] at the end.
+        ok["content"] = {"text/event-stream": {"schema": {
+            "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}}
     return {200: ok, **{status: {"model": ErrorResponse} for status in errors}}
 
 
@@ -608,6 +640,8 @@ class LiveServer:
             tools = req.tools if req.tools and req.tool_choice != "none" else None
             encoder = self._encoders.get(lease.version)
             if encoder is None:
+                served = set(self.router.served_versions())  # retired versions' caches go with them
+                self._encoders = {v: e for v, e in self._encoders.items() if v in served}
                 encoder = self._encoders[lease.version] = ConversationEncoder(lease.tokenizer)
             max_tokens = self._max_tokens(req)
             # Off the event loop: a large prompt's tokenization must not stall every other request.

@@ -86,6 +86,9 @@ _NEEDS_COMPLETION = {EventType.EDIT_APPLIED, EventType.EDIT_PERSISTED, EventType
 _SESSION_OUTCOMES = {"success", "unhappy", "abandoned"}
 _MAX_ID_CHARS = 200
 _IN_CHUNK = 500  # ids per IN (...) list; SQLite allows 32766 bound parameters, older builds 999
+# What one row can cause. Not OperationalError (disk full, I/O, locked): that fails the batch, which
+# the client retries, where rejecting its events would lose them (rejections are not retried).
+_ROW_ERRORS = (sqlite3.IntegrityError, sqlite3.DataError, sqlite3.InterfaceError, OverflowError, UnicodeEncodeError)
 _INSERT_EVENT = ("INSERT INTO events (id, type, session_id, completion_id, time, received_at, payload) "
                  "VALUES (?, ?, ?, ?, ?, ?, ?)")
 
@@ -198,7 +201,7 @@ class LiveStore:
                 try:
                     with savepoint(self._db, "batch"):
                         self._db.executemany(_INSERT_EVENT, [row for _, row in rows])
-                except sqlite3.Error:
+                except _ROW_ERRORS:
                     self._insert_one_by_one(rows, results)
         return results
 
@@ -208,7 +211,7 @@ class LiveStore:
             try:
                 with savepoint(self._db, "event"):
                     self._db.execute(_INSERT_EVENT, row)
-            except sqlite3.Error as exc:
+            except _ROW_ERRORS as exc:
                 results[index] = (Ingest.REJECTED, f"the store refused this event ({type(exc).__name__}: {exc}); "
                                                     "check its strings and numbers")
 
