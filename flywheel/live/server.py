@@ -55,7 +55,7 @@ its text, with no tool call. The Completion records the temperature and top-p it
 The prompt is rendered from the messages with the chat template on every request (the API is
 stateless); the Completion stores exactly the prompt ids the engine saw, so the Learner trains on
 the tokens that were served. Control tokens come from the template alone: text a client sends,
-"<|im_start|>" included, is tokenized as text (`PromptEncoder`), so no one can forge a turn in a
+"<|im_start|>" included, is tokenized as text (`ConversationEncoder`), so no one can forge a turn in a
 prompt the Learner trains on. Tokenization runs off the event loop, and its cache is filled only by
 requests that are served.
 """
@@ -82,6 +82,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flywheel.env.tools import ToolCall
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
 from flywheel.live.monitors import Monitor, MonitorConfig, monitor_window
 from flywheel.live.records import Completion, CompletionToolCall, Event, storable
@@ -186,8 +187,12 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
 
     def response(self) -> JSONResponse:
+        # A body refused unread stays on the wire: the connection cannot carry another request, and
+        # saying so lets the client open a new one instead of finding it reset (draining it instead
+        # would let anyone make the server read gigabytes).
+        headers = {"connection": "close"} if self.code == "body_too_large" else None
         return JSONResponse({"error": {"message": self.message, "type": self.type, "code": self.code,
-                                       "param": self.param}}, status_code=self.status)
+                                       "param": self.param}}, status_code=self.status, headers=headers)
 
 
 class _TextPart(BaseModel):
@@ -673,6 +678,7 @@ class LiveServer:
         else:
             schemas = {t["function"]["name"]: t for t in tools or []}
             content, calls = parse_assistant(answer, call_id_prefix=f"call_{completion_id[9:21]}", schemas=schemas)
+            calls = [_storable_call(c) for c in calls]
         finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
         completion = Completion(
             id=completion_id, session_id=session_id, user_id=user_id, version=lease.version,
@@ -796,6 +802,15 @@ def _identity(req: ChatRequest, request: Request) -> tuple[str, str, dict[str, A
     if reason is not None:
         raise ApiError(400, f"{reason}; it is stored with the completion", param="metadata")
     return session_id or f"anon-{uuid.uuid4().hex}", user_id or "anonymous", meta
+
+
+def _storable_call(call: ToolCall) -> ToolCall:
+    """The call, or, when the model wrote arguments JSON allows but a record cannot hold (NaN, 1e999,
+    integers past 2**53), the same call marked invalid with empty arguments: answered, never dropped."""
+    reason = storable(call.arguments, "arguments")
+    if reason is None:
+        return call
+    return ToolCall(call.id, call.name, {}, error=call.error or f"{reason} in the tool call")
 
 
 def _openai_call(call: Any) -> dict[str, Any]:

@@ -225,6 +225,15 @@ def test_an_error_response_keeps_the_connection_usable(live, registry_root, tmp_
     status, body = request_on(conn, "POST", "/v1/chat/completions", json.dumps(ok_request()).encode())
     assert status == 200 and body["object"] == "chat.completion"
     assert conn.sock is sock  # one connection for all four
+    # A body refused unread says the connection closes; the client's next request opens a new one.
+    conn.putrequest("POST", "/v1/chat/completions")
+    for name, value in {**ADMIN, "content-length": str(9 << 20)}.items():
+        conn.putheader(name, value)
+    conn.endheaders(b"{" * 1000)
+    response = conn.getresponse()
+    assert response.status == 413 and response.getheader("connection") == "close"
+    assert json.loads(response.read())["error"]["code"] == "body_too_large"
+    assert request_on(conn, "GET", "/health") == (200, {"status": "ok"})
     conn.close()
 
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
@@ -258,6 +267,26 @@ def test_tool_choice_none_yields_no_tool_call(tmp_path, registry_root):
             else:
                 assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "stop"
         assert all(c.tool_calls == [] and c.finish_reason == "stop" for c in server.store.completions())
+
+
+def test_a_tool_call_whose_arguments_a_record_cannot_hold_is_invalid_not_lost(tmp_path, registry_root):
+    answer = ('<tool_call>\n{"name": "lookup", "arguments": {"q": NaN}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "lookup", "arguments": {"q": 100000000000000000000000}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "lookup", "arguments": {"q": "fine"}}\n</tool_call>' + IM_END)
+    tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
+    engine = ScriptedEngine(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
+                        LiveStore(config.store_path))
+    lookup = {"type": "function", "function": {"name": "lookup", "parameters": {"properties": {"q": {}}}}}
+    with server, serve_in_thread(server) as running:
+        r = chat(running.url, ok_request(tools=[lookup], max_tokens=200))
+        assert r.status_code == 200, r.text
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+        assert "finite" in calls[0]["error"] and "2**53" in calls[1]["error"] and "error" not in calls[2]
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [{}, {}, {"q": "fine"}]
+        stored = server.store.completion(r.json()["id"])
+        assert [c.valid for c in stored.tool_calls] == [False, False, True]
 
 
 def test_completions_keep_their_sampling_and_the_learner_takes_only_its_temperature(live, tmp_path):
