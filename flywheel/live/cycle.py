@@ -466,6 +466,10 @@ class LiveCycle:
                 state.decision = "skipped"
                 state.reason = (f"{len(batch.trajectories)} trainable completions of v{state.production} after "
                                 f"{cfg.max_wait_s:.0f} s; batch.min_completions is {cfg.min_completions}")
+                if batch.excluded.get("other_temperature"):
+                    state.reason += (f"; {batch.excluded['other_temperature']} were sampled at another temperature "
+                                     f"than learner.temperature = {self.config.learner.temperature}: set it to the "
+                                     "temperature users sample at")
                 return None
             self.log(f"cycle {state.cycle}: gathering, {len(batch.trajectories)}/{cfg.min_completions} trainable "
                      f"completions of v{state.production}")

@@ -319,3 +319,30 @@ def test_the_store_file_stays_readable(live):
     server, _ = live
     with sqlite3.connect(server.config.store_path) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_the_live_cycle_trains_only_on_completions_at_the_learners_temperature(tmp_path):
+    from flywheel.live.cycle import CycleState, LiveConfig, LiveCycle  # noqa: PLC0415
+    from flywheel.live.rewards import RewardConfig  # noqa: PLC0415
+    from flywheel.model.registry import Registry  # noqa: PLC0415
+
+    with LiveStore(tmp_path / "live.sqlite") as store:
+        for i in range(4):
+            store.add_completion(stored_completion(f"c{i}", f"s{i}").model_copy(
+                update={"created_at": 1000.0 + i, "temperature": 0.7}))
+    Registry(tmp_path / "registry").close()
+    state = CycleState(cycle=1, trigger="test", started_at=0.0, production=0, first_production=0, since=0.0,
+                       events_at_start=0)
+    for temperature, trained in [(1.0, None), (0.7, ["c0", "c1", "c2", "c3"])]:
+        config = LiveConfig(registry_root=tmp_path / "registry", store_path=tmp_path / "live.sqlite",
+                            run_dir=tmp_path / "run", rewards=RewardConfig(feedback_window_s=1.0),
+                            learner={"temperature": temperature},
+                            batch={"min_completions": 2, "max_completions": 10, "max_wait_s": 0.001, "poll_s": 0.01})
+        cycle = LiveCycle(config, control=None, log=lambda message: None)
+        with LiveStore(tmp_path / "live.sqlite") as store:
+            gathered = cycle._gather(state, store)
+        if trained is None:
+            assert gathered is None and state.decision == "skipped"
+            assert "4 were sampled at another temperature" in state.reason and "learner.temperature" in state.reason
+        else:
+            assert [c.id for c in gathered[0].completions] == trained
