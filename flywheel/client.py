@@ -20,7 +20,8 @@ Delivery is at least once: a batch whose acknowledgement was lost is sent again,
 idempotent on the client-made event ids, reports the repeats as `duplicate`, so nothing is counted
 twice. Events the server rejects (unknown type, bad payload, unknown completion) are not retried,
 as they would fail again; they are counted in `stats.rejected` and their reasons kept in
-`rejections` (the last 100). A batch that still fails after `max_retries` is counted in
+`rejections` (the last 100). An event that is not JSON (a set in its payload, a NaN) is refused
+by `emit` itself with a ValueError, before it can take its batch down with it. A batch that still fails after `max_retries` is counted in
 `stats.failed` with the error in `last_error`.
 """
 
@@ -107,6 +108,13 @@ class EventClient:
         self._put(event.model_dump(mode="json"))
 
     def _put(self, item: dict[str, Any]) -> None:
+        # Serialized once here, where the caller can fix it: an event that is not JSON would otherwise
+        # fail its whole batch in the sender thread, and NaN is no JSON the server stores.
+        try:
+            json.dumps(item, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"event {item['id']!r} is not JSON ({exc}); its payload may hold str, finite numbers, "
+                             "bool, None, lists and dicts") from None
         with self._cond:
             if self._closing:
                 raise RuntimeError("EventClient is closed; make a new one")

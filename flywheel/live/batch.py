@@ -19,7 +19,10 @@ staleness 0). The Registry version that served them is `OnPolicyBatch.version` (
 Which completions are in: those served by `version` (the production version: on-policy), from the
 user-routed arms (a request that pinned its version is an eval, not user traffic), whose reward is
 trainable: `final` or `defaulted`. `pending` ones are not in yet (their feedback window is open;
-the caller gathers them in a later batch), and `dropped` ones never are. Only the naive
+the caller gathers them in a later batch), and `dropped` ones never are. Nor are completions sampled
+at another temperature than the learner scores at (`temperature`, the learner's; a greedy one
+counts as 1.0): their logprobs are of another distribution, so every token would carry a spurious
+importance weight (simulated RL refuses the same mismatch in its config, flywheel/rl/train.py). Only the naive
 `drop_invalid` reward config drops anything, which is exactly the reward hack it reproduces: what is
 excluded from training is free for the policy. Every exclusion is counted in `OnPolicyBatch.excluded`.
 
@@ -119,8 +122,9 @@ class OnPolicyBatch:
 
 
 def on_policy_batch(completions: Sequence[Completion], rewards: Sequence[Reward], version: int,
-                    family_key: str | Sequence[str] = "family") -> OnPolicyBatch:
-    """The trainable completions served by `version`, in the order given (module docstring).
+                    family_key: str | Sequence[str] = "family", temperature: float = 1.0) -> OnPolicyBatch:
+    """The trainable completions served by `version` at the learner's `temperature`, in the order given
+    (module docstring).
 
     `rewards` must hold the reward of every completion of `version` given (RewardDistiller.distill
     of the same completions); completions of other versions are skipped and counted."""
@@ -134,6 +138,9 @@ def on_policy_batch(completions: Sequence[Completion], rewards: Sequence[Reward]
             continue
         if c.arm == PINNED:
             excluded["pinned"] += 1
+            continue
+        if c.scoring_temperature != temperature:
+            excluded["other_temperature"] += 1
             continue
         reward = by_id.get(c.id)
         if reward is None:

@@ -458,13 +458,18 @@ class LiveCycle:
             served = [c for c in store.completions(version=state.production, start=state.since, end=closed_before)
                       if c.arm != PINNED]
             rewards = self._distill(store, served, now)
-            batch = on_policy_batch(served, [rewards[c.id] for c in served], state.production, cfg.family_key)
+            batch = on_policy_batch(served, [rewards[c.id] for c in served], state.production, cfg.family_key,
+                                    self.config.learner.temperature)
             if len(batch.trajectories) >= cfg.min_completions:
                 break
             if now > deadline:
                 state.decision = "skipped"
                 state.reason = (f"{len(batch.trajectories)} trainable completions of v{state.production} after "
                                 f"{cfg.max_wait_s:.0f} s; batch.min_completions is {cfg.min_completions}")
+                if batch.excluded.get("other_temperature"):
+                    state.reason += (f"; {batch.excluded['other_temperature']} were sampled at another temperature "
+                                     f"than learner.temperature = {self.config.learner.temperature}: set it to the "
+                                     "temperature users sample at")
                 return None
             self.log(f"cycle {state.cycle}: gathering, {len(batch.trajectories)}/{cfg.min_completions} trainable "
                      f"completions of v{state.production}")
@@ -475,7 +480,8 @@ class LiveCycle:
             last = batch.completions[cfg.max_completions - 1]
             cutoff = next(c.created_at for c in served if c.created_at > last.created_at)
             served = [c for c in served if c.created_at < cutoff]
-            batch = on_policy_batch(served, [rewards[c.id] for c in served], state.production, cfg.family_key)
+            batch = on_policy_batch(served, [rewards[c.id] for c in served], state.production, cfg.family_key,
+                                    self.config.learner.temperature)
         state.cutoff = cutoff
         state.batch = {**batch.summary(), "since": state.since, "cutoff": cutoff}
         return batch, self._served_metrics(served, rewards)

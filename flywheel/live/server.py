@@ -11,6 +11,7 @@
     GET  /dashboard            [dashboard]  HTML: flywheel.report's views, live; polls GET /dashboard/data
     GET  /dashboard/data       [dashboard]  {"html": the page's sections, "data": build_report_data's dict}
     GET  /health                            no key needed
+    GET  /openapi.json                      the OpenAPI document of all of the above (tests fuzz every operation)
 
 Keys: `Authorization: Bearer KEY`; each key has scopes (`inference`, `events`, `admin`, `dashboard`)
 from the config's `[keys]` table. No or unknown key: 401; a key without the endpoint's scope: 403.
@@ -18,7 +19,13 @@ The dashboard takes a key with the `dashboard` (read only) or `admin` scope, als
 because a browser opening a URL cannot send a header: open http://HOST:PORT/dashboard?key=KEY. It
 shows behaviour metrics, not completions' text, and it is never readable without a key. Errors are
 JSON in OpenAI's shape `{"error": {"message", "type", "code", "param"}}`, always 4xx for a bad
-request (too large: 413; not JSON or not the schema: 400), never 500.
+request (too large: 413; not JSON or not the schema: 400), never 500; a bug's 500 has the same shape
+and, like every error, leaves the connection open for the next request.
+
+What a request may hold is checked before anything is computed or stored: every value that reaches
+the store passes `records.storable` (valid Unicode, finite numbers, integers within +-2**53), the
+session id, which goes back in the `x-session-id` header, is 1-200 visible ASCII characters, and
+numbers that become SQLite integers or version names are bounded. Events are judged one by one.
 
 Who is asking: the session id comes from the `X-Session-Id` header, else a `session_id` body field
 (`extra_body={"session_id": ...}` in the openai client), else `metadata["session_id"]`; a request
@@ -42,9 +49,15 @@ is generated. A tool call the model wrote badly is still returned in `tool_calls
 could not be read) with an extra `error` field, and recorded as invalid: a client answers it with
 the error, as the episode runner does, and nothing is dropped.
 
+`tool_choice: "none"` leaves the tools out of the prompt and returns whatever the model writes as
+its text, with no tool call. The Completion records the temperature and top-p it was sampled with.
+
 The prompt is rendered from the messages with the chat template on every request (the API is
 stateless); the Completion stores exactly the prompt ids the engine saw, so the Learner trains on
-the tokens that were served.
+the tokens that were served. Control tokens come from the template alone: text a client sends,
+"<|im_start|>" included, is tokenized as text (`ConversationEncoder`), so no one can forge a turn in a
+prompt the Learner trains on. Tokenization runs off the event loop, and its cache is filled only by
+requests that are served.
 """
 
 from __future__ import annotations
@@ -69,13 +82,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flywheel.env.tools import ToolCall
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
 from flywheel.live.monitors import Monitor, MonitorConfig, monitor_window
-from flywheel.live.records import Completion, CompletionToolCall, Event
+from flywheel.live.records import Completion, CompletionToolCall, Event, storable
 from flywheel.live.rewards import RewardConfig, RewardDistiller
 from flywheel.live.store import Ingest, LiveStore
 from flywheel.model.chat import IM_END, parse_assistant, tools_in_prompt
-from flywheel.model.conversation import ConversationEncoder
+from flywheel.model.conversation import ConversationEncoder, PromptTooLong
 from flywheel.model.engine import EngineConfig, EngineError, LocalEngine, SamplingParams
 from flywheel.model.registry import CANDIDATE, Registry
 from flywheel.report import build_report_data, dashboard_page, render_body
@@ -86,7 +100,9 @@ Scope = Literal["inference", "events", "admin", "dashboard"]
 SCOPES: tuple[Scope, ...] = ("inference", "events", "admin", "dashboard")
 DASHBOARD_SCOPES = frozenset({"dashboard", "admin"})
 _MAX_ID_CHARS = 200
-_VERSION_NAME = re.compile(r"v(\d+)")
+_MAX_VERSION = 10**9 - 1
+_VERSION_NAME = re.compile(r"v(\d{1,9})")  # 9 digits: int() and SQLite take it
+_HEADER_SAFE_ID = re.compile(rf"[!-~]{{1,{_MAX_ID_CHARS}}}")
 
 
 class DashboardConfig(BaseModel):
@@ -171,8 +187,12 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
 
     def response(self) -> JSONResponse:
+        # A body refused unread stays on the wire: the connection cannot carry another request, and
+        # saying so lets the client open a new one instead of finding it reset (draining it instead
+        # would let anyone make the server read gigabytes).
+        headers = {"connection": "close"} if self.code == "body_too_large" else None
         return JSONResponse({"error": {"message": self.message, "type": self.type, "code": self.code,
-                                       "param": self.param}}, status_code=self.status)
+                                       "param": self.param}}, status_code=self.status, headers=headers)
 
 
 class _TextPart(BaseModel):
@@ -191,8 +211,23 @@ class _MessageToolCall(BaseModel):
     function: _Function
 
 
+def _message_schema(schema: dict[str, Any]) -> None:
+    """ChatMessage's JSON schema says what `_content` checks: content is required except for assistant
+    messages, and only they carry tool_calls (so a schema-valid message is a valid message)."""
+    props = schema["properties"]
+    assistant = {"type": "object", "required": ["role"], "properties": {
+        **props, "role": {"const": "assistant"}}}
+    other = {"type": "object", "required": ["role", "content"], "properties": {
+        **props, "role": {"enum": ["system", "developer", "user", "tool"]},
+        "content": {"anyOf": [s for s in props["content"]["anyOf"] if s.get("type") != "null"]},
+        "tool_calls": {"type": "null"}}}
+    title = schema.get("title", "ChatMessage")
+    schema.clear()
+    schema.update({"title": title, "oneOf": [assistant, other]})
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_message_schema)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_TextPart] | None = None
     tool_calls: list[_MessageToolCall] | None = None
@@ -265,7 +300,9 @@ class ChatRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     user: str | None = Field(default=None, max_length=_MAX_ID_CHARS)
     metadata: dict[str, Any] | None = None
-    session_id: str | None = Field(default=None, max_length=_MAX_ID_CHARS)  # extra_body
+    # extra_body; it goes back in the x-session-id header, hence visible ASCII
+    # (documented here, checked with the header's and metadata's in `_identity`, whose message says the fix)
+    session_id: str | None = Field(default=None, json_schema_extra={"pattern": rf"^[!-~]{{1,{_MAX_ID_CHARS}}}$"})
 
     @field_validator("tools")
     @classmethod
@@ -306,6 +343,164 @@ def _errors(exc: ValidationError, limit: int = 3) -> str:
         parts.append(f"{where}: {err['msg']}" if where else err["msg"])
     more = exc.error_count() - limit
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+# ---- the response schema (what /openapi.json documents; the fuzz test checks every response against it)
+
+
+class _ErrorBody(BaseModel):
+    message: str
+    type: str
+    code: str | None
+    param: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx (and the 503 of a changing deployment): OpenAI's error shape."""
+
+    error: _ErrorBody
+
+
+class _ReplyToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")  # `error`: why a call the model wrote is invalid
+    id: str
+    type: Literal["function"]
+    function: _Function
+
+
+class _ReplyMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[_ReplyToolCall] | None = None
+
+
+class _TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict[str, Any]]
+
+
+class _Logprobs(BaseModel):
+    content: list[_TokenLogprob]
+
+
+class _Choice(BaseModel):
+    index: int
+    message: _ReplyMessage
+    logprobs: _Logprobs | None
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class _Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _Served(BaseModel):
+    version: int
+    arm: str
+    session_id: str
+    engine_ms: float
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[_Choice]
+    usage: _Usage
+    flywheel: _Served
+
+
+class _ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[_ModelCard]
+
+
+class _Rejected(BaseModel):
+    index: int
+    id: str | None
+    reason: str
+
+
+class EventsResponse(BaseModel):
+    accepted: list[str]
+    duplicate: list[str]
+    rejected: list[_Rejected]
+
+
+class EventBatch(BaseModel):
+    """The body of POST /v1/events (documented; the server parses it event by event, see `ingest`)."""
+
+    events: list[dict[str, Any]]
+
+
+class DeploymentResponse(BaseModel):
+    deployment: Deployment
+    served_versions: list[int]
+    previous: Deployment | None = None
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class DashboardData(BaseModel):
+    model_config = ConfigDict(extra="allow")  # `data`: build_report_data's dict, unless html_only=1
+    generated_at: float
+    html: str
+
+
+def _json_reply(model: type[BaseModel], *errors: int, stream: bool = False) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses`: 200 with `model` (or SSE too), and each status in `errors` with ErrorResponse."""
+    ok: dict[str, Any] = {"model": model}
+    if stream:
+        # Each server-sent event: `data` holds a chat.completion.chunk as JSON, or [DONE] at the end.
+        ok["content"] = {"text/event-stream": {"schema": {
+            "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}}
+    return {200: ok, **{status: {"model": ErrorResponse} for status in errors}}
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+_KEY_PARAMETER = {"name": "key", "in": "query", "required": False, "schema": {"type": "string"},
+                  "description": "an API key with the dashboard or admin scope (a browser cannot send a header)"}
+
+
+def openapi_document(app: FastAPI) -> dict[str, Any]:
+    """The API's OpenAPI 3.1 document, served at /openapi.json.
+
+    The endpoints read their bodies themselves (a size limit while streaming in, one reason per bad
+    event), so FastAPI cannot see the request models: they are added here, with the bearer scheme."""
+    from fastapi.openapi.utils import get_openapi  # noqa: PLC0415  (built once, on the first request)
+
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                      description="flywheel's live server: an OpenAI-compatible chat completions API over the "
+                                  "served policy versions, and the endpoint users' reactions come back to. Errors are "
+                                  '{"error": {"message", "type", "code", "param"}}.')
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for model in (ChatRequest, EventBatch, Deployment):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    doc["security"] = [{"bearer": []}]
+    doc["paths"]["/health"]["get"]["security"] = []
+    return doc
 
 
 # ---- the server
@@ -450,10 +645,19 @@ class LiveServer:
             tools = req.tools if req.tools and req.tool_choice != "none" else None
             encoder = self._encoders.get(lease.version)
             if encoder is None:
+                served = set(self.router.served_versions())  # retired versions' caches go with them
+                self._encoders = {v: e for v, e in self._encoders.items() if v in served}
                 encoder = self._encoders[lease.version] = ConversationEncoder(lease.tokenizer)
-            prompt_ids = encoder.encode([m.as_template_message() for m in req.messages],
-                                        tools if tools_in_prompt(lease.tokenizer) else None)
+            max_tokens = self._max_tokens(req)
+            # Off the event loop: a large prompt's tokenization must not stall every other request.
+            try:
+                prompt_ids, fresh = await run_in_threadpool(
+                    encoder.encode_request, [m.as_template_message() for m in req.messages],
+                    tools if tools_in_prompt(lease.tokenizer) else None, self.config.max_context_tokens - max_tokens)
+            except PromptTooLong as exc:
+                raise self._too_long(f"at least {exc.at_least}", max_tokens) from None
             params = self._sampling(req, len(prompt_ids), lease.tokenizer)
+            encoder.remember(fresh)  # only now: a refused request leaves nothing in the cache
             engine_started = time.perf_counter()
             try:
                 generation = await asyncio.wrap_future(lease.engine.submit(prompt_ids, params))
@@ -469,8 +673,12 @@ class LiveServer:
                            "server_error", "engine_aborted")
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         answer = lease.tokenizer.decode(generation.token_ids, skip_special_tokens=False)
-        schemas = {t["function"]["name"]: t for t in tools or []}
-        content, calls = parse_assistant(answer, call_id_prefix=f"call_{completion_id[9:21]}", schemas=schemas)
+        if req.tool_choice == "none":  # no tool call, whatever the model wrote: its text is the answer
+            content, calls = answer.removesuffix(IM_END), []
+        else:
+            schemas = {t["function"]["name"]: t for t in tools or []}
+            content, calls = parse_assistant(answer, call_id_prefix=f"call_{completion_id[9:21]}", schemas=schemas)
+            calls = [_storable_call(c) for c in calls]
         finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
         completion = Completion(
             id=completion_id, session_id=session_id, user_id=user_id, version=lease.version,
@@ -479,9 +687,13 @@ class LiveServer:
             tool_calls=[CompletionToolCall(name=c.name, arguments=c.arguments, valid=c.valid, error=c.error or "")
                         for c in calls],
             content=content, finish_reason=finish, arm=lease.arm, created_at=created, request_meta=meta,
+            temperature=params.temperature, top_p=params.top_p,
         )
         # Committed before the response exists: a client can never hold an id the store lacks.
-        await run_in_threadpool(self.store.add_completion, completion)
+        try:
+            await run_in_threadpool(self.store.add_completion, completion)
+        except ValueError as exc:  # a value the checks before generation missed: refused, nothing stored
+            raise ApiError(400, str(exc)) from None
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = [_openai_call(c) for c in calls]
@@ -543,15 +755,22 @@ class LiveServer:
                            code="model_not_found", param="model")
         return int(match.group(1))
 
-    def _sampling(self, req: ChatRequest, prompt_len: int, tokenizer: Any) -> SamplingParams:
+    def _max_tokens(self, req: ChatRequest) -> int:
         max_tokens = req.max_completion_tokens or req.max_tokens or self.config.default_max_tokens
         if max_tokens > self.config.max_tokens_limit:
             raise ApiError(400, f"max_tokens {max_tokens} exceeds this server's limit {self.config.max_tokens_limit}",
                            param="max_tokens")
+        return max_tokens
+
+    def _too_long(self, prompt_tokens: str, max_tokens: int) -> ApiError:
+        return ApiError(400, f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the context "
+                        f"of {self.config.max_context_tokens} tokens; shorten the conversation or max_tokens",
+                        code="context_length_exceeded", param="messages")
+
+    def _sampling(self, req: ChatRequest, prompt_len: int, tokenizer: Any) -> SamplingParams:
+        max_tokens = self._max_tokens(req)
         if prompt_len + max_tokens > self.config.max_context_tokens:
-            raise ApiError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context "
-                           f"of {self.config.max_context_tokens} tokens; shorten the conversation or max_tokens",
-                           code="context_length_exceeded", param="messages")
+            raise self._too_long(str(prompt_len), max_tokens)
         temperature = 1.0 if req.temperature is None else req.temperature
         return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
                               max_tokens=max_tokens, stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),))
@@ -574,7 +793,24 @@ def _identity(req: ChatRequest, request: Request) -> tuple[str, str, dict[str, A
     for name, value in (("session id", session_id), ("user id", user_id)):
         if value is not None and (not isinstance(value, str) or len(value) > _MAX_ID_CHARS):
             raise ApiError(400, f"the {name} must be a string of at most {_MAX_ID_CHARS} characters", param=name)
+    # The session id goes back in the `x-session-id` header: visible ASCII only, no spaces or line breaks.
+    if session_id is not None and not _HEADER_SAFE_ID.fullmatch(session_id):
+        raise ApiError(400, f"the session id {session_id[:40]!r} must be 1 to {_MAX_ID_CHARS} visible ASCII "
+                       "characters (no spaces, control characters or non-ASCII); use e.g. a uuid4",
+                       param="session_id")
+    reason = storable(user_id, "user id") or storable(meta, "metadata")
+    if reason is not None:
+        raise ApiError(400, f"{reason}; it is stored with the completion", param="metadata")
     return session_id or f"anon-{uuid.uuid4().hex}", user_id or "anonymous", meta
+
+
+def _storable_call(call: ToolCall) -> ToolCall:
+    """The call, or, when the model wrote arguments JSON allows but a record cannot hold (NaN, 1e999,
+    integers past 2**53), the same call marked invalid with empty arguments: answered, never dropped."""
+    reason = storable(call.arguments, "arguments")
+    if reason is None:
+        return call
+    return ToolCall(call.id, call.name, {}, error=call.error or f"{reason} in the tool call")
 
 
 def _openai_call(call: Any) -> dict[str, Any]:
@@ -645,7 +881,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refusing (413) past `limit` bytes without reading further."""
     length = request.headers.get("content-length")
     if length is not None:
-        if not length.isdigit():
+        if not (length.isascii() and length.isdigit()):  # "²".isdigit(), yet int("²") fails
             raise ApiError(400, "Content-Length is not a number")
         if int(length) > limit:
             raise ApiError(413, f"body of {length} bytes exceeds the limit of {limit}; send less per request",
@@ -658,8 +894,44 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+class _BugsAsJson:
+    """A bug, not a bad request: logged with its traceback, answered as a 500 in the same JSON shape,
+    and the connection stays usable. (An `Exception` handler would not do: Starlette re-raises after
+    it answers, and uvicorn then closes the connection under the client.)"""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:  # half a response cannot be taken back: the connection has to close
+                raise
+            await ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()(
+                scope, receive, send)
+
+
 def create_app(server: LiveServer) -> FastAPI:
-    app = FastAPI(title="flywheel", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="flywheel", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
     limit = server.config.max_body_bytes
 
     @app.exception_handler(ApiError)
@@ -674,24 +946,24 @@ def create_app(server: LiveServer) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return ApiError(400, f"invalid request: {exc.errors()[:3]}").response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # A bug, not a bad request: logged with its traceback, answered in the same JSON shape.
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+    app.add_middleware(_BugsAsJson)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses=_json_reply(Health))
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/dashboard")
+    @app.get("/dashboard", response_model=None, openapi_extra={"parameters": [_KEY_PARAMETER]},
+             responses={200: {"content": {"text/html": {"schema": {"type": "string"}}}},
+                        401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
     async def dashboard(request: Request) -> Response:
         server.authorize_dashboard(request)
         data = await run_in_threadpool(server.dashboard_data)
         page = await run_in_threadpool(dashboard_page, data, "dashboard/data", server.config.dashboard.refresh_s)
         return HTMLResponse(page, headers={"cache-control": "no-store"})
 
-    @app.get("/dashboard/data")
+    @app.get("/dashboard/data", response_model=None, responses=_json_reply(DashboardData, 401, 403), openapi_extra={
+        "parameters": [_KEY_PARAMETER, {"name": "html_only", "in": "query", "required": False,
+                                        "schema": {"type": "string", "enum": ["0", "1"]}}]})
     async def dashboard_data(request: Request) -> Response:
         server.authorize_dashboard(request)
         data = await run_in_threadpool(server.dashboard_data)
@@ -701,19 +973,21 @@ def create_app(server: LiveServer) -> FastAPI:
         return Response(json.dumps(reply, allow_nan=False), media_type="application/json",
                         headers={"cache-control": "no-store"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=_json_reply(ModelList, 401, 403))
     async def models(request: Request) -> dict[str, Any]:
         server.authorize(request, "inference")
         names = [server.config.model_name] + [f"v{v}" for v in server.router.served_versions()]
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "flywheel"}
                                            for n in names]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, openapi_extra=_json_body(ChatRequest),
+              responses=_json_reply(ChatCompletionResponse, 400, 401, 403, 404, 413, 503, stream=True))
     async def chat_completions(request: Request) -> Response:
         server.authorize(request, "inference")
         return await server.complete(request, await _read_body(request, limit))
 
-    @app.post("/v1/events")
+    @app.post("/v1/events", response_model=None, openapi_extra=_json_body(EventBatch),
+              responses=_json_reply(EventsResponse, 400, 401, 403, 413))
     async def events(request: Request) -> Response:
         server.authorize(request, "events")
         body = await _read_body(request, limit)
@@ -721,12 +995,13 @@ def create_app(server: LiveServer) -> FastAPI:
         result = await run_in_threadpool(server.ingest, body)
         return Response(json.dumps(result), media_type="application/json")
 
-    @app.get("/v1/admin/deployment")
+    @app.get("/v1/admin/deployment", response_model=None, responses=_json_reply(DeploymentResponse, 401, 403))
     async def get_deployment(request: Request) -> dict[str, Any]:
         server.authorize(request, "admin")
         return {"deployment": server.deployment.model_dump(), "served_versions": server.router.served_versions()}
 
-    @app.post("/v1/admin/deployment")
+    @app.post("/v1/admin/deployment", response_model=None, openapi_extra=_json_body(Deployment),
+              responses=_json_reply(DeploymentResponse, 400, 401, 403, 404, 413))
     async def post_deployment(request: Request) -> dict[str, Any]:
         server.authorize(request, "admin")
         body = await _read_body(request, limit)
@@ -734,6 +1009,9 @@ def create_app(server: LiveServer) -> FastAPI:
             deployment = Deployment.model_validate_json(body)
         except ValidationError as exc:
             raise ApiError(400, f"invalid deployment: {_errors(exc)}") from None
+        if max(deployment.versions) > _MAX_VERSION:  # SQLite's integers end at 2**63 - 1
+            raise ApiError(404, f"no version above {_MAX_VERSION} exists; name a registered version",
+                           code="version_not_found")
         try:
             previous = await run_in_threadpool(server.set_deployment, deployment, "admin endpoint")
         except KeyError as exc:  # CheckpointNotFound: a version the registry does not hold
@@ -741,7 +1019,7 @@ def create_app(server: LiveServer) -> FastAPI:
         return {"deployment": deployment.model_dump(), "previous": previous.model_dump(),
                 "served_versions": server.router.served_versions()}
 
-    @app.post("/v1/admin/deployment/sync")
+    @app.post("/v1/admin/deployment/sync", response_model=None, responses=_json_reply(DeploymentResponse, 401, 403, 409))
     async def sync_deployment(request: Request) -> dict[str, Any]:
         server.authorize(request, "admin")
         try:

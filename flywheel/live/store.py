@@ -19,6 +19,12 @@ few completions, whose later events are refused as naming an unknown completion 
 Ingestion is idempotent on the client's event id: a second event with a known id is reported
 `duplicate` and the first one stands, whatever the second holds.
 
+Nothing stored breaks a later read: every client-supplied value passes `records.storable` (valid
+Unicode, finite numbers, bounded integers and nesting) before it is written, a completion's record
+is parsed back before its insert, and events are judged one by one: a bad event is rejected with its
+reason and the rest of its batch is stored. Should an insert still fail (a check this store lacks),
+the batch is retried row by row under savepoints and only the rows SQLite refuses are rejected.
+
 Readers in other processes (the distiller, `flywheel` reports) open their own `LiveStore` on the
 same file: WAL mode lets them read while the server writes. One connection per `LiveStore`, shared
 by its threads under a lock.
@@ -31,12 +37,13 @@ import math
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from flywheel.live.records import Completion, Event, EventType
+from flywheel.live.records import Completion, Event, EventType, storable
 from flywheel.store.sqlite import Synchronous, connect, transaction
 
 SCHEMA = [
@@ -79,6 +86,11 @@ _NEEDS_COMPLETION = {EventType.EDIT_APPLIED, EventType.EDIT_PERSISTED, EventType
 _SESSION_OUTCOMES = {"success", "unhappy", "abandoned"}
 _MAX_ID_CHARS = 200
 _IN_CHUNK = 500  # ids per IN (...) list; SQLite allows 32766 bound parameters, older builds 999
+# What one row can cause. Not OperationalError (disk full, I/O, locked): that fails the batch, which
+# the client retries, where rejecting its events would lose them (rejections are not retried).
+_ROW_ERRORS = (sqlite3.IntegrityError, sqlite3.DataError, sqlite3.InterfaceError, OverflowError, UnicodeEncodeError)
+_INSERT_EVENT = ("INSERT INTO events (id, type, session_id, completion_id, time, received_at, payload) "
+                 "VALUES (?, ?, ?, ?, ?, ?, ?)")
 
 
 class Ingest(StrEnum):
@@ -91,6 +103,17 @@ def check_event(event: Event) -> str | None:
     """Why `event` cannot be stored (beyond its types, which the `Event` model checks), or None."""
     if not event.id or len(event.id) > _MAX_ID_CHARS:
         return f"id must be 1 to {_MAX_ID_CHARS} characters; use e.g. a uuid4 per event"
+    for name in ("id", "session_id", "completion_id"):
+        reason = storable(getattr(event, name), name)
+        if reason is not None:
+            return reason
+    if event.completion_id is not None and len(event.completion_id) > _MAX_ID_CHARS:
+        return f"completion_id is longer than {_MAX_ID_CHARS} characters; send the `id` of a chat completion"
+    if len(event.session_id) > _MAX_ID_CHARS:
+        return f"session_id is longer than {_MAX_ID_CHARS} characters; send the session id the completion request carried"
+    reason = storable(event.payload, "payload")
+    if reason is not None:
+        return reason
     if not math.isfinite(event.time):
         return f"time must be a finite unix time in seconds, got {event.time}"
     if not event.session_id:
@@ -122,7 +145,18 @@ class LiveStore:
     # ---- writing
 
     def add_completion(self, completion: Completion) -> None:
-        """Store `completion`; returns after the commit. A second completion with the same id fails."""
+        """Store `completion`; returns after the commit. A second completion with the same id fails.
+
+        ValueError, and nothing stored, if its record would not read back (module docstring)."""
+        for name in ("id", "session_id", "user_id", "arm", "content", "finish_reason"):
+            reason = storable(getattr(completion, name), name)
+            if reason is not None:
+                raise ValueError(f"completion {completion.id!r} not stored: {reason}")
+        reason = storable(completion.request_meta, "request_meta")
+        if reason is not None:
+            raise ValueError(f"completion {completion.id!r} not stored: {reason}")
+        record = completion.model_dump_json()
+        Completion.model_validate_json(record)  # what every later read does; raises before anything is written
         with self._lock:
             self._set_synchronous(self.completions_synchronous)  # a PRAGMA cannot change inside a transaction
             with transaction(self._db):
@@ -130,7 +164,7 @@ class LiveStore:
                     "INSERT INTO completions (id, session_id, user_id, version, arm, created_at, record) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (completion.id, completion.session_id, completion.user_id, completion.version, completion.arm,
-                     completion.created_at, completion.model_dump_json()),
+                     completion.created_at, record),
                 )
 
     def add_events(self, events: Sequence[Event]) -> list[tuple[Ingest, str]]:
@@ -143,14 +177,17 @@ class LiveStore:
         received = time.time()
         results: list[tuple[Ingest, str]] = []
         rows = []
+        # Checked before any lookup: an id SQLite cannot bind must not fail the batch's queries.
+        own_reasons = [check_event(e) for e in events]
+        checked = [e for e, reason in zip(events, own_reasons, strict=True) if reason is None]
         with self._lock:
             self._set_synchronous(self.synchronous)
             with transaction(self._db):
                 # A few set lookups per batch instead of two statements per event: 5x the ingest rate.
-                sessions = self._completion_sessions({e.completion_id for e in events if e.completion_id is not None})
-                seen = self._existing_events({e.id for e in events})
-                for event in events:
-                    reason = check_event(event) or self._check_reference(event, sessions)
+                sessions = self._completion_sessions({e.completion_id for e in checked if e.completion_id is not None})
+                seen = self._existing_events({e.id for e in checked})
+                for event, own_reason in zip(events, own_reasons, strict=True):
+                    reason = own_reason or self._check_reference(event, sessions)
                     if reason is not None:
                         results.append((Ingest.REJECTED, reason))
                     elif event.id in seen:
@@ -158,12 +195,25 @@ class LiveStore:
                     else:
                         seen.add(event.id)
                         results.append((Ingest.ACCEPTED, ""))
-                        rows.append((event.id, event.type.value, event.session_id, event.completion_id, event.time,
-                                     received, json.dumps(event.payload)))
-                self._db.executemany(
-                    "INSERT INTO events (id, type, session_id, completion_id, time, received_at, payload) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+                        rows.append((len(results) - 1, (event.id, event.type.value, event.session_id,
+                                                        event.completion_id, event.time, received,
+                                                        json.dumps(event.payload, allow_nan=False))))
+                try:
+                    with savepoint(self._db, "batch"):
+                        self._db.executemany(_INSERT_EVENT, [row for _, row in rows])
+                except _ROW_ERRORS:
+                    self._insert_one_by_one(rows, results)
         return results
+
+    def _insert_one_by_one(self, rows: list[tuple[int, tuple[Any, ...]]], results: list[tuple[Ingest, str]]) -> None:
+        """The batch's rows each under its own savepoint; a row SQLite refuses is rejected alone. Caller holds the lock."""
+        for index, row in rows:
+            try:
+                with savepoint(self._db, "event"):
+                    self._db.execute(_INSERT_EVENT, row)
+            except _ROW_ERRORS as exc:
+                results[index] = (Ingest.REJECTED, f"the store refused this event ({type(exc).__name__}: {exc}); "
+                                                    "check its strings and numbers")
 
     def record_deployment(self, production: int, candidate: int | None, fraction: float, note: str = "") -> None:
         with self._lock:
@@ -276,6 +326,19 @@ class LiveStore:
     def _query(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self._db.execute(sql, tuple(args)).fetchall()
+
+
+@contextmanager
+def savepoint(db: sqlite3.Connection, name: str) -> Iterator[None]:
+    """A nested transaction inside the caller's: rolled back alone if the block raises."""
+    db.execute(f"SAVEPOINT {name}")
+    try:
+        yield
+    except BaseException:
+        db.execute(f"ROLLBACK TO {name}")
+        db.execute(f"RELEASE {name}")
+        raise
+    db.execute(f"RELEASE {name}")
 
 
 def _filters(column: str = "created_at", start: float | None = None, end: float | None = None,

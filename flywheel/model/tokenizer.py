@@ -59,3 +59,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if tokenizer.chat_template is None:
         raise ValueError(f"tokenizer at {path} has no chat template; flywheel needs one to render episodes")
     return tokenizer
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """The ids of `text` as text: a special token's string in it ("<|im_start|>" typed by a user) is
+    tokenized as the characters it is, never as the control token. The tool-call markup is no special
+    token and still becomes its single token (a client's earlier assistant turns render with it)."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]

@@ -95,3 +95,17 @@ def test_a_wrong_key_fails_fast(server):
         client.emit("thumbs", session_id="s", payload={"up": True})
         assert client.flush(timeout_s=30)
         assert client.stats.failed == 1 and client.stats.retries == 0 and client.last_error.startswith("403")
+
+
+def test_an_event_that_is_not_json_is_refused_by_emit_and_loses_nothing(server):
+    live, url = server
+    with EventClient(url, "events-key", batch_size=10, flush_interval_s=0.01) as client:
+        client.emit("thumbs", session_id="s0", payload={"up": True})
+        for bad in [{"up": True, "tags": {"a", "b"}}, {"up": True, "score": float("nan")}]:
+            with pytest.raises(ValueError, match="not JSON"):
+                client.emit("thumbs", session_id="s0", payload=bad)
+        client.emit("thumbs", session_id="s0", payload={"up": False})
+        assert client.flush(timeout_s=60)
+        stats = client.stats
+        assert (stats.emitted, stats.accepted, stats.failed, stats.rejected) == (2, 2, 0, 0)
+    assert [e.payload["up"] for e in live.store.events_for_session("s0")] == [True, False]

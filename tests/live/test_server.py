@@ -97,13 +97,15 @@ def test_prompts_tokenized_turn_by_turn_equal_the_whole_text(registry_root):
         *MESSAGES, {"role": "assistant", "content": "Looking.", "tool_calls": [call, call]},
         {"role": "tool", "content": "a.py:1:def  x():"}, {"role": "tool", "content": "  <tool_call> not a call\n"},
         {"role": "user", "content": "ünïcödé “quotes”\n\n  trailing  "}, {"role": "system", "content": "late system"},
-        {"role": "assistant", "content": ""}, {"role": "user", "content": "<|im_end|> typed by a user"},
+        {"role": "assistant", "content": ""},
     ]
     assert encoder.piecewise
     for messages, tools in [(conversation, tool_schemas()), (conversation[1:], tool_schemas()), (conversation, None)]:
         whole = tokenizer(render_messages(messages, tools, add_generation_prompt=True), add_special_tokens=False)
-        assert encoder.encode(messages, tools) == whole["input_ids"]
-        assert encoder.encode(messages, tools) == whole["input_ids"]  # from the cache
+        ids, fresh = encoder.encode_request(messages, tools)
+        assert ids == whole["input_ids"]
+        encoder.remember(fresh)
+        assert encoder.encode_request(messages, tools) == (whole["input_ids"], {})  # all from the cache
 
 
 def test_streaming_sends_openai_chunks_of_the_stored_answer(live):
@@ -153,13 +155,17 @@ def test_tool_calls_come_back_in_openai_format_valid_or_not(tmp_path, registry_r
             [(i, c.function.name, c.function.arguments) for i, c in enumerate(calls)]
 
         # The previous turn's calls render back into the prompt; tool_choice "none" drops the tools section,
-        # and then a call names a tool the request did not declare.
+        # and whatever the model writes is its text: no tool call comes back or is stored.
         follow = [*MESSAGES, message.model_dump(exclude_none=True),
                   {"role": "tool", "tool_call_id": calls[0].id, "content": "print(1)"}]
         resp = api.chat.completions.create(model="flywheel", messages=follow, tools=tool_schemas(), tool_choice="none")
         prompt = server.router.tokenizer(0).decode(engine.prompts[-1])
         assert "<tools>" not in prompt and '"path": "a.py"' in prompt and "<tool_response>\nprint(1)" in prompt
-        assert "unknown tool" in resp.choices[0].message.tool_calls[0].model_extra["error"]
+        choice = resp.choices[0]
+        assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+        assert choice.message.content == TOOL_ANSWER.removesuffix(IM_END)
+        stored = server.store.completion(resp.id)
+        assert stored.tool_calls == [] and stored.content == choice.message.content
 
 
 def test_a_model_trained_without_tool_schemas_is_served_without_them(tmp_path, registry_root):

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
+import pytest
 import torch
 
 from flywheel.live.records import Completion
@@ -90,3 +91,7 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Lines the API fuzz test leaves for the end of the pytest run (tests/live/conftest.py prints them).
+FUZZ_SUMMARY = pytest.StashKey[list[str]]()
