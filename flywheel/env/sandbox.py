@@ -299,8 +299,12 @@ class Sandbox:
 
     # ---- commands ---------------------------------------------------------------------------------
 
-    def run(self, command: str, timeout_s: float | None = None) -> CommandResult:
-        """Run `/bin/sh -c command` in a fresh jail with cwd /workspace; never raises for the command."""
+    def run(self, command: str, timeout_s: float | None = None, pass_fds: tuple[int, ...] = ()) -> CommandResult:
+        """Run `/bin/sh -c command` in a fresh jail with cwd /workspace; never raises for the command.
+
+        `pass_fds`: host descriptors the command inherits at the same numbers, for a channel that is
+        not its output (grading's report file). bwrap's init inside the jail does not keep them; the
+        shell does, so a command that must be their only holder starts with `exec`."""
         if not self._finalizer.alive:
             raise SandboxError(f"sandbox {self.workspace.name} is closed; create a new one")
         cfg = self.config
@@ -313,6 +317,7 @@ class Sandbox:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 close_fds=True,
+                pass_fds=pass_fds,
                 start_new_session=True,  # our own process group, killed as a whole on timeout
                 env={},  # bwrap clears it anyway; and the child never reads a process-wide `environ`
             )
