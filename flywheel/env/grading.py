@@ -16,18 +16,28 @@ A `Grade` says two things, kept apart so that each field means one thing:
 
 Editing or deleting the visible tests gains nothing (the hidden tests are a superset of them)
 and costs `visible_tests_penalty`.
+
+How the verdict is made (the full design and its limits are in `testrun.py`'s docstring): the
+hidden tests run under a supervisor that runs no workspace code, forks one child per hidden test
+file and hands each test a random token that the child's runner writes back once the test returned.
+The supervisor writes the outcomes to a descriptor of an unlinked host file (not the command's
+output, which anything in the jail can write), and the verdict here counts them against the test
+names computed here from the hidden tests: a test that is missing, skipped, never reached or
+reported only in the output is a failure. tests/env/test_grading_forgery.py tries the forgeries.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
+import shlex
+import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
 from flywheel.env.sandbox import Sandbox, SandboxConfig, Snapshot
 from flywheel.env.task import Task
+from flywheel.env.testrun import defined_tests
 
 RUNNER_PATH = "run_tests.py"
 HIDDEN_DIR = "tests_hidden"
@@ -66,21 +76,42 @@ class Grade(BaseModel):
         return self.outcome.all_passed
 
 
-def grading_files(task: Task, final: Snapshot) -> tuple[dict[str, bytes], str]:
-    """The files of the grading workspace and the nonce its result line will carry."""
-    nonce = secrets.token_hex(16)
+def grading_files(task: Task, final: Snapshot) -> dict[str, bytes]:
+    """The files of the grading workspace: the final one, pristine runner, the hidden tests."""
     files = {p: b for p, b in final.files.items() if not p.startswith(HIDDEN_DIR + "/")}
     files[RUNNER_PATH] = RUNNER_SOURCE.encode()
     files.update({p: t.encode() for p, t in task.hidden_tests.items()})
-    files[".nonce"] = nonce.encode()
-    return files, nonce
+    return files
 
 
-def parse_result(output: str, nonce: str) -> dict | None:
-    for line in reversed(output.splitlines()):
-        if line.startswith(nonce + " "):
-            return json.loads(line[len(nonce) + 1 :])
-    return None
+def hidden_test_ids(task: Task) -> list[str]:
+    """`path::name` of every hidden test, computed from the task, never from the graded run."""
+    return [
+        f"{path}::{name}"
+        for path, source in sorted(task.hidden_tests.items())
+        for name in defined_tests(compile(source, path, "exec", dont_inherit=True))
+    ]
+
+
+def parse_report(data: bytes) -> dict[str, bool] | None:
+    """The supervisor's `{"tests": {id: passed}}`, or None when it wrote none (it died or timed out)."""
+    try:
+        tests = json.loads(data)["tests"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return tests if isinstance(tests, dict) else None
+
+
+def run_hidden_tests(box: Sandbox, task: Task, timeout_s: float):
+    """(command result, reported outcomes or None) of the hidden tests in `box`."""
+    paths = " ".join(shlex.quote(p) for p in sorted(task.hidden_tests))
+    with tempfile.TemporaryFile() as report:  # unlinked: nothing in the jail can open it by name
+        fd = report.fileno()
+        run = box.run(f"exec python3 -I -S {RUNNER_PATH} --report-fd {fd} {paths}", timeout_s=timeout_s,
+                      pass_fds=(fd,))
+        report.seek(0)
+        data = report.read()
+    return run, None if run.timed_out else parse_report(data)
 
 
 def visible_tests_modified(task: Task, final: Snapshot) -> bool:
@@ -96,12 +127,12 @@ def visible_tests_modified(task: Task, final: Snapshot) -> bool:
 def grade(task: Task, final: Snapshot, config: GradeConfig | None = None,
           sandbox_config: SandboxConfig | None = None) -> Grade:
     config = config or GradeConfig()
-    files, nonce = grading_files(task, final)
-    with Sandbox.create(files, sandbox_config) as box:
-        run = box.run(f"python3 -I {RUNNER_PATH} --nonce-file .nonce {HIDDEN_DIR}", timeout_s=config.timeout_s)
-    result = None if run.timed_out else parse_result(run.output, nonce)
-    passed = result["passed"] if result else 0
-    failed = result["failed"] if result else len(task.hidden_tests)
+    with Sandbox.create(grading_files(task, final), sandbox_config) as box:
+        run, reported = run_hidden_tests(box, task, config.timeout_s)
+    ids = hidden_test_ids(task)
+    tests = {test: reported.get(test) is True for test in ids} if reported is not None else {}
+    passed = sum(tests.values())
+    failed = len(ids) - passed
     total = passed + failed
     frac = passed / total if total else 0.0
     all_passed = float(total > 0 and failed == 0)
@@ -118,6 +149,6 @@ def grade(task: Task, final: Snapshot, config: GradeConfig | None = None,
                             visible_tests_modified=bool(modified)),
         passed=passed,
         failed=failed,
-        tests=result["tests"] if result else {},
-        log="" if result else run.render()[-2000:],
+        tests=tests,
+        log="" if reported is not None else run.render()[-2000:],
     )

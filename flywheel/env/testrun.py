@@ -3,25 +3,60 @@
 Why not pytest: sandboxes see only the system interpreter, and a grading run must start in
 tens of milliseconds. Test files are `test_*.py` modules with `test_*` functions that assert.
 
-    python3 run_tests.py tests                                    # the agent: a readable summary
-    python3 -I run_tests.py --nonce-file .nonce tests_hidden      # the grader
+    python3 run_tests.py tests                                          # the agent: a readable summary
+    exec python3 -I -S run_tests.py --report-fd 3 tests_hidden/test_x.py # the grader (grading.py)
 
-When graded, the runner reads a one-time nonce from a file and deletes the file before any
-workspace code is imported (an environment variable would stay readable in /proc/self/environ).
-Everything the code under test writes to stdout and stderr, at the file-descriptor level, goes
-to /dev/null; the runner then prints one line `<nonce> {json}` with the per-test results. So
-output of the code under test can neither pose as the result nor push it out of the captured
-output. The workspace directory is appended to the end of `sys.path`, so a workspace file named
-like a standard module (`json.py`) cannot shadow the runner's own imports. Not covered: code
-that deliberately inspects the runner's own memory (its frames) to find the nonce.
+The agent's mode imports each test file and prints what failed. The grader's mode is built so that
+the code under test can neither write nor impersonate the verdict:
+
+    host (grading.py) --fd 3, an unlinked file--> supervisor (this file, `--report-fd`)
+                                                     | fork per hidden test file, fd 3 closed first
+                                                     v
+                                                  child: imports the workspace, runs the tests;
+                                                  after each test that returned it reads that test's
+                                                  token from its pipe and writes it back
+
+- The supervisor runs no workspace code: `-I -S` keeps the workspace off `sys.path` and skips
+  `site` (so a planted `sitecustomize.py` or `.pth` never runs), and it reads and compiles every
+  hidden test before the first child starts, so deleting or rewriting them later changes nothing.
+- It makes itself non-dumpable (prctl PR_SET_DUMPABLE 0): its memory and descriptors under
+  /proc/<pid> and ptrace are closed to every other process of the jail, though they run as the
+  same user. So the report descriptor, which only it holds (the command starts with `exec`, and
+  bwrap's init does not keep it), is out of the children's reach. The jail's output is no channel:
+  any process of the jail can write to it (bwrap's init holds it at /proc/1/fd/1), so the grader
+  keeps it as a log only.
+- A test counts as passed only when its child writes back the test's token: 16 random bytes made
+  after the fork, so they are in no memory the child inherited. Printing, exiting at import
+  (`os._exit(0)`, `sys.exit`), killing the supervisor, skipping or never reaching a test: no token,
+  a failure. The grader counts the outcomes against the test names it computes itself from the
+  hidden tests (`defined_tests`), so a test that is missing from the report is a failure too.
+- Each child installs an audit hook (PEP 578; it cannot be removed) before importing workspace
+  code. It refuses `sys.settrace`/`sys.setprofile` (a tracer can jump past a failing assert),
+  replacing a function's `__code__`, ctypes, and opening the /proc entries of processes (memory
+  writes through /proc/self/mem). A test function runs only if it is still the function its file
+  defined (same code object, same globals), and the child binds the builtins it uses before the
+  workspace can patch them.
+
+What it does not protect against, inside a child (the workspace code runs in the same process as
+the tests that check it):
+- code that reads its own descriptors to find the token pipe and echoes what it reads; the tokens
+  are random, so this takes reading the protocol, not guessing it.
+- results that lie about themselves: an object whose `__eq__` always holds passes `==` asserts.
+- deliberate work-arounds of the audit hook, which is CPython's monitoring, not a sandbox (a
+  path object that names another file each time it is asked slips past the /proc check).
+The first two would take running the assertions in a process apart from the code they check.
+
+Both modes append the workspace to the end of `sys.path`, so a workspace file named like a
+standard module (`json.py`) cannot shadow the runner's own imports. In the grader's mode a test
+is a plain top-level `def test_*`: a decorated one is not the function its code defines and fails.
+Measured with `bench/sandbox.py` (grading): within about 1.1x of one plain in-process run of the
+same hidden tests in a fresh sandbox; the nonce-line design it replaced was about 1.0x.
 This file must keep to the standard library: it is copied into workspaces verbatim.
 """
 
-import importlib.util
 import json
 import os
 import sys
-import traceback
 
 
 def discover(targets):
@@ -40,6 +75,9 @@ def discover(targets):
 
 def run_file(path):
     """Import one test file and run its test functions; yields (name, passed, message)."""
+    import importlib.util
+    import traceback
+
     module_name = "flywheel_test_" + os.path.splitext(os.path.basename(path))[0]
     try:
         spec = importlib.util.spec_from_file_location(module_name, path)
@@ -63,32 +101,140 @@ def run_file(path):
             yield path + "::" + name, True, ""
 
 
-def read_nonce(argv):
-    """Take `--nonce-file PATH` out of argv; return (nonce or None, remaining argv)."""
-    if "--nonce-file" not in argv:
-        return None, argv
-    i = argv.index("--nonce-file")
-    path = argv[i + 1]
-    with open(path) as f:
-        nonce = f.read().strip()
-    os.unlink(path)
-    return nonce, argv[:i] + argv[i + 2 :]
+TOKEN_BYTES = 16
+PR_SET_DUMPABLE = 4
 
 
-def silence_output():
-    """Send fds 1 and 2 to /dev/null; return a private duplicate of the original stdout."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    real_stdout = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    return real_stdout
+def defined_tests(code):
+    """The `test_*` functions a compiled test file defines at top level, in the order they run."""
+    return sorted({c.co_name for c in code.co_consts if isinstance(c, type(code)) and c.co_name.startswith("test_")})
+
+
+def make_undumpable():
+    """Close this process's /proc entries and ptrace to the other processes of the jail."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed; the grader needs Linux")
+
+
+def supervise(report_fd, paths):
+    """The grader's mode: run each hidden test file in a child and write {"tests": {name: passed}}."""
+    make_undumpable()
+    suites = []
+    for path in paths:  # all read and compiled before any workspace code runs
+        with open(path, "rb") as f:
+            suites.append((path, compile(f.read(), path, "exec", dont_inherit=True)))
+    workspace = os.getcwd()
+    results = {}
+    for path, code in suites:
+        passed = run_suite_in_child(path, code, report_fd, workspace)
+        results.update({path + "::" + name: name in passed for name in defined_tests(code)})
+    record = json.dumps({"tests": results}).encode()
+    while record:
+        record = record[os.write(report_fd, record) :]
+    return 0
+
+
+def run_suite_in_child(path, code, report_fd, workspace):
+    """Fork a child that runs one test file; return the names of the tests whose token came back."""
+    tokens_r, tokens_w = os.pipe()
+    echo_r, echo_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(report_fd)
+            os.close(tokens_w)
+            os.close(echo_r)
+            run_suite(path, code, tokens_r, echo_w, workspace)
+        finally:
+            os._exit(0)
+    os.close(tokens_r)
+    os.close(echo_w)
+    # Made after the fork: the child's memory never held them.
+    tokens = {os.urandom(TOKEN_BYTES).hex(): name for name in defined_tests(code)}
+    try:
+        os.write(tokens_w, "".join(tokens).encode())  # 32 bytes a test: far under a pipe's 64 KiB
+    except BrokenPipeError:
+        pass  # the child is gone already: nothing came back
+    os.close(tokens_w)
+    echoed = bytearray()
+    while chunk := os.read(echo_r, 1 << 16):
+        echoed += chunk
+    os.close(echo_r)
+    os.waitpid(pid, 0)
+    return {tokens[t] for t in echoed.decode("ascii", "replace").split("\n") if t in tokens}
+
+
+def run_suite(path, code, tokens_r, echo_w, workspace):
+    """In the child: import the test file from the compiled code and run its tests, echoing tokens."""
+    # Bound now: once workspace code runs, module attributes and builtins may be patched.
+    read, write, length, type_of, base_exception = os.read, os.write, len, type, BaseException
+    function_type = type_of(run_suite)
+    names = defined_tests(code)
+    expected = {c.co_name: c for c in code.co_consts if isinstance(c, type_of(code))}
+    for name in [m for m in sys.modules if m in ("ctypes", "_ctypes") or m.startswith("ctypes.")]:
+        del sys.modules[name]  # the supervisor's prctl loaded them; importing them again is refused
+    sys.addaudithook(refuse_tampering)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # output of the code under test goes nowhere anyone reads
+        os.dup2(devnull, fd)
+    sys.path.append(workspace)
+    module_name = "flywheel_test_" + os.path.splitext(os.path.basename(path))[0]
+    module = type_of(sys)(module_name)
+    module.__file__ = path
+    namespace = module.__dict__
+    sys.modules[module_name] = module
+    try:
+        exec(code, namespace)
+        imported = True
+    except base_exception:
+        imported = False
+    for name in names:
+        passed = False
+        func = namespace.get(name) if imported else None
+        if type_of(func) is function_type and func.__code__ is expected[name] and func.__globals__ is namespace:
+            try:
+                func()
+                passed = True
+            except base_exception:
+                pass
+        token = b""
+        while length(token) < 2 * TOKEN_BYTES:
+            chunk = read(tokens_r, 2 * TOKEN_BYTES - length(token))
+            if not chunk:
+                return
+            token += chunk
+        if passed:
+            write(echo_w, token + b"\n")
+
+
+def is_process_entry(path):
+    """Whether a resolved path leads into /proc/<pid>/ (self and thread-self resolve there)."""
+    parts = path.split("/")
+    return parts[1:2] == ["proc"] and parts[2:3] != [] and parts[2].isdigit()
+
+
+def refuse_tampering(event, args, realpath=os.path.realpath, fsdecode=os.fsdecode, in_proc=is_process_entry,
+                     error=RuntimeError):
+    """Audit hook of a grading child: refuse the means to change how a test's outcome is observed.
+
+    What it calls is bound as defaults (and setting `__defaults__` is refused), so patching `os`,
+    this module or the builtins does not change what it checks."""
+    if (
+        event.startswith("ctypes.")
+        or event in ("sys.settrace", "sys.setprofile")
+        or (event == "import" and args[0] in ("ctypes", "_ctypes"))
+        or (event == "object.__setattr__" and args[1] in ("__code__", "__defaults__", "__kwdefaults__"))
+        or (event == "open" and args[0].__class__ is not int and in_proc(realpath(fsdecode(args[0]))))
+    ):
+        raise error(f"{event} is not allowed while the hidden tests run")
 
 
 def main(argv):
-    nonce, argv = read_nonce(argv)
-    real_stdout = silence_output() if nonce is not None else None
+    if argv[:1] == ["--report-fd"]:
+        return supervise(int(argv[1]), argv[2:])
     targets = argv or ["tests"]
     workspace = os.getcwd()
     if workspace not in sys.path:
@@ -98,10 +244,6 @@ def main(argv):
         results.extend(run_file(path))
     passed = sum(1 for _, ok, _ in results if ok)
     failed = len(results) - passed
-    if nonce is not None:
-        record = {"passed": passed, "failed": failed, "tests": {name: ok for name, ok, _ in results}}
-        os.write(real_stdout, ("\n" + nonce + " " + json.dumps(record) + "\n").encode())
-        return 0
     for name, ok, message in results:
         if not ok:
             print("FAILED " + name)

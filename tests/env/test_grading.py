@@ -107,3 +107,23 @@ def test_hidden_tests_are_not_in_the_episode_workspace():
         assert not any(p.startswith("tests_hidden/") for p in task.files)
         with Sandbox.create(task.files) as box:
             assert box.run("ls tests_hidden").exit_code != 0
+
+
+def test_the_agents_run_tests_still_prints_a_readable_summary():
+    with Sandbox.create(TASK.files) as box:
+        broken = box.run(TASK.test_command)
+        box.write_text("mathy.py", "def double(x):\n    return 2 * x\n")
+        fixed = box.run(TASK.test_command)
+    assert broken.exit_code == 1 and "FAILED tests/test_mathy.py::test_two" in broken.output
+    assert "assert double(2) == 4" in broken.output and broken.output.rstrip().endswith("0 passed, 1 failed")
+    assert fixed.exit_code == 0 and fixed.output.strip() == "1 passed, 0 failed"
+
+
+def test_deleting_the_hidden_tests_while_they_run_changes_nothing():
+    # The supervisor read and compiled them before any workspace code ran, and the grader lists the
+    # tests itself: each one is in `tests`, graded on its merits.
+    remover = "import os\nos.remove('tests_hidden/test_mathy.py')\n" + SOLUTION_STUB
+    result = grade(TASK, final_with({"mathy.py": remover}))
+    assert sorted(result.tests) == [f"tests_hidden/test_mathy.py::{n}" for n in ("test_negative", "test_two", "test_zero")]
+    assert result.tests["tests_hidden/test_mathy.py::test_zero"] is True  # double(0) == 0 holds for the stub
+    assert (result.passed, result.failed) == (1, 2)

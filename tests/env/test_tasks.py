@@ -1,15 +1,14 @@
 """Task families: every task is solvable by its reference edits and unsolved without them.
 
 Hidden tests run the way the grader runs them: the workspace in a temp dir, hidden tests copied
-in, `python3 -I run_tests.py --nonce-file .nonce tests_hidden` with a one-time nonce, and the
-`<nonce> {json}` line parsed. Runs go through a thread pool of subprocesses so the file stays well under a minute.
+in, `python3 -I -S run_tests.py --report-fd N <hidden test files>` with N an unlinked file, and the
+`{"tests": ...}` report read back from it. Runs go through a thread pool of subprocesses so the file stays well under a minute.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -50,13 +49,16 @@ def run_tests(files: dict[str, str], targets: tuple[str, ...] = ("tests_hidden",
             dest = Path(root, path)
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(text)
-        nonce = secrets.token_hex(16)
-        Path(root, ".nonce").write_text(nonce)
-        proc = subprocess.run([PYTHON, "-I", "run_tests.py", "--nonce-file", ".nonce", *targets], cwd=root,
-                              env={"PATH": os.environ.get("PATH", "")}, capture_output=True, text=True, timeout=60)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(nonce + " ")]
-    assert len(lines) == 1, f"no result line; stdout={proc.stdout[-2000:]!r} stderr={proc.stderr[-2000:]!r}"
-    return json.loads(lines[0][len(nonce) + 1:])["tests"]
+        paths = sorted(p for p in files if p.startswith(tuple(t + "/" for t in targets)) and is_test_path(p))
+        with tempfile.TemporaryFile() as report:
+            fd = report.fileno()
+            proc = subprocess.run([PYTHON, "-I", "-S", "run_tests.py", "--report-fd", str(fd), *paths], cwd=root,
+                                  env={"PATH": os.environ.get("PATH", "")}, capture_output=True, text=True,
+                                  timeout=60, pass_fds=(fd,))
+            report.seek(0)
+            data = report.read()
+    assert data, f"no report; stdout={proc.stdout[-2000:]!r} stderr={proc.stderr[-2000:]!r}"
+    return json.loads(data)["tests"]
 
 
 def run_many(jobs: list[tuple[dict[str, str], tuple[str, ...]]]) -> list[dict[str, bool]]:
