@@ -222,22 +222,22 @@ def test_replacing_the_hidden_test_functions_after_they_are_defined():
         "    return x + 1\n"
         "double = slow\n"
     )
-    with Sandbox.create({**TASK.files, "mathy.py": BROKEN}) as box:
-        box.write_text("mathy.py", attack)
-        assert_scores_zero(grade(TASK, box.snapshot()))
+    assert_scores_zero(graded({"mathy.py": attack}))
 
 
-def test_a_tracer_that_jumps_past_failing_asserts():
+def test_a_tracer_that_rewrites_the_runners_verdict():
+    # A trace function may write the locals of the frame it traces: it marks every test passed.
     attack = (
         "import sys\n"
-        "def tracer(frame, event, arg):\n"
-        "    if frame.f_code.co_name.startswith('test_'):\n"
-        "        def local(frame, event, arg):\n"
-        "            if event == 'line' and frame.f_lineno != frame.f_code.co_firstlineno + 2:\n"
-        "                frame.f_lineno = frame.f_code.co_firstlineno + 2\n"
-        "            return local\n"
-        "        return local\n"
-        "sys.settrace(tracer)\n"
+        "def rewrite(frame, event, arg):\n"
+        "    if 'passed' in frame.f_locals:\n"
+        "        frame.f_locals['passed'] = True\n"
+        "    return rewrite\n"
+        "frame = sys._getframe()\n"
+        "while frame is not None:\n"
+        "    frame.f_trace = rewrite\n"
+        "    frame = frame.f_back\n"
+        "sys.settrace(lambda frame, event, arg: rewrite)\n"
     )
     assert_scores_zero(graded(with_attack(attack)))
 
