@@ -56,7 +56,7 @@ class TestOutcome(BaseModel):
     """What the hidden tests found: counts and indicators, never summed into a reward."""
 
     __test__ = False  # a record, not a pytest test class
-    tests_passed_frac: float  # 0 when the run timed out or printed no result
+    tests_passed_frac: float  # 0 when the run timed out or the supervisor wrote no report
     all_passed: bool
     timed_out: bool
     visible_tests_modified: bool

@@ -55,7 +55,7 @@ def graded(files: dict[str, str], solution: str = BROKEN):
 
 def assert_scores_zero(result) -> None:
     assert result.reward == 0.0 and result.passed == 0 and result.failed == 3, result
-    assert result.parts["all_passed"] == 0.0 and result.parts["tests_passed_frac"] == 0.0
+    assert not result.outcome.all_passed and result.outcome.tests_passed_frac == 0.0
 
 
 def with_attack(attack: str) -> dict[str, str]:
