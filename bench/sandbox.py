@@ -25,7 +25,8 @@ from flywheel.env.families import FAMILIES, generate
 from flywheel.env.grading import HIDDEN_DIR, RUNNER_PATH, grade
 from flywheel.env.sandbox import INTERPRETER_DIR, SANDBOX_UID, Sandbox, SandboxConfig, Snapshot
 from flywheel.env.task import Task
-from flywheel.env.tools import Toolbox, ToolCall, _rg
+from flywheel.env.tools import Toolbox, _rg
+from flywheel.env.toolspec import ToolCall
 
 FILES = {
     "main.py": "print('hi')\n",

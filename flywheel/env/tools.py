@@ -1,7 +1,8 @@
 """The agent's tools, as it has them in production: read, list, grep, semantic search, edit, run, finish.
 
-Each tool has a JSON schema in OpenAI function-calling form (`TOOL_SCHEMAS`). A `Toolbox` runs one
-turn's calls against one sandbox:
+The contract (the schemas, `ToolCall`, `ToolResult`, argument validation) is in
+`flywheel.env.toolspec`, which does not import the sandbox. A `Toolbox` runs one turn's calls
+against one sandbox:
 
 - A tool error (missing file, ambiguous edit, path outside the workspace, bad arguments) is a
   result the model sees, never an exception that ends the episode. Only a failure of the sandbox
@@ -26,16 +27,15 @@ import subprocess
 import sysconfig
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from flywheel.env.sandbox import PathEscapeError, Sandbox
 from flywheel.env.semantic import SemanticIndex
+from flywheel.env.toolspec import ToolCall, ToolResult, validate_arguments
 
 
 class ToolConfig(BaseModel):
@@ -49,136 +49,6 @@ class ToolConfig(BaseModel):
     # closest paths), as an editor's "did you mean" does: the agent's next move is then a copy
     # from the last message rather than a search. 0: the bare error.
     missing_path_hints: int = 3
-
-
-def _schema(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description,
-            "parameters": {
-                "type": "object",
-                "properties": properties,
-                "required": required,
-                "additionalProperties": False,
-            },
-        },
-    }
-
-
-_PATH = {"type": "string", "description": "Path relative to the workspace root."}
-TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
-    s["function"]["name"]: s
-    for s in [
-        _schema(
-            "read_file",
-            "Read a text file, optionally only lines start_line..end_line (1-based, inclusive).",
-            {"path": _PATH, "start_line": {"type": "integer"}, "end_line": {"type": "integer"}},
-            ["path"],
-        ),
-        _schema(
-            "list_dir",
-            "List files and folders (two levels deep).",
-            {"path": {"type": "string", "description": "Folder relative to the workspace root; default '.'."}},
-            [],
-        ),
-        _schema(
-            "grep",
-            "Search file contents with a regular expression (ripgrep syntax).",
-            {
-                "pattern": {"type": "string"},
-                "path": {"type": "string", "description": "Folder or file to search; default '.'."},
-                "glob": {"type": "string", "description": "Only files matching this glob, e.g. '*.py'."},
-            },
-            ["pattern"],
-        ),
-        _schema(
-            "semantic_search",
-            "Find the code most related in meaning to a natural-language query.",
-            {"query": {"type": "string"}, "top_k": {"type": "integer"}},
-            ["query"],
-        ),
-        _schema(
-            "edit_file",
-            "Replace one exact, unique snippet `old` of a file by `new`; with `old` empty, create the file.",
-            {"path": _PATH, "old": {"type": "string"}, "new": {"type": "string"}},
-            ["path", "old", "new"],
-        ),
-        _schema(
-            "run_command",
-            "Run a shell command in the workspace (no network) and return its output and exit code.",
-            {"command": {"type": "string"}},
-            ["command"],
-        ),
-        _schema(
-            "finish",
-            "End the task, with a short summary of what was done.",
-            {"summary": {"type": "string"}},
-            [],
-        ),
-    ]
-}
-
-_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
-    "string": str, "integer": int, "number": (int, float), "object": dict, "boolean": bool, "array": list,
-    "null": type(None),
-}
-
-
-def validate_arguments(name: str, arguments: Any, schemas: Mapping[str, dict[str, Any]] | None = None) -> str | None:
-    """The reason a call's arguments do not fit its tool's schema, or None when they do.
-
-    `schemas` (OpenAI function-calling form, by name) defaults to the agent's own tools; the server
-    passes the tools a request declared. Checked: required arguments, the JSON type of each argument
-    that declares one, and unknown arguments where `additionalProperties` is false (ours all are).
-    """
-    schemas = TOOL_SCHEMAS if schemas is None else schemas
-    if name not in schemas:
-        return f"unknown tool {name!r}; the tools are: {', '.join(schemas) or '(none declared)'}"
-    if not isinstance(arguments, dict):
-        return f"arguments of {name} must be a JSON object, got {type(arguments).__name__}"
-    params = schemas[name]["function"].get("parameters") or {}
-    properties = params.get("properties") or {}
-    missing = [k for k in params.get("required", []) if k not in arguments]
-    if missing:
-        return f"{name} is missing required argument(s): {', '.join(missing)}"
-    for key, value in arguments.items():
-        spec = properties.get(key)
-        if spec is None:
-            if params.get("additionalProperties", True) is False:
-                return f"{name} has no argument {key!r}; it takes: {', '.join(properties)}"
-            continue
-        expected = _JSON_TYPES.get(spec.get("type")) if isinstance(spec, dict) and isinstance(spec.get("type"), str) else None
-        if expected is None:  # no type, a union of types, or a keyword we do not check
-            continue
-        if not isinstance(value, expected) or (expected in (int, (int, float)) and isinstance(value, bool)):
-            return f"argument {key!r} of {name} must be a {spec['type']}, got {type(value).__name__}"
-    return None
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call as the model wrote it. `error` is set when the call was malformed (bad JSON,
-    unknown tool, wrong arguments): it is still a call, answered with the error, never dropped."""
-
-    id: str
-    name: str
-    arguments: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-
-    @property
-    def valid(self) -> bool:
-        return self.error is None
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    call_id: str
-    name: str
-    content: str
-    ok: bool
-    duration_s: float
 
 
 class ToolError(Exception):

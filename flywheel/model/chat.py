@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flywheel.env.tools import TOOL_SCHEMAS, ToolCall, validate_arguments
+from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall, validate_arguments
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"

@@ -23,7 +23,8 @@ from flywheel.env.families.functions import PACKAGES
 from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import Sandbox, Snapshot
 from flywheel.env.task import Task
-from flywheel.env.tools import Toolbox, ToolCall, ToolResult
+from flywheel.env.tools import Toolbox
+from flywheel.env.toolspec import ToolCall, ToolResult
 from flywheel.model.chat import SYSTEM_PROMPT, openai_tool_call
 from flywheel.rl.bootstrap import BootstrapConfig, train_tasks
 

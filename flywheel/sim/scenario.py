@@ -64,7 +64,7 @@ from flywheel.config import read_toml
 from flywheel.env.families.workspace import Draft, to_task
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
-from flywheel.env.tools import ToolCall
+from flywheel.env.toolspec import ToolCall
 from flywheel.live.cycle import LiveConfig, LiveCycle, ServerControl
 from flywheel.live.records import Completion
 from flywheel.live.rewards import RewardConfig, made_edit

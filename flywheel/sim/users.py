@@ -67,7 +67,8 @@ from flywheel.env.grading import GradeConfig, grade
 from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import SandboxError, Snapshot
 from flywheel.env.task import JUST_DO_IT, Split, Task
-from flywheel.env.tools import Toolbox, ToolCall, validate_arguments
+from flywheel.env.tools import Toolbox
+from flywheel.env.toolspec import ToolCall, validate_arguments
 from flywheel.live.records import EventType
 from flywheel.live.rewards import EDIT_TOOLS
 from flywheel.model.chat import SYSTEM_PROMPT, tool_schemas

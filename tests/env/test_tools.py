@@ -5,16 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flywheel.env.sandbox import Sandbox
-from flywheel.env.tools import (
-    TOOL_SCHEMAS,
-    Toolbox,
-    ToolCall,
-    ToolConfig,
-    _conflicts,
-    _launch_order,
-    similar_paths,
-    validate_arguments,
-)
+from flywheel.env.tools import Toolbox, ToolConfig, _conflicts, _launch_order, similar_paths
+from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall, validate_arguments
 
 FILES = {
     "pkg/__init__.py": "",

@@ -26,7 +26,7 @@ from tiny_serving import make_registry
 from flywheel.config import load_config
 from flywheel.env.grading import grade
 from flywheel.env.pool import PoolConfig, SandboxPool
-from flywheel.env.tools import ToolCall
+from flywheel.env.toolspec import ToolCall
 from flywheel.live.deploy import Deployment, Router
 from flywheel.live.monitors import Monitor, MonitorConfig
 from flywheel.live.rewards import RewardDistiller
