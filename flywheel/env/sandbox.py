@@ -58,7 +58,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -258,6 +258,11 @@ class Sandbox:
         return self.workspace.joinpath(*parts)
 
     def read_text(self, rel: str) -> str:
+        return self.read_bytes(rel).decode("utf-8", errors="replace")
+
+    def read_bytes(self, rel: str) -> bytes:
+        """The bytes of regular file `rel`. Opened non-blocking, so a FIFO is refused (EINVAL)
+        instead of waiting for a writer; a socket cannot be opened at all (ENXIO)."""
         path = self.resolve(rel)
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
@@ -270,7 +275,7 @@ class Sandbox:
                 data = f.read()
         finally:
             os.close(fd)
-        return data.decode("utf-8", errors="replace")
+        return data
 
     def write_text(self, rel: str, text: str) -> None:
         self._write_bytes(self.resolve(rel), text.encode(), 0o644)
@@ -415,29 +420,25 @@ class Sandbox:
         self._initial = snap
 
     def snapshot(self) -> Snapshot:
+        """The workspace's files, folders and symlinks, as far as `walk_workspace` reaches: FIFOs,
+        sockets and whatever lies deeper than a host path can name are not part of its state, so
+        `restore(snapshot())` always succeeds."""
         files: dict[str, bytes] = {}
         modes: dict[str, int] = {}
         dirs: list[str] = []
         links: dict[str, str] = {}
-        stack = [""]
-        while stack:
-            rel_dir = stack.pop()
-            with os.scandir(self.workspace / rel_dir) as entries:
-                for entry in sorted(entries, key=lambda e: e.name):
-                    rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-                    st = entry.stat(follow_symlinks=False)
-                    if stat.S_ISLNK(st.st_mode):
-                        links[rel] = os.readlink(entry.path)
-                    elif stat.S_ISDIR(st.st_mode):
-                        dirs.append(rel)
-                        stack.append(rel)
-                    elif stat.S_ISREG(st.st_mode):
-                        fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                        with os.fdopen(fd, "rb") as f:
-                            files[rel] = f.read()
-                        modes[rel] = stat.S_IMODE(st.st_mode)
-                    # fifos, sockets and devices are not part of a workspace's state
-        dirs.sort(key=lambda d: d.count("/"))
+        for rel, st in walk_workspace(self.workspace):
+            path = self.workspace / rel
+            if stat.S_ISLNK(st.st_mode):
+                links[rel] = os.readlink(path)
+            elif stat.S_ISDIR(st.st_mode):
+                dirs.append(rel)
+            elif stat.S_ISREG(st.st_mode):
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with os.fdopen(fd, "rb") as f:
+                    files[rel] = f.read()
+                modes[rel] = stat.S_IMODE(st.st_mode)
+        dirs.sort(key=lambda d: (d.count("/"), d))  # parents before children
         return Snapshot(
             MappingProxyType(files), MappingProxyType(modes), tuple(dirs), MappingProxyType(links)
         )
@@ -465,12 +466,12 @@ class Sandbox:
 
     def _clear(self) -> None:
         with os.scandir(self.workspace) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    # rmtree works through directory fds, so a symlink swapped in mid-way is not followed.
-                    shutil.rmtree(entry.path, onerror=_make_removable)
-                else:
-                    os.unlink(entry.path)
+            names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        for name, is_dir in names:
+            if is_dir:
+                _remove_tree(self.workspace, name)
+            else:
+                os.unlink(self.workspace / name)
 
     def close(self) -> None:
         """Kill a running command, unmount and delete the workspace. Idempotent."""
@@ -491,6 +492,95 @@ class Sandbox:
 
     def __repr__(self) -> str:
         return f"Sandbox({self.workspace.name}{', closed' if self.closed else ''})"
+
+
+# ---- walking and clearing a workspace ------------------------------------------------------------
+
+_PATH_MAX = 4096  # Linux's limit on a path given to a system call, its terminating NUL included
+_OPEN_DEPTH = 64  # directory fds `_remove_tree` holds at once; deeper folders are moved up first
+
+
+def walk_workspace(
+    root: Path, skip_dir: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, os.stat_result]]:
+    """Every entry under `root` as (path relative to root, lstat result), each folder's entries
+    sorted by name and yielded before anything below them.
+
+    Symlinks are reported, never followed. Iterative, so any depth is walked without recursion
+    (os.walk recurses once per level in Python 3.11 and a sandbox can nest thousands of folders).
+    Entries whose host path would reach PATH_MAX are left out, as are folders that cannot be
+    listed: no host tool could open them by path either. `skip_dir(name)` prunes folders by name.
+    """
+    pending = [""]
+    while pending:
+        rel_dir = pending.pop()
+        try:
+            with os.scandir(root / rel_dir) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            continue
+        below: list[str] = []
+        for entry in entries:
+            if len(os.fsencode(entry.path)) >= _PATH_MAX:
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+            yield rel, st
+            if stat.S_ISDIR(st.st_mode) and not (skip_dir and skip_dir(entry.name)):
+                below.append(rel)
+        pending.extend(reversed(below))
+
+
+def _remove_tree(parent: Path, name: str) -> None:
+    """Delete folder `parent/name` and everything in it, however deep, through directory fds.
+
+    Symlinks are unlinked, never followed, and a path is never longer than one name, so neither a
+    planted link nor a tree deeper than PATH_MAX stops it (shutil.rmtree recurses once per level).
+    At most `_OPEN_DEPTH` fds are held: a folder deeper than that is first renamed up to `parent`
+    and emptied from there. Folders the sandbox made unreadable (chmod 000) are opened up first.
+    """
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    top = os.open(parent, flags)
+    fds: list[int] = []  # the folder being removed, then each open folder below it: a path of fds
+    try:
+        queue = [name]
+        while queue:
+            names = [queue.pop()]
+            fds.append(_open_dir(names[0], top, flags))
+            while fds:
+                fd = fds[-1]
+                child = None
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        if entry.is_dir(follow_symlinks=False):
+                            child = entry.name
+                            break
+                        os.unlink(entry.name, dir_fd=fd)
+                if child is None:
+                    os.close(fds.pop())
+                    os.rmdir(names.pop(), dir_fd=fds[-1] if fds else top)
+                elif len(fds) < _OPEN_DEPTH:
+                    fds.append(_open_dir(child, fd, flags))
+                    names.append(child)
+                else:
+                    moved = f".flywheel-removing-{secrets.token_hex(8)}"
+                    os.rename(child, moved, src_dir_fd=fd, dst_dir_fd=top)
+                    queue.append(moved)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        os.close(top)
+
+
+def _open_dir(name: str, dir_fd: int, flags: int) -> int:
+    """Open a folder to empty it. Root needs no permission bits; any other host user opens up
+    what the sandbox chmod'ed to 000 or 500 first, as it owns those folders."""
+    if not _is_root():
+        os.chmod(name, 0o700, dir_fd=dir_fd)  # a folder (the caller lstat-ed it); nothing runs meanwhile
+    return os.open(name, flags, dir_fd=dir_fd)
 
 
 # ---- running a command ---------------------------------------------------------------------------
@@ -547,22 +637,25 @@ class _OutputCollector:
         kept = bytes(self.head) + bytes(self.tail)
         if _looks_binary(kept):
             return f"[binary output: {self.total} bytes not shown]\n"
-        head = self.head.decode("utf-8", errors="replace")
+        head = _decode_output(self.head)
         if self.dropped == 0:
-            return kept.decode("utf-8", errors="replace")
-        tail = self.tail.decode("utf-8", errors="replace")
+            return _decode_output(kept)
+        tail = _decode_output(self.tail)
         sep = "" if head.endswith("\n") else "\n"
         return f"{head}{sep}[output cut: {self.dropped} more bytes]\n{tail}"
 
 
 def _looks_binary(data: bytes) -> bool:
-    if b"\0" in data:
-        return True
+    """Mostly not text: NUL bytes and bytes that are not UTF-8 over 15% of the first 8 kB. A few
+    NULs in text (`printf 'a\\0b'`, a C string in a log line) leave the output readable."""
     sample = data[:8192]
-    if not sample:
-        return False
-    bad = sample.decode("utf-8", errors="replace").count("\ufffd")
-    return bad > 0.3 * len(sample) / 2
+    bad = sample.decode("utf-8", errors="replace").count("\ufffd") + sample.count(b"\0")
+    return bad > max(4, 0.15 * len(sample))
+
+
+def _decode_output(data: bytes | bytearray) -> str:
+    # A NUL is shown as the two characters \0: text never holds one, and many readers stop at it.
+    return bytes(data).decode("utf-8", errors="replace").replace("\0", "\\0")
 
 
 def _pump(proc: subprocess.Popen[bytes], collector: _OutputCollector, deadline: float) -> bool:

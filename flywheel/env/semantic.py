@@ -11,12 +11,14 @@ Files are cut into overlapping windows of lines; a hit names its path and line r
 from __future__ import annotations
 
 import functools
-import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from flywheel.env.sandbox import walk_workspace
 
 CHUNK_LINES = 24  # long enough to hold a small function; short enough that the hit points somewhere
 CHUNK_OVERLAP = 8
@@ -82,6 +84,14 @@ def chunk_lines(text: str) -> list[tuple[int, int, str]]:
     return spans
 
 
+def _is_text(name: str) -> bool:
+    try:
+        name.encode("utf-8")  # a file name that is not UTF-8 comes back with lone surrogates
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class SemanticIndex:
     """Embeddings of one workspace's text files, refreshed incrementally before each query."""
 
@@ -93,15 +103,12 @@ class SemanticIndex:
 
     def _scan(self) -> dict[str, tuple[int, int]]:
         found = {}
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
-            for name in filenames:
-                path = Path(dirpath, name)
-                if path.suffix not in TEXT_SUFFIXES or path.is_symlink():
-                    continue
-                st = path.stat()
-                if st.st_size <= MAX_FILE_BYTES:
-                    found[str(path.relative_to(self.root))] = (st.st_size, st.st_mtime_ns)
+        # Regular files only: a FIFO named x.py would block the read, a socket cannot be opened. And
+        # names that are UTF-8: the path is embedded with the text, and the tokenizer takes only text.
+        for rel, st in walk_workspace(self.root, skip_dir=lambda d: d.startswith(".") or d == "__pycache__"):
+            if stat.S_ISREG(st.st_mode) and Path(rel).suffix in TEXT_SUFFIXES and st.st_size <= MAX_FILE_BYTES:
+                if _is_text(rel):
+                    found[rel] = (st.st_size, st.st_mtime_ns)
         return found
 
     def refresh(self) -> None:

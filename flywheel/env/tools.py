@@ -4,9 +4,16 @@ The contract (the schemas, `ToolCall`, `ToolResult`, argument validation) is in
 `flywheel.env.toolspec`, which does not import the sandbox. A `Toolbox` runs one turn's calls
 against one sandbox:
 
-- A tool error (missing file, ambiguous edit, path outside the workspace, bad arguments) is a
-  result the model sees, never an exception that ends the episode. Only a failure of the sandbox
-  itself (`SandboxError`) propagates, so the episode can be marked `sandbox_error`.
+- Every call becomes a result or a tool error the model sees, never an exception that ends the
+  episode and never a wait without end. Tool errors: a missing file, an ambiguous edit, a path
+  outside the workspace, bad arguments (also strings no path or command can hold: NUL bytes, lone
+  surrogates, over-long ones), a FIFO or socket where a file is expected, a file that is not UTF-8
+  given to `edit_file`. Any other exception inside a tool is a bug; it is logged and answered as
+  that call's failure (`ok=False`, counted like a refused call) and the turn goes on. Only a
+  failure of the sandbox itself (`SandboxError`) propagates, so the episode can be marked
+  `sandbox_error`.
+- Every result is UTF-8 text of at most `result_max_bytes`; `read_file` also stops at
+  `read_max_bytes`, so one line of megabytes is cut like a file of many lines.
 - Several calls in one turn run concurrently and come back in call order. A call waits only for
   the earlier calls it conflicts with: an edit of `a.py` waits for earlier reads and edits of
   `a.py`; a command (which may touch anything) and the directory-wide tools (list, grep,
@@ -20,9 +27,12 @@ that leave the workspace. Commands run inside the bwrap sandbox.
 from __future__ import annotations
 
 import difflib
+import errno
 import functools
+import logging
 import os
 import shutil
+import stat
 import subprocess
 import sysconfig
 import threading
@@ -33,7 +43,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from flywheel.env.sandbox import PathEscapeError, Sandbox
+from flywheel.env.sandbox import PathEscapeError, Sandbox, SandboxError, walk_workspace
 from flywheel.env.semantic import SemanticIndex
 from flywheel.env.toolspec import ToolCall, ToolResult, validate_arguments
 
@@ -41,6 +51,14 @@ from flywheel.env.toolspec import ToolCall, ToolResult, validate_arguments
 class ToolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     read_max_lines: int = 400  # longer files are cut (with a marker); the model can ask for a line range
+    # read_file also stops at this many bytes (at a line end when one fits): a minified or generated
+    # file can hold megabytes in one line, which a line cap lets through whole.
+    read_max_bytes: int = 32_768
+    # The backstop behind every tool's own caps: no result is longer, in UTF-8 bytes. Above the
+    # sandbox's output budget (SandboxConfig.max_output_bytes, 32 kB) so a command's own, more
+    # useful head-and-tail cut is what the model sees.
+    result_max_bytes: int = 65_536
+    grep_timeout_s: float = 10.0  # rg over a workspace takes milliseconds; this bounds a pathological one
     grep_max_matches: int = 50  # more matches cost context tokens and rarely help the next step
     list_max_entries: int = 200
     search_top_k: int = 5
@@ -55,12 +73,48 @@ class ToolError(Exception):
     """A problem with the call that the model should see and can fix."""
 
 
+_log = logging.getLogger(__name__)
+
+# Arguments that become a path, a regex or a command line for the kernel, where a string ends at
+# its first NUL byte and one argument may hold at most MAX_ARG_STRLEN (128 kB) bytes.
+_OS_STRINGS = frozenset({"path", "pattern", "glob", "command"})
+_MAX_OS_STRING_BYTES = 100_000
+
+
+def unusable_text(name: str, arguments: dict[str, object]) -> str | None:
+    """Why a call's string arguments cannot be used as given, or None.
+
+    Lone surrogates (JSON's "\\udc80" decodes to one) are not Unicode text: they cannot be encoded
+    to a file, a command line or a tokenizer. NUL bytes and over-long strings cannot be a path,
+    pattern or command; in edit text a NUL is fine and is written as it is.
+    """
+    for key, value in arguments.items():
+        if not isinstance(value, str):
+            continue
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            return (
+                f"argument {key!r} of {name} holds a lone surrogate (U+{ord(value[exc.start]):04X} at index "
+                f"{exc.start}), which is not Unicode text; write the character itself"
+            )
+        if key in _OS_STRINGS and "\0" in value:
+            return f"argument {key!r} of {name} holds a NUL byte (at index {value.index(chr(0))}), which no {key} can hold"
+        if key in _OS_STRINGS and size > _MAX_OS_STRING_BYTES:
+            return (
+                f"argument {key!r} of {name} is {size} bytes, over the {_MAX_OS_STRING_BYTES} a {key} may have; "
+                "put long text in a file with edit_file and refer to it"
+            )
+    return None
+
+
 _EVERYTHING = "*"  # the conflict key of the whole workspace
 
 
 def _footprint(call: ToolCall) -> tuple[set[str], set[str]]:
     """(reads, writes) of a call, as workspace paths or `_EVERYTHING`."""
-    path = str(call.arguments.get("path", "."))
+    arguments = call.arguments if isinstance(call.arguments, dict) else {}
+    path = str(arguments.get("path", "."))
     match call.name:
         case "read_file":
             return {path}, set()
@@ -156,41 +210,108 @@ class Toolbox:
 
     def call(self, call: ToolCall) -> ToolResult:
         start = time.perf_counter()
-        error = call.error or validate_arguments(call.name, call.arguments)
+        error = call.error or validate_arguments(call.name, call.arguments) or unusable_text(call.name, call.arguments)
         if error is not None:
-            return ToolResult(call.id, call.name, f"error: invalid tool call: {error}", False, 0.0)
+            return ToolResult(call.id, call.name, _as_text(f"error: invalid tool call: {error}", self.config), False, 0.0)
         try:
             content, ok = self._tools[call.name](**call.arguments), True
+        except SandboxError:
+            raise
         except (ToolError, PathEscapeError) as exc:
             content, ok = f"error: {exc}", False
-        except FileNotFoundError as exc:
-            missing = _rel(exc.filename, self.sandbox.workspace)
-            content, ok = f"error: no such file or folder: {missing}", False
-            hints = similar_paths(missing, self.sandbox.workspace, self.config.missing_path_hints)
-            if hints:
-                content += "; did you mean " + " or ".join(hints) + "?"
-        except IsADirectoryError as exc:
-            content, ok = f"error: {_rel(exc.filename, self.sandbox.workspace)} is a folder; use list_dir", False
-        except NotADirectoryError as exc:
-            content, ok = f"error: {_rel(exc.filename, self.sandbox.workspace)} is not a folder", False
-        except UnicodeDecodeError:
-            content, ok = "error: the file is not UTF-8 text; inspect it with run_command", False
-        return ToolResult(call.id, call.name, content, ok, time.perf_counter() - start)
+        except OSError as exc:
+            content, ok = self._os_error(exc), False
+        except Exception as exc:
+            # A bug in the tool, not a fault of the call: the model is told, the call counts as failed,
+            # the log keeps the traceback, and the episode goes on.
+            _log.warning("tool %s failed on %.300r", call.name, call.arguments, exc_info=True)
+            content, ok = f"error: internal error in {call.name} ({type(exc).__name__}: {exc}); nothing was done", False
+        return ToolResult(call.id, call.name, _as_text(content, self.config), ok, time.perf_counter() - start)
+
+    def _os_error(self, exc: OSError) -> str:
+        """The tool error for a failed system call on a workspace path, saying what to do instead."""
+        where = _rel(exc.filename, self.sandbox.workspace)
+        shown = where if len(where) <= 200 else where[:200] + "..."
+        match exc.errno:
+            case errno.ENOENT:
+                message = f"error: no such file or folder: {shown}"
+                hints = similar_paths(where, self.sandbox.workspace, self.config.missing_path_hints)
+                return message + ("; did you mean " + " or ".join(hints) + "?" if hints else "")
+            case errno.EISDIR:
+                return f"error: {shown} is a folder; use list_dir"
+            case errno.ENOTDIR | errno.EEXIST:
+                return f"error: {shown}: a part of this path is a file, not a folder"
+            case errno.ENAMETOOLONG:
+                return f"error: path too long: a name may have 255 bytes and a whole path about 4000: {shown}"
+            case errno.ENXIO | errno.EINVAL:
+                return f"error: {shown} is not a regular file (a FIFO, socket or device); inspect it with run_command"
+            case errno.EACCES | errno.EPERM:
+                return f"error: permission denied: {shown}; change its mode with run_command (chmod)"
+            case errno.ENOSPC | errno.EDQUOT | errno.EFBIG:
+                return "error: the workspace is full; delete files with run_command and try again"
+            case errno.ELOOP:
+                return f"error: too many levels of symlinks: {shown}"
+            case _:
+                return f"error: {exc.strerror or exc}: {shown}"
+
+    def _regular_file(self, path: str, target: Path, *, missing_ok: bool = False) -> os.stat_result | None:
+        """lstat of `target` (a `resolve`d path, so not a symlink), a tool error unless it is a
+        regular file (or missing, with `missing_ok`). Nothing runs in the sandbox between this check
+        and the use: commands wait for earlier file calls, and take their processes with them."""
+        try:
+            st = os.lstat(target)
+        except FileNotFoundError:
+            if missing_ok:
+                return None
+            raise
+        if stat.S_ISDIR(st.st_mode):
+            raise ToolError(f"{path} is a folder; use list_dir")
+        if not stat.S_ISREG(st.st_mode):
+            raise ToolError(f"{path} is not a regular file but a {_kind(st.st_mode)}; inspect it with run_command")
+        return st
 
     # ---- the tools ----
 
     def read_file(self, path: str, start_line: int | None = None, end_line: int | None = None) -> str:
-        lines = self.sandbox.read_text(path).splitlines(keepends=True)
+        self._regular_file(path, self.sandbox.resolve(path))
+        data = self.sandbox.read_bytes(path)
+        if b"\0" in data[:8192]:  # git's test for binary content
+            raise ToolError(
+                f"{path} is binary ({len(data)} bytes); read_file shows text: inspect it with run_command, "
+                f"e.g. `od -c {path} | head`"
+            )
+        try:
+            text, note = data.decode("utf-8"), ""
+        except UnicodeDecodeError as exc:
+            text = data.decode("utf-8", errors="replace")
+            note = (
+                f"[{path} is not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}): such bytes are "
+                "shown as \ufffd, and edit_file will refuse this file]\n"
+            )
+        lines = text.splitlines(keepends=True)
         first = 1 if start_line is None else start_line
         last = len(lines) if end_line is None else min(end_line, len(lines))
         if first < 1 or last < first - 1:
             raise ToolError(f"bad line range {start_line}..{end_line}; the file has {len(lines)} lines")
         chosen = lines[first - 1 : last]
-        cut = len(chosen) - self.config.read_max_lines
-        text = "".join(chosen[: self.config.read_max_lines])
-        if cut > 0:
-            shown_to = first + self.config.read_max_lines - 1
-            text += f"\n[cut: {cut} more lines; read from start_line={shown_to + 1}]"
+        budget = self.config.read_max_bytes
+        shown: list[str] = []
+        for line in chosen[: self.config.read_max_lines]:
+            budget -= len(line.encode())
+            if budget < 0:
+                break
+            shown.append(line)
+        text = note + "".join(shown)
+        if not shown and chosen:  # the first line alone is over the byte cap
+            size = len(chosen[0].encode())
+            text += _cut_bytes(chosen[0], self.config.read_max_bytes)
+            text += (
+                f"\n[cut: line {first} is {size} bytes; the first {self.config.read_max_bytes} are shown: see the "
+                f"rest with run_command, e.g. `sed -n {first}p {path} | cut -c {self.config.read_max_bytes}-`"
+                + (f"; read on from start_line={first + 1}]" if len(chosen) > 1 else "]")
+            )
+        elif len(shown) < len(chosen):
+            text += f"\n[cut: {len(chosen) - len(shown)} more lines; read from start_line={first + len(shown)}]"
         return text or "[empty file]"
 
     def list_dir(self, path: str = ".") -> str:
@@ -201,7 +322,12 @@ class Toolbox:
         for child in sorted(root.iterdir()):
             entries.append(_rel(child, self.sandbox.workspace) + ("/" if child.is_dir() else ""))
             if child.is_dir() and not child.is_symlink():
-                for grandchild in sorted(child.iterdir()):
+                try:
+                    grandchildren = sorted(child.iterdir())
+                except OSError as exc:  # a folder the sandbox locked, or one too deep for a host path
+                    entries.append(f"{_rel(child, self.sandbox.workspace)}/[cannot list: {exc.strerror}]")
+                    continue
+                for grandchild in grandchildren:
                     entries.append(_rel(grandchild, self.sandbox.workspace) + ("/" if grandchild.is_dir() else ""))
         cut = len(entries) - self.config.list_max_entries
         listing = "\n".join(entries[: self.config.list_max_entries]) or "[empty folder]"
@@ -209,6 +335,8 @@ class Toolbox:
 
     def grep(self, pattern: str, path: str = ".", glob: str | None = None) -> str:
         target = self.sandbox.resolve(path)
+        if not target.is_dir():  # rg reading a FIFO named on its command line waits for a writer
+            self._regular_file(path, target)
         # One thread: workspaces are small, and rg's thread pool start-up costs more than it saves.
         # Ignore files above the workspace must not change what the agent sees.
         argv = [_rg(), "-j1", "--no-ignore-parent", "--no-config", "--line-number", "--no-heading",
@@ -218,17 +346,29 @@ class Toolbox:
         argv += ["-e", pattern, "--", str(target.relative_to(self.sandbox.workspace))]
         # An explicit environment: the child never reads the process-wide `environ`, which a
         # library in another thread may be reallocating at that moment.
-        proc = subprocess.run(argv, cwd=self.sandbox.workspace, capture_output=True, text=True, timeout=10, env={})
-        if proc.returncode == 2:
-            raise ToolError(f"grep failed: {proc.stderr.strip()[:300]}")
-        matches = proc.stdout.splitlines()
+        try:
+            proc = subprocess.run(
+                argv, cwd=self.sandbox.workspace, capture_output=True, timeout=self.config.grep_timeout_s, env={}
+            )
+        except subprocess.TimeoutExpired:
+            raise ToolError(f"grep ran over {self.config.grep_timeout_s:g} s and was stopped; narrow the path or glob") from None
+        # Bytes: matched lines and file names need not be UTF-8.
+        stdout = proc.stdout.decode("utf-8", errors="replace")
+        stderr = proc.stderr.decode("utf-8", errors="replace").strip()
+        if proc.returncode == 2 and not stdout:
+            raise ToolError(f"grep failed: {stderr[:300]}")
+        matches = stdout.splitlines()
+        # rg exits 2 when some file could not be read (one too deep for a path, say) yet prints what it found.
+        skipped = f"\n[some files could not be searched: {stderr.splitlines()[0][:200]}]" if proc.returncode == 2 else ""
         if not matches:
             return f"no matches for {pattern!r}"
         cut = len(matches) - self.config.grep_max_matches
         text = "\n".join(m.removeprefix("./") for m in matches[: self.config.grep_max_matches])
-        return text + (f"\n[cut: {cut} more matches; narrow the pattern or glob]" if cut > 0 else "")
+        return text + (f"\n[cut: {cut} more matches; narrow the pattern or glob]" if cut > 0 else "") + skipped
 
     def semantic_search(self, query: str, top_k: int | None = None) -> str:
+        if top_k is not None and top_k < 1:
+            raise ToolError(f"top_k must be at least 1, got {top_k}")
         with self._index_lock:  # built lazily, once per toolbox
             if self._index is None:
                 self._index = SemanticIndex(self.sandbox.workspace)
@@ -239,20 +379,56 @@ class Toolbox:
 
     def edit_file(self, path: str, old: str, new: str) -> str:
         target = self.sandbox.resolve(path)
+        st = self._regular_file(path, target, missing_ok=True)
+        data = new.encode()
         if old == "":
-            if target.exists() and target.stat().st_size > 0:
+            if st is not None and st.st_size > 0:
                 raise ToolError(f"{path} already exists; to change it, give the exact text to replace as `old`")
+            self._check_parents(path, target)
+            self._check_room(len(data))
             self.sandbox.write_text(path, new)
             return f"created {path} ({new.count(chr(10)) + 1} lines)"
-        text = self.sandbox.read_text(path)
+        if st is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file", str(target))
+        raw = self.sandbox.read_bytes(path)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            # Decoding with replacement characters and writing back would change every other byte that
+            # is not UTF-8: edit_file changes exactly `old`, or nothing.
+            raise ToolError(
+                f"{path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}), and edit_file "
+                "rewrites text only; change it with run_command (e.g. a python3 script over its bytes)"
+            ) from None
         count = text.count(old)
         if count == 0:
             raise ToolError(f"`old` was not found in {path}; read the file and copy the snippet exactly")
         if count > 1:
             raise ToolError(f"`old` occurs {count} times in {path}; include more surrounding lines to make it unique")
-        self.sandbox.write_text(path, text.replace(old, new, 1))
+        edited = text.replace(old, new, 1)
+        self._check_room(len(edited.encode()) - len(raw))
+        self.sandbox.write_text(path, edited)
         line = text[: text.index(old)].count("\n") + 1
         return f"edited {path} at line {line}"
+
+    def _check_parents(self, path: str, target: Path) -> None:
+        """A tool error when something on the way to `target` exists but is not a folder."""
+        for parent in target.relative_to(self.sandbox.workspace).parents:
+            try:
+                mode = os.lstat(self.sandbox.workspace / parent).st_mode
+            except (FileNotFoundError, NotADirectoryError):  # missing, or below a file: look further up
+                continue
+            if not stat.S_ISDIR(mode):
+                raise ToolError(f"{parent} is a {_kind(mode)}, not a folder, so {path} cannot be made inside it")
+            return
+
+    def _check_room(self, grow: int) -> None:
+        """Refuse a write the workspace has no room for before it truncates anything: a full
+        filesystem would otherwise leave the file cut short."""
+        vfs = os.statvfs(self.sandbox.workspace)
+        free = vfs.f_bavail * vfs.f_frsize
+        if grow > 0 and grow + 4096 > free:
+            raise ToolError(f"the workspace has {free} bytes free and this edit needs {grow} more; delete files first")
 
     def run_command(self, command: str) -> str:
         return self.sandbox.run(command).render()
@@ -263,19 +439,43 @@ class Toolbox:
 
 def similar_paths(missing: str, workspace: Path, n: int, max_files: int = 5000) -> list[str]:
     """Up to `n` workspace files named like `missing` (same file name first, then the closest
-    paths). Walks at most `max_files` entries without following links: a hostile workspace costs
-    no more than that."""
+    paths). Walks at most `max_files` files without following links, at any depth: a hostile
+    workspace costs no more than that."""
     if n <= 0:
         return []
     files: list[str] = []
-    for folder, dirs, names in os.walk(workspace):
-        dirs.sort()
-        files += sorted(_rel(Path(folder) / name, workspace) for name in names)
-        if len(files) >= max_files:
-            break
+    for rel, st in walk_workspace(workspace):
+        if not stat.S_ISDIR(st.st_mode):
+            files.append(rel)
+            if len(files) >= max_files:
+                break
     name = Path(missing).name
     same = [f for f in files if Path(f).name == name and f != missing]
     return same[:n] if same else difflib.get_close_matches(missing, files, n=n, cutoff=0.6)
+
+
+def _kind(mode: int) -> str:
+    for test, kind in [(stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symlink"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISREG, "file")]:
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def _cut_bytes(text: str, limit: int) -> str:
+    """The longest prefix of `text` whose UTF-8 encoding fits in `limit` bytes."""
+    return text.encode()[:limit].decode("utf-8", errors="ignore")
+
+
+def _as_text(content: str, config: ToolConfig) -> str:
+    """What the model is shown: text a tokenizer takes (a lone surrogate, as in a file name that is
+    not UTF-8, becomes its \\udcXX escape; a NUL the two characters \\0) of at most
+    `result_max_bytes` UTF-8 bytes."""
+    data = content.replace("\0", "\\0").encode("utf-8", errors="backslashreplace")
+    if len(data) <= config.result_max_bytes:
+        return data.decode()
+    kept = data[: config.result_max_bytes].decode("utf-8", errors="ignore")
+    return kept + f"\n[cut: {len(data) - len(kept.encode())} more bytes of this result]"
 
 
 def _rel(path: str | Path | None, workspace: Path) -> str:
