@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict
 
 from flywheel.env.sandbox import PathEscapeError, Sandbox, SandboxError, walk_workspace
 from flywheel.env.semantic import SemanticIndex
-from flywheel.env.toolspec import ToolCall, ToolResult, validate_arguments
+from flywheel.env.toolspec import ToolCall, ToolResult, unusable_text, validate_arguments
 
 
 class ToolConfig(BaseModel):
@@ -74,39 +74,6 @@ class ToolError(Exception):
 
 
 _log = logging.getLogger(__name__)
-
-# Arguments that become a path, a regex or a command line for the kernel, where a string ends at
-# its first NUL byte and one argument may hold at most MAX_ARG_STRLEN (128 kB) bytes.
-_OS_STRINGS = frozenset({"path", "pattern", "glob", "command"})
-_MAX_OS_STRING_BYTES = 100_000
-
-
-def unusable_text(name: str, arguments: dict[str, object]) -> str | None:
-    """Why a call's string arguments cannot be used as given, or None.
-
-    Lone surrogates (JSON's "\\udc80" decodes to one) are not Unicode text: they cannot be encoded
-    to a file, a command line or a tokenizer. NUL bytes and over-long strings cannot be a path,
-    pattern or command; in edit text a NUL is fine and is written as it is.
-    """
-    for key, value in arguments.items():
-        if not isinstance(value, str):
-            continue
-        try:
-            size = len(value.encode("utf-8"))
-        except UnicodeEncodeError as exc:
-            return (
-                f"argument {key!r} of {name} holds a lone surrogate (U+{ord(value[exc.start]):04X} at index "
-                f"{exc.start}), which is not Unicode text; write the character itself"
-            )
-        if key in _OS_STRINGS and "\0" in value:
-            return f"argument {key!r} of {name} holds a NUL byte (at index {value.index(chr(0))}), which no {key} can hold"
-        if key in _OS_STRINGS and size > _MAX_OS_STRING_BYTES:
-            return (
-                f"argument {key!r} of {name} is {size} bytes, over the {_MAX_OS_STRING_BYTES} a {key} may have; "
-                "put long text in a file with edit_file and refer to it"
-            )
-    return None
-
 
 _EVERYTHING = "*"  # the conflict key of the whole workspace
 

@@ -1,10 +1,11 @@
 """The tool contract: what a tool call is and which calls are well-formed, apart from what runs them.
 
-`TOOL_SCHEMAS` (OpenAI function-calling form), the `ToolCall` and `ToolResult` records and
-`validate_arguments` are shared by everything that speaks to the agent: the chat format and its
-parser, the episode runner, the server, simulated users. `flywheel.env.tools.Toolbox` runs the
-calls in a sandbox. This module imports nothing of the sandbox, so serving (which only parses and
-validates calls) does not load the jail; tests/env/test_toolspec.py checks that.
+`TOOL_SCHEMAS` (OpenAI function-calling form), the `ToolCall` and `ToolResult` records,
+`validate_arguments` (a call against its schema) and `unusable_text` (strings no path or command
+line can hold) are shared by everything that speaks to the agent: the chat format and its parser,
+the episode runner, the server, simulated users. `flywheel.env.tools.Toolbox` runs the calls in a
+sandbox. This module imports nothing of the sandbox, so serving (which only parses and validates
+calls) does not load the jail; tests/env/test_toolspec.py checks that.
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
         _schema(
             "list_dir",
             "List files and folders (two levels deep).",
-            {"path": {"type": "string", "description": "Folder relative to the workspace root; default '.'."}},
+            {
+                "path": {
+                    "type": "string",
+                    "description": "Folder relative to the workspace root; default '.'.",
+                }
+            },
             [],
         ),
         _schema(
@@ -84,12 +90,19 @@ TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 _JSON_TYPES: dict[str, type | tuple[type, ...]] = {
-    "string": str, "integer": int, "number": (int, float), "object": dict, "boolean": bool, "array": list,
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "object": dict,
+    "boolean": bool,
+    "array": list,
     "null": type(None),
 }
 
 
-def validate_arguments(name: str, arguments: Any, schemas: Mapping[str, dict[str, Any]] | None = None) -> str | None:
+def validate_arguments(
+    name: str, arguments: Any, schemas: Mapping[str, dict[str, Any]] | None = None
+) -> str | None:
     """The reason a call's arguments do not fit its tool's schema, or None when they do.
 
     `schemas` (OpenAI function-calling form, by name) defaults to the agent's own tools; the server
@@ -112,7 +125,11 @@ def validate_arguments(name: str, arguments: Any, schemas: Mapping[str, dict[str
             if params.get("additionalProperties", True) is False:
                 return f"{name} has no argument {key!r}; it takes: {', '.join(properties)}"
             continue
-        expected = _JSON_TYPES.get(spec.get("type")) if isinstance(spec, dict) and isinstance(spec.get("type"), str) else None
+        expected = (
+            _JSON_TYPES.get(spec.get("type"))
+            if isinstance(spec, dict) and isinstance(spec.get("type"), str)
+            else None
+        )
         if expected is None:  # no type, a union of types, or a keyword we do not check
             continue
         if not isinstance(value, expected) or (expected in (int, (int, float)) and isinstance(value, bool)):
@@ -142,3 +159,37 @@ class ToolResult:
     content: str
     ok: bool
     duration_s: float
+
+
+# Arguments that become a path, a regex or a command line for the kernel, where a string ends at
+# its first NUL byte and one argument may hold at most MAX_ARG_STRLEN (128 kB) bytes.
+_OS_STRINGS = frozenset({"path", "pattern", "glob", "command"})
+_MAX_OS_STRING_BYTES = 100_000
+
+
+def unusable_text(name: str, arguments: dict[str, object]) -> str | None:
+    """Why a call's string arguments cannot be used as given, or None.
+
+    Lone surrogates (JSON's "\\udc80" decodes to one) are not Unicode text: they cannot be encoded
+    to a file, a command line or a tokenizer. NUL bytes and over-long strings cannot be a path,
+    pattern or command; in edit text a NUL is fine and is written as it is.
+    """
+    for key, value in arguments.items():
+        if not isinstance(value, str):
+            continue
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            return (
+                f"argument {key!r} of {name} holds a lone surrogate (U+{ord(value[exc.start]):04X} at index "
+                f"{exc.start}), which is not Unicode text; write the character itself"
+            )
+        if key in _OS_STRINGS and "\0" in value:
+            at = value.index("\0")
+            return f"argument {key!r} of {name} holds a NUL byte (at index {at}), which no {key} can hold"
+        if key in _OS_STRINGS and size > _MAX_OS_STRING_BYTES:
+            return (
+                f"argument {key!r} of {name} is {size} bytes, over the {_MAX_OS_STRING_BYTES} a {key} may "
+                "have; put long text in a file with edit_file and refer to it"
+            )
+    return None

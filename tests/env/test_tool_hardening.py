@@ -1,4 +1,4 @@
-"""Every tool call becomes a result or a tool error: never an exception out of `Toolbox.execute`, never a hang.
+"""Every tool call becomes a result or a tool error: never an exception out of `Toolbox.execute`, nor a hang.
 
 Each test builds what an agent can make with its own tools (FIFOs, sockets, a file used as a folder, a
 tree deeper than PATH_MAX, a line of megabytes, files that are not UTF-8) in a real bwrap sandbox, or
@@ -261,7 +261,11 @@ def test_a_file_name_that_is_not_utf8_is_shown_as_text(tools, box):
 def test_every_result_has_a_byte_cap(box):
     config = ToolConfig(result_max_bytes=4096)
     with Toolbox(box, config) as tools:
-        answer(tools, "run_command", {"command": "for i in $(seq 60); do mkdir -p $(printf 'n%.0s' $(seq 200))$i; done"})
+        answer(
+            tools,
+            "run_command",
+            {"command": "for i in $(seq 60); do mkdir -p $(printf 'n%.0s' $(seq 200))$i; done"},
+        )
         listing = answer(tools, "list_dir", {})  # 60 names of 200 bytes: 12 kB under the entry cap
         assert len(listing.content.encode()) <= 4096 + 200 and "[cut:" in listing.content
         echo = answer(tools, "finish", {"summary": "s" * 10_000})
@@ -270,7 +274,12 @@ def test_every_result_has_a_byte_cap(box):
 
 def test_a_nul_byte_in_command_output_does_not_hide_it(tools):
     result = answer(tools, "run_command", {"command": r"printf 'before\0after\n'; echo more text"})
-    assert result.ok and "before" in result.content and "after" in result.content and "more text" in result.content
+    assert (
+        result.ok
+        and "before" in result.content
+        and "after" in result.content
+        and "more text" in result.content
+    )
     assert "\0" not in result.content
 
 
@@ -286,7 +295,9 @@ class _BrokenListing(Toolbox):
 
 def test_an_unexpected_error_is_that_calls_failure_and_the_turn_goes_on(box):
     with _BrokenListing(box) as tools:
-        broken, fine = tools.execute([ToolCall("1", "list_dir", {}), ToolCall("2", "read_file", {"path": "a.py"})])
+        broken, fine = tools.execute(
+            [ToolCall("1", "list_dir", {}), ToolCall("2", "read_file", {"path": "a.py"})]
+        )
     assert not broken.ok and "internal error in list_dir" in broken.content and "KeyError" in broken.content
     assert fine.ok and fine.content == FILES["a.py"]
 
@@ -301,19 +312,48 @@ def test_a_failure_of_the_sandbox_itself_still_propagates(box):
 # ---- property: any arguments over a hostile workspace ------------------------------------------------
 
 _NAMES = [
-    ".", "a.py", "notes.txt", "latin1.txt", "blob.bin", "fifo.py", "sock.py", "long.txt", "locked",
-    "locked/secret.txt", "deep", "deep/d/d", "a.py/x", "missing.py", "..", "../x", "/etc/passwd", "n" * 300,
-    "a/" * 2100 + "x", "name\udcff.txt", "x\0y", "\udc80",
+    ".",
+    "a.py",
+    "notes.txt",
+    "latin1.txt",
+    "blob.bin",
+    "fifo.py",
+    "sock.py",
+    "long.txt",
+    "locked",
+    "locked/secret.txt",
+    "deep",
+    "deep/d/d",
+    "a.py/x",
+    "missing.py",
+    "..",
+    "../x",
+    "/etc/passwd",
+    "n" * 300,
+    "a/" * 2100 + "x",
+    "name\udcff.txt",
+    "x\0y",
+    "\udc80",
 ]
 _text = st.one_of(
     st.text(max_size=40),
-    st.sampled_from(["", "\0", "\udc80", "a\0b", "(unclosed", "*", "**/*.py", "!*", "-x", "--files", "x" * 300]),
+    st.sampled_from(
+        ["", "\0", "\udc80", "a\0b", "(unclosed", "*", "**/*.py", "!*", "-x", "--files", "x" * 300]
+    ),
 )
 _paths = st.one_of(st.sampled_from(_NAMES), st.text(max_size=30))
 _ints = st.one_of(st.integers(-3, 3), st.integers(-(2**70), 2**70))
 _VALUES = {
-    "path": _paths, "pattern": _text, "glob": _text, "query": _text, "old": _text, "new": _text,
-    "summary": _text, "start_line": _ints, "end_line": _ints, "top_k": _ints,
+    "path": _paths,
+    "pattern": _text,
+    "glob": _text,
+    "query": _text,
+    "old": _text,
+    "new": _text,
+    "summary": _text,
+    "start_line": _ints,
+    "end_line": _ints,
+    "top_k": _ints,
     "command": st.sampled_from(["cat fifo.py &", "true", "printf 'a\\0b'", "ls -R | head", "cat long.txt"]),
 }
 
@@ -335,7 +375,12 @@ def hostile_tools(sandbox_root):
         yield toolbox
 
 
-@settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(call=_calls())
 def test_any_call_returns_a_result_or_a_tool_error_in_time(hostile_tools, call):
     name, arguments = call

@@ -14,7 +14,9 @@ def test_serving_imports_the_tool_contract_but_not_the_sandbox():
         "print(json.dumps({m: m in sys.modules for m in "
         "['flywheel.env.toolspec', 'flywheel.env.sandbox', 'flywheel.env.tools', 'flywheel.env.semantic']}))"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True
+    )
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert loaded == {
         "flywheel.env.toolspec": True,
@@ -26,5 +28,7 @@ def test_serving_imports_the_tool_contract_but_not_the_sandbox():
 
 def test_the_contract_module_imports_nothing_of_the_sandbox():
     probe = "import sys, flywheel.env.toolspec; print(sorted(m for m in sys.modules if m.startswith('flywheel.')))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "['flywheel.env', 'flywheel.env.toolspec']"
