@@ -22,6 +22,12 @@ against one sandbox:
 File tools run on the host over the workspace directory (microseconds, not a process spawn);
 every path goes through `Sandbox.resolve`, which refuses `..`, absolute paths and symlinks
 that leave the workspace. Commands run inside the bwrap sandbox.
+
+What bounds a call's time: a command, the sandbox's wall time; grep, `grep_timeout_s`; file tools
+have no clock of their own, as they never wait: they open only regular files, non-blocking.
+What it does not cover: a workspace walk (missing-path hints, semantic search, grep) costs path
+lookups quadratic in depth, about 0.5 s for a tree of 2,100 levels on a 2-core host, and entries
+deeper than PATH_MAX are invisible to it (tests/env/test_tool_hardening.py builds both).
 """
 
 from __future__ import annotations
