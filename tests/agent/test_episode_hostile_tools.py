@@ -13,11 +13,11 @@ from concurrent.futures import Future
 
 import pytest
 
-from flywheel.agent.chat import IM_END, render_messages
 from flywheel.agent.episode import initial_prompt, run_episode
 from flywheel.agent.trajectory import Status
 from flywheel.env.families import generate
 from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.model.chat import IM_END, render_messages
 from flywheel.model.engine import Generation, SamplingParams
 from flywheel.model.tokenizer import train_tokenizer
 
@@ -74,6 +74,6 @@ def test_a_hostile_workspace_costs_failed_calls_not_the_episode():
     traj = out["traj"]
     assert traj.status == Status.FINISHED, (traj.status, traj.error)
     assert [n for _, _, n in traj.failed_turns] == [2, 1] and traj.failed_tool_calls == 3
-    assert traj.reward_parts["all_passed"] == 1.0 and traj.reward == pytest.approx(1.0)
+    assert traj.all_passed and traj.reward == pytest.approx(1.0)
     told = tokenizer.decode(engine.prompts[2])
     assert "pipe.txt is not a regular file but a FIFO" in told
