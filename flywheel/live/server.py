@@ -82,7 +82,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flywheel.env.tools import ToolCall
+from flywheel.env.toolspec import ToolCall
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
 from flywheel.live.monitors import Monitor, MonitorConfig, monitor_window
 from flywheel.live.records import Completion, CompletionToolCall, Event, storable
