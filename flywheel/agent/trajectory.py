@@ -39,7 +39,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field, model_validator
 
-from flywheel.env.grading import TestOutcome
+from flywheel.env.outcome import TestOutcome
 
 INVALID_CALL_PENALTY = "invalid_call_penalty"  # the reward part broken tool calls cost, in both loops (<= 0)
 # Counts and indicators that older records kept among the reward parts (now `outcome` and the counters).

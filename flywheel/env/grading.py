@@ -35,6 +35,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from flywheel.env.outcome import TestOutcome
 from flywheel.env.sandbox import Sandbox, SandboxConfig, Snapshot
 from flywheel.env.task import Task
 from flywheel.env.testrun import defined_tests
@@ -50,16 +51,6 @@ class GradeConfig(BaseModel):
     pass_frac_weight: float = 0.5  # partial credit keeps a learning signal on hard tasks
     all_passed_weight: float = 0.5
     visible_tests_penalty: float = 0.1  # small: it only has to make tampering a strict loss
-
-
-class TestOutcome(BaseModel):
-    """What the hidden tests found: counts and indicators, never summed into a reward."""
-
-    __test__ = False  # a record, not a pytest test class
-    tests_passed_frac: float  # 0 when the run timed out or the supervisor wrote no report
-    all_passed: bool
-    timed_out: bool
-    visible_tests_modified: bool
 
 
 class Grade(BaseModel):

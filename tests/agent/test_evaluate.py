@@ -6,7 +6,7 @@ import pytest
 
 from flywheel.agent.evaluate import clustered_interval, summarize
 from flywheel.agent.trajectory import Status, Trajectory
-from flywheel.env.grading import TestOutcome
+from flywheel.env.outcome import TestOutcome
 from flywheel.stats import wilson_interval
 
 

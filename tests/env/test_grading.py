@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flywheel.env.families import generate
-from flywheel.env.grading import GradeConfig, TestOutcome, grade
+from flywheel.env.grading import GradeConfig, grade
+from flywheel.env.outcome import TestOutcome
 from flywheel.env.sandbox import Sandbox
 from flywheel.env.task import Edit, Task, TaskMetadata
 from flywheel.env.testrun import __file__ as RUNNER_FILE

@@ -6,8 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 
 def _loaded_by_serving() -> dict[str, bool]:
     # A fresh interpreter: this test process has long imported the sandbox through other tests.
@@ -26,11 +24,6 @@ def test_serving_imports_the_tool_contract_but_not_the_tools():
     assert not loaded["flywheel.env.tools"] and not loaded["flywheel.env.semantic"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="live.rewards -> agent.trajectory -> env.grading (for the TestOutcome record) -> env.sandbox: "
-    "TestOutcome must move out of grading.py (being rewritten elsewhere); then drop this mark",
-)
 def test_serving_does_not_import_the_sandbox():
     assert not _loaded_by_serving()["flywheel.env.sandbox"]
 

@@ -132,7 +132,7 @@ def test_gate_names_a_missing_metric():
 
 def test_task_results_from_eval_episodes():
     from flywheel.agent.trajectory import Status, Trajectory
-    from flywheel.env.grading import TestOutcome
+    from flywheel.env.outcome import TestOutcome
     from flywheel.env.task import Task, TaskMetadata
 
     def task(i: int, ambiguous: bool) -> Task:
