@@ -19,6 +19,11 @@ What it protects against (each has a test in tests/env/test_sandbox.py):
 - filling the disk: when running as root the workspace is a tmpfs with a size and inode cap.
 - signals and ptrace against host processes: own PID and user namespace, and (as root) the jail
   runs as the unprivileged uid 65534 (`nobody`), switched by `setpriv` before bwrap starts.
+- nested user namespaces (`unshare -U`, the usual first step of a kernel exploit from a jail):
+  bwrap --disable-userns.
+- learning host paths from /proc: the jail's pid 1 is its own shell, not a fork of bwrap, so
+  /proc/1/cmdline holds no bwrap command line (venv, sandbox root, workspace name with the
+  owner's pid).
 
 What it does not protect against:
 - kernel exploits: the jail shares the host kernel; there is no seccomp filter and no VM.
@@ -28,7 +33,8 @@ What it does not protect against:
 - CPU contention: there is no cgroup; a command can use whole cores until its CPU-time limit.
 - when not root: there is no uid switch (code runs as the calling user inside a user namespace,
   which still hides the host) and the workspace is a plain directory, so only the per-file size
-  cap (RLIMIT_FSIZE) bounds disk use.
+  cap (RLIMIT_FSIZE) bounds disk use, and /proc/self/mountinfo shows its host path (the sandbox
+  root and the owner's pid) as the root of the /workspace mount.
 - reading interpreter and system files: `/usr` and the interpreter's prefix are visible by design.
 
 Files the host reads back are only read, never executed, and never while a command runs, so
@@ -359,6 +365,10 @@ class Sandbox:
             bwrap,
             "--unshare-all",
             "--unshare-user",
+            # No user namespaces inside: a nested one would give the command every capability over
+            # its own mounts and namespaces, the way most kernel exploits against bwrap start.
+            "--disable-userns",
+            "--as-pid-1",  # the prologue's shell is pid 1 (see `_prologue`), not a fork of bwrap
             "--die-with-parent",  # the jail dies with us, even if we are SIGKILLed
             "--new-session",  # no TIOCSTI into a terminal of ours
             "--hostname", "sandbox",
@@ -498,14 +508,22 @@ class Sandbox:
 
 def _prologue(cfg: SandboxConfig) -> str:
     # `ulimit` without -H/-S sets hard and soft limits, so the command cannot raise them again.
-    # The command is exec'd as $1 so its error messages read "sh: 1: ..." like a plain shell.
+    # The command runs as $1 so its error messages read "sh: 1: ..." like a plain shell.
     # The jail's first output byte is `_STARTED`: nothing the command prints can come before it, so
     # output without it means bwrap failed to set the jail up (a SandboxError, not a command error).
+    # This shell is the jail's pid 1 (bwrap --as-pid-1), so /proc/1/cmdline shows it and not bwrap's
+    # command line (host paths: the venv, the sandbox root, the owner's pid in the workspace name).
+    # It runs the command as a foreground child, not `exec` (pid 1 ignores default-action signals,
+    # which would change how `kill` works on the command) nor `&` (a background job starts with SIGINT
+    # ignored), and while it waits it reaps orphans (dash waits for any child). `exit $?` keeps dash
+    # from exec'ing the last command in place of forking it; a command killed by signal N ends pid 1
+    # with 128+N, as bwrap reported it before. When pid 1 exits the kernel kills the rest of the jail.
     return (
         f"ulimit -c 0 && ulimit -t {cfg.cpu_time_s} && ulimit -v {cfg.memory_mb * 1024}"
         f" && ulimit -p {cfg.max_processes} && ulimit -f {cfg.max_file_mb * 2048} || exit 125\n"
         f"printf '\\{_STARTED[0]:03o}'\n"
-        'exec /bin/sh -c "$1"'
+        '/bin/sh -c "$1"\n'
+        "exit $?"
     )
 
 
@@ -586,7 +604,7 @@ def _pump(proc: subprocess.Popen[bytes], collector: _OutputCollector, deadline: 
 def _kill_jail(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the jail and wait until none of its processes is left.
 
-    Killing the jail's pid 1 (bwrap's init, the child of the outer bwrap) makes the kernel kill
+    Killing the jail's pid 1 (the prologue's shell, the child of the outer bwrap) makes the kernel kill
     every process of its PID namespace before pid 1 is reaped; the outer bwrap reaps it and exits,
     so once `proc` has exited the whole jail is gone.
     """
