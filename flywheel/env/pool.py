@@ -31,9 +31,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flywheel.env.sandbox import WORKSPACE, Sandbox, SandboxConfig, unmount
+from flywheel.env.sandbox import SCRATCH_SUFFIX, WORKSPACE, Sandbox, SandboxConfig, unmount
 
-_OWNED_NAME = re.compile(r"^(\d+)-\d+-[0-9a-f]+$")
+_OWNED_NAME = re.compile(rf"^(\d+)-\d+-[0-9a-f]+({re.escape(SCRATCH_SUFFIX)})?$")
 
 
 class PoolConfig(BaseModel):
@@ -246,7 +246,7 @@ def _reap_unlocked(root: Path) -> int:
         shutil.rmtree(workspace, ignore_errors=True)
         if workspace.exists():
             raise OSError(f"could not remove orphaned workspace {workspace}; remove it by hand (as root)")
-        reaped += 1
+        reaped += match.group(2) is None  # a scratch dir (a command's /tmp) is not a workspace
     return reaped
 
 

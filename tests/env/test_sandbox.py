@@ -207,6 +207,34 @@ def test_tmp_inside_is_private_and_capped(sandbox_root):
         assert sb.run("ls /tmp").output == ""  # a fresh /tmp per command
 
 
+INODE_FLOOD = """
+import os, sys
+n = 0
+try:
+    for n in range(200_000):  # far past any cap; bounded so a missing cap fails instead of hanging
+        open(f"{sys.argv[1]}/{n}", "w").close()
+    print("no cap after", n + 1)
+except OSError as exc:
+    print("stopped after", n, exc.strerror)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="inode caps need tmpfs mounts of our own (root)")
+@pytest.mark.parametrize("where", ["/tmp", "/dev/shm"])
+def test_a_flood_of_empty_files_stops_at_the_inode_cap(sandbox_root, where: str):
+    """Empty files take no bytes, so `disk_mb` alone never stopped them; each inode is kernel memory."""
+    cfg = SandboxConfig(root_dir=sandbox_root, disk_mb=1, wall_time_s=20)
+    with Sandbox.create({"flood.py": INODE_FLOOD}, cfg) as sb:
+        result = sb.run(f"python3 flood.py {where}; ls {where} | wc -l")
+        first, count = result.output.splitlines()
+        assert first.startswith("stopped after") and first.endswith("No space left on device"), result.render()
+        assert 1000 <= int(first.split()[2]) <= 1024 and int(count) <= 1024
+        assert sb.run(f"ls -A {where}").output == ""  # the next command starts empty
+        assert_usable(sb)
+    with open("/proc/self/mountinfo") as f:  # no /tmp of a command outlives its sandbox
+        assert [p for line in f if (p := line.split(" ")[4]).startswith(f"{sandbox_root}/{os.getpid()}-")] == []
+
+
 # ---- attacks: escaping the filesystem and network ------------------------------------------------
 
 
