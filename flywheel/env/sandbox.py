@@ -26,6 +26,14 @@ What it protects against (each has a test in tests/env/test_sandbox.py):
 - learning host paths from /proc: the jail's pid 1 is its own shell, not a fork of bwrap, so
   /proc/1/cmdline holds no bwrap command line (venv, sandbox root, workspace name with the
   owner's pid).
+- leftovers of an owner that dies without `close` (SIGTERM, SIGKILL, a crash): its jails die with
+  it (bwrap --die-with-parent), and its watchdog process reclaims its workspaces and the mounts
+  under the root (tmpfs workspaces, a command's /tmp, the interpreter bind once no live process
+  leases it), so no mount outlives the processes that use it. If the watchdog died too, the next
+  process that uses the root does it at its first `Sandbox.create` or pool start (`reap_orphans`).
+- deleting the root (`rm -rf`, cleanup code) reaching host files: the only bind of host files
+  under it, the interpreter, is read-only from the instant it appears, and reclaiming deletes a
+  directory only once nothing is mounted under it.
 
 What it does not protect against:
 - kernel exploits: the jail shares the host kernel; there is no seccomp filter and no VM.
@@ -40,23 +48,29 @@ What it does not protect against:
   but not in inodes; and /proc/self/mountinfo shows the workspace's host path (the sandbox root,
   the owner's pid) as the root of the /workspace mount.
 - reading interpreter and system files: `/usr` and the interpreter's prefix are visible by design.
+- an owner killed together with its watchdog (its whole cgroup, `kill -9 -1`): its mounts stay
+  until the next process uses the root.
 
 Files the host reads back are only read, never executed, and never while a command runs, so
 checking paths component by component (`resolve`) has no time-of-check race with sandboxed code.
 
 Performance: a command costs two execs (setpriv, bwrap) plus the jail setup, about 5-7 ms on a
 2-core VM; CPython can vfork because no `preexec_fn` is used; limits are set by `ulimit` in the
-jail's shell prologue; tmpfs workspaces are mounted with mount(2) through ctypes.
+jail's shell prologue; tmpfs workspaces are mounted with mount(2) through ctypes. A process's first
+sandbox on a root also starts its watchdog (one Python process, ~30 MB, asleep on a pidfd).
 `bench/sandbox.py` measures all of this.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import functools
 import itertools
 import os
+import re
 import secrets
 import select
 import shutil
@@ -82,7 +96,7 @@ ROOT_ENV = "FLYWHEEL_SANDBOX_ROOT"
 DEFAULT_ROOT = Path("/tmp/flywheel-sandboxes")
 # Name of the read-only bind of the interpreter prefix kept under the root dir (see `_interpreter_source`).
 INTERPRETER_DIR = ".python"
-_MS_NOSUID, _MS_NODEV, _MS_RDONLY, _MS_REMOUNT, _MS_BIND = 2, 4, 1, 32, 4096
+_MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
 _READ_CHUNK = 1 << 16
 
@@ -202,7 +216,7 @@ class Sandbox:
         config = config or SandboxConfig()
         _host_tools()  # fail before making anything when bwrap or setpriv is missing
         root = config.resolved_root()
-        _ensure_root(root)
+        _prepare_root(root, os.getpid())
         workspace = root / _owned_name()
         workspace.mkdir(mode=0o700)
         mounted = False
@@ -800,18 +814,13 @@ def _interpreter_source(root: Path) -> tuple[str, str]:
     """(host path to bind, path inside the jail) for the interpreter prefix.
 
     bwrap resolves bind sources as the sandbox user, who cannot pass through e.g. /root (0700).
-    Then the prefix is bind-mounted read-only once at `root/.python`, a path it can reach, and left
-    mounted for every later sandbox on this host (it is read-only and costs nothing).
+    Then the prefix is bind-mounted read-only at `root/.python`, a path it can reach, while any
+    process on the host uses the root (see `_prepare_root`).
     """
     prefix = os.path.realpath(sys.base_prefix)
     if not _is_root() or _traversable_by_others(prefix):
         return prefix, prefix
-    staged = root / INTERPRETER_DIR
-    staged.mkdir(mode=0o755, exist_ok=True)
-    if not is_mount_point(staged):
-        _mount(prefix, staged, None, _MS_BIND, None)
-        _mount(prefix, staged, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, None)
-    return str(staged), prefix
+    return str(root / INTERPRETER_DIR), prefix
 
 
 @functools.cache
@@ -833,7 +842,247 @@ def _traversable_by_others(path: str) -> bool:
     return all(os.stat(d).st_mode & 0o001 for d in [p, *p.parents])
 
 
+# ---- lifecycle of the root: leases, the watchdog, reclaiming what dead owners left ---------------
+#
+# What lives under the root, and what ends it:
+#   <pid>-<n>-<hex>       a workspace (a tmpfs as root), owned by process <pid>: `Sandbox.close`
+#   <pid>-<n>-<hex>.tmp   a scratch tmpfs (a command's /tmp, /dev/shm), root only: `Sandbox.close`
+#   .python               the read-only bind of the interpreter prefix, root only, while any process
+#                         holds a lease (a shared flock on .python.lock, held until it exits)
+#   .bwrap-*              a copy of bwrap (files, no mount)
+# An owner that dies without closing (SIGKILL, a crash) leaves its workspaces and scratch mounts;
+# its watchdog, a process of its own started at the owner's first use of the root, wakes when the
+# owner exits and reclaims them, and unmounts .python when no lease is left. Whatever a watchdog
+# could not do (it was killed too, e.g. with the owner's whole cgroup) the next process that uses
+# the root does at its first Sandbox.create or SandboxPool start (`reap_orphans`).
+
+_OWNED_NAME = re.compile(rf"^(\d+)-\d+-[0-9a-f]+({re.escape(SCRATCH_SUFFIX)})?$")
+_WATCHDOG_TAG = "flywheel-sandbox-watchdog"  # in the watchdog's command line, for `ps` and tests
+_LEASES: dict[Path, int] = {}  # root -> fd holding this process's shared lock on .python.lock
+
+
+@functools.cache
+def _prepare_root(root: Path, pid: int) -> None:
+    """First use of `root` by process `pid` (a forked child is a new owner): reclaim what dead
+    owners left, take a lease on the interpreter bind and mount it if needed, start the watchdog."""
+    del pid  # part of the cache key only
+    _ensure_root(root)
+    with _root_lock(root):
+        _reclaim_unlocked(root)
+        source, prefix = _interpreter_source(root)
+        if source != prefix:
+            lease = os.open(root / ".python.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(lease, fcntl.LOCK_SH)  # released by the kernel when this process ends
+            _LEASES[root] = lease
+            staged = Path(source)
+            staged.mkdir(mode=0o755, exist_ok=True)
+            if not is_mount_point(staged):
+                _bind_read_only(prefix, staged)
+    _start_watchdog(root)
+
+
+@contextlib.contextmanager
+def _root_lock(root: Path):
+    """Processes reclaiming or mounting under `root` take turns (two reclaims of one workspace
+    once made the second's unmount fail with EINVAL)."""
+    with open(root / ".reap.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _start_watchdog(root: Path) -> None:
+    # Its own session, so a Ctrl-C or a signal to our process group does not reach it; it needs the
+    # flywheel package (PYTHONPATH) and the interpreter's packages (sys.executable) to import this
+    # module. One per owner process and root: about 30 MB of memory, asleep until the owner exits.
+    # It gets a pidfd of us, not our pid, so it cannot mistake another process for us: we may be
+    # dead before it has started, and our pid reused.
+    package_parent = str(Path(__file__).resolve().parents[2])
+    env = {"PYTHONPATH": package_parent, "PYTHONDONTWRITEBYTECODE": "1"}
+    code = "import sys; from flywheel.env.sandbox import _watch; _watch(sys.argv[2], int(sys.argv[4]))"
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        subprocess.Popen(
+            [sys.executable, "-c", code, _WATCHDOG_TAG, str(root), str(os.getpid()), str(pidfd)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            pass_fds=(pidfd,),
+            start_new_session=True,
+            env=env,
+        )  # never waited for: it outlives us by design, and init reaps it
+    finally:
+        os.close(pidfd)
+
+
+def _watch(root: str, owner_pidfd: int) -> None:
+    """The watchdog's main: sleep until the owner exits (its pidfd turns readable), then reclaim
+    what it left under `root`."""
+    select.select([owner_pidfd], [], [])
+    os.close(owner_pidfd)
+    reap_orphans(Path(root))
+
+
+def reap_orphans(root: Path) -> int:
+    """Remove what processes that are no longer alive left under `root`; returns how many workspaces.
+
+    For each workspace or scratch dir of a dead owner: kill any jailed process still using it (found
+    through its mount in /proc/*/mountinfo), unmount everything mounted under it, then delete the
+    directory, which by then holds only the sandbox's own files. Live owners' dirs are left alone.
+    Then the interpreter bind is unmounted if no live process holds a lease on it.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    with _root_lock(root):
+        return _reclaim_unlocked(root)
+
+
+def _reclaim_unlocked(root: Path) -> int:
+    orphans = []
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        match = _OWNED_NAME.match(entry.name)
+        if match is not None and not _alive(int(match.group(1))):
+            orphans.append((Path(entry.path), match.group(2) is None))
+    for path, _ in orphans:  # first stop every jail, so none holds a mount the next loop removes
+        _kill_users_of(path)
+    for path, _ in orphans:
+        _unmount_all_under(path)
+        # rmtree descends into mount points: with any mount left it could reach files that are not
+        # the sandbox's (the interpreter bind is read-only, but a check is cheaper than a proof).
+        if _mounts_under(path):
+            raise OSError(f"mounts remain under orphaned {path} after unmounting; unmount them by hand")
+        shutil.rmtree(path, onerror=_make_removable)
+    _release_interpreter(root)
+    return sum(is_workspace for _, is_workspace in orphans)
+
+
+def _release_interpreter(root: Path) -> None:
+    """Unmount root/.python unless some live process holds a lease (callers hold the root lock)."""
+    staged = root / INTERPRETER_DIR
+    if root in _LEASES or not is_mount_point(staged):
+        return
+    try:
+        probe = os.open(root / ".python.lock", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        probe = None  # no process of this code ever leased it
+    try:
+        if probe is not None:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a lease is held
+        while is_mount_point(staged):
+            unmount(staged)
+    except BlockingIOError:
+        return
+    finally:
+        if probe is not None:
+            os.close(probe)
+
+
+def _bind_read_only(source: str, target: Path) -> None:
+    """Bind `source` on `target` read-only from the first instant (new mount API: the tree is made
+    read-only before it is attached), so no delete under the root can ever reach host files through
+    a writable bind, not even in a crash between a bind and its read-only remount."""
+    tree = _syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | os.O_CLOEXEC)
+    try:
+        attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0, 0)
+        _syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr))
+        _syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH)
+    finally:
+        os.close(tree)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for our purposes: it holds no workspace.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _kill_users_of(workspace: Path) -> None:
+    """SIGKILL every jailed process that has `workspace`'s tmpfs mounted at /workspace.
+
+    Host processes see the same tmpfs too, but at its host path, so they are never matched.
+    """
+    if not os.path.ismount(workspace):
+        return  # a plain directory: its jails died with their owner (bwrap --die-with-parent)
+    st = os.stat(workspace)
+    device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    # A jail still being set up when its owner died can mount the workspace after a scan; it dies
+    # on its own (bwrap --die-with-parent), but scan again until nobody is left to be sure.
+    for _ in range(10):
+        victims = [pid for pid in _pids() if _has_jail_mount(pid, device)]
+        if not victims:
+            return
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5.0
+        while victims and time.monotonic() < deadline:
+            victims = [pid for pid in victims if _alive(pid)]
+            time.sleep(0.005)
+    raise OSError(f"processes keep appearing in orphaned workspace {workspace}; kill them by hand")
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _has_jail_mount(pid: int, device: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/mountinfo") as f:
+            return any(_is_jail_mount(line, device) for line in f)
+    except OSError:
+        return False  # exited meanwhile, or not ours to read
+
+
+def _is_jail_mount(mountinfo_line: str, device: str) -> bool:
+    fields = mountinfo_line.split(" ", 5)  # id, parent, major:minor, root, mount point, ...
+    return len(fields) > 4 and fields[2] == device and fields[4] == WORKSPACE
+
+
+def _mounts_under(path: Path) -> list[Path]:
+    """Mount points at or below `path` in our mount namespace, deepest first."""
+    top = os.fsencode(os.path.abspath(path))
+    points = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            point = _unescape(line.split(b" ", 5)[4])
+            if point == top or point.startswith(top + b"/"):
+                points.append(Path(os.fsdecode(point)))
+    return sorted(points, key=lambda p: len(p.parts), reverse=True)
+
+
+def _unmount_all_under(path: Path) -> None:
+    for _ in range(100):  # stacked mounts come off one per unmount
+        points = _mounts_under(path)
+        if not points:
+            return
+        for point in points:
+            unmount(point)
+
+
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442  # the same on x86_64 and arm64
+_AT_FDCWD, _AT_EMPTY_PATH, _OPEN_TREE_CLONE, _MOVE_MOUNT_F_EMPTY_PATH = -100, 0x1000, 1, 4
+_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV = 1, 2, 4
+
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _syscall(number: int, *args: object) -> int:
+    rc = _libc.syscall(ctypes.c_long(number), *args)
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"syscall {number}: {os.strerror(err)} (the sandbox needs Linux 5.12 or newer)")
+    return rc
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
@@ -856,13 +1105,13 @@ def is_mount_point(path: Path) -> bool:
     from the same filesystem."""
     wanted = os.fsencode(os.path.abspath(path))
     with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            point = line.split(b" ", 5)[4]
-            if b"\\" in point:  # spaces etc. are escaped as \ooo
-                point = point.decode("unicode_escape").encode("latin-1")
-            if point == wanted:
-                return True
-    return False
+        return any(_unescape(line.split(b" ", 5)[4]) == wanted for line in f)
+
+
+def _unescape(point: bytes) -> bytes:
+    if b"\\" in point:  # spaces etc. are escaped as \ooo
+        return point.decode("unicode_escape").encode("latin-1")
+    return point
 
 
 def unmount(target: Path) -> None:
