@@ -1005,20 +1005,29 @@ def _alive(pid: int) -> bool:
 
 
 def _kill_users_of(workspace: Path) -> None:
-    """SIGKILL every jailed process that has `workspace`'s tmpfs mounted at /workspace.
+    """SIGKILL every jailed process that has `workspace`'s tmpfs (or a command's scratch tmpfs) mounted.
 
-    Host processes see the same tmpfs too, but at its host path, so they are never matched.
+    A jail is a process of the sandbox user in a mount namespace other than ours; it may hold the
+    tmpfs at /workspace (/tmp), or, while bwrap still sets it up, at its host path in the copy of
+    the host's mounts it starts from. Host processes share our namespace and are never matched.
     """
     if not os.path.ismount(workspace):
         return  # a plain directory: its jails died with their owner (bwrap --die-with-parent)
     st = os.stat(workspace)
     device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    # A jail still being set up when its owner died can mount the workspace after a scan; it dies
-    # on its own (bwrap --die-with-parent), but scan again until nobody is left to be sure.
-    for _ in range(10):
-        victims = [pid for pid in _pids() if _has_jail_mount(pid, device)]
+    # A jail being set up when its owner died can pass a scan unseen, and it may miss bwrap's
+    # --die-with-parent (set just before its exec, after the parent was gone): an empty scan counts
+    # only when the one 20 ms later is empty too.
+    quiet = 0
+    for _ in range(20):
+        victims = [pid for pid in _pids() if _is_jail_using(pid, device)]
         if not victims:
-            return
+            quiet += 1
+            if quiet == 2:
+                return
+            time.sleep(0.02)
+            continue
+        quiet = 0
         for pid in victims:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -1035,17 +1044,16 @@ def _pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
-def _has_jail_mount(pid: int, device: str) -> bool:
+def _is_jail_using(pid: int, device: str) -> bool:
     try:
+        if os.stat(f"/proc/{pid}").st_uid != SANDBOX_UID:
+            return False
+        if os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino:
+            return False
         with open(f"/proc/{pid}/mountinfo") as f:
-            return any(_is_jail_mount(line, device) for line in f)
-    except OSError:
+            return any(line.split(" ", 3)[2] == device for line in f)  # id, parent, major:minor, ...
+    except (OSError, IndexError):
         return False  # exited meanwhile, or not ours to read
-
-
-def _is_jail_mount(mountinfo_line: str, device: str) -> bool:
-    fields = mountinfo_line.split(" ", 5)  # id, parent, major:minor, root, mount point, ...
-    return len(fields) > 4 and fields[2] == device and fields[4] == WORKSPACE
 
 
 def _mounts_under(path: Path) -> list[Path]:
