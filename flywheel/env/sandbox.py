@@ -337,8 +337,8 @@ class Sandbox:
         cfg = self.config
         timeout = cfg.wall_time_s if timeout_s is None else timeout_s
         start = time.perf_counter()
-        # As root, /tmp and /dev/shm are tmpfs mounts of ours with an inode cap (bwrap's --tmpfs takes
-        # a size only); they live under the root dir for the command's length (see `_make_scratch`).
+        # As root, /tmp and /dev/shm are a tmpfs of ours with an inode cap (bwrap's --tmpfs takes a
+        # size only), under the root dir, one per command running at once (see `_make_scratch`).
         scratch = self._take_scratch() if self._mounted else None
         try:
             return self._run_in_jail(command, timeout, start, scratch)
@@ -861,11 +861,21 @@ _WATCHDOG_TAG = "flywheel-sandbox-watchdog"  # in the watchdog's command line, f
 _LEASES: dict[Path, int] = {}  # root -> fd holding this process's shared lock on .python.lock
 
 
-@functools.cache
 def _prepare_root(root: Path, pid: int) -> None:
     """First use of `root` by process `pid` (a forked child is a new owner): reclaim what dead
     owners left, take a lease on the interpreter bind and mount it if needed, start the watchdog."""
-    del pid  # part of the cache key only
+    with _PREPARE_LOCK:  # threads of one process: one lease and one watchdog
+        if (root, pid) in _PREPARED:
+            return
+        _prepare_root_unlocked(root)
+        _PREPARED.add((root, pid))
+
+
+_PREPARE_LOCK = threading.Lock()
+_PREPARED: set[tuple[Path, int]] = set()
+
+
+def _prepare_root_unlocked(root: Path) -> None:
     _ensure_root(root)
     with _root_lock(root):
         _reclaim_unlocked(root)
@@ -924,9 +934,9 @@ def _watch(root: str, owner_pidfd: int) -> None:
 def reap_orphans(root: Path) -> int:
     """Remove what processes that are no longer alive left under `root`; returns how many workspaces.
 
-    For each workspace or scratch dir of a dead owner: kill any jailed process still using it (found
-    through its mount in /proc/*/mountinfo), unmount everything mounted under it, then delete the
-    directory, which by then holds only the sandbox's own files. Live owners' dirs are left alone.
+    For each workspace or scratch dir of a dead owner: unmount everything mounted under it, kill any
+    jailed process still holding one of those tmpfs mounts (found in /proc/*/mountinfo), then delete
+    the directory, which by then holds only the sandbox's own files. Live owners' dirs are left alone.
     Then the interpreter bind is unmounted if no live process holds a lease on it.
     """
     root = Path(root)
@@ -942,10 +952,8 @@ def _reclaim_unlocked(root: Path) -> int:
         match = _OWNED_NAME.match(entry.name)
         if match is not None and not _alive(int(match.group(1))):
             orphans.append((Path(entry.path), match.group(2) is None))
-    for path, _ in orphans:  # first stop every jail, so none holds a mount the next loop removes
-        _kill_users_of(path)
     for path, _ in orphans:
-        _unmount_all_under(path)
+        _kill_holders(_unmount_all_under(path))  # unmounted first: then no jail can appear holding them
         # rmtree descends into mount points: with any mount left it could reach files that are not
         # the sandbox's (the interpreter bind is read-only, but a check is cheaper than a proof).
         if _mounts_under(path):
@@ -1004,30 +1012,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _kill_users_of(workspace: Path) -> None:
-    """SIGKILL every jailed process that has `workspace`'s tmpfs (or a command's scratch tmpfs) mounted.
+def _kill_holders(devices: set[str]) -> None:
+    """SIGKILL every jailed process that still holds one of these tmpfs devices (major:minor).
 
-    A jail is a process of the sandbox user in a mount namespace other than ours; it may hold the
-    tmpfs at /workspace (/tmp), or, while bwrap still sets it up, at its host path in the copy of
-    the host's mounts it starts from. Host processes share our namespace and are never matched.
+    Called once the tmpfs mounts are gone from our namespace, so no jail can gain a copy any more (a
+    jail's mount namespace starts as a copy of ours) and one empty scan is final. Before, a jail
+    that bwrap was still setting up as its owner died could pass an earlier scan unseen and, having
+    missed --die-with-parent (set just before exec, when the parent was already gone), live on.
+    A jail is a process of the sandbox user in another mount namespace; host processes never match.
     """
-    if not os.path.ismount(workspace):
-        return  # a plain directory: its jails died with their owner (bwrap --die-with-parent)
-    st = os.stat(workspace)
-    device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    # A jail being set up when its owner died can pass a scan unseen, and it may miss bwrap's
-    # --die-with-parent (set just before its exec, after the parent was gone): an empty scan counts
-    # only when the one 20 ms later is empty too.
-    quiet = 0
-    for _ in range(20):
-        victims = [pid for pid in _pids() if _is_jail_using(pid, device)]
+    if not devices:
+        return  # plain directories: their jails died with their owner (bwrap --die-with-parent)
+    for _ in range(10):
+        victims = [pid for pid in _pids() if _is_jail_holding(pid, devices)]
         if not victims:
-            quiet += 1
-            if quiet == 2:
-                return
-            time.sleep(0.02)
-            continue
-        quiet = 0
+            return
         for pid in victims:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -1037,44 +1036,49 @@ def _kill_users_of(workspace: Path) -> None:
         while victims and time.monotonic() < deadline:
             victims = [pid for pid in victims if _alive(pid)]
             time.sleep(0.005)
-    raise OSError(f"processes keep appearing in orphaned workspace {workspace}; kill them by hand")
+    raise OSError(f"jailed processes holding tmpfs {sorted(devices)} keep appearing; kill them by hand")
 
 
 def _pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
-def _is_jail_using(pid: int, device: str) -> bool:
+def _is_jail_holding(pid: int, devices: set[str]) -> bool:
     try:
         if os.stat(f"/proc/{pid}").st_uid != SANDBOX_UID:
             return False
         if os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino:
             return False
         with open(f"/proc/{pid}/mountinfo") as f:
-            return any(line.split(" ", 3)[2] == device for line in f)  # id, parent, major:minor, ...
+            return any(line.split(" ", 3)[2] in devices for line in f)  # id, parent, major:minor, ...
     except (OSError, IndexError):
         return False  # exited meanwhile, or not ours to read
 
 
-def _mounts_under(path: Path) -> list[Path]:
-    """Mount points at or below `path` in our mount namespace, deepest first."""
+def _mounts_under(path: Path) -> list[tuple[Path, str]]:
+    """(mount point, major:minor) of the mounts at or below `path` in our namespace, deepest first."""
     top = os.fsencode(os.path.abspath(path))
-    points = []
+    found = []
     with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
-            point = _unescape(line.split(b" ", 5)[4])
+            fields = line.split(b" ", 5)  # id, parent, major:minor, root, mount point, ...
+            point = _unescape(fields[4])
             if point == top or point.startswith(top + b"/"):
-                points.append(Path(os.fsdecode(point)))
-    return sorted(points, key=lambda p: len(p.parts), reverse=True)
+                found.append((Path(os.fsdecode(point)), fields[2].decode()))
+    return sorted(found, key=lambda m: len(m[0].parts), reverse=True)
 
 
-def _unmount_all_under(path: Path) -> None:
+def _unmount_all_under(path: Path) -> set[str]:
+    """Unmount everything at or below `path`; returns the devices that were mounted there."""
+    devices: set[str] = set()
     for _ in range(100):  # stacked mounts come off one per unmount
-        points = _mounts_under(path)
-        if not points:
-            return
-        for point in points:
+        mounts = _mounts_under(path)
+        if not mounts:
+            return devices
+        for point, device in mounts:
+            devices.add(device)
             unmount(point)
+    raise OSError(f"mounts under {path} keep reappearing; unmount them by hand")
 
 
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442  # the same on x86_64 and arm64

@@ -139,16 +139,18 @@ def mounts_under(root: Path) -> list[str]:
 def kill_owner(child: subprocess.Popen, root: Path, probes, sig: int = signal.SIGKILL, watchdog: bool = False):
     """Kill a sandbox owner; with `watchdog`, first its watchdog too, as when the owner's whole cgroup
     is killed, so that what the owner left stays for the next process to reclaim."""
-    if watchdog:
-        watchdogs = probes.pids_running(f"flywheel-sandbox-watchdog {root} {child.pid}")
-        assert len(watchdogs) == 1, f"the owner has no watchdog: {watchdogs}"
-        os.kill(watchdogs[0], signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while probes.pids_running(f"flywheel-sandbox-watchdog {root} {child.pid}") and time.monotonic() < deadline:
-            time.sleep(0.01)
-    os.kill(child.pid, sig)
-    child.wait()
-    child.stdout.close()
+    try:
+        if watchdog:
+            watchdogs = probes.pids_running(f"flywheel-sandbox-watchdog {root} {child.pid} ")
+            assert len(watchdogs) == 1, f"the owner has no watchdog: {watchdogs}"
+            os.kill(watchdogs[0], signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while probes.pids_running(f"flywheel-sandbox-watchdog {root} {child.pid} ") and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:  # the owner dies whatever happened, so a failed test leaves no process behind
+        os.kill(child.pid, sig)
+        child.wait()
+        child.stdout.close()
 
 
 @pytest.fixture
