@@ -968,6 +968,12 @@ def _release_interpreter(root: Path) -> None:
     staged = root / INTERPRETER_DIR
     if root in _LEASES or not is_mount_point(staged):
         return
+    # A live owner's workspace means the bind is in use even without a lease (a process of an older
+    # flywheel, which mounted it and took none).
+    for entry in os.scandir(root):
+        match = _OWNED_NAME.match(entry.name)
+        if match is not None and _alive(int(match.group(1))):
+            return
     try:
         probe = os.open(root / ".python.lock", os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
