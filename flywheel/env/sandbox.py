@@ -953,7 +953,14 @@ def _reclaim_unlocked(root: Path) -> int:
         if match is not None and not _alive(int(match.group(1))):
             orphans.append((Path(entry.path), match.group(2) is None))
     for path, _ in orphans:
-        _kill_holders(_unmount_all_under(path))  # unmounted first: then no jail can appear holding them
+        # An open fd on each mount keeps its tmpfs, and so its device number, alive while jails are
+        # sought by device: freed, the number goes to the next tmpfs made, a live sandbox's /tmp.
+        pins = [os.open(point, os.O_RDONLY | os.O_CLOEXEC) for point, _ in _mounts_under(path)]
+        try:
+            _kill_holders(_unmount_all_under(path))  # unmounted first: then no jail can gain a copy
+        finally:
+            for fd in pins:
+                os.close(fd)
         # rmtree descends into mount points: with any mount left it could reach files that are not
         # the sandbox's (the interpreter bind is read-only, but a check is cheaper than a proof).
         if _mounts_under(path):
@@ -1018,47 +1025,55 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _kill_holders(devices: set[str]) -> None:
-    """SIGKILL every jailed process that still holds one of these tmpfs devices (major:minor).
+def _kill_holders(mounts: dict[str, str]) -> None:
+    """SIGKILL every jailed process that has one of these tmpfs devices (major:minor -> host path)
+    mounted in the jail: at any mount point but its host path.
 
-    Called once the tmpfs mounts are gone from our namespace, so no jail can gain a copy any more (a
-    jail's mount namespace starts as a copy of ours) and one empty scan is final. Before, a jail
-    that bwrap was still setting up as its owner died could pass an earlier scan unseen and, having
-    missed --die-with-parent (set just before exec, when the parent was already gone), live on.
-    A jail is a process of the sandbox user in another mount namespace; host processes never match.
+    Called once the mounts are gone from our namespace, so no jail can gain a new copy (a jail's
+    mount namespace starts as a copy of ours). A jail that bwrap was still setting up as its owner
+    died can miss --die-with-parent (set just before exec, when the parent was already gone) and
+    live on, so scanning goes on while any jail holds a copy at all. Jails of live owners that are
+    being set up hold the same copy, at the host path (or under /oldroot), until bwrap drops the
+    host's mounts a few ms later: they are waited out, never killed. A jail is a process of the
+    sandbox user in another mount namespace; host processes never match.
     """
-    if not devices:
+    if not mounts:
         return  # plain directories: their jails died with their owner (bwrap --die-with-parent)
-    for _ in range(10):
-        victims = [pid for pid in _pids() if _is_jail_holding(pid, devices)]
-        if not victims:
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        holders = {pid: _jail_mount_points(pid, mounts) for pid in _pids()}
+        holders = {pid: points for pid, points in holders.items() if points}
+        if not holders:
             return
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 5.0
-        while victims and time.monotonic() < deadline:
-            victims = [pid for pid in victims if _alive(pid)]
-            time.sleep(0.005)
-    raise OSError(f"jailed processes holding tmpfs {sorted(devices)} keep appearing; kill them by hand")
+        for pid, points in holders.items():
+            if any(point != mounts[dev] and point != "/oldroot" + mounts[dev] for dev, point in points):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    raise OSError(f"jailed processes still hold tmpfs mounts {sorted(mounts.values())}; kill them by hand")
 
 
 def _pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
-def _is_jail_holding(pid: int, devices: set[str]) -> bool:
+def _jail_mount_points(pid: int, mounts: dict[str, str]) -> list[tuple[str, str]]:
+    """(device, mount point) of each of `mounts` that jailed process `pid` has; [] for others."""
     try:
-        if os.stat(f"/proc/{pid}").st_uid != SANDBOX_UID:
-            return False
+        if os.stat(f"/proc/{pid}").st_uid != SANDBOX_UID or _is_zombie(pid):
+            return []
         if os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino:
-            return False
+            return []
         with open(f"/proc/{pid}/mountinfo") as f:
-            return any(line.split(" ", 3)[2] in devices for line in f)  # id, parent, major:minor, ...
+            fields = [line.split(" ", 5) for line in f]  # id, parent, major:minor, root, mount point, ...
+        return [(fs[2], fs[4]) for fs in fields if fs[2] in mounts]
     except (OSError, IndexError):
-        return False  # exited meanwhile, or not ours to read
+        return []  # exited meanwhile, or not ours to read
+
+
+def _is_zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def _mounts_under(path: Path) -> list[tuple[Path, str]]:
@@ -1074,15 +1089,15 @@ def _mounts_under(path: Path) -> list[tuple[Path, str]]:
     return sorted(found, key=lambda m: len(m[0].parts), reverse=True)
 
 
-def _unmount_all_under(path: Path) -> set[str]:
-    """Unmount everything at or below `path`; returns the devices that were mounted there."""
-    devices: set[str] = set()
+def _unmount_all_under(path: Path) -> dict[str, str]:
+    """Unmount everything at or below `path`; returns {device: host mount point} of what was there."""
+    devices: dict[str, str] = {}
     for _ in range(100):  # stacked mounts come off one per unmount
         mounts = _mounts_under(path)
         if not mounts:
             return devices
         for point, device in mounts:
-            devices.add(device)
+            devices.setdefault(device, str(point))
             unmount(point)
     raise OSError(f"mounts under {path} keep reappearing; unmount them by hand")
 
