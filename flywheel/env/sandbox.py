@@ -330,8 +330,9 @@ class Sandbox:
         """Run `/bin/sh -c command` in a fresh jail with cwd /workspace; never raises for the command.
 
         `pass_fds`: host descriptors the command inherits at the same numbers, for a channel that is
-        not its output (grading's report file). bwrap's init inside the jail does not keep them; the
-        shell does, so a command that must be their only holder starts with `exec`."""
+        not its output (grading's report file). The jail's pid 1 does not keep them (it is then the
+        command itself, see `_prologue`); the shell does, so a command that must be their only
+        holder starts with `exec`."""
         if not self._finalizer.alive:
             raise SandboxError(f"sandbox {self.workspace.name} is closed; create a new one")
         cfg = self.config
@@ -341,7 +342,7 @@ class Sandbox:
         # size only), under the root dir, one per command running at once (see `_make_scratch`).
         scratch = self._take_scratch() if self._mounted else None
         try:
-            return self._run_in_jail(command, timeout, start, scratch)
+            return self._run_in_jail(command, timeout, start, scratch, pass_fds)
         finally:
             if scratch is not None:
                 self._return_scratch(scratch)
@@ -363,11 +364,13 @@ class Sandbox:
                     return
         _remove_scratch(scratch)
 
-    def _run_in_jail(self, command: str, timeout: float, start: float, scratch: Path | None) -> CommandResult:
+    def _run_in_jail(
+        self, command: str, timeout: float, start: float, scratch: Path | None, pass_fds: tuple[int, ...]
+    ) -> CommandResult:
         cfg = self.config
         try:
             proc = subprocess.Popen(
-                self._argv(command, scratch),
+                self._argv(command, scratch, exec_command=bool(pass_fds)),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -404,7 +407,7 @@ class Sandbox:
             duration_s=duration,
         )
 
-    def _argv(self, command: str, scratch: Path | None) -> list[str]:
+    def _argv(self, command: str, scratch: Path | None, exec_command: bool = False) -> list[str]:
         cfg = self.config
         bwrap, setpriv = _host_tools()
         bwrap = _reachable_bwrap(bwrap, cfg.resolved_root())
@@ -452,7 +455,7 @@ class Sandbox:
             # size, so a same-length fix (0 -> 1) made within a second of a test run would be
             # tested as the old code.
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-            "/bin/sh", "-c", _prologue(cfg), "sh", command,
+            "/bin/sh", "-c", _prologue(cfg, exec_command), "sh", command,
         ]  # fmt: skip
         if setpriv is not None:
             argv = [
@@ -559,7 +562,7 @@ class Sandbox:
 # ---- running a command ---------------------------------------------------------------------------
 
 
-def _prologue(cfg: SandboxConfig) -> str:
+def _prologue(cfg: SandboxConfig, exec_command: bool = False) -> str:
     # `ulimit` without -H/-S sets hard and soft limits, so the command cannot raise them again.
     # The command runs as $1 so its error messages read "sh: 1: ..." like a plain shell.
     # The jail's first output byte is `_STARTED`: nothing the command prints can come before it, so
@@ -571,12 +574,14 @@ def _prologue(cfg: SandboxConfig) -> str:
     # ignored), and while it waits it reaps orphans (dash waits for any child). `exit $?` keeps dash
     # from exec'ing the last command in place of forking it; a command killed by signal N ends pid 1
     # with 128+N, as bwrap reported it before. When pid 1 exits the kernel kills the rest of the jail.
+    # With `exec_command` (a run with pass_fds) the command is exec'd instead and is pid 1 itself, so
+    # this shell keeps no copy of the passed descriptors and the command can be their only holder.
+    run = 'exec /bin/sh -c "$1"' if exec_command else '/bin/sh -c "$1"\nexit $?'
     return (
         f"ulimit -c 0 && ulimit -t {cfg.cpu_time_s} && ulimit -v {cfg.memory_mb * 1024}"
         f" && ulimit -p {cfg.max_processes} && ulimit -f {cfg.max_file_mb * 2048} || exit 125\n"
         f"printf '\\{_STARTED[0]:03o}'\n"
-        '/bin/sh -c "$1"\n'
-        "exit $?"
+        f"{run}"
     )
 
 
