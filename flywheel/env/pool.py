@@ -12,28 +12,23 @@
   the releasing thread tops the warm set back up.
 - An acquired sandbox held longer than `max_lifetime_s` is reaped (its command killed, workspace
   removed) the next time the pool is used, so a crashed worker cannot starve the others.
-- On start the pool reaps what dead processes left under the root directory (`reap_orphans`).
+- On start the pool reaps what dead processes left under the root directory (`reap_orphans`, as
+  every process's first `Sandbox.create` on a root does), and counts the workspaces in `stats`.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
-import re
-import shutil
-import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flywheel.env.sandbox import WORKSPACE, Sandbox, SandboxConfig, unmount
+from flywheel.env.sandbox import Sandbox, SandboxConfig, reap_orphans
 
-_OWNED_NAME = re.compile(r"^(\d+)-\d+-[0-9a-f]+$")
+__all__ = ["PoolConfig", "SandboxPool", "reap_orphans"]  # reap_orphans lives with the sandbox's lifecycle
 
 
 class PoolConfig(BaseModel):
@@ -215,95 +210,3 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return 0.0
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
-def reap_orphans(root: Path) -> int:
-    """Remove the workspaces under `root` whose owner process is dead; returns how many.
-
-    For each: kill any process still using it (found through its mount in /proc/*/mountinfo),
-    unmount it and delete the directory. Workspaces of live owners are left alone. Pools starting
-    at the same time (in one process or several) take turns through a lock file, so two never
-    tear down the same workspace at once (the second's unmount failed with EINVAL).
-    """
-    root = Path(root)
-    if not root.is_dir():
-        return 0
-    with open(root / ".reap.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        return _reap_unlocked(root)
-
-
-def _reap_unlocked(root: Path) -> int:
-    reaped = 0
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        match = _OWNED_NAME.match(entry.name)
-        if match is None or _alive(int(match.group(1))):
-            continue
-        workspace = Path(entry.path)
-        _kill_users_of(workspace)
-        while os.path.ismount(workspace):
-            unmount(workspace)
-        shutil.rmtree(workspace, ignore_errors=True)
-        if workspace.exists():
-            raise OSError(f"could not remove orphaned workspace {workspace}; remove it by hand (as root)")
-        reaped += 1
-    return reaped
-
-
-def _is_jail_mount(mountinfo_line: str, device: str) -> bool:
-    fields = mountinfo_line.split(" ", 5)  # id, parent, major:minor, root, mount point, ...
-    return len(fields) > 4 and fields[2] == device and fields[4] == WORKSPACE
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie is dead for our purposes: it holds no workspace.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _kill_users_of(workspace: Path) -> None:
-    """SIGKILL every jailed process that has `workspace`'s tmpfs mounted at /workspace.
-
-    Host processes see the same tmpfs too, but at its host path, so they are never matched.
-    """
-    if not os.path.ismount(workspace):
-        return  # a plain directory: its jails died with their owner (bwrap --die-with-parent)
-    st = os.stat(workspace)
-    device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    # A jail still being set up when its owner died can mount the workspace after a scan; it dies
-    # on its own (bwrap --die-with-parent), but scan again until nobody is left to be sure.
-    for _ in range(10):
-        victims = [pid for pid in _pids() if _has_jail_mount(pid, device)]
-        if not victims:
-            return
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 5.0
-        while victims and time.monotonic() < deadline:
-            victims = [pid for pid in victims if _alive(pid)]
-            time.sleep(0.005)
-    raise OSError(f"processes keep appearing in orphaned workspace {workspace}; kill them by hand")
-
-
-def _pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def _has_jail_mount(pid: int, device: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/mountinfo") as f:
-            return any(_is_jail_mount(line, device) for line in f)
-    except OSError:
-        return False  # exited meanwhile, or not ours to read

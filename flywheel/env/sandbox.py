@@ -16,37 +16,61 @@ What it protects against (each has a test in tests/env/test_sandbox.py):
   file size and output size. On timeout every process of the command dies: the jail has its own
   PID namespace, and when its pid 1 dies the kernel kills the rest. A command that exits normally
   takes its background processes with it for the same reason.
-- filling the disk: when running as root the workspace is a tmpfs with a size and inode cap.
+- filling the disk or kernel memory: when running as root the workspace, and a command's /tmp and
+  /dev/shm (which share one tmpfs), are tmpfs mounts with a size and an inode cap, so a flood of
+  empty files (no bytes, but kernel memory per inode) stops too.
 - signals and ptrace against host processes: own PID and user namespace, and (as root) the jail
   runs as the unprivileged uid 65534 (`nobody`), switched by `setpriv` before bwrap starts.
+- nested user namespaces (`unshare -U`, the usual first step of a kernel exploit from a jail):
+  bwrap --disable-userns.
+- learning host paths from /proc: the jail's pid 1 is its own shell, not a fork of bwrap, so
+  /proc/1/cmdline holds no bwrap command line (venv, sandbox root, workspace name with the
+  owner's pid).
+- leftovers of an owner that dies without `close` (SIGTERM, SIGKILL, a crash): its jails die with
+  it (bwrap --die-with-parent), and its watchdog process reclaims its workspaces and the mounts
+  under the root (tmpfs workspaces, a command's /tmp, the interpreter bind once no live process
+  leases it), so no mount outlives the processes that use it. If the watchdog died too, the next
+  process that uses the root does it at its first `Sandbox.create` or pool start (`reap_orphans`).
+- deleting the root (`rm -rf`, cleanup code) reaching host files: the only bind of host files
+  under it, the interpreter, is read-only from the instant it appears, and reclaiming deletes a
+  directory only once nothing is mounted under it.
 
 What it does not protect against:
 - kernel exploits: the jail shares the host kernel; there is no seccomp filter and no VM.
 - memory pressure in aggregate: limits are per process (RLIMIT_AS), and tmpfs pages are host
-  memory, so each live sandbox can hold up to `disk_mb` (workspace) plus, while a command runs,
-  2 x `disk_mb` (/tmp, /dev/shm) on top of its processes. Size the pool accordingly.
+  memory, so each live sandbox can hold up to `disk_mb` (workspace) plus, per command running at
+  once, `disk_mb` (/tmp and /dev/shm; 2 x `disk_mb` when not root) on top of its processes. Size
+  the pool accordingly.
 - CPU contention: there is no cgroup; a command can use whole cores until its CPU-time limit.
 - when not root: there is no uid switch (code runs as the calling user inside a user namespace,
   which still hides the host) and the workspace is a plain directory, so only the per-file size
-  cap (RLIMIT_FSIZE) bounds disk use.
+  cap (RLIMIT_FSIZE) bounds disk use; /tmp and /dev/shm are bwrap's tmpfs mounts, capped in bytes
+  but not in inodes; and /proc/self/mountinfo shows the workspace's host path (the sandbox root,
+  the owner's pid) as the root of the /workspace mount.
 - reading interpreter and system files: `/usr` and the interpreter's prefix are visible by design.
+- an owner killed together with its watchdog (its whole cgroup, `kill -9 -1`): its mounts stay
+  until the next process uses the root.
 
 Files the host reads back are only read, never executed, and never while a command runs, so
 checking paths component by component (`resolve`) has no time-of-check race with sandboxed code.
 
 Performance: a command costs two execs (setpriv, bwrap) plus the jail setup, about 5-7 ms on a
 2-core VM; CPython can vfork because no `preexec_fn` is used; limits are set by `ulimit` in the
-jail's shell prologue; tmpfs workspaces are mounted with mount(2) through ctypes.
+jail's shell prologue; tmpfs workspaces are mounted with mount(2) through ctypes. A process's first
+sandbox on a root also starts its watchdog (one Python process, ~30 MB, asleep on a pidfd).
 `bench/sandbox.py` measures all of this.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import functools
 import itertools
 import os
+import re
 import secrets
 import select
 import shutil
@@ -56,6 +80,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -71,7 +96,7 @@ ROOT_ENV = "FLYWHEEL_SANDBOX_ROOT"
 DEFAULT_ROOT = Path("/tmp/flywheel-sandboxes")
 # Name of the read-only bind of the interpreter prefix kept under the root dir (see `_interpreter_source`).
 INTERPRETER_DIR = ".python"
-_MS_NOSUID, _MS_NODEV, _MS_RDONLY, _MS_REMOUNT, _MS_BIND = 2, 4, 1, 32, 4096
+_MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
 _READ_CHUNK = 1 << 16
 
@@ -176,9 +201,13 @@ class Sandbox:
         self._mounted = mounted
         self._initial = Snapshot.of_files({})
         self._running: set[subprocess.Popen[bytes]] = set()  # commands in flight, for close()
+        # Scratch tmpfs mounts (a command's /tmp and /dev/shm, root only) left empty by their last
+        # command; one per command that ran at the same time, unmounted at close.
+        self._idle_scratch: list[Path] = []
+        self._scratch_lock = threading.Lock()
         # Runs at close() or, for a sandbox that is dropped without close, at garbage collection or
         # interpreter exit, so a workspace does not outlive its owner by accident.
-        self._finalizer = weakref.finalize(self, _destroy_workspace, workspace, mounted)
+        self._finalizer = weakref.finalize(self, _destroy_workspace, workspace, mounted, self._idle_scratch)
 
     @classmethod
     def create(
@@ -187,15 +216,13 @@ class Sandbox:
         config = config or SandboxConfig()
         _host_tools()  # fail before making anything when bwrap or setpriv is missing
         root = config.resolved_root()
-        _ensure_root(root)
-        # The owner pid in the name lets `pool.reap_orphans` find workspaces of dead processes.
-        workspace = root / f"{os.getpid()}-{next(_COUNTER)}-{secrets.token_hex(4)}"
+        _prepare_root(root, os.getpid())
+        workspace = root / _owned_name()
         workspace.mkdir(mode=0o700)
         mounted = False
         if _is_root():
-            options = f"size={config.disk_mb}m,nr_inodes={max(1024, config.disk_mb * 256)},mode=0700,uid={SANDBOX_UID},gid={SANDBOX_UID}"
             try:
-                _mount("tmpfs", workspace, "tmpfs", _MS_NOSUID | _MS_NODEV, options)
+                _mount("tmpfs", workspace, "tmpfs", _MS_NOSUID | _MS_NODEV, _tmpfs_options(config))
                 mounted = True
             except OSError as exc:
                 if exc.errno != errno.EPERM:
@@ -308,16 +335,47 @@ class Sandbox:
         """Run `/bin/sh -c command` in a fresh jail with cwd /workspace; never raises for the command.
 
         `pass_fds`: host descriptors the command inherits at the same numbers, for a channel that is
-        not its output (grading's report file). bwrap's init inside the jail does not keep them; the
-        shell does, so a command that must be their only holder starts with `exec`."""
+        not its output (grading's report file). The jail's pid 1 does not keep them (it is then the
+        command itself, see `_prologue`); the shell does, so a command that must be their only
+        holder starts with `exec`."""
         if not self._finalizer.alive:
             raise SandboxError(f"sandbox {self.workspace.name} is closed; create a new one")
         cfg = self.config
         timeout = cfg.wall_time_s if timeout_s is None else timeout_s
         start = time.perf_counter()
+        # As root, /tmp and /dev/shm are a tmpfs of ours with an inode cap (bwrap's --tmpfs takes a
+        # size only), under the root dir, one per command running at once (see `_make_scratch`).
+        scratch = self._take_scratch() if self._mounted else None
+        try:
+            return self._run_in_jail(command, timeout, start, scratch, pass_fds)
+        finally:
+            if scratch is not None:
+                self._return_scratch(scratch)
+
+    def _take_scratch(self) -> Path:
+        with self._scratch_lock:
+            if self._idle_scratch:
+                return self._idle_scratch.pop()
+        return _make_scratch(self.config)
+
+    def _return_scratch(self, scratch: Path) -> None:
+        # Unmounting and removing a tmpfs costs about as much as a whole `true` in a jail (RCU grace
+        # periods: 0.5 ms idle, 4-8 ms on a loaded 2-core VM), so a scratch the command left empty
+        # serves the sandbox's next command; one with anything left in it is dropped whole.
+        if _scratch_is_pristine(scratch):
+            with self._scratch_lock:
+                if self._finalizer.alive:
+                    self._idle_scratch.append(scratch)
+                    return
+        _remove_scratch(scratch)
+
+    def _run_in_jail(
+        self, command: str, timeout: float, start: float, scratch: Path | None, pass_fds: tuple[int, ...]
+    ) -> CommandResult:
+        cfg = self.config
         try:
             proc = subprocess.Popen(
-                self._argv(command),
+                self._argv(command, scratch, exec_command=bool(pass_fds)),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -354,16 +412,24 @@ class Sandbox:
             duration_s=duration,
         )
 
-    def _argv(self, command: str) -> list[str]:
+    def _argv(self, command: str, scratch: Path | None, exec_command: bool = False) -> list[str]:
         cfg = self.config
         bwrap, setpriv = _host_tools()
         bwrap = _reachable_bwrap(bwrap, cfg.resolved_root())
         prefix_src, prefix = _interpreter_source(cfg.resolved_root())
-        tmp_bytes = str(cfg.disk_mb * 1024 * 1024)
+        if scratch is None:  # not root: bwrap's own tmpfs, capped in bytes only
+            tmp_bytes = str(cfg.disk_mb * 1024 * 1024)
+            scratch_args = ["--size", tmp_bytes, "--tmpfs", "/dev/shm", "--size", tmp_bytes, "--tmpfs", "/tmp"]
+        else:
+            scratch_args = ["--bind", str(scratch / "shm"), "/dev/shm", "--bind", str(scratch / "tmp"), "/tmp"]
         argv = [
             bwrap,
             "--unshare-all",
             "--unshare-user",
+            # No user namespaces inside: a nested one would give the command every capability over
+            # its own mounts and namespaces, the way most kernel exploits against bwrap start.
+            "--disable-userns",
+            "--as-pid-1",  # the prologue's shell is pid 1 (see `_prologue`), not a fork of bwrap
             "--die-with-parent",  # the jail dies with us, even if we are SIGKILLed
             "--new-session",  # no TIOCSTI into a terminal of ours
             "--hostname", "sandbox",
@@ -379,8 +445,7 @@ class Sandbox:
             *_hidden_site_packages(prefix),
             "--proc", "/proc",
             "--dev", "/dev",
-            "--size", tmp_bytes, "--tmpfs", "/dev/shm",
-            "--size", tmp_bytes, "--tmpfs", "/tmp",
+            *scratch_args,
             "--bind", str(self.workspace), WORKSPACE,
             "--remount-ro",  # the jail's own root, /etc included; the mounts above stay as they are
             "/",
@@ -395,7 +460,7 @@ class Sandbox:
             # size, so a same-length fix (0 -> 1) made within a second of a test run would be
             # tested as the old code.
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-            "/bin/sh", "-c", _prologue(cfg), "sh", command,
+            "/bin/sh", "-c", _prologue(cfg, exec_command), "sh", command,
         ]  # fmt: skip
         if setpriv is not None:
             argv = [
@@ -478,7 +543,8 @@ class Sandbox:
         for proc in list(self._running):
             if proc.poll() is None:
                 _kill_jail(proc)
-        self._finalizer()
+        with self._scratch_lock:  # a command finishing now either hands its scratch in first or drops it
+            self._finalizer()
 
     @property
     def closed(self) -> bool:
@@ -586,16 +652,26 @@ def _open_dir(name: str, dir_fd: int, flags: int) -> int:
 # ---- running a command ---------------------------------------------------------------------------
 
 
-def _prologue(cfg: SandboxConfig) -> str:
+def _prologue(cfg: SandboxConfig, exec_command: bool = False) -> str:
     # `ulimit` without -H/-S sets hard and soft limits, so the command cannot raise them again.
-    # The command is exec'd as $1 so its error messages read "sh: 1: ..." like a plain shell.
+    # The command runs as $1 so its error messages read "sh: 1: ..." like a plain shell.
     # The jail's first output byte is `_STARTED`: nothing the command prints can come before it, so
     # output without it means bwrap failed to set the jail up (a SandboxError, not a command error).
+    # This shell is the jail's pid 1 (bwrap --as-pid-1), so /proc/1/cmdline shows it and not bwrap's
+    # command line (host paths: the venv, the sandbox root, the owner's pid in the workspace name).
+    # It runs the command as a foreground child, not `exec` (pid 1 ignores default-action signals,
+    # which would change how `kill` works on the command) nor `&` (a background job starts with SIGINT
+    # ignored), and while it waits it reaps orphans (dash waits for any child). `exit $?` keeps dash
+    # from exec'ing the last command in place of forking it; a command killed by signal N ends pid 1
+    # with 128+N, as bwrap reported it before. When pid 1 exits the kernel kills the rest of the jail.
+    # With `exec_command` (a run with pass_fds) the command is exec'd instead and is pid 1 itself, so
+    # this shell keeps no copy of the passed descriptors and the command can be their only holder.
+    run = 'exec /bin/sh -c "$1"' if exec_command else '/bin/sh -c "$1"\nexit $?'
     return (
         f"ulimit -c 0 && ulimit -t {cfg.cpu_time_s} && ulimit -v {cfg.memory_mb * 1024}"
         f" && ulimit -p {cfg.max_processes} && ulimit -f {cfg.max_file_mb * 2048} || exit 125\n"
         f"printf '\\{_STARTED[0]:03o}'\n"
-        'exec /bin/sh -c "$1"'
+        f"{run}"
     )
 
 
@@ -679,7 +755,7 @@ def _pump(proc: subprocess.Popen[bytes], collector: _OutputCollector, deadline: 
 def _kill_jail(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the jail and wait until none of its processes is left.
 
-    Killing the jail's pid 1 (bwrap's init, the child of the outer bwrap) makes the kernel kill
+    Killing the jail's pid 1 (the prologue's shell, the child of the outer bwrap) makes the kernel kill
     every process of its PID namespace before pid 1 is reaped; the outer bwrap reaps it and exits,
     so once `proc` has exited the whole jail is gone.
     """
@@ -708,6 +784,58 @@ def _kill_jail(proc: subprocess.Popen[bytes]) -> None:
 # ---- host setup ----------------------------------------------------------------------------------
 
 _COUNTER = itertools.count()  # unique names within this process; the pid covers other processes
+_SCRATCH_DIRS = ("tmp", "shm")  # a command's /tmp and /dev/shm, in its scratch dir
+SCRATCH_SUFFIX = ".tmp"  # ends the owned name of a scratch dir, which is not a workspace
+
+
+def _owned_name() -> str:
+    """A fresh name for a workspace or scratch dir under the root: the owner's pid first, so
+    `reclaim_orphans` can tell whose it is once the owner is gone."""
+    return f"{os.getpid()}-{next(_COUNTER)}-{secrets.token_hex(4)}"
+
+
+def _tmpfs_options(cfg: SandboxConfig) -> str:
+    # Without nr_inodes a tmpfs allows half the host's RAM pages in inodes: a flood of empty files
+    # (which `size` does not count) cost ~750 MB of kernel memory per jail. 256 per MB is one inode
+    # per 4 KB page, what a tree of small source files needs.
+    return (
+        f"size={cfg.disk_mb}m,nr_inodes={max(1024, cfg.disk_mb * 256)},"
+        f"mode=0700,uid={SANDBOX_UID},gid={SANDBOX_UID}"
+    )
+
+
+def _make_scratch(cfg: SandboxConfig) -> Path:
+    """A tmpfs under the root holding a command's /tmp and /dev/shm (dirs `tmp` and `shm`), capped in
+    bytes and inodes as the workspace is (the two share the cap). Its name is an owned name, so a dead
+    owner's scratch is reclaimed with its workspaces (not counted as one)."""
+    scratch = cfg.resolved_root() / f"{_owned_name()}{SCRATCH_SUFFIX}"
+    scratch.mkdir(mode=0o700)
+    try:
+        _mount("tmpfs", scratch, "tmpfs", _MS_NOSUID | _MS_NODEV, _tmpfs_options(cfg))
+    except OSError as exc:
+        scratch.rmdir()
+        raise SandboxError(f"cannot mount a tmpfs for /tmp at {scratch}: {exc}") from exc
+    for name in _SCRATCH_DIRS:
+        os.mkdir(scratch / name, 0o700)
+        os.chown(scratch / name, SANDBOX_UID, SANDBOX_UID)
+    return scratch
+
+
+def _scratch_is_pristine(scratch: Path) -> bool:
+    """Whether the command left its /tmp and /dev/shm as it found them: empty, mode and owner unchanged."""
+    for name in _SCRATCH_DIRS:
+        st = os.stat(scratch / name)
+        if (st.st_mode, st.st_uid, st.st_gid) != (stat.S_IFDIR | 0o700, SANDBOX_UID, SANDBOX_UID):
+            return False
+        with os.scandir(scratch / name) as entries:
+            if next(entries, None) is not None:
+                return False
+    return True
+
+
+def _remove_scratch(scratch: Path) -> None:
+    unmount(scratch)  # frees whatever the command left, however many files, at once
+    os.rmdir(scratch)
 
 
 def _is_root() -> bool:
@@ -784,18 +912,13 @@ def _interpreter_source(root: Path) -> tuple[str, str]:
     """(host path to bind, path inside the jail) for the interpreter prefix.
 
     bwrap resolves bind sources as the sandbox user, who cannot pass through e.g. /root (0700).
-    Then the prefix is bind-mounted read-only once at `root/.python`, a path it can reach, and left
-    mounted for every later sandbox on this host (it is read-only and costs nothing).
+    Then the prefix is bind-mounted read-only at `root/.python`, a path it can reach, while any
+    process on the host uses the root (see `_prepare_root`).
     """
     prefix = os.path.realpath(sys.base_prefix)
     if not _is_root() or _traversable_by_others(prefix):
         return prefix, prefix
-    staged = root / INTERPRETER_DIR
-    staged.mkdir(mode=0o755, exist_ok=True)
-    if not is_mount_point(staged):
-        _mount(prefix, staged, None, _MS_BIND, None)
-        _mount(prefix, staged, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, None)
-    return str(staged), prefix
+    return str(root / INTERPRETER_DIR), prefix
 
 
 @functools.cache
@@ -817,7 +940,280 @@ def _traversable_by_others(path: str) -> bool:
     return all(os.stat(d).st_mode & 0o001 for d in [p, *p.parents])
 
 
+# ---- lifecycle of the root: leases, the watchdog, reclaiming what dead owners left ---------------
+#
+# What lives under the root, and what ends it:
+#   <pid>-<n>-<hex>       a workspace (a tmpfs as root), owned by process <pid>: `Sandbox.close`
+#   <pid>-<n>-<hex>.tmp   a scratch tmpfs (a command's /tmp, /dev/shm), root only: `Sandbox.close`
+#   .python               the read-only bind of the interpreter prefix, root only, while any process
+#                         holds a lease (a shared flock on .python.lock, held until it exits)
+#   .bwrap-*              a copy of bwrap (files, no mount)
+# An owner that dies without closing (SIGKILL, a crash) leaves its workspaces and scratch mounts;
+# its watchdog, a process of its own started at the owner's first use of the root, wakes when the
+# owner exits and reclaims them, and unmounts .python when no lease is left. Whatever a watchdog
+# could not do (it was killed too, e.g. with the owner's whole cgroup) the next process that uses
+# the root does at its first Sandbox.create or SandboxPool start (`reap_orphans`).
+
+_OWNED_NAME = re.compile(rf"^(\d+)-\d+-[0-9a-f]+({re.escape(SCRATCH_SUFFIX)})?$")
+_WATCHDOG_TAG = "flywheel-sandbox-watchdog"  # in the watchdog's command line, for `ps` and tests
+_LEASES: dict[Path, int] = {}  # root -> fd holding this process's shared lock on .python.lock
+
+
+def _prepare_root(root: Path, pid: int) -> None:
+    """First use of `root` by process `pid` (a forked child is a new owner): reclaim what dead
+    owners left, take a lease on the interpreter bind and mount it if needed, start the watchdog."""
+    with _PREPARE_LOCK:  # threads of one process: one lease and one watchdog
+        if (root, pid) in _PREPARED:
+            return
+        _prepare_root_unlocked(root)
+        _PREPARED.add((root, pid))
+
+
+_PREPARE_LOCK = threading.Lock()
+_PREPARED: set[tuple[Path, int]] = set()
+
+
+def _prepare_root_unlocked(root: Path) -> None:
+    _ensure_root(root)
+    with _root_lock(root):
+        _reclaim_unlocked(root)
+        source, prefix = _interpreter_source(root)
+        if source != prefix:
+            lease = os.open(root / ".python.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(lease, fcntl.LOCK_SH)  # released by the kernel when this process ends
+            _LEASES[root] = lease
+            staged = Path(source)
+            staged.mkdir(mode=0o755, exist_ok=True)
+            if not is_mount_point(staged):
+                _bind_read_only(prefix, staged)
+    _start_watchdog(root)
+
+
+@contextlib.contextmanager
+def _root_lock(root: Path):
+    """Processes reclaiming or mounting under `root` take turns (two reclaims of one workspace
+    once made the second's unmount fail with EINVAL)."""
+    with open(root / ".reap.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _start_watchdog(root: Path) -> None:
+    # Its own session, so a Ctrl-C or a signal to our process group does not reach it; it needs the
+    # flywheel package (PYTHONPATH) and the interpreter's packages (sys.executable) to import this
+    # module. One per owner process and root: about 30 MB of memory, asleep until the owner exits.
+    # It gets a pidfd of us, not our pid, so it cannot mistake another process for us: we may be
+    # dead before it has started, and our pid reused.
+    package_parent = str(Path(__file__).resolve().parents[2])
+    env = {"PYTHONPATH": package_parent, "PYTHONDONTWRITEBYTECODE": "1"}
+    code = "import sys; from flywheel.env.sandbox import _watch; _watch(sys.argv[2], int(sys.argv[4]))"
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        subprocess.Popen(
+            [sys.executable, "-c", code, _WATCHDOG_TAG, str(root), str(os.getpid()), str(pidfd)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            pass_fds=(pidfd,),
+            start_new_session=True,
+            env=env,
+        )  # never waited for: it outlives us by design, and init reaps it
+    finally:
+        os.close(pidfd)
+
+
+def _watch(root: str, owner_pidfd: int) -> None:
+    """The watchdog's main: sleep until the owner exits (its pidfd turns readable), then reclaim
+    what it left under `root`."""
+    select.select([owner_pidfd], [], [])
+    os.close(owner_pidfd)
+    reap_orphans(Path(root))
+
+
+def reap_orphans(root: Path) -> int:
+    """Remove what processes that are no longer alive left under `root`; returns how many workspaces.
+
+    For each workspace or scratch dir of a dead owner: unmount everything mounted under it, kill any
+    jailed process still holding one of those tmpfs mounts (found in /proc/*/mountinfo), then delete
+    the directory, which by then holds only the sandbox's own files. Live owners' dirs are left alone.
+    Then the interpreter bind is unmounted if no live process holds a lease on it.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    with _root_lock(root):
+        return _reclaim_unlocked(root)
+
+
+def _reclaim_unlocked(root: Path) -> int:
+    orphans = []
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        match = _OWNED_NAME.match(entry.name)
+        if match is not None and not _alive(int(match.group(1))):
+            orphans.append((Path(entry.path), match.group(2) is None))
+    for path, _ in orphans:
+        # An open fd on each mount keeps its tmpfs, and so its device number, alive while jails are
+        # sought by device: freed, the number goes to the next tmpfs made, a live sandbox's /tmp.
+        pins = [os.open(point, os.O_RDONLY | os.O_CLOEXEC) for point, _ in _mounts_under(path)]
+        try:
+            _kill_holders(_unmount_all_under(path))  # unmounted first: then no jail can gain a copy
+        finally:
+            for fd in pins:
+                os.close(fd)
+        # rmtree descends into mount points: with any mount left it could reach files that are not
+        # the sandbox's (the interpreter bind is read-only, but a check is cheaper than a proof).
+        if _mounts_under(path):
+            raise OSError(f"mounts remain under orphaned {path} after unmounting; unmount them by hand")
+        shutil.rmtree(path, onerror=_make_removable)
+    _release_interpreter(root)
+    return sum(is_workspace for _, is_workspace in orphans)
+
+
+def _release_interpreter(root: Path) -> None:
+    """Unmount root/.python unless some live process holds a lease (callers hold the root lock)."""
+    staged = root / INTERPRETER_DIR
+    if root in _LEASES or not is_mount_point(staged):
+        return
+    # A live owner's workspace means the bind is in use even without a lease (a process of an older
+    # flywheel, which mounted it and took none).
+    for entry in os.scandir(root):
+        match = _OWNED_NAME.match(entry.name)
+        if match is not None and _alive(int(match.group(1))):
+            return
+    try:
+        probe = os.open(root / ".python.lock", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        probe = None  # no process of this code ever leased it
+    try:
+        if probe is not None:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a lease is held
+        while is_mount_point(staged):
+            unmount(staged)
+    except BlockingIOError:
+        return
+    finally:
+        if probe is not None:
+            os.close(probe)
+
+
+def _bind_read_only(source: str, target: Path) -> None:
+    """Bind `source` on `target` read-only from the first instant (new mount API: the tree is made
+    read-only before it is attached), so no delete under the root can ever reach host files through
+    a writable bind, not even in a crash between a bind and its read-only remount."""
+    tree = _syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | os.O_CLOEXEC)
+    try:
+        attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0, 0)
+        _syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr))
+        _syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH)
+    finally:
+        os.close(tree)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for our purposes: it holds no workspace.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _kill_holders(mounts: dict[str, str]) -> None:
+    """SIGKILL every jailed process that has one of these tmpfs devices (major:minor -> host path)
+    mounted in the jail: at any mount point but its host path.
+
+    Called once the mounts are gone from our namespace, so no jail can gain a new copy (a jail's
+    mount namespace starts as a copy of ours). A jail that bwrap was still setting up as its owner
+    died can miss --die-with-parent (set just before exec, when the parent was already gone) and
+    live on, so scanning goes on while any jail holds a copy at all. Jails of live owners that are
+    being set up hold the same copy, at the host path (or under /oldroot), until bwrap drops the
+    host's mounts a few ms later: they are waited out, never killed. A jail is a process of the
+    sandbox user in another mount namespace; host processes never match.
+    """
+    if not mounts:
+        return  # plain directories: their jails died with their owner (bwrap --die-with-parent)
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        holders = {pid: _jail_mount_points(pid, mounts) for pid in _pids()}
+        holders = {pid: points for pid, points in holders.items() if points}
+        if not holders:
+            return
+        for pid, points in holders.items():
+            if any(point != mounts[dev] and point != "/oldroot" + mounts[dev] for dev, point in points):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    raise OSError(f"jailed processes still hold tmpfs mounts {sorted(mounts.values())}; kill them by hand")
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _jail_mount_points(pid: int, mounts: dict[str, str]) -> list[tuple[str, str]]:
+    """(device, mount point) of each of `mounts` that jailed process `pid` has; [] for others."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != SANDBOX_UID or _is_zombie(pid):
+            return []
+        if os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino:
+            return []
+        with open(f"/proc/{pid}/mountinfo") as f:
+            fields = [line.split(" ", 5) for line in f]  # id, parent, major:minor, root, mount point, ...
+        return [(fs[2], fs[4]) for fs in fields if fs[2] in mounts]
+    except (OSError, IndexError):
+        return []  # exited meanwhile, or not ours to read
+
+
+def _is_zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def _mounts_under(path: Path) -> list[tuple[Path, str]]:
+    """(mount point, major:minor) of the mounts at or below `path` in our namespace, deepest first."""
+    top = os.fsencode(os.path.abspath(path))
+    found = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split(b" ", 5)  # id, parent, major:minor, root, mount point, ...
+            point = _unescape(fields[4])
+            if point == top or point.startswith(top + b"/"):
+                found.append((Path(os.fsdecode(point)), fields[2].decode()))
+    return sorted(found, key=lambda m: len(m[0].parts), reverse=True)
+
+
+def _unmount_all_under(path: Path) -> dict[str, str]:
+    """Unmount everything at or below `path`; returns {device: host mount point} of what was there."""
+    devices: dict[str, str] = {}
+    for _ in range(100):  # stacked mounts come off one per unmount
+        mounts = _mounts_under(path)
+        if not mounts:
+            return devices
+        for point, device in mounts:
+            devices.setdefault(device, str(point))
+            unmount(point)
+    raise OSError(f"mounts under {path} keep reappearing; unmount them by hand")
+
+
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442  # the same on x86_64 and arm64
+_AT_FDCWD, _AT_EMPTY_PATH, _OPEN_TREE_CLONE, _MOVE_MOUNT_F_EMPTY_PATH = -100, 0x1000, 1, 4
+_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV = 1, 2, 4
+
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _syscall(number: int, *args: object) -> int:
+    rc = _libc.syscall(ctypes.c_long(number), *args)
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"syscall {number}: {os.strerror(err)} (the sandbox needs Linux 5.12 or newer)")
+    return rc
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
@@ -840,13 +1236,13 @@ def is_mount_point(path: Path) -> bool:
     from the same filesystem."""
     wanted = os.fsencode(os.path.abspath(path))
     with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            point = line.split(b" ", 5)[4]
-            if b"\\" in point:  # spaces etc. are escaped as \ooo
-                point = point.decode("unicode_escape").encode("latin-1")
-            if point == wanted:
-                return True
-    return False
+        return any(_unescape(line.split(b" ", 5)[4]) == wanted for line in f)
+
+
+def _unescape(point: bytes) -> bytes:
+    if b"\\" in point:  # spaces etc. are escaped as \ooo
+        return point.decode("unicode_escape").encode("latin-1")
+    return point
 
 
 def unmount(target: Path) -> None:
@@ -860,7 +1256,9 @@ def unmount(target: Path) -> None:
     raise OSError(err, f"umount {target}: {os.strerror(err)}")
 
 
-def _destroy_workspace(workspace: Path, mounted: bool) -> None:
+def _destroy_workspace(workspace: Path, mounted: bool, idle_scratch: list[Path]) -> None:
+    while idle_scratch:
+        _remove_scratch(idle_scratch.pop())
     if mounted:
         unmount(workspace)  # drops the whole tmpfs at once, however many files it holds
         os.rmdir(workspace)

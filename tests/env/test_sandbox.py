@@ -207,6 +207,34 @@ def test_tmp_inside_is_private_and_capped(sandbox_root):
         assert sb.run("ls /tmp").output == ""  # a fresh /tmp per command
 
 
+INODE_FLOOD = """
+import os, sys
+n = 0
+try:
+    for n in range(200_000):  # far past any cap; bounded so a missing cap fails instead of hanging
+        open(f"{sys.argv[1]}/{n}", "w").close()
+    print("no cap after", n + 1)
+except OSError as exc:
+    print("stopped after", n, exc.strerror)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="inode caps need tmpfs mounts of our own (root)")
+@pytest.mark.parametrize("where", ["/tmp", "/dev/shm"])
+def test_a_flood_of_empty_files_stops_at_the_inode_cap(sandbox_root, where: str):
+    """Empty files take no bytes, so `disk_mb` alone never stopped them; each inode is kernel memory."""
+    cfg = SandboxConfig(root_dir=sandbox_root, disk_mb=1, wall_time_s=20)
+    with Sandbox.create({"flood.py": INODE_FLOOD}, cfg) as sb:
+        result = sb.run(f"python3 flood.py {where}; ls {where} | wc -l")
+        first, count = result.output.splitlines()
+        assert first.startswith("stopped after") and first.endswith("No space left on device"), result.render()
+        assert 1000 <= int(first.split()[2]) <= 1024 and int(count) <= 1024
+        assert sb.run(f"ls -A {where}").output == ""  # the next command starts empty
+        assert_usable(sb)
+    with open("/proc/self/mountinfo") as f:  # no /tmp of a command outlives its sandbox
+        assert [p for line in f if (p := line.split(" ")[4]).startswith(f"{sandbox_root}/{os.getpid()}-")] == []
+
+
 # ---- attacks: escaping the filesystem and network ------------------------------------------------
 
 
@@ -259,6 +287,46 @@ def test_the_jails_python_is_the_standard_library_without_host_packages(box: San
     assert box.run(f"python3 -c 'import {installed}'").exit_code != 0
     assert box.run(f"touch {host_site[0]}/planted.pth").exit_code != 0 and not os.path.exists(f"{host_site[0]}/planted.pth")
     assert box.run("python3 -c 'import json, sqlite3, unittest'").exit_code == 0
+
+
+UNSHARE_USERNS = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(0x10000000) == 0:  # CLONE_NEWUSER
+    print("nested user namespace")
+else:
+    print("refused:", os.strerror(ctypes.get_errno()))
+"""
+
+
+def test_no_user_namespaces_inside_the_jail(box: Sandbox):
+    """A nested user namespace hands the command all capabilities over it (mounts, namespaces):
+    the usual first step of a kernel exploit against a bwrap jail."""
+    box.write_text("userns.py", UNSHARE_USERNS)
+    result = box.run("python3 userns.py")
+    assert result.exit_code == 0 and result.output.startswith("refused:"), result.render()
+    result = box.run("unshare --user --map-root-user id -u")
+    assert result.exit_code != 0 and "unshare failed" in result.output, result.render()
+    assert_usable(box)
+
+
+def test_proc_shows_no_host_paths(config: SandboxConfig, box: Sandbox):
+    """Pid 1 of the jail once was a fork of bwrap, whose command line in /proc/1/cmdline held the
+    venv, the sandbox root and the workspace name with the owner's pid. (A plain-dir workspace, when
+    not root, shows its host path as its mount's root in mountinfo: see the sandbox docstring.)"""
+    root = str(config.resolved_root())
+    host_paths = [root, box.workspace.name, sys.prefix, os.path.dirname(sys.executable)]  # the name holds our pid
+    if os.path.realpath(sys.base_prefix) != os.path.realpath(sys.prefix):
+        host_paths.append(os.path.realpath(sys.prefix))  # the venv, where bwrap-bin lives
+    for probe in ["/proc/1/cmdline", "/proc/1/environ", "/proc/1/maps", "/proc/self/cmdline",
+                  "/proc/self/environ", "/proc/self/mountinfo" if box._mounted else "/proc/self/maps"]:  # fmt: skip
+        result = box.run(f"tr '\\0' ' ' < {probe}")  # NULs would make the output "binary"
+        seen = result.output
+        assert result.exit_code == 0 and seen.strip(), result.render()
+        leaked = [p for p in host_paths if p in seen]
+        assert leaked == [], f"{probe} shows {leaked}: {seen[:300]}"
+    assert box.run("readlink /proc/1/exe").output == os.path.realpath("/bin/sh") + "\n"
+    assert box.run("tr '\\0' ' ' < /proc/1/cmdline").output.startswith("/bin/sh -c ulimit")
 
 
 def test_writes_outside_workspace_fail(box: Sandbox):
