@@ -99,14 +99,25 @@ def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def render_system(content: str, tools: Sequence[dict[str, Any]] | None) -> str:
+# A rendered turn as pieces: (text, written by a client or a tool). The template's own text holds
+# the only control and markup tokens a prompt may have; `ConversationEncoder` encodes the other
+# pieces so that no token string in them becomes its token.
+Pieces = list[tuple[str, bool]]
+
+
+def _joined(pieces: Pieces) -> str:
+    return "".join(text for text, _ in pieces)
+
+
+def system_pieces(content: str, tools: Sequence[dict[str, Any]] | None) -> Pieces:
     if not tools:
-        return f"{IM_START}system\n{content}{IM_END}\n"
+        return [(f"{IM_START}system\n", False), (content, True), (f"{IM_END}\n", False)]
     listed = "".join("\n" + _json(t) for t in tools)
-    return (
-        f"{IM_START}system\n{content}\n\n# Tools\n\nCall tools inside <tool_call></tool_call> tags as JSON "
-        f"with name and arguments.\n<tools>{listed}\n</tools>{IM_END}\n"
-    )
+    return [
+        (f"{IM_START}system\n", False), (content, True),
+        (f"\n\n# Tools\n\nCall tools inside <tool_call></tool_call> tags as JSON "
+         f"with name and arguments.\n<tools>{listed}\n</tools>{IM_END}\n", False),
+    ]
 
 
 def render_tool_call(call: dict[str, Any]) -> str:
@@ -123,22 +134,24 @@ def render_assistant_body(message: dict[str, Any]) -> str:
     return text + IM_END
 
 
-def render_tool_results(contents: Sequence[str]) -> str:
+def tool_results_pieces(contents: Sequence[str]) -> Pieces:
     """One user turn holding consecutive tool results, then nothing else."""
-    body = "".join(f"\n{TOOL_RESPONSE_OPEN}\n{c}\n{TOOL_RESPONSE_CLOSE}" for c in contents)
-    return f"{IM_START}user{body}{IM_END}\n"
+    pieces: Pieces = [(f"{IM_START}user", False)]
+    for c in contents:
+        pieces += [(f"\n{TOOL_RESPONSE_OPEN}\n", False), (c, True), (f"\n{TOOL_RESPONSE_CLOSE}", False)]
+    return pieces + [(f"{IM_END}\n", False)]
 
 
-def render_user_reply(text: str) -> str:
+def user_reply_pieces(text: str) -> Pieces:
     """Appended after a generated `<|im_end|>`: the newline the template puts there, the user's
     message, and the header of the next assistant turn."""
-    return f"\n{IM_START}user\n{text}{IM_END}\n{GENERATION_PROMPT}"
+    return [(f"\n{IM_START}user\n", False), (text, True), (f"{IM_END}\n{GENERATION_PROMPT}", False)]
 
 
-def render_tool_reply(contents: Sequence[str]) -> str:
+def tool_reply_pieces(contents: Sequence[str]) -> Pieces:
     """Appended after a generated `<|im_end|>`: the tool results as one user turn, then the next
     assistant header."""
-    return "\n" + render_tool_results(contents) + GENERATION_PROMPT
+    return [("\n", False), *tool_results_pieces(contents), (GENERATION_PROMPT, False)]
 
 
 def render_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
@@ -153,31 +166,39 @@ def render_turns(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, A
 
     Because a tokenizer splits on special tokens before anything else, the pieces can be tokenized
     one by one (and cached: the server tokenizes the long tools prompt once) with the same ids."""
-    out = []
+    return [_joined(turn) for turn in turn_pieces(messages, tools, add_generation_prompt)]
+
+
+def turn_pieces(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                add_generation_prompt: bool = False) -> list[Pieces]:
+    """`render_turns`, each turn as its pieces: which text the template wrote and which a client or
+    a tool did (a user's or system message, a tool result). An assistant turn is the model's own
+    text, markup included, as it wrote it (or as the client says it did)."""
+    out: list[Pieces] = []
     i = 0
     if messages and messages[0]["role"] == "system":
-        out.append(render_system(messages[0]["content"], tools))
+        out.append(system_pieces(messages[0]["content"], tools))
         i = 1
     elif tools:
-        out.append(render_system("", tools))
+        out.append(system_pieces("", tools))
     while i < len(messages):
         m = messages[i]
         if m["role"] in ("user", "system"):
-            out.append(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n")
+            out.append([(f"{IM_START}{m['role']}\n", False), (m["content"], True), (f"{IM_END}\n", False)])
         elif m["role"] == "assistant":
-            out.append(f"{IM_START}assistant\n{render_assistant_body(m)}\n")
+            out.append([(f"{IM_START}assistant\n{render_assistant_body(m)}\n", False)])
         elif m["role"] == "tool":
             j = i
             while j < len(messages) and messages[j]["role"] == "tool":
                 j += 1
-            out.append(render_tool_results([t["content"] for t in messages[i:j]]))
+            out.append(tool_results_pieces([t["content"] for t in messages[i:j]]))
             i = j
             continue
         else:
             raise ValueError(f"unknown message role {m['role']!r}; expected system, user, assistant or tool")
         i += 1
     if add_generation_prompt:
-        out.append(GENERATION_PROMPT)
+        out.append([(GENERATION_PROMPT, False)])
     return out
 
 

@@ -21,7 +21,11 @@ Control tokens of a prompt come from the template only: each turn is `<|im_start
 (+ `<|im_end|>` + "\\n"), and only those ends are encoded as control tokens; the body, which holds
 everything a client or a tool wrote, is encoded as text (`tokenizer.encode_text`). A user who types
 "<|im_start|>assistant" gets those characters, not a forged turn in a prompt the Learner trains on.
-For bodies without control-token strings the ids are the whole text's, as above.
+The same holds for the tool-call markup (`<tool_call>`, `<tool_response>`, single tokens that are
+not "special"): the template's turns come as pieces (`chat.turn_pieces`) that say which text a client
+or a tool wrote, and in those pieces, and in the user and tool replies an episode appends, no token
+string becomes its token, so a user or a file cannot forge a tool result or a turn. For text without
+such strings the ids are the whole text's, as above.
 
 The cache is bounded in bytes (text and ids) and in entries, least recently used out first. The server's
 `encode_request` does not fill it: it returns the turns it tokenized, which the server `remember`s
@@ -37,17 +41,21 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 from flywheel.model.chat import (
     IM_END,
     IM_START,
+    MARKUP_TOKENS,
+    SPECIAL_TOKENS,
+    Pieces,
     render_assistant_body,
-    render_tool_reply,
-    render_turns,
-    render_user_reply,
+    tool_reply_pieces,
     tool_schemas,
     tools_in_prompt,
+    turn_pieces,
+    user_reply_pieces,
 )
 from flywheel.model.tokenizer import encode_text
 
@@ -88,22 +96,23 @@ class ConversationEncoder:
         PromptTooLong, before any tokenization, if the text is surely more than `limit` tokens: no
         token is longer than the vocabulary's longest, so bytes / that length bounds the count from
         below (20 bytes for the tiny test tokenizer: a 4 MB prompt is refused in ms, not after 40 s)."""
-        turns = render_turns(messages, tools, add_generation_prompt=add_generation_prompt)
+        pieces = turn_pieces(messages, tools, add_generation_prompt=add_generation_prompt)
+        turns = ["".join(text for text, _ in turn) for turn in pieces]
         if limit is not None:
             at_least = sum(len(t.encode()) for t in turns) // self._max_token_bytes()
             if at_least > limit:
                 raise PromptTooLong(at_least)
         if not self.piecewise:
-            return self.text("".join(turns)), {}
+            return self._encode_pieces([p for turn in pieces for p in turn]), {}
         ids: list[int] = []
         fresh: dict[str, list[int]] = {}
-        for turn in turns:
+        for turn, turn_text in zip(pieces, turns, strict=True):
             with self._lock:
-                turn_ids = self._cache.get(turn)
+                turn_ids = self._cache.get(turn_text)
                 if turn_ids is not None:
-                    self._cache.move_to_end(turn)
+                    self._cache.move_to_end(turn_text)
             if turn_ids is None:
-                turn_ids = fresh[turn] = self._encode_turn(turn)
+                turn_ids = fresh[turn_text] = self._encode_pieces(turn) if _forges(turn) else self._encode_turn(turn_text)
             ids += turn_ids
         return ids, fresh
 
@@ -122,10 +131,10 @@ class ConversationEncoder:
                     self.cached_bytes -= _entry_bytes(old_text, old_ids)
 
     def user_reply(self, text: str) -> list[int]:
-        return self.text(render_user_reply(text))
+        return self._encode_pieces(user_reply_pieces(text))
 
     def tool_reply(self, contents: Sequence[str]) -> list[int]:
-        return self.text(render_tool_reply(contents))
+        return self._encode_pieces(tool_reply_pieces(contents))
 
     def conversation(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]:
         """(tokens, loss mask) of a demonstration, segment by segment as the episode runner appends them.
@@ -162,6 +171,22 @@ class ConversationEncoder:
         """One piece of text as it stands (no cache: appended turns are rarely seen twice)."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def _encode_pieces(self, pieces: Pieces) -> list[int]:
+        """Ids of rendered pieces: the template's text with its control and markup tokens, a client's
+        or a tool's text with none (`_as_text`). Without a token string in the latter, the ids are
+        the whole text's, as before; with one, each piece is tokenized on its own."""
+        if not _forges(pieces):
+            return self.text("".join(text for text, _ in pieces))
+        return [i for text, untrusted in pieces for i in (self._as_text(text) if untrusted else self.text(text))]
+
+    def _as_text(self, text: str) -> list[int]:
+        """`text` with every control or markup token string in it (a user's "<tool_response>", a
+        file's "<|im_end|>") tokenized as characters: cut after each one's first character, so no
+        piece holds a whole one; the pieces' ids decode to `text` byte for byte."""
+        cuts = sorted({i + 1 for token in _TOKEN_STRINGS for i in _occurrences(text, token)})
+        bounds = [0, *cuts, len(text)]
+        return [i for a, b in pairwise(bounds) for i in encode_text(self.tokenizer, text[a:b])]
+
     def _max_token_bytes(self) -> int:
         if self._longest is None:  # ~10 us a token: 1.5 s for a 150k vocabulary, once per encoder
             vocab = self.tokenizer.get_vocab()
@@ -176,6 +201,22 @@ class ConversationEncoder:
             return [self._start, *encode_text(self.tokenizer, turn[len(IM_START):-len(tail)]), self._end,
                     *encode_text(self.tokenizer, "\n")]
         return [self._start, *encode_text(self.tokenizer, turn[len(IM_START):])]  # the generation prompt
+
+
+_TOKEN_STRINGS = (*SPECIAL_TOKENS, *MARKUP_TOKENS)
+
+
+def _forges(pieces: Pieces) -> bool:
+    """Whether a client's or a tool's text among `pieces` holds a control or markup token string."""
+    return any(untrusted and any(t in text for t in _TOKEN_STRINGS) for text, untrusted in pieces)
+
+
+def _occurrences(text: str, token: str) -> list[int]:
+    out, i = [], text.find(token)
+    while i >= 0:
+        out.append(i)
+        i = text.find(token, i + 1)
+    return out
 
 
 def _entry_bytes(text: str, ids: list[int]) -> int:

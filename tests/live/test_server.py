@@ -90,12 +90,14 @@ def test_openai_round_trip_is_stored_before_the_response_with_its_version(live, 
 
 
 def test_prompts_tokenized_turn_by_turn_equal_the_whole_text(registry_root):
+    # Text that holds a markup token's string ("<tool_call>" in a tool result) is tokenized as text,
+    # not as the whole text would be: tests/model/test_conversation.py's forgery tests cover it.
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
     encoder = ConversationEncoder(tokenizer)
     call = {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": '{"pattern": "def  x"}'}}
     conversation = [
         *MESSAGES, {"role": "assistant", "content": "Looking.", "tool_calls": [call, call]},
-        {"role": "tool", "content": "a.py:1:def  x():"}, {"role": "tool", "content": "  <tool_call> not a call\n"},
+        {"role": "tool", "content": "a.py:1:def  x():"}, {"role": "tool", "content": "  <tool call> not a call\n"},
         {"role": "user", "content": "ünïcödé “quotes”\n\n  trailing  "}, {"role": "system", "content": "late system"},
         {"role": "assistant", "content": ""},
     ]
