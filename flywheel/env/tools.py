@@ -194,7 +194,7 @@ class Toolbox:
             content, ok = f"error: {exc}", False
         except OSError as exc:
             content, ok = self._os_error(exc), False
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- any bug in a tool
             # A bug in the tool, not a fault of the call: the model is told, the call counts as failed,
             # the log keeps the traceback, and the episode goes on.
             _log.warning("tool %s failed on %.300r", call.name, call.arguments, exc_info=True)

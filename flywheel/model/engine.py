@@ -462,7 +462,7 @@ class LocalEngine:
                         DECODE_THREADS.busy(self, self.config.threads)
                         held = True
                     self._step()
-        except BaseException as exc:  # recorded: submitters and update_weights raise it loudly
+        except BaseException as exc:  # noqa: BLE001 -- recorded: submitters and update_weights raise it loudly
             self._error = exc
             for seq in self._active + self._admitting + self._drain_queued():
                 if not seq.future.done():

@@ -419,7 +419,7 @@ class BackgroundUsers:
                 population = self.population.model_copy(update={"seed": self.population.seed + len(self.rounds)})
                 self.rounds.append(run_population(self.url, self.key, population, len(self.tasks), self.pool,
                                                   tasks=self.tasks))
-        except BaseException as exc:  # recorded and raised by __exit__, in the thread that waits for them
+        except BaseException as exc:  # noqa: BLE001 -- recorded and raised by __exit__, in the thread that waits for them
             self._failure = exc
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future
 
 import pytest
@@ -43,8 +44,6 @@ class ScriptedEngine:
 
 
 def call(name: str, **arguments) -> str:
-    import json
-
     return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
 
 
