@@ -190,7 +190,8 @@ def test_the_live_cycles_own_records_are_read_finished_or_running(tmp_path):
     from flywheel.live.gate import GateDecision, GateRun, non_inferiority  # noqa: PLC0415
     from flywheel.live.monitors import MetricPoint  # noqa: PLC0415
 
-    gate = GateRun(decision=GateDecision(passed=True, checks={"pass_rate": non_inferiority([1.0] * 60, [1.0] * 60, 0.05)}),
+    gate = GateRun(decision=GateDecision(passed=True,
+                                         checks={"pass_rate": non_inferiority([1.0] * 60, [1.0] * 60, 0.05)}),
                    candidate_version=1, production_version=0, tasks=60, candidate={}, production={}, seconds=3.0)
     ab = ABReport(decision="promote", reason="persistence better", confidence=0.95, closed={}, versions={}, outside={},
                   metrics={"reward": compare("reward", [0.1, 0.2, 0.3, 0.2], [0.5, 0.6, 0.7, 0.6], 0.95)})
