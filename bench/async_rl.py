@@ -25,30 +25,30 @@ slowest episode, and the engine idles while the learner trains).
    Learner on this machine: `speedup_async_vs_sync`, total sync time over total async time across
    `--repeats` runs of each mode in alternating order (this machine's speed drifts). Two CPU
    cores are shared by sampling and training here, so overlap buys less than on a cluster;
-   long-tailed episodes still leave the sync engine nearly idle at the end of each batch. Both modes decode `--engine-batch` rows at
-   once (the CPU's best tokens/s; async's extra episodes queue, older groups first), keep
-   in-flight KV across weight swaps (`--kv-on-update keep`; sync never swaps mid-rollout), and run
-   the engine in a process of its own (`--engine-process`): in the learner's process the engine's
-   decode loop waits on the GIL whenever the learner or a rollout thread holds it, and the two
-   overlap little (`--no-engine-process` measures that). Episodes end at `--max-turns`,
-   `--max-tokens-per-turn` and `--max-tokens` (8, 256, 4096 by default: the policy's episodes are
-   then only mildly long-tailed, p99 about twice the median; 16, 1024 and 8192 lengthen the tail).
-   Each run reports its episodes' tail (`episodes`: wall seconds and generated tokens at p50, p90,
-   p99 and max, and what the slowest episode spent its time on) and the learner's wait per step.
-   The real tail is rare and large: an edit that makes the code hang costs each test run and the
-   grading their whole 10 s timeout (one episode of 384 took 49 s). A sync step waits for it; an
-   async one too once the learner is `--max-staleness` steps past the episode's group, so a single
-   run's ratio depends on whether, and in which mode, such an episode was drawn.
-   `--suite-seconds S` (0, off, by default) gives every task's test suites, visible and hidden, one
-   more test that sleeps a lognormal time (median S, `--suite-sigma`, at most 8 s so that a run fits
-   the sandbox's 10 s limit), the same for a task in every mode: the rest of a real project's suite,
-   which takes seconds to run where these toy suites take milliseconds. Then an episode's wall time
-   is long-tailed through its test runs and grading, as a production agent's is, and those seconds
-   are waiting, not computing: sync's learner waits for the slowest episode of each batch while the
-   CPU is idle, and async trains meanwhile. The default workload has little such waiting (its time
-   is decoding and training, both on the 2 cores) except for a rare straggler, so what async gains
-   there depends on `--max-staleness` and on whether a straggler was drawn.
-   Measured on 2 cores (`--parts real --registry R --checkpoint 0 --steps 12 --eval-tasks 0`, the
+   long-tailed episodes still leave the sync engine nearly idle at the end of each batch. Both
+   modes decode `--engine-batch` rows at once (the CPU's best tokens/s; async's extra episodes
+   queue, older groups first), keep in-flight KV across weight swaps (`--kv-on-update keep`; sync
+   never swaps mid-rollout), and run the engine in a process of its own (`--engine-process`): in the
+   learner's process the engine's decode loop waits on the GIL whenever the learner or a rollout
+   thread holds it, and the two overlap little (`--no-engine-process` measures that). Episodes end
+   at `--max-turns`, `--max-tokens-per-turn` and `--max-tokens` (8, 256, 4096 by default: the
+   policy's episodes are then only mildly long-tailed, p99 about twice the median; 16, 1024 and 8192
+   lengthen the tail). Each run reports its episodes' tail (`episodes`: wall seconds and generated
+   tokens at p50, p90, p99 and max, and what the slowest episode spent its time on) and the
+   learner's wait per step. The real tail is rare and large: an edit that makes the code hang costs
+   each test run and the grading their whole 10 s timeout (one episode of 384 took 49 s). A sync
+   step waits for it; an async one too once the learner is `--max-staleness` steps past the
+   episode's group, so a single run's ratio depends on whether, and in which mode, such an episode
+   was drawn. `--suite-seconds S` (0, off, by default) gives every task's test suites, visible and
+   hidden, one more test that sleeps a lognormal time (median S, `--suite-sigma`, at most 8 s so
+   that a run fits the sandbox's 10 s limit), the same for a task in every mode: the rest of a real
+   project's suite, which takes seconds to run where these toy suites take milliseconds. Then an
+   episode's wall time is long-tailed through its test runs and grading, as a production agent's is,
+   and those seconds are waiting, not computing: sync's learner waits for the slowest episode of
+   each batch while the CPU is idle, and async trains meanwhile. The default workload has little
+   such waiting (its time is decoding and training, both on the 2 cores) except for a rare
+   straggler, so what async gains there depends on `--max-staleness` and on whether a straggler was
+   drawn. Measured on 2 cores (`--parts real --registry R --checkpoint 0 --steps 12 --eval-tasks 0`, the
    bootstrap at 0.199 held-out, two repeats each, run back to back; steady = s/step, steps 4 to 12):
 
        workload, staleness       sync s         async s        speedup             steady sync / async
@@ -138,7 +138,8 @@ class ReplayEngine:
     def __init__(self, tokenizer, step_cost: StepCost, prefill_s_per_token: float, seed: int, median_tokens: int = 60,
                  sigma: float = 1.0, finish_p: float = 0.3, max_tokens: int = 1024):
         self.tokenizer, self.step_cost, self.prefill_s = tokenizer, step_cost, prefill_s_per_token
-        self.rng, self.median, self.sigma, self.finish_p, self.cap = random.Random(seed), median_tokens, sigma, finish_p, max_tokens
+        self.rng, self.median, self.sigma = random.Random(seed), median_tokens, sigma
+        self.finish_p, self.cap = finish_p, max_tokens
         self._version, self._cond = 0, threading.Condition()
         self._active: list[list] = []  # [remaining steps, future, ids]
         self._stop = False
@@ -157,7 +158,8 @@ class ReplayEngine:
     def submit(self, prompt_ids, params: SamplingParams) -> Future:
         future: Future = Future()
         with self._cond:
-            length = min(self.cap, params.max_tokens, max(len(self._call), int(self.rng.lognormvariate(math.log(self.median), self.sigma))))
+            length = min(self.cap, params.max_tokens,
+                         max(len(self._call), int(self.rng.lognormvariate(math.log(self.median), self.sigma))))
             body = self._finish if self.rng.random() < self.finish_p else self._call
             ids = (self._pad * length)[: max(0, length - len(body))] + body
             prefill_steps = math.ceil(len(prompt_ids) * self.prefill_s / self.step_cost(len(self._active) + 1))
@@ -231,7 +233,8 @@ def run_mode(mode: str, orch_config: OrchestratorConfig, tasks, engine, learner,
              budget_s: float | None) -> dict:
     config = orch_config.model_copy(update={"mode": mode})
     with tempfile.TemporaryDirectory() as run_dir, \
-            Orchestrator(config, tasks, engine, tokenizer, pool, Path(run_dir), version=lambda: learner.version) as orch:
+            Orchestrator(config, tasks, engine, tokenizer, pool, Path(run_dir),
+                         version=lambda: learner.version) as orch:
         run = RunFolder(run_dir)
         t0 = time.perf_counter()
         history = []
@@ -259,7 +262,8 @@ def episode_tail(path: Path) -> dict:
 
     def quantiles(values: list[float]) -> dict[str, float]:
         v = sorted(values)
-        return {q: round(v[min(len(v) - 1, int(f * len(v)))], 2) for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))} | {
+        return {q: round(v[min(len(v) - 1, int(f * len(v)))], 2)
+                for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))} | {
             "max": round(v[-1], 2)}
 
     slowest = max(trajectories, key=lambda t: t["timings"].get("total_s", 0.0))
@@ -285,7 +289,8 @@ def with_suite_time(tasks: Sequence[Task], median_s: float, sigma: float, seed: 
         body = (f'"""The rest of the project\'s suite, which takes {wait:.2f} s to run."""\nimport time\n\n\n'
                 f"def test_rest_of_suite():\n    time.sleep({wait:.3f})\n")
         out.append(task.model_copy(update={"files": {**task.files, "tests/test_rest_of_suite.py": body},
-                                           "hidden_tests": {**task.hidden_tests, "tests_hidden/test_rest_of_suite.py": body}}))
+                                           "hidden_tests": {**task.hidden_tests,
+                                                            "tests_hidden/test_rest_of_suite.py": body}}))
     return out
 
 
@@ -332,7 +337,8 @@ def real(args, registry: Registry, ref: str, tasks, pool, budget_s: float | None
         config = OrchestratorConfig(group_size=args.group_size, groups_per_step=args.groups,
                                     max_staleness=args.max_staleness,
                                     concurrency=every_admitted_episode(args),
-                                    episode={"max_turns": args.max_turns, "max_tokens_per_turn": args.max_tokens_per_turn,
+                                    episode={"max_turns": args.max_turns,
+                                             "max_tokens_per_turn": args.max_tokens_per_turn,
                                              "max_tokens": args.max_tokens,
                                              "temperature": 1.0})
         torch.manual_seed(args.seed)
@@ -357,7 +363,8 @@ def main() -> None:
     parser.add_argument("--registry", default="runs/registry")
     parser.add_argument("--checkpoint", default="production")
     parser.add_argument("--steps", type=int, default=16,
-                        help="K: learner steps to time (async's start-up and its groups left in flight weigh less over more)")
+                        help="K: learner steps to time (async's start-up and its groups left in flight weigh less over "
+                             "more)")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--max-staleness", type=int, default=4, help="as configs/train.toml")
@@ -385,7 +392,8 @@ def main() -> None:
     parser.add_argument("--engine-batch", type=int, default=32,
                         help="real engine: rows decoded together (episodes beyond it queue, older groups first)")
     parser.add_argument("--kv-on-update", choices=["recompute", "keep"], default="keep",
-                        help="real engine: rebuild in-flight KV on a weight swap, or keep it (EngineConfig.kv_on_update)")
+                        help="real engine: rebuild in-flight KV on a weight swap, or keep it "
+                             "(EngineConfig.kv_on_update)")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="real engine: decode in a process of its own (EngineConfig.separate_process), "
                              "as configs/train.toml does; --no-engine-process keeps it in this one")
@@ -398,7 +406,8 @@ def main() -> None:
     registry = Registry(args.registry)
     checkpoint = registry.get(args.checkpoint)
     model, tokenizer = registry.load(checkpoint.version)
-    tasks = with_suite_time(task_set(FAMILIES, "train", 32, seed=100, difficulty=1), args.suite_seconds, args.suite_sigma,
+    tasks = with_suite_time(task_set(FAMILIES, "train", 32, seed=100, difficulty=1), args.suite_seconds,
+                            args.suite_sigma,
                             args.seed)
     result: dict = {"checkpoint": checkpoint.version, "group_size": args.group_size, "groups_per_step": args.groups,
                     "max_staleness": args.max_staleness, "steps": args.steps,
@@ -440,8 +449,11 @@ def main() -> None:
             seconds = {mode: [r["seconds"] for r in rs] for mode, rs in runs.items()}
             result["real"] = runs
             result["speedup_async_vs_sync"] = sum(seconds["sync"]) / sum(seconds["async"])
-            result["speedup_async_vs_sync_per_repeat"] = [s / a for s, a in zip(seconds["sync"], seconds["async"], strict=True)]
-            log(f"real speedup {result['speedup_async_vs_sync']:.2f} (sync {seconds['sync']}, async {seconds['async']})")
+            result["speedup_async_vs_sync_per_repeat"] = [s / a
+                                                          for s, a in zip(seconds["sync"], seconds["async"],
+                                                                          strict=True)]
+            log(f"real speedup {result['speedup_async_vs_sync']:.2f} (sync {seconds['sync']}, async "
+                f"{seconds['async']})")
         if "budget" in parts:
             eval_set = held_out_tasks(FAMILIES, args.eval_tasks, difficulty=1)
             with LocalEngine(model, EngineConfig(max_batch=32)) as engine:

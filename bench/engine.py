@@ -85,7 +85,8 @@ def run_engine(model, prompts: list[list[int]], lengths: list[int], batch: int, 
     """Seconds to finish every request with at most `batch` in flight (continuous batching)."""
     with LocalEngine(model, EngineConfig(max_batch=batch, max_prefill_per_step=batch)) as engine:
         t0 = time.perf_counter()
-        futures = [engine.submit(p, SamplingParams(params.temperature, params.top_p, n)) for p, n in zip(prompts, lengths, strict=True)]
+        futures = [engine.submit(p, SamplingParams(params.temperature, params.top_p, n))
+                   for p, n in zip(prompts, lengths, strict=True)]
         done = [f.result() for f in futures]
         elapsed = time.perf_counter() - t0
     produced = [len(g.token_ids) for g in done]
@@ -94,7 +95,8 @@ def run_engine(model, prompts: list[list[int]], lengths: list[int], batch: int, 
     return elapsed
 
 
-def run_hf(model, prompts: list[list[int]], lengths: list[int], batch: int, params: SamplingParams, pad_id: int) -> float:
+def run_hf(model, prompts: list[list[int]], lengths: list[int], batch: int, params: SamplingParams,
+           pad_id: int) -> float:
     """Seconds for `model.generate` over static batches of `batch` left-padded prompts."""
     gen_config = GenerationConfig(do_sample=params.temperature > 0, temperature=params.temperature or None,
                                   top_p=params.top_p, top_k=None, pad_token_id=pad_id, eos_token_id=None)
@@ -182,7 +184,8 @@ def compare(model, prompts, lengths, batch, params, pad_id, repeats: int = 1) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per side")
-    parser.add_argument("--requests", type=int, default=96, help="requests at batch 8 and 32 (batch 1 uses --requests-b1)")
+    parser.add_argument("--requests", type=int, default=96,
+                        help="requests at batch 8 and 32 (batch 1 uses --requests-b1)")
     parser.add_argument("--requests-b1", type=int, default=6)
     parser.add_argument("--tasks-per-family", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
@@ -272,7 +275,8 @@ def main() -> None:
             "turn_tokens": {"n": len(turn_lengths), "mean": round(statistics.mean(turn_lengths), 1),
                             "median": statistics.median(turn_lengths), "max": max(turn_lengths)},
         },
-        "settings": {"threads": torch.get_num_threads(), "repeats": args.repeats, "temperature": args.temperature, "top_p": args.top_p,
+        "settings": {"threads": torch.get_num_threads(), "repeats": args.repeats, "temperature": args.temperature,
+                     "top_p": args.top_p,
                      "dtype": "float32", "device": "cpu", "torch": torch.__version__},
         "total_s": round(time.perf_counter() - t0, 1),
     }

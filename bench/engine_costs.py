@@ -119,7 +119,8 @@ def main() -> None:
     with Registry(args.registry) as registry:
         checkpoint = registry.get(args.checkpoint)
         default, tokenizer = registry.load(checkpoint.version)
-    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+    result: dict = {"device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                               else platform.processor() or "cpu"),
                     "torch": torch.__version__, "checkpoint": checkpoint.version, "shapes": {}}
     batches = [int(b) for b in args.batches.split(",")]
     for shape in args.shapes.split(","):

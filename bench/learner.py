@@ -90,7 +90,8 @@ def main() -> None:
     tokens = sum(len(t.tokens) for t in trajectories)
     log(f"{len(trajectories)} trajectories, {tokens} tokens")
     step_seconds(state, make_model, trajectories[:4], advantages[:4], threads[0], 1024)  # warm-up
-    result: dict = {"trajectories": len(trajectories), "tokens": tokens, "vocab": len(tokenizer), "baseline_micro_batch_tokens": args.baseline,
+    result: dict = {"trajectories": len(trajectories), "tokens": tokens, "vocab": len(tokenizer),
+                    "baseline_micro_batch_tokens": args.baseline,
                     "repeats": args.repeats, "torch": torch.__version__, "threads": {}}
     for n in threads:
         runs: dict[int, list[float]] = {m: [] for m in micros}

@@ -100,7 +100,8 @@ def bench_raw_sqlite(path: Path, events: list[dict], batch: int) -> float:
     for start in range(0, len(events), batch):
         db.execute("BEGIN IMMEDIATE")
         db.executemany(
-            "INSERT OR IGNORE INTO events (id, type, session_id, completion_id, time, received_at, payload) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR IGNORE INTO events (id, type, session_id, completion_id, time, received_at, payload) VALUES (?, "
+            "?, ?, ?, ?, ?, ?)",
             [(e["id"], e["type"], e["session_id"], e["completion_id"], e["time"], time.time(), json.dumps(e["payload"]))
              for e in events[start : start + batch]])
         db.execute("COMMIT")
@@ -146,14 +147,16 @@ def bench_events(registry_root: Path, run_dir: Path, n: int, batch: int, threads
     log("events: the same events straight into SQLite ...")
     raw = bench_raw_sqlite(run_dir / "raw.sqlite", make_events(n, completions, seed=2), batch)
     sdk = n / elapsed
-    return {"events_per_s": round(sdk), "raw_sqlite_events_per_s": round(raw), "events_vs_raw_sqlite": round(sdk / raw, 3),
+    return {"events_per_s": round(sdk), "raw_sqlite_events_per_s": round(raw),
+            "events_vs_raw_sqlite": round(sdk / raw, 3),
             "target_events_per_s": 20000, "emit_us_per_event": round(emit_s / n * 1e6, 2), "events": n,
             "batch": batch, "stored": stored, "retries": stats.retries, "dropped": stats.dropped}
 
 
 def bench_overhead(registry_root: Path, run_dir: Path, requests: int, max_tokens: int, threads: int) -> dict:
     torch.set_num_threads(threads)
-    config = ServeConfig(registry_root=registry_root, run_dir=run_dir, keys=KEYS, candidate_fraction=0.0, threads=threads)
+    config = ServeConfig(registry_root=registry_root, run_dir=run_dir, keys=KEYS, candidate_fraction=0.0,
+                         threads=threads)
     server = LiveServer.from_config(config)
     chats = conversations(2)
     engine = server.router.engine(server.deployment.production)
@@ -182,7 +185,8 @@ def bench_overhead(registry_root: Path, run_dir: Path, requests: int, max_tokens
             o = (time.perf_counter() - t0) * 1000
             result = response.json()
             if result["usage"]["completion_tokens"] != len(alone.token_ids):
-                raise RuntimeError("the server and the engine alone generated different lengths; the comparison is void")
+                raise RuntimeError("the server and the engine alone generated different lengths; the comparison is "
+                                   "void")
             if i >= 5:
                 engine_ms.append(e)
                 server_ms.append(s)
@@ -226,7 +230,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1000, help="events per SDK batch (and per raw SQLite transaction)")
     parser.add_argument("--requests", type=int, default=200, help="completion pairs for the overhead")
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (the server's event loop needs the other core)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (the server's event loop needs the other core)")
     parser.add_argument("--only", choices=["events", "overhead"], help="run one half")
     args = parser.parse_args()
     t0 = time.perf_counter()
@@ -238,7 +243,8 @@ def main() -> None:
         if args.only != "overhead":
             events = bench_events(root / "registry", root / "events", args.events, args.batch, args.threads)
         if args.only != "events":
-            overhead = bench_overhead(root / "registry", root / "overhead", args.requests, args.max_tokens, args.threads)
+            overhead = bench_overhead(root / "registry", root / "overhead", args.requests, args.max_tokens,
+                                      args.threads)
     report = {**{k: events[k] for k in ("events_per_s", "events_vs_raw_sqlite") if k in events},
               **{k: overhead[k] for k in ("server_overhead_ms_p50", "server_overhead_ms_p99") if k in overhead},
               "events": events, "overhead": overhead,

@@ -75,7 +75,8 @@ def run_cycles(cycles: int, work: Path, measure_sessions: int) -> dict:
         model, tokenizer, sft = start_policy(world, pool, log=log)
         with Registry(work / "registry") as registry:
             registry.register(model, tokenizer, aliases=[PRODUCTION], note="bench start policy")
-        serve = ServeConfig(registry_root=work / "registry", run_dir=work / "live", keys={KEY: ["inference", "events", "admin"]},
+        serve = ServeConfig(registry_root=work / "registry", run_dir=work / "live",
+                            keys={KEY: ["inference", "events", "admin"]},
                             threads=1)
         live = load_config(LiveConfig, REPO / "configs/live.toml", [
             f"rewards_file='{REPO / 'configs/rewards.toml'}'", f"gate_file='{REPO / 'configs/gate.toml'}'",

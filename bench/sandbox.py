@@ -187,7 +187,8 @@ def bench_tools(config: SandboxConfig, n: int = 200) -> dict:
             "grep": percentiles(timed(lambda: call("grep", pattern=rf"\b{symbol}\b", glob="*.py"), n))[0],
             "grep_unicode_class": percentiles(timed(lambda: call("grep", pattern=r"def \w+", glob="*.py"), n))[0],
             "edit_file": percentiles(timed(edit, n))[0],
-            "semantic_search": percentiles(timed(lambda: call("semantic_search", query="where is the total computed"), n // 4))[0],
+            "semantic_search": percentiles(timed(lambda: call("semantic_search", query="where is the total computed"),
+                                                 n // 4))[0],
         }
         host = box.resolve(path)
         baseline = {

@@ -100,7 +100,8 @@ def cmd_registry(args: argparse.Namespace) -> int:
             created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_at))
             parent = "" if c.parent is None else f"v{c.parent}"
             metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(c.metrics.items()))
-            print(f"{f'v{c.version}':>7} {parent:>6}  {created:<19}  {','.join(c.aliases):<22} {_short(metrics, 80)}".rstrip())
+            print(f"{f'v{c.version}':>7} {parent:>6}  {created:<19}  {','.join(c.aliases):<22} "
+                  f"{_short(metrics, 80)}".rstrip())
     return 0
 
 
@@ -148,7 +149,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     print(f"v{checkpoint.version} on {len(tasks)} {args.split} tasks: pass rate {report['pass_rate']:.3f} "
           f"[{report['pass_rate_ci'][0]:.3f}, {report['pass_rate_ci'][1]:.3f}], valid tool calls "
-          f"{report['valid_tool_call_rate']:.3f} (failed {report['failed_tool_call_rate']:.3f}), mean turns {report['mean_turns']:.1f}, mean tokens {report['mean_tokens']:.0f}")
+          f"{report['valid_tool_call_rate']:.3f} (failed {report['failed_tool_call_rate']:.3f}), mean turns "
+          f"{report['mean_turns']:.1f}, mean tokens {report['mean_tokens']:.0f}")
     for family, row in report["per_family"].items():
         lo, hi = row["pass_rate_ci"]
         at_k = f"  pass@{row['samples_per_task']} {row['pass_at_k']:.3f}" if "pass_at_k" in row else ""
@@ -180,7 +182,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(config.threads)
     server = LiveServer.from_config(config)
     d = server.deployment
-    candidate = f", candidate v{d.candidate} for {d.candidate_fraction:.0%} of sessions" if d.candidate is not None else ""
+    candidate = (f", candidate v{d.candidate} for {d.candidate_fraction:.0%} of sessions"
+                 if d.candidate is not None else "")
     print(f"serving production v{d.production}{candidate} on http://{config.host}:{config.port}/v1 "
           f"(store {config.store_path})", flush=True)
     run_forever(server)
@@ -199,7 +202,8 @@ def cmd_live(args: argparse.Namespace) -> int:
         control.close()
     print(json.dumps([{"cycle": r.cycle, "decision": r.decision, "reason": r.reason, "production": r.production,
                        "candidate": r.candidate, "production_after": r.production_after,
-                       "seconds": round(r.timings["total_s"], 1), "report": str(config.run_dir / f"cycle-{r.cycle:04d}")}
+                       "seconds": round(r.timings["total_s"], 1),
+                       "report": str(config.run_dir / f"cycle-{r.cycle:04d}")}
                       for r in reports], indent=2))
     return 0
 
@@ -263,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     registry.add_argument("--root", default="runs/registry", help="the registry folder")
     registry.set_defaults(func=cmd_registry)
 
-    add_config_command(sub, "bootstrap", "train version 0: tokenizer, tiny MoE, SFT on demonstrations, eval", cmd_bootstrap)
+    add_config_command(sub, "bootstrap", "train version 0: tokenizer, tiny MoE, SFT on demonstrations, eval",
+                       cmd_bootstrap)
 
     ev = sub.add_parser("eval", help="pass rate per family with 95%% intervals, tool-call validity")
     ev.add_argument("--checkpoint", default="production", help="a version (3 or v3) or an alias")
@@ -282,11 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print the report as JSON")
     ev.set_defaults(func=cmd_eval)
 
-    add_config_command(sub, "train", "simulated RL: async GRPO with partial rollouts from a registered checkpoint", cmd_train)
+    add_config_command(sub, "train", "simulated RL: async GRPO with partial rollouts from a registered checkpoint",
+                       cmd_train)
 
     add_config_command(sub, "serve", "the OpenAI-compatible server with A/B routing and the events endpoint", cmd_serve)
 
-    add_config_command(sub, "live", "real-time RL cycles: on-policy batch, candidate, gate, A/B, promote or roll back", cmd_live)
+    add_config_command(sub, "live", "real-time RL cycles: on-policy batch, candidate, gate, A/B, promote or roll back",
+                       cmd_live)
 
     scenario = sub.add_parser("scenario", help="reproduce a reward hack with the real loop, and its prevention")
     scenario.add_argument("name", help="a scenario: configs/scenario_NAME.toml (drop_invalid, edits_only)")

@@ -21,8 +21,8 @@ idempotent on the client-made event ids, reports the repeats as `duplicate`, so 
 twice. Events the server rejects (unknown type, bad payload, unknown completion) are not retried,
 as they would fail again; they are counted in `stats.rejected` and their reasons kept in
 `rejections` (the last 100). An event that is not JSON (a set in its payload, a NaN) is refused
-by `emit` itself with a ValueError, before it can take its batch down with it. A batch that still fails after `max_retries` is counted in
-`stats.failed` with the error in `last_error`.
+by `emit` itself with a ValueError, before it can take its batch down with it. A batch that still
+fails after `max_retries` is counted in `stats.failed` with the error in `last_error`.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def merge_tables(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     """`base` with `top`'s keys on top, table by table (a key of `top` replaces a value, merges into a table)."""
     out = dict(base)
     for key, value in top.items():
-        out[key] = merge_tables(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = (merge_tables(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict)
+                    else value)
     return out
 
 

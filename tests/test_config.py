@@ -68,7 +68,8 @@ def test_errors_name_the_problem(tmp_path):
 
 def test_train_refuses_a_learner_that_scores_at_another_temperature_than_was_sampled():
     with pytest.raises(ConfigError, match="set learner.temperature = orchestrator.episode.temperature"):
-        load_config(TrainConfig, CONFIGS / "train.toml", ["orchestrator.episode.temperature=0.7", "learner.temperature=1.0"])
+        load_config(TrainConfig, CONFIGS / "train.toml",
+                    ["orchestrator.episode.temperature=0.7", "learner.temperature=1.0"])
     config = load_config(TrainConfig, CONFIGS / "train.toml",
                          ["orchestrator.episode.temperature=0.5", "learner.temperature=0.5"])
     assert config.learner.temperature == config.orchestrator.episode.temperature == 0.5

@@ -84,12 +84,14 @@ def _summarize(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         },
         "valid_tool_call_rate": (calls - invalid) / calls if calls else 0.0,
         "tool_calls": calls,
-        "failed_tool_call_rate": sum(t.failed_tool_calls for t in trajectories) / calls if calls else 0.0,  # valid calls the tool refused
+        # valid calls the tool refused
+        "failed_tool_call_rate": sum(t.failed_tool_calls for t in trajectories) / calls if calls else 0.0,
         "mean_turns": sum(t.turns for t in trajectories) / n if n else 0.0,
         "mean_tokens": sum(len(t.tokens) for t in trajectories) / n if n else 0.0,
         "mean_generated_tokens": sum(t.generated_tokens for t in trajectories) / n if n else 0.0,
         "mean_reward": sum(t.reward for t in trajectories) / n if n else 0.0,
-        "status_counts": {s: sum(t.status == s for t in trajectories) for s in sorted({t.status for t in trajectories})},
+        "status_counts": {s: sum(t.status == s for t in trajectories)
+                          for s in sorted({t.status for t in trajectories})},
         "asked_question_rate": sum(t.asked_question for t in trajectories) / n if n else 0.0,
     }
 

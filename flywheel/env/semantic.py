@@ -140,4 +140,5 @@ class SemanticIndex:
             matrix = np.concatenate([fc.vectors for fc in self._files.values()])  # [n_chunks, dim]
         scores = matrix @ embed([query])[0]  # cosine similarity: rows are unit-norm
         best = np.argsort(-scores)[:top_k]
-        return [Hit(entries[i][0], entries[i][1][0], entries[i][1][1], float(scores[i]), entries[i][1][2]) for i in best]
+        return [Hit(entries[i][0], entries[i][1][0], entries[i][1][1], float(scores[i]), entries[i][1][2])
+                for i in best]

@@ -185,7 +185,8 @@ class Toolbox:
         start = time.perf_counter()
         error = call.error or validate_arguments(call.name, call.arguments) or unusable_text(call.name, call.arguments)
         if error is not None:
-            return ToolResult(call.id, call.name, _as_text(f"error: invalid tool call: {error}", self.config), False, 0.0)
+            return ToolResult(call.id, call.name, _as_text(f"error: invalid tool call: {error}", self.config), False,
+                              0.0)
         try:
             content, ok = self._tools[call.name](**call.arguments), True
         except SandboxError:
@@ -194,7 +195,7 @@ class Toolbox:
             content, ok = f"error: {exc}", False
         except OSError as exc:
             content, ok = self._os_error(exc), False
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- any bug in a tool
             # A bug in the tool, not a fault of the call: the model is told, the call counts as failed,
             # the log keeps the traceback, and the episode goes on.
             _log.warning("tool %s failed on %.300r", call.name, call.arguments, exc_info=True)
@@ -324,7 +325,8 @@ class Toolbox:
                 argv, cwd=self.sandbox.workspace, capture_output=True, timeout=self.config.grep_timeout_s, env={}
             )
         except subprocess.TimeoutExpired:
-            raise ToolError(f"grep ran over {self.config.grep_timeout_s:g} s and was stopped; narrow the path or glob") from None
+            raise ToolError(f"grep ran over {self.config.grep_timeout_s:g} s and was stopped; narrow the path or "
+                            "glob") from None
         # Bytes: matched lines and file names need not be UTF-8.
         stdout = proc.stdout.decode("utf-8", errors="replace")
         stderr = proc.stderr.decode("utf-8", errors="replace").strip()
@@ -332,7 +334,8 @@ class Toolbox:
             raise ToolError(f"grep failed: {stderr[:300]}")
         matches = stdout.splitlines()
         # rg exits 2 when some file could not be read (one too deep for a path, say) yet prints what it found.
-        skipped = f"\n[some files could not be searched: {stderr.splitlines()[0][:200]}]" if proc.returncode == 2 else ""
+        skipped = (f"\n[some files could not be searched: {stderr.splitlines()[0][:200]}]"
+                   if proc.returncode == 2 else "")
         if not matches:
             return f"no matches for {pattern!r}"
         cut = len(matches) - self.config.grep_max_matches

@@ -230,7 +230,8 @@ class HttpControl:
                              "(configs/serve.toml has dev-admin-key)")
         self.url = url.rstrip("/")
         # Long timeout: applying a deployment loads the candidate's weights before it returns.
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers={"authorization": f"Bearer {admin_key}"})
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s,
+                                  headers={"authorization": f"Bearer {admin_key}"})
 
     def current(self) -> Deployment:
         return Deployment.model_validate(self._call("GET", "/v1/admin/deployment")["deployment"])
@@ -510,9 +511,11 @@ class LiveCycle:
         assert state.candidate is not None
         fraction = self.config.deploy.candidate_fraction
         self.control.apply(Deployment(production=state.production, candidate=state.candidate,
-                                      candidate_fraction=fraction), f"cycle {state.cycle}: A/B test of v{state.candidate}")
+                                      candidate_fraction=fraction),
+                                      f"cycle {state.cycle}: A/B test of v{state.candidate}")
         state.deployed_at, state.stage = time.time(), "deployed"
-        self.log(f"cycle {state.cycle}: v{state.candidate} serves {fraction:.0%} of sessions next to v{state.production}")
+        self.log(f"cycle {state.cycle}: v{state.candidate} serves {fraction:.0%} of sessions next to "
+                 f"v{state.production}")
 
     def _measure(self, state: CycleState, store: LiveStore) -> None:
         """Wait for the A/B test to decide (or time out), then decide with the monitors."""
@@ -533,7 +536,8 @@ class LiveCycle:
         blocking = state.blocking_alarms if self.config.alarms_block_promotion else []
         if ab.decision == "wait":
             state.decision = "rollback"
-            state.reason = f"no A/B decision within deploy.max_wait_s = {self.config.deploy.max_wait_s:.0f} s: {ab.reason}"
+            state.reason = (f"no A/B decision within deploy.max_wait_s = {self.config.deploy.max_wait_s:.0f} s: "
+                            f"{ab.reason}")
         elif ab.decision == "promote" and blocking:
             state.decision = "rollback"
             state.reason = f"{ab.reason}, but monitor alarms block it: " + ", ".join(

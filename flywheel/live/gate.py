@@ -68,7 +68,8 @@ from flywheel.stats import mean_and_variance, t_quantile, wilson_interval, z_qua
 TaskResults = Mapping[str, Mapping[str, float | bool | None]]  # task id -> metric -> value (None: n/a)
 
 
-def task_results(tasks: Sequence[Task], trajectories: Sequence[Trajectory]) -> dict[str, dict[str, float | bool | None]]:
+def task_results(tasks: Sequence[Task],
+                 trajectories: Sequence[Trajectory]) -> dict[str, dict[str, float | bool | None]]:
     """Per-task results for `Gate.decide`, with the keys the default checks read, from the eval
     episodes of each task: one (a 0/1 result), or several samples (their mean: a pass fraction,
     the share of episodes that asked a question, and the valid share of all their tool calls)."""
@@ -175,7 +176,8 @@ def rate_limit(values: Sequence[bool | float], max_rate: float, alpha: float = 0
     passed = rate <= max_rate
     return GateResult(passed=passed, diff=rate - max_rate, ci_low=low - max_rate, ci_high=high - max_rate, n=n,
                       method="wilson",
-                      reason=f"rate {rate:.3f} ({hits:g}/{n}) is {'within' if passed else 'above'} the limit {max_rate:.3f}")
+                      reason=f"rate {rate:.3f} ({hits:g}/{n}) is {'within' if passed else 'above'} the limit "
+                             f"{max_rate:.3f}")
 
 
 class NonInferiorityCheck(BaseModel):

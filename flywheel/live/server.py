@@ -3,9 +3,11 @@
     flywheel serve --config configs/serve.toml          # or, in-process: serve_in_thread(LiveServer(...))
 
     POST /v1/chat/completions  [inference] ──Router: session ──> arm, version ──> that version's Engine
-                                            ──> parse tool calls ──> LiveStore.add_completion ──> response (id = completion id)
+                                            ──> parse tool calls ──> LiveStore.add_completion
+                                            ──> response (id = completion id)
     GET  /v1/models            [inference]  the routed name and every served version
-    POST /v1/events            [events]     a batch; per event accepted | duplicate | rejected (reason); 200 only after commit
+    POST /v1/events            [events]     a batch; per event accepted | duplicate | rejected (reason);
+                                            200 only after commit
     GET|POST /v1/admin/deployment [admin]   read or change production / candidate / candidate_fraction
     POST /v1/admin/deployment/sync [admin]  re-read the Registry's aliases (after `flywheel registry promote`)
     GET  /dashboard            [dashboard]  HTML: flywheel.report's views, live; polls GET /dashboard/data
@@ -319,7 +321,8 @@ class ChatRequest(BaseModel):
     @classmethod
     def _stop(cls, stop: str | list[str] | None) -> None:
         if stop:
-            raise ValueError("stop sequences are not supported: the model ends its turn with <|im_end|>; leave stop unset")
+            raise ValueError("stop sequences are not supported: the model ends its turn with <|im_end|>; leave stop "
+                             "unset")
         return None
 
     @field_validator("response_format")
@@ -534,12 +537,14 @@ class LiveServer:
     def from_config(cls, config: ServeConfig) -> LiveServer:
         """Open the Registry and the live store, and serve the Registry's production (and candidate)."""
         if not (config.registry_root / "registry.sqlite").is_file():
-            raise ValueError(f"no registry at {config.registry_root}; run `flywheel bootstrap` first or set registry_root")
+            raise ValueError(f"no registry at {config.registry_root}; run `flywheel bootstrap` first or set "
+                             "registry_root")
         registry = Registry(config.registry_root)
         store = open_store(config)
         deployment = deployment_from_registry(registry, _resume_fraction(store, registry, config.candidate_fraction))
         router = Router(registry_loader(registry, config.engine), deployment)
-        store.record_deployment(deployment.production, deployment.candidate, deployment.candidate_fraction, "serve start")
+        store.record_deployment(deployment.production, deployment.candidate, deployment.candidate_fraction,
+                                "serve start")
         return cls(config, router, store, registry)
 
     @property
@@ -560,7 +565,8 @@ class LiveServer:
             raise ValueError("this server has no Registry to sync from; call set_deployment instead")
         if candidate_fraction is None:  # keep the current split, or start one at the configured share
             current = self.deployment
-            candidate_fraction = current.candidate_fraction if current.candidate is not None else self.config.candidate_fraction
+            candidate_fraction = (current.candidate_fraction if current.candidate is not None
+                                  else self.config.candidate_fraction)
         deployment = deployment_from_registry(self.registry, candidate_fraction)
         self.set_deployment(deployment, "synced from registry")
         return deployment
@@ -569,7 +575,8 @@ class LiveServer:
         header = request.headers.get("authorization", "")
         kind, _, key = header.partition(" ")
         if kind.lower() != "bearer" or not key.strip():
-            raise ApiError(401, "missing API key: send `Authorization: Bearer KEY`", "authentication_error", "missing_api_key")
+            raise ApiError(401, "missing API key: send `Authorization: Bearer KEY`", "authentication_error",
+                           "missing_api_key")
         scopes = self._key_scopes(key)
         if scope not in scopes:
             raise ApiError(403, f"this key lacks the {scope!r} scope (it has {sorted(scopes)}); use a key with it",
@@ -606,7 +613,8 @@ class LiveServer:
             baseline = d.production if any(c.version == d.production for c in completions) else None
             monitors = Monitor(config.monitor).run(completions, rewards, baseline_version=baseline)
             live = {"production": f"v{d.production}",
-                    "candidate": "none" if d.candidate is None else f"v{d.candidate} ({d.candidate_fraction:.0%} of sessions)",
+                    "candidate": "none" if d.candidate is None else f"v{d.candidate} ({d.candidate_fraction:.0%} of "
+                                                                    "sessions)",
                     "completions": self.store.count_completions(), "events": self.store.count_events()}
             data = build_report_data(config.report_dirs, live=live, title="flywheel dashboard", monitors={
                 "source": f"this server's last {config.horizon_s / 3600:g} h ({len(completions)} completions, "
@@ -890,7 +898,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise ApiError(413, f"body exceeds the limit of {limit} bytes; send less per request", code="body_too_large")
+            raise ApiError(413, f"body exceeds the limit of {limit} bytes; send less per request",
+                           code="body_too_large")
     return bytes(body)
 
 
@@ -1019,7 +1028,8 @@ def create_app(server: LiveServer) -> FastAPI:
         return {"deployment": deployment.model_dump(), "previous": previous.model_dump(),
                 "served_versions": server.router.served_versions()}
 
-    @app.post("/v1/admin/deployment/sync", response_model=None, responses=_json_reply(DeploymentResponse, 401, 403, 409))
+    @app.post("/v1/admin/deployment/sync", response_model=None,
+              responses=_json_reply(DeploymentResponse, 401, 403, 409))
     async def sync_deployment(request: Request) -> dict[str, Any]:
         server.authorize(request, "admin")
         try:
@@ -1047,7 +1057,8 @@ class RunningServer:
         sock.bind((host, port))  # bound here so the port is known (port 0: any free one) before serving
         self.host, self.port = host, sock.getsockname()[1]
         self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off"))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="uvicorn",
+                                        daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:

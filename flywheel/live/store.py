@@ -110,7 +110,8 @@ def check_event(event: Event) -> str | None:
     if event.completion_id is not None and len(event.completion_id) > _MAX_ID_CHARS:
         return f"completion_id is longer than {_MAX_ID_CHARS} characters; send the `id` of a chat completion"
     if len(event.session_id) > _MAX_ID_CHARS:
-        return f"session_id is longer than {_MAX_ID_CHARS} characters; send the session id the completion request carried"
+        return (f"session_id is longer than {_MAX_ID_CHARS} characters; send the session id the completion request "
+                "carried")
     reason = storable(event.payload, "payload")
     if reason is not None:
         return reason
@@ -206,7 +207,9 @@ class LiveStore:
         return results
 
     def _insert_one_by_one(self, rows: list[tuple[int, tuple[Any, ...]]], results: list[tuple[Ingest, str]]) -> None:
-        """The batch's rows each under its own savepoint; a row SQLite refuses is rejected alone. Caller holds the lock."""
+        """The batch's rows each under its own savepoint; a row SQLite refuses is rejected alone.
+
+        Caller holds the lock."""
         for index, row in rows:
             try:
                 with savepoint(self._db, "event"):
@@ -220,7 +223,8 @@ class LiveStore:
             self._set_synchronous(self.synchronous)
             with transaction(self._db):
                 self._db.execute(
-                    "INSERT INTO deployments (production, candidate, fraction, changed_at, note) VALUES (?, ?, ?, ?, ?)",
+                    "INSERT INTO deployments (production, candidate, fraction, changed_at, note) VALUES (?, ?, ?, ?, "
+                    "?)",
                     (production, candidate, fraction, time.time(), note),
                 )
 
@@ -231,9 +235,11 @@ class LiveStore:
         return Completion.model_validate_json(rows[0][0]) if rows else None
 
     def completions(self, version: int | None = None, start: float | None = None, end: float | None = None,
-                    arm: str | None = None, session_id: str | None = None, limit: int | None = None) -> list[Completion]:
+                    arm: str | None = None, session_id: str | None = None,
+                    limit: int | None = None) -> list[Completion]:
         """Completions in time order, filtered by version, arm, session and `start <= created_at < end`."""
-        where, args = _filters(version=version, arm=arm, session_id=session_id, start=start, end=end, column="created_at")
+        where, args = _filters(version=version, arm=arm, session_id=session_id, start=start, end=end,
+                               column="created_at")
         sql = f"SELECT record FROM completions{where} ORDER BY created_at, id" + (" LIMIT ?" if limit else "")
         rows = self._query(sql, (*args, limit) if limit else args)
         return [Completion.model_validate_json(r[0]) for r in rows]
@@ -258,7 +264,8 @@ class LiveStore:
         return out
 
     def events_for_session(self, session_id: str) -> list[Event]:
-        return [_event(r) for r in self._query("SELECT * FROM events WHERE session_id = ? ORDER BY time, id", (session_id,))]
+        return [_event(r) for r in self._query("SELECT * FROM events WHERE session_id = ? ORDER BY time, id",
+                                               (session_id,))]
 
     def events(self, types: Sequence[EventType | str] | None = None, start: float | None = None,
                end: float | None = None) -> list[Event]:

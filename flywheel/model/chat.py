@@ -45,7 +45,8 @@ CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}"
-    "{{- '\\n\\n# Tools\\n\\nCall tools inside <tool_call></tool_call> tags as JSON with name and arguments.\\n<tools>' }}"
+    "{{- '\\n\\n# Tools\\n\\nCall tools inside <tool_call></tool_call> tags as JSON with name and "
+    "arguments.\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools><|im_end|>\\n' }}"
     "{%- elif messages[0].role == 'system' %}"
@@ -123,7 +124,8 @@ def system_pieces(content: str, tools: Sequence[dict[str, Any]] | None) -> Piece
 def render_tool_call(call: dict[str, Any]) -> str:
     args = call["function"]["arguments"]
     args_text = args if isinstance(args, str) else _json(args)
-    return f'{TOOL_CALL_OPEN}\n{{"name": {_json(call["function"]["name"])}, "arguments": {args_text}}}\n{TOOL_CALL_CLOSE}'
+    return (f'{TOOL_CALL_OPEN}\n{{"name": {_json(call["function"]["name"])}, "arguments": {args_text}}}'
+            f'\n{TOOL_CALL_CLOSE}')
 
 
 def render_assistant_body(message: dict[str, Any]) -> str:

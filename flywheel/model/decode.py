@@ -38,7 +38,8 @@ class LeanDecoder:
 
     def __init__(self, model: PreTrainedModel, dense_experts: bool | None = None):
         if not self.supports(model):
-            raise ValueError(f"LeanDecoder serves Qwen3 and Qwen3-MoE models with default RoPE, not {type(model).__name__}")
+            raise ValueError("LeanDecoder serves Qwen3 and Qwen3-MoE models with default RoPE, not "
+                             f"{type(model).__name__}")
         self.model = model
         # None: dense on accelerators (no host sync for per-expert row counts), routed on a CPU
         self.dense_experts = next(model.parameters()).device.type != "cpu" if dense_experts is None else dense_experts
@@ -77,12 +78,14 @@ class LeanDecoder:
                 num, inter = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[1] // 2
                 fused.update(
                     router=mlp.gate.weight, top_k=mlp.gate.top_k, norm_topk=mlp.gate.norm_topk_prob, experts=num,
-                    inter=inter, expert_gate_up=experts.gate_up_proj, expert_down=experts.down_proj)  # [E, 2I, H], [E, H, I]
+                    # [E, 2I, H], [E, H, I]
+                    inter=inter, expert_gate_up=experts.gate_up_proj, expert_down=experts.down_proj)
                 if self.dense_experts:
                     fused.update(
                         gate_up=experts.gate_up_proj.reshape(num * 2 * inter, -1),  # [E*2I, H]: expert e's rows e*2I..
                         # [H, E*I]: column e*I + i is expert e's down column i
-                        down=experts.down_proj.permute(1, 0, 2).reshape(experts.down_proj.shape[1], num * inter).contiguous())
+                        down=experts.down_proj.permute(1, 0, 2).reshape(experts.down_proj.shape[1],
+                                                                        num * inter).contiguous())
             else:  # a dense MLP
                 fused.update(gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), down=mlp.down_proj.weight,
                              inter=mlp.gate_proj.weight.shape[0])

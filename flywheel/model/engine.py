@@ -228,7 +228,8 @@ class _KVLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         end = self.length + key_states.shape[-2]
         if end > self.buf_k.shape[-2]:
-            raise EngineError(f"KV cache overflow: {end} > capacity {self.buf_k.shape[-2]}; the engine must grow it first")
+            raise EngineError(f"KV cache overflow: {end} > capacity {self.buf_k.shape[-2]}; the engine must grow it "
+                              "first")
         self.buf_k[:, :, self.length : end] = key_states
         self.buf_v[:, :, self.length : end] = value_states
         self.length = end
@@ -257,7 +258,8 @@ class _BatchCache:
 
     @staticmethod
     def allocate(like: list[tuple[torch.Tensor, torch.Tensor]], batch: int, capacity: int) -> tuple[list, torch.Tensor]:
-        layers = [(k.new_zeros((batch, k.shape[1], capacity, k.shape[3])), v.new_zeros((batch, v.shape[1], capacity, v.shape[3])))
+        layers = [(k.new_zeros((batch, k.shape[1], capacity, k.shape[3])),
+                   v.new_zeros((batch, v.shape[1], capacity, v.shape[3])))
                   for k, v in like]
         return layers, torch.zeros((batch, capacity), dtype=torch.long, device=like[0][0].device)
 
@@ -348,7 +350,8 @@ class LocalEngine:
         # session -> (the tokens whose KV is kept, per layer (keys, values) [kv_heads, tokens, head_dim])
         self._sessions: OrderedDict[str, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
         # prompt -> (its tokens but the last, per layer (keys, values) [kv_heads, tokens, head_dim])
-        self._prompts: OrderedDict[tuple[int, ...], tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
+        self._prompts: OrderedDict[tuple[int, ...],
+                                   tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
         self.reused_tokens = 0  # prompt tokens not prefilled thanks to a kept session or an identical prompt
         self._vocab = model.get_input_embeddings().num_embeddings
         text = model.config.get_text_config(decoder=True)
@@ -462,7 +465,7 @@ class LocalEngine:
                         DECODE_THREADS.busy(self, self.config.threads)
                         held = True
                     self._step()
-        except BaseException as exc:  # recorded: submitters and update_weights raise it loudly
+        except BaseException as exc:  # noqa: BLE001 -- recorded: submitters and update_weights raise it loudly
             self._error = exc
             for seq in self._active + self._admitting + self._drain_queued():
                 if not seq.future.done():
@@ -516,7 +519,8 @@ class LocalEngine:
             logits = self._lean.step(input_ids[:, 0], cache.layers, cache.mask[:, : cache.width + 1], positions[:, 0],
                                      cache.width)
         else:
-            out = self.model(input_ids=input_ids, attention_mask=cache.mask[:, : cache.width + new], position_ids=positions,
+            out = self.model(input_ids=input_ids, attention_mask=cache.mask[:, : cache.width + new],
+                             position_ids=positions,
                              cache=cache.hf_cache(), use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1, :]
         cache.width += new
@@ -669,7 +673,8 @@ class LocalEngine:
             return
         cached = len(seq.tokens) - 1
         width = self._cache.width
-        if int(self._cache.mask[row, :width].sum()) != cached or int(self._cache.mask[row, width - cached : width].sum()) != cached:
+        if (int(self._cache.mask[row, :width].sum()) != cached
+                or int(self._cache.mask[row, width - cached : width].sum()) != cached):
             return  # not one contiguous run at the right (never expected): prefill it next time instead
         self._sessions[seq.params.session] = (seq.tokens[:-1], self._cache.row_kv(row, width - cached, width))
         self._sessions.move_to_end(seq.params.session)
@@ -705,7 +710,8 @@ def sample_tokens(logits: torch.Tensor, temperatures: Sequence[float], top_ps: S
     cost on CPU: multinomial was a third of a decode step of the embedded default at batch 32, and
     drawing one random number per vocabulary entry (an exponential race) costs as much again.
     """
-    temps = torch.tensor([t or 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device).unsqueeze(1)  # [batch, 1]
+    # [batch, 1]
+    temps = torch.tensor([t or 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device).unsqueeze(1)
     logp = torch.log_softmax(logits / temps, dim=-1)  # [batch, vocab]
     greedy = [t == 0 for t in temperatures]
     if all(greedy):

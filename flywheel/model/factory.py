@@ -68,7 +68,8 @@ def build_model(config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreT
     return model.eval()
 
 
-def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_pretrained(path: str | Path,
+                    dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Any HF causal LM directory with its tokenizer (ours, or a real Qwen checkpoint)."""
     path = Path(path)
     if not (path / "config.json").is_file():

@@ -62,7 +62,8 @@ def _serve(conn: Any, model_class: type, model_config: Any, state: dict[str, tor
     def reply(rid: int, future: Future[Generation]) -> None:
         error = future.exception()
         try:
-            _send(conn, lock, ("done", rid, future.result()) if error is None else ("error", rid, EngineError(str(error))))
+            _send(conn, lock,
+                  ("done", rid, future.result()) if error is None else ("error", rid, EngineError(str(error))))
         except OSError:  # the parent is gone
             pass
 

@@ -176,7 +176,8 @@ class Registry:
             final = self.checkpoints_dir / f"v{version}"
             tmp = self.checkpoints_dir / f"{_TMP_PREFIX}v{version}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
-            metadata = {"version": version, "parent": parent, "created_at": created_at, "metrics": metrics, "note": note}
+            metadata = {"version": version, "parent": parent, "created_at": created_at, "metrics": metrics,
+                        "note": note}
             self._write_files(tmp, model, tokenizer, metadata)
             publish_folder(tmp, final)  # fsynced, then renamed: the folder appears whole or not at all
             self._index(version, parent, created_at, final, metrics, note, aliases)

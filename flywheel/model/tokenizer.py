@@ -25,7 +25,8 @@ from flywheel.model.chat import (
 )
 
 
-def train_tokenizer(corpus: Iterable[str], vocab_size: int = 4096, tools_in_prompt: bool = True) -> PreTrainedTokenizerFast:
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = 4096,
+                    tools_in_prompt: bool = True) -> PreTrainedTokenizerFast:
     """Train BPE on `corpus` (an iterable of documents). Deterministic for the same corpus.
 
     tools_in_prompt: whether the model's prompts list the tool schemas (`chat.tools_in_prompt`);

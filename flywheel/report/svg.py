@@ -379,7 +379,8 @@ def interval_chart(title: str, rows: Sequence[IntervalRow], *, x_label: str = ""
                                f'stroke="{ref.color}" stroke-dasharray="4 3"/>')
     for i, r in enumerate(rows):
         cy = y0 + row_h * (i + 0.5)
-        label = r.label if len(r.label) * _CHAR_W <= label_w - 12 else r.label[: int((label_w - 12) / _CHAR_W) - 1] + "…"
+        label = (r.label if len(r.label) * _CHAR_W <= label_w - 12
+                 else r.label[: int((label_w - 12) / _CHAR_W) - 1] + "…")
         frame.parts.append(f'<text class="row-label" x="{_n(x0 - 8)}" y="{_n(cy + 4)}" text-anchor="end" '
                            f'fill="#333">{escape(label)}<title>{escape(r.label)}</title></text>')
         if r.tick is not None and finite(r.tick):
@@ -417,7 +418,8 @@ def bar_chart(title: str, bars: Sequence[Bar], *, x_label: str = "", y_label: st
     _axis_label(frame, x_label, y_label)
     slot = (x1 - x0) / len(bars)
     zero = sy(0.0)
-    frame.parts.append(f'<line class="axis" x1="{_n(x0)}" y1="{_n(zero)}" x2="{_n(x1)}" y2="{_n(zero)}" stroke="#888"/>')
+    frame.parts.append(f'<line class="axis" x1="{_n(x0)}" y1="{_n(zero)}" x2="{_n(x1)}" y2="{_n(zero)}" '
+                       'stroke="#888"/>')
     every = max(1, math.ceil(len(bars) * 40 / (x1 - x0)))  # label every k-th bar when they would overlap
     for i, b in enumerate(bars):
         cx = x0 + slot * (i + 0.5)

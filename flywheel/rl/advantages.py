@@ -79,10 +79,12 @@ SIGNAL_TOLERANCE = 1e-9  # rewards closer than this count as equal: sums of the 
 class AdvantageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     method: AdvantageMethod = "grpo"
-    scale_by_std: bool = True  # grpo only: unit-scale advantages per group; off = Dr.GRPO, which does not upweight near-unanimous groups
+    # grpo only: unit-scale advantages per group; off = Dr.GRPO, which does not upweight near-unanimous groups
+    scale_by_std: bool = True
     eps: float = Field(default=1e-6, gt=0)  # grpo only: keeps a group of near-equal rewards from exploding
     broken_calls: BrokenCallCredit = "episode"  # where an invalid tool call's penalty lands (module docstring)
-    failed_call_cost: float = Field(default=0.0, ge=0)  # advantage taken from a turn per valid call the tool refused (module docstring)
+    # advantage taken from a turn per valid call the tool refused (module docstring)
+    failed_call_cost: float = Field(default=0.0, ge=0)
 
     def compute(self, rewards: Sequence[float], groups: Sequence[str],
                 families: Sequence[str] | None = None) -> list[float]:
@@ -93,12 +95,14 @@ class AdvantageConfig(BaseModel):
         tokens, or (broken_calls = "turn", for a trajectory with broken calls) one per token."""
         groups, families = [t.group_id for t in trajectories], [t.family for t in trajectories]
         if self.broken_calls == "episode":
-            advantages: list[float | list[float]] = list(self.compute([t.reward for t in trajectories], groups, families))
+            advantages: list[float | list[float]] = list(self.compute([t.reward for t in trajectories], groups,
+                                                                      families))
         else:
             episode = self.compute([outcome_reward(t) for t in trajectories], groups, families)
             advantages = [charge_broken_turns(t, a) for t, a in zip(trajectories, episode, strict=True)]
         if self.failed_call_cost > 0:
-            advantages = [charge_failed_turns(t, a, self.failed_call_cost) for t, a in zip(trajectories, advantages, strict=True)]
+            advantages = [charge_failed_turns(t, a, self.failed_call_cost)
+                          for t, a in zip(trajectories, advantages, strict=True)]
         return advantages
 
     def has_signal(self, trajectories: Sequence[Trajectory]) -> bool:
@@ -179,7 +183,8 @@ def zero_signal_groups(rewards: Sequence[float], groups: Sequence[str]) -> int:
 
 
 def compute_advantages(rewards: Sequence[float], groups: Sequence[str], families: Sequence[str] | None = None,
-                       method: AdvantageMethod = "grpo", *, scale_by_std: bool = True, eps: float = 1e-6) -> list[float]:
+                       method: AdvantageMethod = "grpo", *, scale_by_std: bool = True,
+                       eps: float = 1e-6) -> list[float]:
     """One advantage per episode, in the order of `rewards`.
 
     groups: the group id of each episode (used by grpo, dr_grpo, rloo); families: the task family of
@@ -192,14 +197,16 @@ def compute_advantages(rewards: Sequence[float], groups: Sequence[str], families
     if method == "family_loo":
         if families is None or len(families) != n:
             raise ValueError(f"family_loo needs one family per episode ({n}), got "
-                             f"{'none' if families is None else len(families)}: pass families=[t.family for t in batch]")
+                             f"{'none' if families is None else len(families)}: "
+                             "pass families=[t.family for t in batch]")
         keys = families
     elif method in GROUPED_METHODS:
         if len(groups) != n:
             raise ValueError(f"{n} rewards but {len(groups)} group ids; give one group id per episode")
         if "" in groups:
             raise ValueError(f"episode {list(groups).index('')} has no group id; {method} compares episodes sampled "
-                             "together for one task: set Trajectory.group_id, or use method='family_loo' for ungrouped data")
+                             "together for one task: set Trajectory.group_id, or use method='family_loo' for ungrouped "
+                             "data")
         keys = groups
     else:
         raise ValueError(f"unknown advantage method {method!r}; use one of {GROUPED_METHODS + ('family_loo',)}")

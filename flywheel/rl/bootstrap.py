@@ -72,7 +72,8 @@ class BootstrapConfig(BaseModel):
     sft: SFTConfig = Field(default_factory=lambda: SFTConfig(steps=4500, context_loss_weight=1.0, copy_weight=5.0))
     # The held-out eval: greedy, like `flywheel train`'s evals, so version 0's pass rate is the
     # start every later pass rate is compared with (the demo's "before" included).
-    episode: EpisodeConfig = Field(default_factory=lambda: EpisodeConfig(temperature=0.0, max_turns=8, max_tokens_per_turn=256))
+    episode: EpisodeConfig = Field(default_factory=lambda: EpisodeConfig(temperature=0.0, max_turns=8,
+                                                                         max_tokens_per_turn=256))
     pool: PoolConfig = Field(default_factory=PoolConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
 

@@ -72,14 +72,17 @@ class LearnerConfig(BaseModel):
     # default trained 1.34x faster at 1024 than at 8192 on one core, 1.22x on two (bench/learner.py).
     # An accelerator wants them as large as its memory allows.
     micro_batch_tokens: int = Field(default=1024, gt=0)
-    ppo_epochs: int = Field(default=1, ge=1)  # passes over each batch; more = more learning per sampled token, more drift from the proximal policy
+    # passes over each batch; more = more learning per sampled token, more drift from the proximal policy
+    ppo_epochs: int = Field(default=1, ge=1)
     minibatches: int = Field(default=1, ge=1)  # optimizer steps per epoch; capped at the number of trajectories
-    temperature: float = Field(default=1.0, gt=0)  # the episodes' sampling temperature (1.0 for greedy), so logprobs match the engine's
+    # the episodes' sampling temperature (1.0 for greedy), so logprobs match the engine's
+    temperature: float = Field(default=1.0, gt=0)
     # Intra-op threads while training (None: the calling thread's setting). Where the learner shares
     # a CPU with a busy engine (async mode on a laptop), give it the cores the engine does not use:
     # oversubscribed OpenMP threads wait for each other and both sides slow down.
     threads: int | None = Field(default=None, ge=1)
-    truncated: Literal["keep", "mask"] = "keep"  # keep: learn from truncated episodes with their reward; mask: give them no loss
+    # keep: learn from truncated episodes with their reward; mask: give them no loss
+    truncated: Literal["keep", "mask"] = "keep"
     seed: int = 0  # order of micro-batches
     loss: LossConfig = Field(default_factory=LossConfig)
 
@@ -97,7 +100,8 @@ class MicroBatch:
 
 
 def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, temperature: float = 1.0,
-                   entropy: bool = False, scored: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   entropy: bool = False,
+                   scored: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 logprob [batch, seq] of each token given those before it, and if asked the entropy
     [batch, seq] of the distribution that predicted it. Nothing predicts token 0: its entries are 0.
 
@@ -105,7 +109,8 @@ def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.T
     scored: [batch, seq] loss mask; when given, the output head runs only where it is 1 (the other
     entries are 0; `flywheel.rl.training.scored_logits`)."""
     if scored is None:
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # [batch, seq-1, vocab]: position t predicts token t+1
+        # [batch, seq-1, vocab]: position t predicts token t+1
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
         targets = ids[:, 1:]
     else:
         hidden = model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state  # [batch, seq, hidden]
@@ -139,7 +144,8 @@ def staleness_histogram(trajectories: Sequence[Trajectory], version: int) -> dic
             if not m:
                 continue
             if v < 0 or v > version:
-                raise ValueError(f"trajectory {t.task_id}: generated token {i} has version {v}, learner is at {version}; "
+                raise ValueError(f"trajectory {t.task_id}: generated token {i} has version {v}, learner is at "
+                                 f"{version}; "
                                  "each generated token needs the version that sampled it, no newer than the learner's "
                                  "(resume the learner with load_state, or fix the episode recorder)")
             counts[version - v] += 1
@@ -149,7 +155,8 @@ def staleness_histogram(trajectories: Sequence[Trajectory], version: int) -> dic
 Advantage = float | Sequence[float]  # one for every token of a trajectory, or one per token
 
 
-def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[Advantage], masks: Sequence[Sequence[int]],
+def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[Advantage],
+                       masks: Sequence[Sequence[int]],
                        micro_batch_tokens: int, rng: random.Random,
                        device: torch.device | str = "cpu") -> list[MicroBatch]:
     """Pack trajectories so that each micro-batch's padded size (rows x longest) is within the budget.
@@ -170,7 +177,8 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
             mask[r, :n] = torch.tensor(masks[i], dtype=torch.float32)
             behaviour[r, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
             adv[r, :n] = torch.tensor(advantages[i], dtype=torch.float32)  # a number broadcasts over the row
-        batches.append(MicroBatch(ids.to(device), attention.to(device), mask.to(device), behaviour.to(device), adv.to(device)))
+        batches.append(MicroBatch(ids.to(device), attention.to(device), mask.to(device), behaviour.to(device),
+                                  adv.to(device)))
     return batches
 
 
@@ -191,7 +199,8 @@ def proximal_pass(model: PreTrainedModel, batches: Sequence[MicroBatch], tempera
 
 
 def accumulate_gradients(model: PreTrainedModel, batches: Sequence[MicroBatch], config: LossConfig, temperature: float,
-                         denominator: torch.Tensor, proximal_here: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                         denominator: torch.Tensor,
+                         proximal_here: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward and backward over the micro-batches of one optimizer step, adding into `.grad`.
 
     denominator: `loss_denominator` summed over the same micro-batches, so the accumulated gradient
@@ -205,12 +214,14 @@ def accumulate_gradients(model: PreTrainedModel, batches: Sequence[MicroBatch], 
     stats: dict[str, torch.Tensor] = {}
     for b in batches:
         if b.logp_prox is None and not proximal_here:
-            raise ValueError("micro-batch has no proximal logprobs; run proximal_pass on it before accumulate_gradients")
+            raise ValueError("micro-batch has no proximal logprobs; run proximal_pass on it before "
+                             "accumulate_gradients")
         logp, ent = token_logprobs(model, b.ids, b.attention, temperature, entropy=proximal_here, scored=b.mask)
         if proximal_here:
             b.logp_prox = logp.detach()
             merge_stats(stats, {"entropy_sum": torch.where(b.mask > 0, ent, 0.0).sum()})
-        loss, s = policy_loss(logp, b.logp_prox, b.logp_behaviour, b.advantages, b.mask, config, b.logp_ref, denominator)
+        loss, s = policy_loss(logp, b.logp_prox, b.logp_behaviour, b.advantages, b.mask, config, b.logp_ref,
+                              denominator)
         loss.backward()
         total += loss.detach()
         merge_stats(stats, s)
@@ -255,7 +266,8 @@ class Learner:
                              "(e.g. the version-0 checkpoint) or set loss.kl_coef=0")
         self.model = model
         self.config = config
-        self.ref_model = ref_model.eval().requires_grad_(False) if ref_model is not None and config.loss.kl_coef > 0 else None
+        self.ref_model = (ref_model.eval().requires_grad_(False) if ref_model is not None and config.loss.kl_coef > 0
+                          else None)
         self.version = version
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
@@ -286,10 +298,12 @@ class Learner:
         if not trajectories:
             raise ValueError("train_step got no trajectories; wait for a batch before stepping")
         if len(advantages) != len(trajectories):
-            raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages; give one per trajectory")
+            raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages; give one per "
+                             "trajectory")
         for t, a in zip(trajectories, advantages, strict=True):
             if not isinstance(a, int | float) and len(a) != len(t.tokens):
-                raise ValueError(f"trajectory {t.task_id} has {len(t.tokens)} tokens but {len(a)} per-token advantages; "
+                raise ValueError(f"trajectory {t.task_id} has {len(t.tokens)} tokens but {len(a)} per-token "
+                                 "advantages; "
                                  "give one per token, or one number for the whole trajectory")
         with intra_op_threads(self.config.threads):
             return self._train_step(trajectories, advantages)
@@ -302,7 +316,8 @@ class Learner:
         device = next(self.model.parameters()).device
         n, k = len(trajectories), min(config.minibatches, len(trajectories))
         chunks = [range(j * n // k, (j + 1) * n // k) for j in range(k)]
-        minibatches = [make_micro_batches([trajectories[i] for i in c], [advantages[i] for i in c], [masks[i] for i in c],
+        minibatches = [make_micro_batches([trajectories[i] for i in c], [advantages[i] for i in c],
+                                          [masks[i] for i in c],
                                           config.micro_batch_tokens, self._rng, device) for c in chunks]
 
         was_training = self.model.training
@@ -372,7 +387,8 @@ class Learner:
             "policy_version": float(self.version),
             "sequences": float(len(trajectories)),
             "loss_tokens": loss_tokens,
-            "tokens_per_s": batch_tokens / max(elapsed, 1e-9),  # batch tokens (prompt included) per second of train_step
+            # batch tokens (prompt included) per second of train_step
+            "tokens_per_s": batch_tokens / max(elapsed, 1e-9),
             "seconds": elapsed,
             "staleness_mean": sum(s * c for s, c in staleness.items()) / stale_tokens if stale_tokens else nan,
             "staleness_max": float(max(staleness)) if staleness else nan,

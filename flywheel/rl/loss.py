@@ -55,11 +55,15 @@ MAX_LOG_RATIO = 20.0
 class LossConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     clip_low: float = Field(default=0.2, gt=0, lt=1)  # ratio floor 1 - clip_low (binds for negative advantages)
-    clip_high: float = Field(default=0.28, gt=0)  # ratio ceiling 1 + clip_high; above clip_low lets unlikely good tokens grow, which keeps entropy from collapsing
+    # ratio ceiling 1 + clip_high; above clip_low lets unlikely good tokens grow, which keeps entropy from
+    # collapsing
+    clip_high: float = Field(default=0.28, gt=0)
     behaviour_cap: float = 2.0  # cap on pi_prox / pi_behaviour; higher = less bias from stale tokens, more variance
-    behaviour_mode: Literal["truncate", "mask"] = "truncate"  # truncate: weight min(w, cap); mask: drop tokens with w > cap
+    # truncate: weight min(w, cap); mask: drop tokens with w > cap
+    behaviour_mode: Literal["truncate", "mask"] = "truncate"
     kl_coef: float = Field(default=0.0, ge=0)  # > 0 needs a reference model (the Learner's ref_model)
-    aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"  # token-mean: long answers weigh more per sequence
+    # token-mean: long answers weigh more per sequence
+    aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
 
     @model_validator(mode="after")
     def _cap_at_least_one(self) -> LossConfig:
@@ -79,7 +83,8 @@ def behaviour_weights(logp_prox: torch.Tensor, logp_behaviour: torch.Tensor, mas
     raw = log_w.clamp(max=MAX_LOG_RATIO).exp()
     if config.behaviour_mode == "truncate":
         return raw, raw.clamp(max=config.behaviour_cap), on.float()
-    kept = on & ~(raw > config.behaviour_cap)  # a NaN weight is kept, so that it reaches the loss and the step is skipped
+    # a NaN weight is kept, so that it reaches the loss and the step is skipped
+    kept = on & ~(raw > config.behaviour_cap)
     return raw, torch.where(kept, raw, 0.0), kept.float()
 
 
@@ -111,7 +116,8 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
         raise ValueError(f"logp {tuple(logp.shape)}, logp_prox {tuple(logp_prox.shape)}, logp_behaviour "
                          f"{tuple(logp_behaviour.shape)} and mask {tuple(mask.shape)} must all be [batch, seq]")
     if advantages.shape[0] != mask.shape[0]:
-        raise ValueError(f"advantages has {advantages.shape[0]} rows, mask {mask.shape[0]}; give one advantage per sequence")
+        raise ValueError(f"advantages has {advantages.shape[0]} rows, mask {mask.shape[0]}; give one advantage per "
+                         "sequence")
     on = mask > 0
     logp = logp.float()
     advantages = torch.where(on, advantages.float().detach().expand(mask.shape), 0.0)  # [batch, seq]

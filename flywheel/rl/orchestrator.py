@@ -38,12 +38,12 @@ cannot be formed for `stall_timeout_s`, and (in the loop) a weight update that i
 `weight_update_timeout_s` each raise `OrchestratorStalled` naming what was waited for.
 
 Durable runs (`run_dir`, `flywheel.rl.run_folder`): the Orchestrator writes `groups.jsonl` (every
-group when it starts, with its policy version), `trajectories.jsonl` (every finished episode the moment it arrives, failed
-ones too) and `inflight/` (each unfinished episode's latest state); the loop writes `state/` (learner
-state + `progress()`, every `checkpoint_every` steps) and `metrics.jsonl`. A run killed at any moment
-restarts from `state/`: groups consumed after that checkpoint are buffered again, finished episodes
-are read back, and unfinished ones resume from their saved state (an episode that had not finished
-its first turn restarts). No rollout is dropped.
+group when it starts, with its policy version), `trajectories.jsonl` (every finished episode the
+moment it arrives, failed ones too) and `inflight/` (each unfinished episode's latest state); the
+loop writes `state/` (learner state + `progress()`, every `checkpoint_every` steps) and
+`metrics.jsonl`. A run killed at any moment restarts from `state/`: groups consumed after that
+checkpoint are buffered again, finished episodes are read back, and unfinished ones resume from
+their saved state (an episode that had not finished its first turn restarts). No rollout is dropped.
 
 Departures from AReaL: rollout workers are threads of one process, not RPC servers (the Engine may
 run in a process of its own, `EngineConfig.separate_process`, so that its decode loop does not wait

@@ -79,7 +79,8 @@ class TrainConfig(BaseModel):
         sampled = self.orchestrator.episode.temperature
         if sampled > 0 and self.learner.temperature != sampled:
             raise ValueError(f"episodes sample at temperature {sampled} but the learner scores at "
-                             f"{self.learner.temperature}: the behaviour logprobs would not be the learner's, and every "
+                             f"{self.learner.temperature}: the behaviour logprobs would not be the learner's, and "
+                             "every "
                              "token would carry a spurious importance weight; set learner.temperature = "
                              "orchestrator.episode.temperature")
         return self
@@ -208,7 +209,8 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
             f"[{report['pass_rate_ci'][0]:.2f}, {report['pass_rate_ci'][1]:.2f}], "
             f"valid tool calls {report['valid_tool_call_rate']:.2f}, failed {report['failed_tool_call_rate']:.2f}")
 
-    with start_engine(engine_model, config.engine, version=learner.version) as engine, SandboxPool(config.pool) as pool, \
+    with start_engine(engine_model, config.engine, version=learner.version) as engine, \
+            SandboxPool(config.pool) as pool, \
             Orchestrator(orch_config, tasks, engine, tokenizer, pool, config.run_dir,
                          version=lambda: learner.version) as orchestrator:
         if resume(orch_config, orchestrator, learner, engine, run):
@@ -223,7 +225,8 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
                 log(f"time budget of {config.time_budget_s:.0f} s reached at step {orchestrator.step}")
                 break
             log(step_line(learning_step(orch_config, orchestrator, learner, engine, run)))
-            if config.eval_every and orchestrator.step % config.eval_every == 0 and orchestrator.step < orch_config.max_steps:
+            if (config.eval_every and orchestrator.step % config.eval_every == 0
+                    and orchestrator.step < orch_config.max_steps):
                 record_eval(run_eval(config, engine, tokenizer, pool), orchestrator.step)
         orchestrator.close()  # in-flight episodes stop at a turn boundary, saved for a resume
         final = run_eval(config, engine, tokenizer, pool)

@@ -181,7 +181,8 @@ def demonstration_messages(task: Task, episode: ExpertEpisode) -> list[dict[str,
 
 
 def demonstrations(tasks: list[Task], pool: SandboxPool, mistake_rate: float = 0.0, seed: int = 0,
-                   workers: int = 8, wrong_path_rate: float = 0.0, repair_rate: float = 0.0) -> list[list[dict[str, Any]]]:
+                   workers: int = 8, wrong_path_rate: float = 0.0,
+                   repair_rate: float = 0.0) -> list[list[dict[str, Any]]]:
     """Expert episodes on `tasks` as chat messages, run concurrently (commands are subprocesses)."""
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 

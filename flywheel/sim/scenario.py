@@ -115,13 +115,15 @@ def mode_tasks(easy: int, hard: int, seed: int = 0, variants: int = len(MODES)) 
     comes in `variants` variants with the same instruction and files, whose modes cycle through
     MODES: the prompt cannot tell them apart, so no policy gets more of them right than the most
     common mode's share (1/2 for 2 variants, 1/3 for 3, 2/5 for 5). What "hard" means here: an
-    honest attempt often fails, and the request looks like it will. Short on purpose (the issue allows shorter tasks): the fix is one edit_file
-    call that a tiny model learns from seconds of SFT. Graded by a hidden test like every family;
-    untouched, each fails it. Easy tasks first, then the hard ones' variants."""
+    honest attempt often fails, and the request looks like it will. Short on purpose (the issue
+    allows shorter tasks): the fix is one edit_file call that a tiny model learns from seconds of
+    SFT. Graded by a hidden test like every family; untouched, each fails it. Easy tasks first, then
+    the hard ones' variants."""
     rng = random.Random(f"modes/{seed}")
     tasks = [mode_task(i, SERVICES[i % len(SERVICES)], rng.choice(MODES), False, seed) for i in range(easy)]
     for i in range(easy, easy + hard):
-        tasks += [mode_task(i, SERVICES[i % len(SERVICES)], MODES[v % len(MODES)], True, seed, v) for v in range(variants)]
+        tasks += [mode_task(i, SERVICES[i % len(SERVICES)], MODES[v % len(MODES)], True, seed, v)
+                  for v in range(variants)]
     return tasks
 
 
@@ -419,7 +421,7 @@ class BackgroundUsers:
                 population = self.population.model_copy(update={"seed": self.population.seed + len(self.rounds)})
                 self.rounds.append(run_population(self.url, self.key, population, len(self.tasks), self.pool,
                                                   tasks=self.tasks))
-        except BaseException as exc:  # recorded and raised by __exit__, in the thread that waits for them
+        except BaseException as exc:  # noqa: BLE001 -- recorded and raised by __exit__, in the thread that waits for them
             self._failure = exc
 
 
@@ -431,10 +433,12 @@ def run_arm(config: ScenarioConfig, arm: Literal["naive", "default"], model: Pre
     if root.exists():
         shutil.rmtree(root)  # an arm always starts from the start checkpoint
     registry = Registry(root / "registry")
-    start_version = registry.register(model, tokenizer, aliases=[PRODUCTION], note=f"scenario {config.name} start").version
+    start_version = registry.register(model, tokenizer, aliases=[PRODUCTION],
+                                      note=f"scenario {config.name} start").version
     registry.close()
     key = "scenario-key"
-    serve = ServeConfig(registry_root=root / "registry", run_dir=root / "live", keys={key: ["inference", "events", "admin"]},
+    serve = ServeConfig(registry_root=root / "registry", run_dir=root / "live",
+                        keys={key: ["inference", "events", "admin"]},
                         threads=config.threads)
     live = config.live.model_copy(update={"registry_root": root / "registry", "store_path": serve.store_path,
                                           "run_dir": root / "cycles", "rewards": config.rewards(arm),
@@ -456,21 +460,24 @@ def run_arm(config: ScenarioConfig, arm: Literal["naive", "default"], model: Pre
             run_population(running.url, key, config.population, sessions, pool, tasks=_cycle(workload, sessions))
             end_answers = server.store.completions(version=end_version, start=since)
             end_rates, end_all = Rates.of(first_answers(end_answers)), Rates.of(end_answers)
-            log(f"[{config.name}/{arm}] end v{end_version}: {_rates_line(end_rates)}; all answers: {_rates_line(end_all)}")
+            log(f"[{config.name}/{arm}] end v{end_version}: {_rates_line(end_rates)}; all answers: "
+                f"{_rates_line(end_all)}")
     finally:
         server.close()
     name, direction, answers, metrics = HACKS[config.hack]
     effect, p = _change(start_all, end_all, name, direction) if answers == "all" else \
         _change(start_rates, end_rates, name, direction)
     alarms = [a.model_dump(include={"metric", "version", "value", "baseline_value", "p_value", "severity"})
-              | {"cycle": r.cycle} for r in reports for a in r.alarms if a.metric in metrics and a.severity == "critical"]
+              | {"cycle": r.cycle}
+              for r in reports for a in r.alarms if a.metric in metrics and a.severity == "critical"]
     cycles = [{"cycle": r.cycle, "production": r.production, "candidate": r.candidate, "decision": r.decision,
                "batch": None if r.batch is None else r.batch["completions"],
                "reward_mean": None if r.batch is None else r.batch["reward_mean"],
                "excluded": None if r.batch is None else r.batch["excluded"],
                "alarms": [f"{a.metric} v{a.version} {a.baseline_value:.2f}->{a.value:.2f}" for a in r.alarms],
                "seconds": r.timings.get("total_s")} for r in reports]
-    return ArmResult(arm=arm, rewards_file=str(config.naive_rewards_file if arm == "naive" else config.default_rewards_file),
+    return ArmResult(arm=arm,
+                     rewards_file=str(config.naive_rewards_file if arm == "naive" else config.default_rewards_file),
                      cycles=cycles, start=start_rates, end=end_rates, start_all=start_all, end_all=end_all,
                      start_version=start_version,
                      end_version=end_version, effect=effect, p_value=p,

@@ -208,7 +208,8 @@ class SimStats(BaseModel):
             reverted=sum(len(r.edit_completions) for r in results if r.kept is False),
             dissatisfied=sum(r.dissatisfied for r in results), questions=sum(r.questions for r in results),
             invalid_tool_calls=sum(r.invalid_tool_calls for r in results),
-            server_errors=sum(bool(r.error) for r in results), tests_passed=sum(r.tests_passed is True for r in results),
+            server_errors=sum(bool(r.error) for r in results),
+            tests_passed=sum(r.tests_passed is True for r in results),
             outcomes=dict(Counter(r.outcome for r in results)),
             latency_ms_mean=statistics.fmean(latencies) if latencies else 0.0,
             latency_ms_p50=pct(0.5), latency_ms_p95=pct(0.95), wall_s=wall_s, events=events,
@@ -325,7 +326,8 @@ class SimulatedUser:
                 # A needless question, or no answer at all: the user always says so.
                 self._emit(EventType.FOLLOWUP, result, answer.completion_id, {"dissatisfied": not needed})
                 result.dissatisfied += not needed
-                messages.append({"role": "user", "content": task.answer_question(answer.content) if needed else JUST_DO_IT})
+                messages.append({"role": "user",
+                                 "content": task.answer_question(answer.content) if needed else JUST_DO_IT})
                 continue
             outputs = tools.execute(answer.calls)
             result.invalid_tool_calls += sum(not c.valid for c in answer.calls)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future
 
 import pytest
@@ -43,8 +44,6 @@ class ScriptedEngine:
 
 
 def call(name: str, **arguments) -> str:
-    import json
-
     return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
 
 
@@ -197,9 +196,11 @@ def test_an_episode_resumed_from_its_saved_state_ends_as_if_never_stopped(task, 
             raise Killed
 
     with pytest.raises(Killed):
-        run_episode(task, ScriptedEngine(tokenizer, turns), tokenizer, pool, group_id="g7", on_turn=save_then_die_after_the_edit)
+        run_episode(task, ScriptedEngine(tokenizer, turns), tokenizer, pool, group_id="g7",
+                    on_turn=save_then_die_after_the_edit)
     state = EpisodeState.model_validate_json(saved[-1])
-    assert state.turns == 2 and state.files()[edit.path].decode() != task.files[edit.path]  # the edit is in the saved workspace
+    # the edit is in the saved workspace
+    assert state.turns == 2 and state.files()[edit.path].decode() != task.files[edit.path]
     rest = ScriptedEngine(tokenizer, turns[2:], version=4)
     resumed = run_episode(task, rest, tokenizer, pool, resume=state)
     assert resumed.tokens == whole.tokens and resumed.loss_mask == whole.loss_mask

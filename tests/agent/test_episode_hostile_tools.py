@@ -66,7 +66,8 @@ def test_a_hostile_workspace_costs_failed_calls_not_the_episode():
     out: dict[str, object] = {}
     with SandboxPool(PoolConfig(max_active=2, warm=1)) as pool:
         engine = _ReplayEngine(tokenizer, turns)
-        worker = threading.Thread(target=lambda: out.update(traj=run_episode(task, engine, tokenizer, pool)), daemon=True)
+        worker = threading.Thread(target=lambda: out.update(traj=run_episode(task, engine, tokenizer, pool)),
+                                  daemon=True)
         worker.start()
         worker.join(120)
         assert not worker.is_alive(), "the episode hung"

@@ -125,6 +125,7 @@ def test_deleting_the_hidden_tests_while_they_run_changes_nothing():
     # tests itself: each one is in `tests`, graded on its merits.
     remover = "import os\nos.remove('tests_hidden/test_mathy.py')\n" + SOLUTION_STUB
     result = grade(TASK, final_with({"mathy.py": remover}))
-    assert sorted(result.tests) == [f"tests_hidden/test_mathy.py::{n}" for n in ("test_negative", "test_two", "test_zero")]
+    assert sorted(result.tests) == [f"tests_hidden/test_mathy.py::{n}"
+                                    for n in ("test_negative", "test_two", "test_zero")]
     assert result.tests["tests_hidden/test_mathy.py::test_zero"] is True  # double(0) == 0 holds for the stub
     assert (result.passed, result.failed) == (1, 2)

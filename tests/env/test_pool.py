@@ -86,7 +86,7 @@ def test_many_threads_share_the_pool(pool_config: PoolConfig):
         try:
             with pool.sandbox({"n": str(i)}) as sb:
                 assert sb.run("cat n").output == str(i)
-        except BaseException as exc:  # reported below: a thread's assert would otherwise vanish
+        except BaseException as exc:  # noqa: BLE001 -- reported below: a thread's assert would otherwise vanish
             errors.append(exc)
 
     with SandboxPool(pool_config) as pool:

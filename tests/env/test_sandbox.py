@@ -246,7 +246,8 @@ def test_network_is_unreachable(box: Sandbox):
     port = listener.getsockname()[1]
     try:
         result = box.run(
-            f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')\""
+            f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); "
+            "print('connected')\""
         )
         assert result.exit_code == 1 and "connected" not in result.output
         assert "Network is unreachable" in result.output or "refused" in result.output
@@ -277,15 +278,18 @@ def test_the_jails_python_is_the_standard_library_without_host_packages(box: San
     behind empty read-only mounts; the standard library stays."""
     host_site = [p for p in site.getsitepackages([os.path.realpath(sys.base_prefix)]) if os.path.isdir(p)]
     assert host_site and any(os.listdir(p) for p in host_site)  # there is something to hide
-    script = "import json, site, os; print(json.dumps({p: os.listdir(p) for p in site.getsitepackages() if os.path.isdir(p)}))"
+    script = ("import json, site, os; "
+              "print(json.dumps({p: os.listdir(p) for p in site.getsitepackages() if os.path.isdir(p)}))")
     result = box.run(f"python3 -c '{script}'")
     assert result.exit_code == 0, result.render()
     seen = json.loads(result.output)
     assert set(seen) == {os.path.realpath(p) for p in host_site} and all(v == [] for v in seen.values())
     installed = next(n for p in host_site for n in sorted(os.listdir(p))  # a package the host can import
-                     if n.isidentifier() and n not in sys.stdlib_module_names and os.path.isfile(f"{p}/{n}/__init__.py"))
+                     if n.isidentifier() and n not in sys.stdlib_module_names
+                     and os.path.isfile(f"{p}/{n}/__init__.py"))
     assert box.run(f"python3 -c 'import {installed}'").exit_code != 0
-    assert box.run(f"touch {host_site[0]}/planted.pth").exit_code != 0 and not os.path.exists(f"{host_site[0]}/planted.pth")
+    assert box.run(f"touch {host_site[0]}/planted.pth").exit_code != 0
+    assert not os.path.exists(f"{host_site[0]}/planted.pth")
     assert box.run("python3 -c 'import json, sqlite3, unittest'").exit_code == 0
 
 

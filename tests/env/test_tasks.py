@@ -2,7 +2,8 @@
 
 Hidden tests run the way the grader runs them: the workspace in a temp dir, hidden tests copied
 in, `python3 -I -S run_tests.py --report-fd N <hidden test files>` with N an unlinked file, and the
-`{"tests": ...}` report read back from it. Runs go through a thread pool of subprocesses so the file stays well under a minute.
+`{"tests": ...}` report read back from it. Runs go through a thread pool of subprocesses so the file
+stays well under a minute.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def test_reference_solves_and_untouched_fails(family):
         hidden = {k: v for k, v in fixed.items() if k.startswith("tests_hidden/")}
         visible = {k: v for k, v in fixed.items() if k.startswith("tests/")}
         assert hidden and all(hidden.values()), f"{task.id}: reference fails {[k for k, v in hidden.items() if not v]}"
-        assert visible and all(visible.values()), f"{task.id}: reference fails {[k for k, v in visible.items() if not v]}"
+        assert visible and all(visible.values()), \
+            f"{task.id}: reference fails {[k for k, v in visible.items() if not v]}"
         assert len(hidden) > len(visible), f"{task.id}: hidden tests add no cases"
 
 

@@ -195,7 +195,8 @@ def test_semantic_search_finds_by_meaning_and_stays_current(tools):
     embedded = index.embedded_files
     tools.execute([ToolCall("e", "edit_file", {"path": "pkg/geo.py", "old": "",
                                                 "new": "def haversine_distance(lat1, lon1, lat2, lon2):\n"
-                                                       "    '''Great-circle distance between two points on Earth.'''\n"})])
+                                                       "    '''Great-circle distance between two points on "
+                                                       "Earth.'''\n"})])
     top = one(tools, "semantic_search", query="distance between two places on the globe", top_k=1)
     assert top.content.startswith("pkg/geo.py:1-")
     assert index.embedded_files == embedded + 1  # only the new file was embedded

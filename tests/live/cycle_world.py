@@ -72,7 +72,8 @@ class LiveWorld:
 def live_world(root: Path, users: bool = True, candidate_fraction: float = 0.5) -> Iterator[LiveWorld]:
     """v0 served in this process (keys: KEY has every scope), simulated users running while inside."""
     make_registry(root / "registry").close()
-    serve = ServeConfig(registry_root=root / "registry", run_dir=root / "live", keys={KEY: ["inference", "events", "admin"]},
+    serve = ServeConfig(registry_root=root / "registry", run_dir=root / "live",
+                        keys={KEY: ["inference", "events", "admin"]},
                         candidate_fraction=candidate_fraction, threads=1)
     server = LiveServer.from_config(serve)
     try:

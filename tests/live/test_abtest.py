@@ -74,7 +74,8 @@ def test_fewer_unhappy_follow_ups_promote_only_where_configured_a_success():
     fewer = {"unhappy": 0.05}
     default = run(2000, seed=0, **fewer)
     assert default.metrics["dissatisfied"].verdict == "better" and default.decision == "rollback", default.reason
-    as_success = ABConfig(success_metrics=["persistence", "reward", "dissatisfied"], guardrails=["latency", "invalid_calls"])
+    as_success = ABConfig(success_metrics=["persistence", "reward", "dissatisfied"],
+                          guardrails=["latency", "invalid_calls"])
     promoted = run(2000, seed=0, config=as_success, **fewer)
     assert promoted.decision == "promote" and "dissatisfied" in promoted.reason, promoted.reason
     worse = run(2000, seed=0, config=as_success, unhappy=0.2)  # a success metric that got worse rolls back

@@ -81,7 +81,8 @@ def test_batch_holds_only_trainable_on_policy_user_traffic():
 def test_baseline_groups_by_several_request_keys():
     meta = [{"family": "bugfix", "difficulty": 1}, {"family": "bugfix", "difficulty": 1},
             {"family": "bugfix", "difficulty": 3}, {"family": "bugfix", "difficulty": 3}, {"difficulty": 3}, {}]
-    completions = [stored_completion(f"c{i}", f"s{i}").model_copy(update={"request_meta": m}) for i, m in enumerate(meta)]
+    completions = [stored_completion(f"c{i}", f"s{i}").model_copy(update={"request_meta": m})
+                   for i, m in enumerate(meta)]
     events = [Event(id=f"e{i}", type=EventType.EDIT_PERSISTED if kept else EventType.EDIT_REVERTED, session_id=f"s{i}",
                     completion_id=f"c{i}", time=1001.0) for i, kept in enumerate([True, True, True, False])]
     for c in completions[:4]:  # the edit the events speak of
@@ -102,7 +103,8 @@ def test_gather_cuts_the_batch_by_time_so_nothing_is_trained_twice(tmp_path):
     for i in range(10):
         store.add_completion(stored_completion(f"c{i}", f"s{i}").model_copy(update={"created_at": 1000.0 + i}))
     Registry(tmp_path / "registry").close()
-    config = LiveConfig(registry_root=tmp_path / "registry", store_path=tmp_path / "live.sqlite", run_dir=tmp_path / "run",
+    config = LiveConfig(registry_root=tmp_path / "registry", store_path=tmp_path / "live.sqlite",
+                        run_dir=tmp_path / "run",
                         rewards=RewardConfig(feedback_window_s=1.0), batch={"min_completions": 3, "max_completions": 4})
     cycle = LiveCycle(config, _FixedControl(Deployment(production=0)), log=lambda m: None)
     state = CycleState(cycle=1, trigger="test", started_at=0.0, production=0, first_production=0, since=0.0,
@@ -214,7 +216,8 @@ def test_one_full_cycle_with_simulated_users(tmp_path):
     assert report.gate.decision.passed and report.gate.decision.checks["pass_rate"].ci_low is not None
     assert {"persistence", "dissatisfied", "latency", "reward"} <= set(report.ab.metrics)
     for metric in report.ab.metrics.values():  # every A/B metric with intervals per arm and for the difference
-        assert metric.verdict == "insufficient" or None not in (metric.production_ci, metric.candidate_ci, metric.ci_low)
+        assert metric.verdict == "insufficient" or None not in (metric.production_ci, metric.candidate_ci,
+                                                                metric.ci_low)
     assert report.served["latency"].ci is not None and report.monitor.series
     assert {"gather_s", "train_s", "gate_s", "deploy_s", "ab_s", "apply_s", "total_s"} <= set(report.timings)
     # What the cycle decided is what serves, and what the Registry says.

@@ -30,7 +30,8 @@ def server(tmp_path):
 def test_batches_arrive_and_flush_waits_for_them(server):
     live, url = server
     with EventClient(url, "events-key", batch_size=100, flush_interval_s=0.01) as client:
-        ids = [client.emit("followup", session_id=f"s{i % 7}", completion_id=f"c{i}", payload={"dissatisfied": i % 3 == 0})
+        ids = [client.emit("followup", session_id=f"s{i % 7}", completion_id=f"c{i}",
+                           payload={"dissatisfied": i % 3 == 0})
                for i in range(1234)]
         assert client.flush(timeout_s=60)
         stats = client.stats

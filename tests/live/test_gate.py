@@ -6,7 +6,12 @@ import random
 
 import pytest
 
+from flywheel.agent.episode import EpisodeConfig
+from flywheel.agent.trajectory import Status, Trajectory
+from flywheel.env.outcome import TestOutcome
+from flywheel.env.task import Task, TaskMetadata
 from flywheel.live.gate import (
+    EvalBattery,
     Gate,
     GateConfig,
     NonInferiorityCheck,
@@ -131,10 +136,6 @@ def test_gate_names_a_missing_metric():
 
 
 def test_task_results_from_eval_episodes():
-    from flywheel.agent.trajectory import Status, Trajectory
-    from flywheel.env.outcome import TestOutcome
-    from flywheel.env.task import Task, TaskMetadata
-
     def task(i: int, ambiguous: bool) -> Task:
         return Task(id=f"t{i}", family="bugfix", split="eval", instruction="fix it", files={}, hidden_tests={},
                     test_command="pytest", metadata=TaskMetadata(difficulty=1, ambiguous=ambiguous))
@@ -177,9 +178,6 @@ def test_rate_limit_on_shares_and_battery_sampling_needs_a_temperature():
     assert rate_limit([0.25] * 10, 0.3).passed and not rate_limit([0.5] * 10, 0.3).passed
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         rate_limit([2.0], 0.3)
-    from flywheel.agent.episode import EpisodeConfig
-    from flywheel.live.gate import EvalBattery
-
     assert EvalBattery(samples=4, episode=EpisodeConfig(temperature=1.0)).samples == 4
     with pytest.raises(ValueError, match="temperature 0"):
         EvalBattery(samples=4)

@@ -70,7 +70,8 @@ def test_malformed_events_are_refused_with_the_reason(store, bad, reason):
 
 
 def test_events_must_name_a_served_completion_of_their_session(store, tmp_path):
-    unknown, wrong = event("e1", EventType.EDIT_APPLIED, 1, cid="c9"), event("e2", EventType.EDIT_APPLIED, 1, session="t")
+    unknown, wrong = (event("e1", EventType.EDIT_APPLIED, 1, cid="c9"),
+                      event("e2", EventType.EDIT_APPLIED, 1, session="t"))
     results = store.add_events([unknown, wrong, event("e3", EventType.SESSION_END, 1, cid=None, outcome="success")])
     assert [r[0] for r in results] == [Ingest.REJECTED, Ingest.REJECTED, Ingest.ACCEPTED]
     assert "unknown completion_id 'c9'" in results[0][1] and "belongs to session 's'" in results[1][1]

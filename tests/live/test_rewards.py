@@ -122,7 +122,8 @@ def test_rules(name, overrides, completions, events, now, expected):
     got = {r.completion_id: (r.reward, r.status) for r in rewards}
     assert [r.completion_id for r in rewards] == [c.id for c in completions]
     for cid, (reward, status) in expected.items():
-        assert got[cid][0] == pytest.approx(reward), f"{cid}: parts {rewards[[c.id for c in completions].index(cid)].parts}"
+        assert got[cid][0] == pytest.approx(reward), \
+            f"{cid}: parts {rewards[[c.id for c in completions].index(cid)].parts}"
         assert got[cid][1] == status, cid
         assert sum(next(r for r in rewards if r.completion_id == cid).parts.values()) == pytest.approx(reward)
 

@@ -121,7 +121,8 @@ class _Episode:
         else:
             (call,) = edit_calls(task, correct=True)
             if task.metadata.difficulty == 3:
-                call = ToolCall(id=call.id, name=call.name, arguments={**call.arguments, "new": f'MODE = "{MODES[0]}"\n'})
+                call = ToolCall(id=call.id, name=call.name,
+                                arguments={**call.arguments, "new": f'MODE = "{MODES[0]}"\n'})
             action = Action("Making the change.", (call,))
         self.turns = [(action, [])]
 
@@ -152,7 +153,8 @@ def played(tmp_path_factory) -> dict[str, Path]:
 def first_answer_rewards(store_path: Path, rewards_file: Path) -> dict[int, list]:
     """difficulty -> the distilled rewards of the sessions' first answers (windows long closed)."""
     config = load_config(ScenarioConfig, REPO / "configs/scenario_drop_invalid.toml",
-                         [f"naive_rewards_file='{rewards_file}'", f"default_rewards_file='{rewards_file}'"]).rewards("naive")
+                         [f"naive_rewards_file='{rewards_file}'",
+                          f"default_rewards_file='{rewards_file}'"]).rewards("naive")
     with LiveStore(store_path) as store:
         completions, events = store.completions(), store.events()
     rewards = {r.completion_id: r for r in RewardDistiller(config).distill(completions, events, time.time() + 3600)}

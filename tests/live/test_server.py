@@ -151,7 +151,8 @@ def test_tool_calls_come_back_in_openai_format_valid_or_not(tmp_path, registry_r
         assert [c.valid for c in stored.tool_calls] == [True, False, False] and stored.finish_reason == "tool_calls"
 
         # Streamed, the same calls arrive as tool_call deltas.
-        chunks = list(api.chat.completions.create(model="flywheel", messages=MESSAGES, tools=tool_schemas(), stream=True))
+        chunks = list(api.chat.completions.create(model="flywheel", messages=MESSAGES, tools=tool_schemas(),
+                                                  stream=True))
         streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
         assert [(tc.index, tc.function.name, tc.function.arguments) for tc in streamed] == \
             [(i, c.function.name, c.function.arguments) for i, c in enumerate(calls)]
@@ -276,7 +277,8 @@ def test_concurrent_requests_are_each_stored_once(live):
 
 def test_config_errors_say_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"add a \[keys\] table"):
-        LiveServer(ServeConfig(run_dir=tmp_path), Router(lambda v: (ScriptedEngine([1], v), None), Deployment(production=0)))
+        LiveServer(ServeConfig(run_dir=tmp_path), Router(lambda v: (ScriptedEngine([1], v), None),
+                                                         Deployment(production=0)))
     with pytest.raises(ValueError, match="lower the first or raise the second"):
         ServeConfig(default_max_tokens=10, max_tokens_limit=5)
     with pytest.raises(ValueError, match="flywheel bootstrap"):
@@ -319,11 +321,13 @@ def test_bad_requests_get_4xx_json_never_500(live):
         (chat, json.dumps({**ok, "messages": []}), 400),
         (chat, json.dumps({**ok, "messages": [{"role": "robot", "content": "hi"}]}), 400),
         (chat, json.dumps({**ok, "messages": [{"role": "user"}]}), 400),
-        (chat, json.dumps({**ok, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}), 400),
+        (chat, json.dumps({**ok, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+         400),
         (chat, json.dumps({**ok, "temperature": 5}), 400), (chat, json.dumps({**ok, "n": 2}), 400),
         (chat, json.dumps({**ok, "stop": ["\n"]}), 400), (chat, json.dumps({**ok, "tool_choice": "required"}), 400),
         (chat, json.dumps({**ok, "tools": [{"type": "function"}]}), 400),
-        (chat, json.dumps({**ok, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": []}}}]}), 400),
+        (chat, json.dumps({**ok, "tools": [{"type": "function",
+                                            "function": {"name": "f", "parameters": {"properties": []}}}]}), 400),
         (chat, json.dumps({**ok, "max_tokens": 0}), 400), (chat, json.dumps({**ok, "max_tokens": 10**6}), 400),
         (chat, json.dumps({**ok, "model": "gpt-4"}), 404), (chat, json.dumps({**ok, "user": "u" * 500}), 400),
         (chat, json.dumps({**ok, "messages": MESSAGES * 2000}), 413), (chat, chunks(), 413),

@@ -130,7 +130,8 @@ def run_operation(operation, mode: GenerationMode, examples: int, url: str, stat
         if routed and seen[0] % 2 and isinstance(case.body, dict):
             # Towards the generation path: each of these fields alone refuses most random values.
             case.body["model"] = "flywheel"
-            for refused_mostly in ("stop", "response_format", "tools", "max_tokens", "max_completion_tokens", "metadata"):
+            for refused_mostly in ("stop", "response_format", "tools", "max_tokens", "max_completion_tokens",
+                                   "metadata"):
                 case.body.pop(refused_mostly, None)
         response = case.call(base_url=url, headers=AUTH, timeout=60)
         statuses[response.status_code] += 1

@@ -108,7 +108,8 @@ def test_events_are_accepted_or_rejected_one_by_one(live):
         return (f'{{"id": "{event_id}", "type": "thumbs", "session_id": "s-one", "completion_id": {completion}, '
                 f'"time": {time}, "payload": {{"up": true{payload}}}}}')
 
-    events = [event("g1"), event("\\ud800"), event("g2", ', "x": NaN'), event("g3", ', "n": 100000000000000000000000000000'),
+    events = [event("g1"), event("\\ud800"), event("g2", ', "x": NaN'),
+              event("g3", ', "n": 100000000000000000000000000000'),
               event("g4", time="1e999"), event("g5", completion=json.dumps("c" * 300)), event("g6")]
     r = httpx.post(f"{url}/v1/events", content=('{"events": [' + ", ".join(events) + "]}").encode(), headers=ADMIN)
     assert r.status_code == 200, r.text

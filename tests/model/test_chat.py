@@ -23,7 +23,8 @@ MESSAGES = [
     {"role": "system", "content": SYSTEM_PROMPT},
     {"role": "user", "content": "The test test_clamp fails. Fix it, please."},
     {"role": "assistant", "content": "Let me look.", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": "grep", "arguments": {"pattern": "def clamp", "glob": "*.py"}}},
+        {"id": "call_0", "type": "function", "function": {"name": "grep",
+                                                          "arguments": {"pattern": "def clamp", "glob": "*.py"}}},
         {"id": "call_1", "type": "function", "function": {"name": "list_dir", "arguments": {}}},
     ]},
     {"role": "tool", "tool_call_id": "call_0", "content": "mathx/core.py:3:def clamp(x, lo, hi):"},

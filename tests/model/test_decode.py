@@ -21,7 +21,8 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_tokenizer(["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n"] * 8, vocab_size=VOCAB)
+    return train_tokenizer(["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n"] * 8,
+                           vocab_size=VOCAB)
 
 
 def spread(model):
@@ -33,12 +34,14 @@ def spread(model):
 
 def moe_model(tokenizer, seed: int = 0):
     return spread(build_model(ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                                          num_experts=8, experts_per_token=2, moe_intermediate_size=32, seed=seed), tokenizer))
+                                          num_experts=8, experts_per_token=2, moe_intermediate_size=32, seed=seed),
+                              tokenizer))
 
 
 def dense_model():
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
     return spread(Qwen3ForCausalLM(config))
 

@@ -35,7 +35,8 @@ TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=
             experts_per_token=2, moe_intermediate_size=64)
 CODE = [
     "def add(a, b):\n    return a + b\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n        self.items.append(x)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n        "
+    "self.items.append(x)\n",
     "import os\nfor name in sorted(os.listdir('.')):\n    print(name)\n",
     "def test_add():\n    assert add(2, 3) == 5\n",
 ]
@@ -125,7 +126,8 @@ def wait_until(condition, timeout_s: float = TIMEOUT_S) -> None:
 def test_logprobs_equal_a_full_forward_pass(model, prompts, temperature, lean_decode):
     with engine_for(model, max_batch=4, max_prefill_per_step=2, lean_decode=lean_decode) as engine:
         assert (engine._lean is not None) == lean_decode
-        futures = [engine.submit(p, SamplingParams(temperature=temperature, max_tokens=12 + i)) for i, p in enumerate(prompts)]
+        futures = [engine.submit(p, SamplingParams(temperature=temperature, max_tokens=12 + i))
+                   for i, p in enumerate(prompts)]
         gens = wait_all(futures, TIMEOUT_S)
     for prompt, gen in zip(prompts, gens, strict=True):
         assert gen.finish_reason == "length" and gen.versions == [0] * len(gen.token_ids)
@@ -136,7 +138,8 @@ def test_logprobs_equal_a_full_forward_pass(model, prompts, temperature, lean_de
 def test_greedy_logprobs_are_of_temperature_one(model, prompts):
     with engine_for(model) as engine:
         gen = engine.submit(prompts[0], SamplingParams(temperature=0, max_tokens=6)).result(TIMEOUT_S)
-    torch.testing.assert_close(torch.tensor(gen.logprobs), full_logprobs(model, prompts[0], gen.token_ids), atol=LOGPROB_ATOL, rtol=0)
+    torch.testing.assert_close(torch.tensor(gen.logprobs), full_logprobs(model, prompts[0], gen.token_ids),
+                               atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_weight_swap_mid_generation_rebuilds_the_cache(model, other_weights, prompts):
@@ -177,7 +180,8 @@ def test_a_swap_that_keeps_the_cache_records_the_logprobs_it_sampled_with(model,
         before = gen.versions.count(0)
         assert 0 < before < len(gen.versions), "the swap should land mid-generation"
         assert gen.versions == [0] * before + [1] * (len(gen.versions) - before)
-        torch.testing.assert_close(torch.tensor(gen.logprobs[:before]), full_logprobs(model, prompt, gen.token_ids[:before]),
+        torch.testing.assert_close(torch.tensor(gen.logprobs[:before]),
+                                   full_logprobs(model, prompt, gen.token_ids[:before]),
                                    atol=LOGPROB_ATOL, rtol=0)
         # The reference: the old model's cache over everything fed before the swap (the newest
         # sampled token was not yet fed), then the new model over the rest on top of it.
@@ -273,7 +277,8 @@ def test_the_session_cache_keeps_only_the_most_recent(model, prompts):
         gens = [engine.submit(p, SamplingParams(max_tokens=3, session=f"s{i}")).result(TIMEOUT_S)
                 for i, p in enumerate(prompts[:3])]
         for i in (0, 2):  # s0 was dropped when s2 finished; s2 is kept
-            engine.submit(prompts[i] + gens[i].token_ids + [5], SamplingParams(max_tokens=2, session=f"s{i}")).result(TIMEOUT_S)
+            engine.submit(prompts[i] + gens[i].token_ids + [5],
+                          SamplingParams(max_tokens=2, session=f"s{i}")).result(TIMEOUT_S)
         assert engine.reused_tokens == len(prompts[2]) + len(gens[2].token_ids) - 1
 
 
@@ -286,7 +291,8 @@ def test_continuous_batching_matches_one_at_a_time_greedy(model, prompts, lean_d
     expected = [greedy_reference(model, p, n, (stop,)) for p, n in zip(prompts, lengths, strict=True)]
     assert {"stop", "length"} == {g.finish_reason for g in expected}
 
-    with engine_for(model, max_batch=3, max_prefill_per_step=2, lean_decode=lean_decode) as engine:  # 7 requests: most wait
+    # 7 requests: most wait
+    with engine_for(model, max_batch=3, max_prefill_per_step=2, lean_decode=lean_decode) as engine:
         futures = [engine.submit(p, SamplingParams(temperature=0, max_tokens=n, stop_token_ids=(stop,)))
                    for p, n in zip(prompts, lengths, strict=True)]
         gens = wait_all(futures, TIMEOUT_S)
@@ -301,7 +307,8 @@ def test_continuous_batching_matches_one_at_a_time_greedy(model, prompts, lean_d
 
 def test_mixed_greedy_and_sampled_rows_share_a_batch(model, prompts):
     with engine_for(model, max_batch=8) as engine:
-        futures = [engine.submit(p, SamplingParams(temperature=0 if i % 2 else 1.0, max_tokens=8)) for i, p in enumerate(prompts)]
+        futures = [engine.submit(p, SamplingParams(temperature=0 if i % 2 else 1.0, max_tokens=8))
+                   for i, p in enumerate(prompts)]
         gens = wait_all(futures, TIMEOUT_S)
     for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
         if i % 2:
@@ -310,7 +317,8 @@ def test_mixed_greedy_and_sampled_rows_share_a_batch(model, prompts):
 
 def test_tiny_top_p_is_greedy(model, prompts):
     with engine_for(model, max_batch=8) as engine:
-        gens = wait_all([engine.submit(p, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10)) for p in prompts], TIMEOUT_S)
+        gens = wait_all([engine.submit(p, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10)) for p in prompts],
+                        TIMEOUT_S)
     for p, g in zip(prompts, gens, strict=True):
         assert g.token_ids == greedy_reference(model, p, 10).token_ids
 
@@ -318,7 +326,8 @@ def test_tiny_top_p_is_greedy(model, prompts):
 def test_top_p_samples_only_inside_the_nucleus(model, prompts):
     top_p = 0.6
     with engine_for(model, max_batch=8) as engine:
-        gens = wait_all([engine.submit(p, SamplingParams(temperature=1.5, top_p=top_p, max_tokens=25)) for p in prompts], TIMEOUT_S)
+        gens = wait_all([engine.submit(p, SamplingParams(temperature=1.5, top_p=top_p, max_tokens=25))
+                         for p in prompts], TIMEOUT_S)
     for prompt, gen in zip(prompts, gens, strict=True):
         ids = torch.tensor([prompt + gen.token_ids])
         with torch.no_grad():
@@ -331,8 +340,10 @@ def test_top_p_samples_only_inside_the_nucleus(model, prompts):
 def test_stop_token_is_included_and_max_tokens_gives_length(model, prompts, tokenizer):
     first = greedy_reference(model, prompts[2], 1).token_ids[0]
     with engine_for(model) as engine:
-        stopped = engine.submit(prompts[2], SamplingParams(temperature=0, max_tokens=50, stop_token_ids=(first,))).result(TIMEOUT_S)
-        capped = engine.submit(prompts[2], SamplingParams(temperature=1.0, max_tokens=7, stop_token_ids=())).result(TIMEOUT_S)
+        stopped = engine.submit(prompts[2], SamplingParams(temperature=0, max_tokens=50,
+                                                           stop_token_ids=(first,))).result(TIMEOUT_S)
+        capped = engine.submit(prompts[2], SamplingParams(temperature=1.0, max_tokens=7,
+                                                          stop_token_ids=())).result(TIMEOUT_S)
         one = engine.submit([tokenizer.convert_tokens_to_ids(IM_END)], SamplingParams(max_tokens=1)).result(TIMEOUT_S)
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
     assert len(capped.token_ids) == 7 and capped.finish_reason == "length"
@@ -394,7 +405,8 @@ def test_sampling_draws_each_token_with_its_probability():
             batch = logits.repeat(250, 1)  # 500 rows per call
             choice, logp = sample_tokens(batch, [temperature] * 500, [top_p] * 500, generator)
             counts.index_put_((torch.arange(500) % 2, choice), torch.ones(500), accumulate=True)
-            assert torch.allclose(logp, torch.log_softmax(batch / temperature, -1).gather(1, choice[:, None]).squeeze(1))
+            assert torch.allclose(logp, torch.log_softmax(batch / temperature,
+                                                          -1).gather(1, choice[:, None]).squeeze(1))
         probs = torch.softmax(logits[0] / temperature, -1)
         if top_p < 1:  # the nucleus: tokens until the mass reaches top_p, renormalized
             keep = (probs.cumsum(0) - probs) <= top_p
@@ -464,10 +476,12 @@ def test_process_engine_answers_as_the_local_engine_does(model, other_weights, p
         assert remote.version == 1
         swapped = remote.generate(prompts, params)
     assert [g.token_ids for g in first] == [g.token_ids for g in before]
-    torch.testing.assert_close(torch.tensor(first[0].logprobs), torch.tensor(before[0].logprobs), atol=LOGPROB_ATOL, rtol=0)
+    torch.testing.assert_close(torch.tensor(first[0].logprobs), torch.tensor(before[0].logprobs), atol=LOGPROB_ATOL,
+                               rtol=0)
     assert [g.token_ids for g in swapped] == [g.token_ids for g in after] != [g.token_ids for g in before]
     assert all(g.versions == [1] * len(g.token_ids) for g in swapped)
-    torch.testing.assert_close(torch.tensor(swapped[0].logprobs), torch.tensor(after[0].logprobs), atol=LOGPROB_ATOL, rtol=0)
+    torch.testing.assert_close(torch.tensor(swapped[0].logprobs), torch.tensor(after[0].logprobs), atol=LOGPROB_ATOL,
+                               rtol=0)
 
 
 def test_process_engine_checks_requests_and_fails_loudly_when_its_process_dies(model, prompts):

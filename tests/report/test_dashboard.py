@@ -66,7 +66,8 @@ def traffic(store: LiveStore, now: float) -> None:
                     arm="candidate" if version == 1 else "production", created_at=start + i,
                     request_meta={"ambiguous": False}))
                 if edits:
-                    store.add_events([Event(id=f"e-{cid}", type=EventType.EDIT_PERSISTED, session_id=f"s-{version}-{w}-{i}",
+                    store.add_events([Event(id=f"e-{cid}", type=EventType.EDIT_PERSISTED,
+                                            session_id=f"s-{version}-{w}-{i}",
                                             completion_id=cid, time=start + i + 5)])
 
 
@@ -91,9 +92,11 @@ def test_the_dashboard_needs_a_dashboard_or_admin_key(dashboard):
     refused = httpx.get(f"{dashboard}/dashboard/data", headers={"Authorization": "Bearer inference-key"})
     assert refused.status_code == 403 and "dashboard" in refused.json()["error"]["message"]
     assert httpx.get(f"{dashboard}/dashboard?key=admin-key").status_code == 200
-    assert httpx.get(f"{dashboard}/dashboard/data", headers={"Authorization": "Bearer dashboard-key"}).status_code == 200
+    assert httpx.get(f"{dashboard}/dashboard/data",
+                     headers={"Authorization": "Bearer dashboard-key"}).status_code == 200
     # a dashboard key reads the dashboard only
-    assert httpx.get(f"{dashboard}/v1/admin/deployment", headers={"Authorization": "Bearer dashboard-key"}).status_code == 403
+    assert httpx.get(f"{dashboard}/v1/admin/deployment",
+                     headers={"Authorization": "Bearer dashboard-key"}).status_code == 403
 
 
 def test_the_data_endpoint_has_the_run_folders_and_the_stores_monitors(dashboard):

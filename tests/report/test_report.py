@@ -9,13 +9,18 @@ from html.parser import HTMLParser
 from run_folders import T0, cycle, write_cycle, write_training_run
 
 from flywheel.report import (
+    ABMetric,
+    AlarmRecord,
     CycleRecord,
+    GateCheck,
+    SeriesPoint,
     build_report_data,
     read_cycle_records,
     render_cycle,
     render_report,
 )
 from flywheel.report.data import merged_monitors
+from flywheel.report.records import ABRecord, GateDecisionRecord, GateRecord, MonitorRecord
 
 
 class Elements(HTMLParser):
@@ -136,9 +141,10 @@ def test_cycle_records_are_read_as_written_and_a_broken_one_is_named(tmp_path):
 
 
 def test_the_cycle_writer_can_pass_the_live_records_as_they_are():
-    from flywheel.live.abtest import compare
-    from flywheel.live.gate import GateDecision, non_inferiority
-    from flywheel.live.monitors import Alarm, MetricPoint
+    # the live stage loads torch and transformers: only these tests import it, here
+    from flywheel.live.abtest import compare  # noqa: PLC0415
+    from flywheel.live.gate import GateDecision, non_inferiority  # noqa: PLC0415
+    from flywheel.live.monitors import Alarm, MetricPoint  # noqa: PLC0415
 
     gate = GateDecision(passed=True, checks={"pass_rate": non_inferiority([1.0] * 60, [1.0] * 59 + [0.0], 0.05)})
     ab = {"reward": compare("reward", [0.1, 0.2, 0.3, 0.2], [0.5, 0.6, 0.7, 0.6], 0.95)}
@@ -178,12 +184,14 @@ def test_later_cycles_replace_earlier_monitor_points():
 
 def test_the_live_cycles_own_records_are_read_finished_or_running(tmp_path):
     """flywheel/live/cycle.py writes cycle-NNNN/report.json when a cycle is done and state.json while it runs."""
-    from flywheel.live.abtest import ABReport, compare
-    from flywheel.live.cycle import CycleReport, CycleState, MonitorSummary
-    from flywheel.live.gate import GateDecision, GateRun, non_inferiority
-    from flywheel.live.monitors import MetricPoint
+    # the live stage loads torch and transformers: only these tests import it, here
+    from flywheel.live.abtest import ABReport, compare  # noqa: PLC0415
+    from flywheel.live.cycle import CycleReport, CycleState, MonitorSummary  # noqa: PLC0415
+    from flywheel.live.gate import GateDecision, GateRun, non_inferiority  # noqa: PLC0415
+    from flywheel.live.monitors import MetricPoint  # noqa: PLC0415
 
-    gate = GateRun(decision=GateDecision(passed=True, checks={"pass_rate": non_inferiority([1.0] * 60, [1.0] * 60, 0.05)}),
+    gate = GateRun(decision=GateDecision(passed=True,
+                                         checks={"pass_rate": non_inferiority([1.0] * 60, [1.0] * 60, 0.05)}),
                    candidate_version=1, production_version=0, tasks=60, candidate={}, production={}, seconds=3.0)
     ab = ABReport(decision="promote", reason="persistence better", confidence=0.95, closed={}, versions={}, outside={},
                   metrics={"reward": compare("reward", [0.1, 0.2, 0.3, 0.2], [0.5, 0.6, 0.7, 0.6], 0.95)})
@@ -215,17 +223,11 @@ def test_the_live_cycles_own_records_are_read_finished_or_running(tmp_path):
 
 def test_the_reports_cycle_record_names_only_fields_the_cycle_writes():
     """CycleRecord is the part of the live cycle's record the report draws: no field of its own."""
-    from flywheel.live.abtest import ABReport, MetricComparison
-    from flywheel.live.cycle import CycleReport, CycleState, MonitorSummary
-    from flywheel.live.gate import GateDecision, GateResult, GateRun
-    from flywheel.live.monitors import Alarm, MetricPoint
-    from flywheel.report import ABMetric, AlarmRecord, GateCheck, SeriesPoint
-    from flywheel.report.records import (
-        ABRecord,
-        GateDecisionRecord,
-        GateRecord,
-        MonitorRecord,
-    )
+    # the live stage loads torch and transformers: only these tests import it, here
+    from flywheel.live.abtest import ABReport, MetricComparison  # noqa: PLC0415
+    from flywheel.live.cycle import CycleReport, CycleState, MonitorSummary  # noqa: PLC0415
+    from flywheel.live.gate import GateDecision, GateResult, GateRun  # noqa: PLC0415
+    from flywheel.live.monitors import Alarm, MetricPoint  # noqa: PLC0415
 
     pairs = [(CycleRecord, {*CycleReport.model_fields, *CycleState.model_fields}),
              (GateRecord, GateRun.model_fields), (GateDecisionRecord, GateDecision.model_fields),

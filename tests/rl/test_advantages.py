@@ -128,7 +128,8 @@ def episode(outcome: float, broken_turns: list[tuple[int, int, int]] = (), n_tok
 def test_turn_credit_compares_outcomes_and_charges_the_broken_turns_tokens():
     # All three failed; the second broke one call in tokens 4..7, the third two calls in 2..4 and one in 8..10.
     group = [episode(0.0), episode(0.0, [(4, 7, 1)]), episode(0.0, [(2, 4, 2), (8, 10, 1)])]
-    assert AdvantageConfig(method="dr_grpo").for_trajectories(group) == pytest.approx([0.4 / 3, 0.1 / 3, -0.5 / 3])  # rewards 0, -0.1, -0.3
+    # rewards 0, -0.1, -0.3
+    assert AdvantageConfig(method="dr_grpo").for_trajectories(group) == pytest.approx([0.4 / 3, 0.1 / 3, -0.5 / 3])
     first, second, third = AdvantageConfig(method="dr_grpo", broken_calls="turn").for_trajectories(group)
     assert first == 0.0  # the outcomes are tied: nothing for tokens that broke nothing
     assert second == pytest.approx([0.0] * 4 + [-0.1] * 3 + [0.0] * 5)

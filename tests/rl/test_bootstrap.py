@@ -17,7 +17,8 @@ def test_tiny_bootstrap_registers_a_policy_that_emits_valid_tool_calls(tmp_path:
     # busy machine a time budget buys fewer steps, and the result would depend on the load.
     overrides = ["train_tasks_per_family=40", "sft.epochs=4", "sft_time_budget_s=900", "eval_tasks_per_family=3",
                  "episode.temperature=0.0", f"run_dir={run}", f"registry_root={registry}"]
-    done = subprocess.run([sys.executable, "-m", "flywheel.cli", "bootstrap", *[a for o in overrides for a in ("--set", o)]],
+    done = subprocess.run([sys.executable, "-m", "flywheel.cli", "bootstrap",
+                           *[a for o in overrides for a in ("--set", o)]],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((run / "eval.json").read_text())

@@ -39,7 +39,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_tokenizer(["def add(a, b):\n    return a + b\n", "for x in items:\n    print(x)\n"] * 10, vocab_size=300)
+    return train_tokenizer(["def add(a, b):\n    return a + b\n", "for x in items:\n    print(x)\n"] * 10,
+                           vocab_size=300)
 
 
 @pytest.fixture
@@ -85,7 +86,8 @@ def test_token_logprobs_are_next_token_logprobs_in_float32_unaffected_by_padding
     for row, t in enumerate(sorted([short, long], key=lambda t: len(t.tokens))):  # padding changes nothing
         generated = [lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m]
         torch.testing.assert_close(logp[row][b.mask[row] > 0], torch.tensor(generated), rtol=1e-5, atol=1e-5)
-    assert ((entropy[:, 1:] > 0) & (entropy[:, 1:] <= torch.log(torch.tensor(float(model.config.vocab_size))) + 1e-4)).all()
+    ceiling = torch.log(torch.tensor(float(model.config.vocab_size))) + 1e-4
+    assert ((entropy[:, 1:] > 0) & (entropy[:, 1:] <= ceiling)).all()
     hot, _ = token_logprobs(model, b.ids, b.attention, temperature=2.0)
     with torch.no_grad():
         logits = model(input_ids=b.ids, attention_mask=b.attention).logits[:, :-1]

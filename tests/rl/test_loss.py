@@ -46,7 +46,8 @@ def test_token_mean_with_clip_low_clip_high_and_truncated_weight():
     expected = torch.tensor([[0.0, 0.0, -0.5, -2.0], [0.0, 0.0, 1.5, 0.0]]) / 5
     torch.testing.assert_close(logp.grad, expected)
     assert {k: v.item() for k, v in stats.items()} == pytest.approx(
-        {"tokens": 5, "clipped_low": 1, "clipped_high": 1, "is_weight_sum": 7, "is_weight_max": 3, "is_capped": 1, "kl_sum": 0})
+        {"tokens": 5, "clipped_low": 1, "clipped_high": 1, "is_weight_sum": 7, "is_weight_max": 3, "is_capped": 1,
+         "kl_sum": 0})
 
 
 def test_seq_mean_token_mean_weighs_sequences_equally():

@@ -196,7 +196,8 @@ def test_every_turn_asks_the_engine_with_its_groups_start_order(tmp_path, tasks,
     with orchestrator(config(max_staleness=1, max_steps=3), tasks, engine, learner, tokenizer, pool,
                       tmp_path) as orch:
         train(orch, learner)
-    started = {int(r["group"][1:]): r["task"] for r in map(json.loads, (tmp_path / "groups.jsonl").read_text().splitlines())}
+    started = {int(r["group"][1:]): r["task"]
+               for r in map(json.loads, (tmp_path / "groups.jsonl").read_text().splitlines())}
     assert len({p for p, _ in engine.priorities}) > 2
     assert all(p in started and started[p] == task for p, task in engine.priorities)
 
@@ -286,7 +287,8 @@ def test_sibling_groups_give_signal_to_a_policy_that_answers_every_sibling_alike
     again, engine = RecordingLearner(), RandomLatencyEngine(tokenizer, known)
     resumed = orchestrator(siblings, tasks, engine, again, tokenizer, pool, tmp_path / "siblings")
     with resumed:
-        assert resume(siblings, resumed, again, engine, RunFolder(tmp_path / "siblings")) and resumed._groups  # the groups started but not trained on
+        # the groups started but not trained on
+        assert resume(siblings, resumed, again, engine, RunFolder(tmp_path / "siblings")) and resumed._groups
         assert {g.id: [t.id for t in g.tasks] for g in resumed._groups.values()} == {
             r["group"]: r["tasks"] for r in started if r["group"] in resumed._groups}
     with pytest.raises(ValueError, match="multiple of tasks_per_group"):
@@ -336,7 +338,8 @@ from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.orchestrator import OrchestratorConfig
 {fakes}
 tasks = generate("bugfix", "train", 6, seed=11, difficulty=1)
-corpus = [t.instruction for t in tasks] + ['<tool_call>\\n{{"name": "list_dir", "arguments": {{}}}}\\n</tool_call>'] * 20
+corpus = [t.instruction for t in tasks] + [
+    '<tool_call>\\n{{"name": "list_dir", "arguments": {{}}}}\\n</tool_call>'] * 20
 tokenizer = train_tokenizer(corpus, vocab_size=600)
 cfg = OrchestratorConfig(group_size=3, groups_per_step=2, concurrency=12, max_steps=1000, max_staleness=1,
                          episode={{"max_turns": 6}})

@@ -26,7 +26,8 @@ from flywheel.sim.expert import demonstrations
 
 
 def test_demonstrations_encode_as_the_whole_conversation_with_assistant_only_loss():
-    tasks = generate("bugfix", "train", 2, seed=3, difficulty=1) + generate("ambiguous", "train", 1, seed=3, difficulty=1)
+    tasks = generate("bugfix", "train", 2, seed=3, difficulty=1) + generate("ambiguous", "train", 1, seed=3,
+                                                                            difficulty=1)
     with SandboxPool(PoolConfig(max_active=4, warm=0)) as pool:
         demos = demonstrations(tasks, pool)
     tokenizer = train_tokenizer([render_messages(m, tool_schemas()) for m in demos], vocab_size=700)
@@ -48,7 +49,8 @@ def test_packed_batches_stay_within_the_token_budget():
 
 
 def test_a_few_steps_lower_the_loss_on_a_real_model():
-    tokenizer = train_tokenizer(["<tool_call>\n{\"name\": \"list_dir\", \"arguments\": {}}\n</tool_call>"] * 20, vocab_size=300)
+    tokenizer = train_tokenizer(["<tool_call>\n{\"name\": \"list_dir\", \"arguments\": {}}\n</tool_call>"] * 20,
+                                vocab_size=300)
     model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                                     num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
     ids = tokenizer("Look.<tool_call>\n{\"name\": \"list_dir\", \"arguments\": {}}\n</tool_call>")["input_ids"]
@@ -66,7 +68,8 @@ def test_shared_prefix_gives_the_loss_and_gradients_of_full_sequences():
     model = build_model(ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
                                     num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
     shared = tokenizer("system prompt and tools; then a user asks")["input_ids"]
-    rows = [shared + tokenizer(text)["input_ids"] for text in ("fix it<tool_call>list_dir", "go<tool_call>list_dir</tool_call>")]
+    rows = [shared + tokenizer(text)["input_ids"] for text in ("fix it<tool_call>list_dir",
+                                                               "go<tool_call>list_dir</tool_call>")]
     examples = [(r, [0] * (len(shared) + 2) + [1] * (len(r) - len(shared) - 2)) for r in rows]
     p = shared_prefix_length(examples)
     assert p == len(shared)
@@ -88,7 +91,8 @@ def test_shared_prefix_gives_the_loss_and_gradients_of_full_sequences():
     full.backward()
     grads_full = {k: v.grad.clone() for k, v in model.named_parameters() if v.grad is not None}
     model.zero_grad()
-    shared_loss, n_shared = masked_ce_loss(model, *batch([(t[p:], m[p:]) for t, m in examples]), prefix=torch.tensor(shared))
+    shared_loss, n_shared = masked_ce_loss(model, *batch([(t[p:], m[p:]) for t, m in examples]),
+                                           prefix=torch.tensor(shared))
     shared_loss.backward()
     assert n_full == n_shared
     assert torch.allclose(full, shared_loss, atol=1e-5)
@@ -131,7 +135,8 @@ def test_loss_weights_raise_rare_tokens_repeated_from_the_context():
 
 def test_sharing_the_prompt_leaves_the_context_loss_as_it_is():
     """Context loss never covers the shared prompt, so computing it once changes no loss."""
-    tokenizer = train_tokenizer(["system prompt and tools; then a user asks", "<tool_call>list_dir</tool_call> a.py"] * 10,
+    tokenizer = train_tokenizer(["system prompt and tools; then a user asks",
+                                 "<tool_call>list_dir</tool_call> a.py"] * 10,
                                 vocab_size=300)
     shared = tokenizer("system prompt and tools; then a user asks")["input_ids"]
     examples = []
@@ -151,14 +156,16 @@ def test_sharing_the_prompt_leaves_the_context_loss_as_it_is():
 def test_a_step_budget_learns_the_same_weights_on_a_slow_machine(monkeypatch):
     """`SFTConfig.steps` fixes the schedule and the number of updates: a machine whose clock runs 100
     s per step learns exactly what a fast one does. A time budget on that machine stops early."""
-    tokenizer = train_tokenizer(["<tool_call>\n{\"name\": \"list_dir\", \"arguments\": {}}\n</tool_call>"] * 20, vocab_size=300)
+    tokenizer = train_tokenizer(["<tool_call>\n{\"name\": \"list_dir\", \"arguments\": {}}\n</tool_call>"] * 20,
+                                vocab_size=300)
     ids = tokenizer("Look.<tool_call>\n{\"name\": \"list_dir\", \"arguments\": {}}\n</tool_call>")["input_ids"]
     examples = [(ids, [0] * 3 + [1] * (len(ids) - 3))] * 8
     config = SFTConfig(steps=12, lr=1e-2, warmup_steps=1, batch_tokens=len(ids) * 2)
 
     def trained(time_budget_s: float | None = None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                                        num_experts=4, experts_per_token=2, moe_intermediate_size=32, seed=3), tokenizer)
+                                        num_experts=4, experts_per_token=2, moe_intermediate_size=32, seed=3),
+                                        tokenizer)
         metrics = train_sft(model, examples, config, tokenizer.pad_token_id, time_budget_s=time_budget_s)
         return metrics, {k: v.clone() for k, v in model.state_dict().items()}
 

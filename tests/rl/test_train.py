@@ -40,7 +40,8 @@ def test_train_on_a_tiny_budget_raises_mean_reward(tmp_path):
         broken = tokenizer.convert_tokens_to_ids([TOOL_CALL_OPEN]) + ramble
         for body in (broken, broken, ramble):  # 2:1, so that step 1's 16 episodes surely hold broken calls
             examples.append((prompt + body, [0] * len(prompt) + [1] * len(body)))
-    train_sft(model, examples, SFTConfig(epochs=60, lr=1e-2, warmup_steps=1, batch_tokens=100_000), tokenizer.pad_token_id)
+    train_sft(model, examples, SFTConfig(epochs=60, lr=1e-2, warmup_steps=1, batch_tokens=100_000),
+              tokenizer.pad_token_id)
     with Registry(tmp_path / "registry") as registry:  # start at v1: registry and policy versions differ
         registry.register(model, tokenizer, parent=None, note="an earlier version, never trained from")
         registry.register(model, tokenizer, parent=0, aliases=["production"], note="random tiny policy")
@@ -74,7 +75,8 @@ lr = 0.03
     assert [s["policy_version"] for s in steps] == list(range(1, 11))  # steps from the start, not v1 + steps
     first = steps[0]["reward_mean"]  # all of step 1 was sampled by the start policy (staleness 0)
     last = sum(s["reward_mean"] for s in steps[-3:]) / 3
-    trajectories = [json.loads(line)["trajectory"] for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
+    trajectories = [json.loads(line)["trajectory"]
+                    for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
     untouched = max(t["reward"] for t in trajectories)
     assert first < untouched - 0.02  # the start really does emit broken calls, and pays for them
     assert last > first + 0.02, [round(s["reward_mean"], 3) for s in steps]

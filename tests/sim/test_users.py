@@ -191,7 +191,8 @@ def test_users_keep_good_edits_revert_bad_ones_and_answer_questions_by_need(regi
     # A wrong edit: the tests fail, the user says so, the agent tries again (its edit fails now), the edit is reverted.
     r = results[wrong.id]
     first, second = r.completion_ids
-    assert (r.outcome, r.tests_passed, r.kept, r.edit_completions, r.dissatisfied) == ("unhappy", False, False, [first], 1)
+    assert (r.outcome, r.tests_passed, r.kept, r.edit_completions, r.dissatisfied) == ("unhappy", False, False, [first],
+                                                                                       1)
     assert kinds[first] == [("edit_applied", None), ("followup", True), ("edit_reverted", None)]
     assert kinds[second] == [("thumbs", False)]
     assert TESTS_FAIL in engine.prompts[wrong.instruction][1]
@@ -226,7 +227,8 @@ def test_a_population_is_planned_from_its_seed():
     population = Population(seed=1, users=5, tasks_per_family=3)
     plan = plan_sessions(population, 30)
     assert [(p.user, p.task.id) for p in plan] == [(p.user, p.task.id) for p in plan_sessions(population, 30)]
-    assert [p.task.id for p in plan] != [p.task.id for p in plan_sessions(population.model_copy(update={"seed": 2}), 30)]
+    assert [p.task.id for p in plan] != [p.task.id
+                                         for p in plan_sessions(population.model_copy(update={"seed": 2}), 30)]
     for p in plan:
         assert p.profile.families.get(p.task.family, 0) > 0
         assert p.profile == plan_sessions(population, 30)[p.index].profile

@@ -126,7 +126,8 @@ AMBIGUOUS: tuple[AmbiguousTemplate, ...] = (
          V("Round to whole units, halves up, and return an int (2.5 becomes 3).",
            DECIMAL + '    return int(Decimal(str(amount)).quantize(Decimal("1"), rounding=ROUND_HALF_UP))\n'),
          V("Round to the nearest 5 cents (0.05), halves up, and return a float.",
-           DECIMAL + '    steps = (Decimal(str(amount)) / Decimal("0.05")).quantize(Decimal("1"), rounding=ROUND_HALF_UP)\n'
+           DECIMAL + '    steps = (Decimal(str(amount)) / Decimal("0.05")).quantize(Decimal("1"), '
+                     'rounding=ROUND_HALF_UP)\n'
            '    return float(steps * Decimal("0.05"))\n')),
         _amount, ((2.345,), (2.312,), (7.5,), (3.005,)),
         ("assert round_price(4.0) == 4.0", "assert round_price(12.0) == 12.0"),
@@ -135,7 +136,8 @@ AMBIGUOUS: tuple[AmbiguousTemplate, ...] = (
         "sort_records", "records", "Return the records (dicts with name, age and city) in order.",
         ("people", "crm", "members", "roster"), ("records", "directory", "listing"),
         ("Add `sort_records(records)` to `{path}`: it should return the records sorted.",
-         "Can you write a `sort_records(records)` function in `{path}` that sorts the member records? Return a new list.",
+         "Can you write a `sort_records(records)` function in `{path}` that sorts the member records? Return a new "
+         "list.",
          "I need the records sorted. Please add `sort_records(records)` to `{path}` (it returns the sorted list)."),
         (V("By name, A to Z.", '    return sorted(records, key=lambda r: r["name"])\n'),
          V("By age, oldest first.", '    return sorted(records, key=lambda r: r["age"], reverse=True)\n'),
@@ -146,7 +148,8 @@ AMBIGUOUS: tuple[AmbiguousTemplate, ...] = (
         (([{"name": "Bo", "age": 30, "city": "Rome"}, {"name": "Al", "age": 50, "city": "Oslo"},
            {"name": "Cy", "age": 20, "city": "Lima"}],),),
         ("assert sort_records([]) == []",
-         "assert sort_records([{'name': 'Ann', 'age': 30, 'city': 'Oslo'}]) == [{'name': 'Ann', 'age': 30, 'city': 'Oslo'}]"),
+         "assert sort_records([{'name': 'Ann', 'age': 30, 'city': 'Oslo'}]) == [{'name': 'Ann', 'age': 30, 'city': "
+         "'Oslo'}]"),
     ),
     AmbiguousTemplate(
         "format_date", "year, month, day", "Format a calendar date as text.",

@@ -246,7 +246,8 @@ def build_rename(rng: random.Random, difficulty: int) -> Draft:
     files, solved = workspace(t.name), workspace(new)
     visible, extra, _, _ = draw_cases(t, rng, 2, 4)
     core_tests = [f"tests/test_{core}.py", f"tests_hidden/test_{core}.py"]
-    files[core_tests[0]] = python_file(None, [f"from {pkg}.{core} import {t.name}"], case_tests(t.name, t.name, visible))
+    files[core_tests[0]] = python_file(None, [f"from {pkg}.{core} import {t.name}"],
+                                       case_tests(t.name, t.name, visible))
     solved[core_tests[0]] = python_file(None, [f"from {pkg}.{core} import {new}"], case_tests(t.name, new, visible))
     caller_tests, caller_imports = [], []
     for k, (mod, func) in enumerate(zip(caller_mods, caller_funcs, strict=True)):

@@ -61,7 +61,7 @@ def outcome(fn: Callable, args: Args) -> tuple[str, object]:
     """("ok", value) or ("raises", exception name), on a copy so a mutating bug cannot leak."""
     try:
         return "ok", fn(*copy.deepcopy(args))
-    except Exception as exc:  # a buggy template may raise; that is one way it shows
+    except Exception as exc:  # noqa: BLE001 -- a buggy template may raise anything; that is one way it shows
         return "raises", type(exc).__name__
 
 
@@ -180,7 +180,8 @@ TEMPLATES: tuple[FunctionTemplate, ...] = (
       lambda r: (r.randint(-20, 20), r.randint(-10, 0), r.randint(1, 10)), "num",
       ("clip", "bound_value"), ((5, 0, 5), (-3, -3, 4))),
     T("count_vowels", "s", "Return how many vowels (a, e, i, o, u, in either case) the string s contains.",
-      "    count = 0\n    for ch in s.lower():\n        if ch in \"aeiou\":\n            count += 1\n    return count\n",
+      "    count = 0\n    for ch in s.lower():\n        if ch in \"aeiou\":\n            count += 1\n    return "
+      "count\n",
       (Bug("count = 0", "count = 1", "wrong_initial_value"),
        Bug("s.lower()", "s", "missing_normalisation"),
        Bug("\"aeiou\"", "\"aeio\"", "off_by_one")),
@@ -191,7 +192,8 @@ TEMPLATES: tuple[FunctionTemplate, ...] = (
       (Bug("best = None", "best = 0", "wrong_initial_value"),
        Bug("x > best", "x < best", "wrong_comparison")),
       lambda r: (_ints(r, -9, 9, 1, 7),), "list", ("prefix_max", "cumulative_max"), (([-5, -7, -2],),)),
-    T("is_palindrome", "s", "Return True if s reads the same backwards, ignoring case and any character that is not a letter or digit.",
+    T("is_palindrome", "s", "Return True if s reads the same backwards, ignoring case and any character that is not a "
+                            "letter or digit.",
       "    chars = [c.lower() for c in s if c.isalnum()]\n    return chars == chars[::-1]\n",
       (Bug("chars[::-1]", "chars[:-1][::-1]", "off_by_one"),
        Bug("c.lower() for", "c for", "missing_normalisation")),
@@ -214,32 +216,37 @@ TEMPLATES: tuple[FunctionTemplate, ...] = (
       (Bug("            seen.add(x)\n", "", "missing_update"),
        Bug("for x in xs:", "for x in xs[1:]:", "off_by_one")),
       lambda r: (_ints(r, 0, 5, 1, 9),), "list", ("unique_in_order", "remove_duplicates"), (([3, 1, 3, 2, 1],),)),
-    T("word_freq", "text", "Return a dict mapping each lower-cased word of text (split on whitespace) to how often it occurs.",
+    T("word_freq", "text", "Return a dict mapping each lower-cased word of text (split on whitespace) to how often it "
+                           "occurs.",
       "    counts = {}\n    for word in text.lower().split():\n        counts[word] = counts.get(word, 0) + 1\n"
       "    return counts\n",
       (Bug("counts.get(word, 0)", "counts.get(word, 1)", "wrong_initial_value"),
        Bug("text.lower().split()", "text.split()", "missing_normalisation")),
       lambda r: (_text(r, 1, 6),), "text", ("word_counts", "count_words"), (("a A b",),)),
-    T("median", "xs", "Return the median of a non-empty list of numbers (the mean of the two middle values when the length is even).",
+    T("median", "xs", "Return the median of a non-empty list of numbers (the mean of the two middle values when the "
+                      "length is even).",
       "    ordered = sorted(xs)\n    mid = len(ordered) // 2\n    if len(ordered) % 2 == 1:\n"
       "        return ordered[mid]\n    return (ordered[mid - 1] + ordered[mid]) / 2\n",
       (Bug("ordered[mid - 1] + ordered[mid]", "ordered[mid] + ordered[mid + 1]", "off_by_one"),
        Bug("ordered = sorted(xs)", "ordered = list(xs)", "missing_sort")),
       lambda r: (_ints(r, -20, 20, 1, 7),), "num", ("median_of", "middle_value"), (([4, 1, 3, 2],),)),
     T("flatten", "nested", "Flatten arbitrarily nested lists into one flat list, keeping the order of the items.",
-      "    flat = []\n    for item in nested:\n        if isinstance(item, list):\n            flat.extend({name}(item))\n"
+      "    flat = []\n    for item in nested:\n        if isinstance(item, list):\n            "
+      "flat.extend({name}(item))\n"
       "        else:\n            flat.append(item)\n    return flat\n",
       (Bug("flat.extend({name}(item))", "flat.extend(item)", "missing_recursion"),
        Bug("flat.extend(", "flat.append(", "wrong_call")),
       lambda r: (_nested(r),), "list", ("flatten_list", "deep_flatten"), (([1, [2, [3, [4]]]],),)),
-    T("rle_encode", "s", "Run-length encode s as a string where each run is its character followed by its length, e.g. 'aab' -> 'a2b1'.",
+    T("rle_encode", "s", "Run-length encode s as a string where each run is its character followed by its length, e.g. "
+                         "'aab' -> 'a2b1'.",
       "    if not s:\n        return \"\"\n    out = []\n    current, count = s[0], 1\n    for ch in s[1:]:\n"
       "        if ch == current:\n            count += 1\n        else:\n            out.append(current + str(count))\n"
       "            current, count = ch, 1\n    out.append(current + str(count))\n    return \"\".join(out)\n",
       (Bug("current, count = s[0], 1", "current, count = s[0], 0", "wrong_initial_value"),
        Bug("for ch in s[1:]:", "for ch in s[2:]:", "off_by_one")),
       lambda r: (_runs(r),), "text", ("run_length_encode", "encode_runs"), (("aaab",),)),
-    T("fizzbuzz", "n", "Return the FizzBuzz strings for 1..n: 'Fizz' for multiples of 3, 'Buzz' for multiples of 5, 'FizzBuzz' for both, else the number.",
+    T("fizzbuzz", "n", "Return the FizzBuzz strings for 1..n: 'Fizz' for multiples of 3, 'Buzz' for multiples of 5, "
+                       "'FizzBuzz' for both, else the number.",
       "    out = []\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n            out.append(\"FizzBuzz\")\n"
       "        elif i % 3 == 0:\n            out.append(\"Fizz\")\n        elif i % 5 == 0:\n"
       "            out.append(\"Buzz\")\n        else:\n            out.append(str(i))\n    return out\n",
@@ -252,7 +259,8 @@ TEMPLATES: tuple[FunctionTemplate, ...] = (
        Bug("range(len(xs) - 1)", "range(len(xs) - 2)", "off_by_one")),
       lambda r: (_ints(r, -9, 9, 0, 7),), "list", ("consecutive_diffs", "deltas"), (([1, 4, 9],),)),
     T("argmax", "xs", "Return the index of the largest item of a non-empty list (the first such index on ties).",
-      "    best = 0\n    for i in range(1, len(xs)):\n        if xs[i] > xs[best]:\n            best = i\n    return best\n",
+      "    best = 0\n    for i in range(1, len(xs)):\n        if xs[i] > xs[best]:\n            best = i\n    return "
+      "best\n",
       (Bug("xs[i] > xs[best]", "xs[i] >= xs[best]", "wrong_comparison"),
        Bug("range(1, len(xs))", "range(1, len(xs) - 1)", "off_by_one")),
       lambda r: (_ints(r, 0, 4, 1, 8),), "list", ("index_of_max", "arg_max"), (([1, 3, 3, 0],), ([2, 5],))),
@@ -276,7 +284,8 @@ TEMPLATES: tuple[FunctionTemplate, ...] = (
       (Bug("total = 0", "total = 1", "wrong_initial_value"),
        Bug("n //= 10", "n //= 100", "wrong_constant")),
       lambda r: (r.randint(0, 10 ** r.randint(1, 6)),), "num", ("sum_digits", "digits_total"), ((909,),)),
-    T("rotate_left", "xs, k", "Rotate the list xs left by k positions (k may exceed the length); an empty list stays empty.",
+    T("rotate_left", "xs, k", "Rotate the list xs left by k positions (k may exceed the length); an empty list stays "
+                              "empty.",
       "    if not xs:\n        return []\n    k %= len(xs)\n    return xs[k:] + xs[:k]\n",
       (Bug("xs[k:] + xs[:k]", "xs[:k] + xs[k:]", "swapped_args"),
        Bug("    k %= len(xs)\n", "", "missing_wraparound")),
@@ -294,7 +303,8 @@ TEMPLATES: tuple[FunctionTemplate, ...] = (
       (Bug("sum(xs) / len(xs)", "sum(xs) // len(xs)", "wrong_operator"),
        Bug("/ len(xs)", "/ (len(xs) + 1)", "off_by_one")),
       lambda r: (_ints(r, -10, 10, 0, 6),), "num", ("average", "arithmetic_mean"), (([1, 2],),)),
-    T("caesar", "s, shift", "Shift each lowercase letter of s forward by shift places in the alphabet, wrapping from z to a; other characters stay.",
+    T("caesar", "s, shift", "Shift each lowercase letter of s forward by shift places in the alphabet, wrapping from z "
+                            "to a; other characters stay.",
       "    out = []\n    for ch in s:\n        if \"a\" <= ch <= \"z\":\n"
       "            out.append(chr((ord(ch) - ord(\"a\") + shift) % 26 + ord(\"a\")))\n"
       "        else:\n            out.append(ch)\n    return \"\".join(out)\n",
