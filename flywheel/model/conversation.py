@@ -112,7 +112,8 @@ class ConversationEncoder:
                 if turn_ids is not None:
                     self._cache.move_to_end(turn_text)
             if turn_ids is None:
-                turn_ids = fresh[turn_text] = self._encode_pieces(turn) if _forges(turn) else self._encode_turn(turn_text)
+                forged = _forges(turn)  # a client's or a tool's text holds a token string: the slow path
+                turn_ids = fresh[turn_text] = self._encode_pieces(turn) if forged else self._encode_turn(turn_text)
             ids += turn_ids
         return ids, fresh
 
