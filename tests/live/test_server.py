@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 import torch
-from tiny_serving import KEYS, TOOL_ANSWER, ScriptedEngine, free_port, stored_completion, tiny_registry_root
+from tiny_serving import KEYS, TOOL_ANSWER, ScriptedEngine, free_port, stored_completion
 
 from flywheel.live.deploy import Deployment, Router
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
@@ -35,11 +35,6 @@ from flywheel.model.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Fix the failing test."}]
-
-
-@pytest.fixture(scope="module")
-def registry_root(tmp_path_factory) -> Path:
-    return tiny_registry_root(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import pytest
@@ -33,7 +32,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from tiny_serving import FUZZ_SUMMARY, KEYS, tiny_registry_root
+from tiny_serving import FUZZ_SUMMARY, KEYS
 
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.store import LiveStore
@@ -46,11 +45,6 @@ CHAT_POSITIVE = 100
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance]
 AUTH = {"authorization": "Bearer admin-key"}
-
-
-@pytest.fixture(scope="module")
-def registry_root(tmp_path_factory) -> Path:
-    return tiny_registry_root(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

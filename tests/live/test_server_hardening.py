@@ -13,13 +13,12 @@ import json
 import sqlite3
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
-from tiny_serving import KEYS, TOOL_ANSWER, ScriptedEngine, stored_completion, tiny_registry_root
+from tiny_serving import KEYS, TOOL_ANSWER, ScriptedEngine, stored_completion
 
 from flywheel.live.batch import on_policy_batch
 from flywheel.live.deploy import Deployment, Router
@@ -33,11 +32,6 @@ from flywheel.model.tokenizer import load_tokenizer
 
 MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Fix the failing test."}]
 ADMIN = {"authorization": "Bearer admin-key", "content-type": "application/json"}
-
-
-@pytest.fixture(scope="module")
-def registry_root(tmp_path_factory) -> Path:
-    return tiny_registry_root(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
