@@ -75,15 +75,15 @@ def discover(targets):
 
 def run_file(path):
     """Import one test file and run its test functions; yields (name, passed, message)."""
-    import importlib.util  # noqa: PLC0415  (the agent's mode only: the grader's start stays small)
-    import traceback  # noqa: PLC0415
+    import importlib.util
+    import traceback
 
     module_name = "flywheel_test_" + os.path.splitext(os.path.basename(path))[0]
     try:
         spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    except BaseException as exc:  # noqa: BLE001 -- a broken import fails every test in the file, visibly
+    except BaseException as exc:  # a broken import fails every test in the file, visibly
         yield path + "::<import>", False, "".join(traceback.format_exception_only(type(exc), exc)).strip()
         return
     for name in sorted(vars(module)):
@@ -92,7 +92,7 @@ def run_file(path):
             continue
         try:
             func()
-        except BaseException as exc:  # noqa: BLE001 -- a test runner reports whatever a test raises
+        except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise
             tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
@@ -112,7 +112,7 @@ def defined_tests(code):
 
 def make_undumpable():
     """Close this process's /proc entries and ptrace to the other processes of the jail."""
-    import ctypes  # noqa: PLC0415  (the supervisor only: children drop ctypes and refuse its import)
+    import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
