@@ -28,8 +28,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.env.sandbox import Sandbox, SandboxConfig, reap_orphans
 
-__all__ = ["PoolConfig", "SandboxPool", "reap_orphans"]  # reap_orphans lives with the sandbox's lifecycle
-
 
 class PoolConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.env.pool import PoolConfig, SandboxPool, reap_orphans
-from flywheel.env.sandbox import INTERPRETER_DIR, Sandbox, SandboxConfig, SandboxError, unmount
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.env.sandbox import INTERPRETER_DIR, Sandbox, SandboxConfig, SandboxError, reap_orphans, unmount
 
 
 @pytest.fixture
