@@ -106,7 +106,8 @@ def _json(value: Any) -> str:
 Pieces = list[tuple[str, bool]]
 
 
-def _joined(pieces: Pieces) -> str:
+def joined(pieces: Pieces) -> str:
+    """The text of rendered pieces, as the template writes it."""
     return "".join(text for text, _ in pieces)
 
 
@@ -168,7 +169,7 @@ def render_turns(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, A
 
     Because a tokenizer splits on special tokens before anything else, the pieces can be tokenized
     one by one (and cached: the server tokenizes the long tools prompt once) with the same ids."""
-    return [_joined(turn) for turn in turn_pieces(messages, tools, add_generation_prompt)]
+    return [joined(turn) for turn in turn_pieces(messages, tools, add_generation_prompt)]
 
 
 def turn_pieces(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,

@@ -50,6 +50,7 @@ from flywheel.model.chat import (
     MARKUP_TOKENS,
     SPECIAL_TOKENS,
     Pieces,
+    joined,
     render_assistant_body,
     tool_reply_pieces,
     tool_schemas,
@@ -97,7 +98,7 @@ class ConversationEncoder:
         token is longer than the vocabulary's longest, so bytes / that length bounds the count from
         below (20 bytes for the tiny test tokenizer: a 4 MB prompt is refused in ms, not after 40 s)."""
         pieces = turn_pieces(messages, tools, add_generation_prompt=add_generation_prompt)
-        turns = ["".join(text for text, _ in turn) for turn in pieces]
+        turns = [joined(turn) for turn in pieces]
         if limit is not None:
             at_least = sum(len(t.encode()) for t in turns) // self._max_token_bytes()
             if at_least > limit:
@@ -177,7 +178,7 @@ class ConversationEncoder:
         or a tool's text with none (`_as_text`). Without a token string in the latter, the ids are
         the whole text's, as before; with one, each piece is tokenized on its own."""
         if not _forges(pieces):
-            return self.text("".join(text for text, _ in pieces))
+            return self.text(joined(pieces))
         return [i for text, untrusted in pieces for i in (self._as_text(text) if untrusted else self.text(text))]
 
     def _as_text(self, text: str) -> list[int]:
