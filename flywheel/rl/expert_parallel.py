@@ -17,9 +17,11 @@ checkpoint loads 1:1 and the slices concatenate back into the dense block's tens
 
 The grouped GEMM: `torch._grouped_mm` runs on a CPU in bfloat16 but refuses float32 there
 (torch 2.13: "Invalid strides/sizes"), so float32 weights take a loop over the local experts;
-`precision = "mxfp8"` takes torchao's MXFP8 grouped GEMM (`_to_mxfp8_then_scaled_grouped_mm`,
-the emulated kernel on a CPU, the native one on sm100), which quantizes activations and weights
-to float8_e4m3 with one e8m0 scale per 32 elements in the forward and in both backward GEMMs.
+`precision = "bf16"` casts to bfloat16 and takes `torch._grouped_mm`; `precision = "mxfp8"`
+takes torchao's MXFP8 grouped GEMM (`_to_mxfp8_then_scaled_grouped_mm`, the emulated kernel on
+a CPU, the native one on sm100), which quantizes activations and weights to float8_e4m3 with one
+e8m0 scale per 32 elements in the forward and in both backward GEMMs. Master weights stay in their
+dtype (float32 here); the GEMMs see bfloat16 or MXFP8 copies.
 
 Load-balance statistics: `tokens_per_expert` [E] holds the rows this rank's tokens sent to each
 expert in the last forward (all experts, not only the local ones); the Learner sums them over
@@ -41,7 +43,9 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-ExpertPrecision = Literal["native", "mxfp8"]
+# native: the weights' own dtype; bf16: bfloat16 GEMMs (torch._grouped_mm), the baseline MXFP8 is
+# measured against; mxfp8: torchao's MXFP8 grouped GEMMs
+ExpertPrecision = Literal["native", "bf16", "mxfp8"]
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int],
@@ -59,7 +63,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int],
         return _to_mxfp8_then_scaled_grouped_mm(x.to(torch.bfloat16), weight.to(torch.bfloat16).transpose(-2, -1),
                                                 offs=offsets, out_dtype=torch.bfloat16, kernel_preference=kernel,
                                                 pad_token_groups_for_grouped_mm=True)
-    if x.dtype == torch.bfloat16:
+    if precision == "bf16" or x.dtype == torch.bfloat16:
+        x, weight = x.to(torch.bfloat16), weight.to(torch.bfloat16)
         offsets = torch.tensor(counts, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     # float32 on a CPU: one GEMM per expert (torch._grouped_mm refuses float32 there)
@@ -139,3 +144,12 @@ class ExpertParallelMoE(nn.Module):
         computed = self.experts(received[regroup], recv_counts.sum(0).tolist())
         back = computed[torch.argsort(regroup)]  # grouped [source][expert] again
         return all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
+
+
+def use_grouped_experts(model: nn.Module, precision: ExpertPrecision) -> nn.Module:
+    """Swap a single-process model's MoE blocks for `ExpertParallelMoE` over one rank (no collectives),
+    so the single-process Learner trains with the chosen expert GEMMs; names and shapes stay HF's."""
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
+            layer.mlp = ExpertParallelMoE(layer.mlp, None, 0, 1, precision)
+    return model
