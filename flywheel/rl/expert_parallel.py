@@ -109,6 +109,9 @@ class ExpertParallelMoE(nn.Module):
         sl = slice(self.first, self.first + self.local)
         self.experts = LocalExperts(experts.gate_up_proj[sl], experts.down_proj[sl], experts.act_fn, precision)
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+        # Bytes this rank's forwards sent to other ranks (dispatch + combine), summed until reset; the
+        # backward sends as many again (each all-to-all's gradient is the reverse all-to-all).
+        self.sent_bytes = 0
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = hidden_states.shape
@@ -135,6 +138,9 @@ class ExpertParallelMoE(nn.Module):
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
+        me = dist.get_rank(self.group)
+        row_bytes = rows.shape[1] * rows.element_size()
+        self.sent_bytes += (sum(send_splits) - send_splits[me] + sum(recv_splits) - recv_splits[me]) * row_bytes
         # one host sync for the splits (the all-to-all needs them as Python ints)
         received = all_to_all_single_autograd(rows, recv_splits, send_splits, self.group)
         # [received, hidden], grouped [source][expert]
