@@ -2,6 +2,7 @@
 against the analytic volume, next to the single-process Learner on the same batch.
 
     python bench/dist_train.py            # 4 CPU processes under torchrun (gloo); prints JSON
+    python bench/dist_train.py --model    # the modeled table for 8, 64 and 1,024 GPUs (no processes)
 
 A correctness-scale measurement: 4 processes share this machine's cores (2 here), so step times
 say what the sharding costs in overhead, not what it buys; no GPU was used (the GPU check is owed).
@@ -85,14 +86,14 @@ def unit_bytes(model) -> dict[str, float]:
 
 
 def analytic(units: dict[str, float], r: int, s: int, ep: int, rows: float, k: int, hidden: int,
-             moe_layers: int) -> dict[str, float]:
+             moe_layers: int, activation_bytes: int = 4) -> dict[str, float]:
     def fsdp(p: float, shard: int, replicas: int, passes: int) -> tuple[float, float]:
         gather_scatter = passes * p * (shard - 1) / shard
         return gather_scatter, 2 * (p / shard) * (replicas - 1) / replicas
     layers_gs, layers_ar = fsdp(units["layers"], s, r, 3)
     root_gs, root_ar = fsdp(units["root"], s, r, 2)
     experts_gs, experts_ar = fsdp(units["experts"] / ep, s // ep, r, 3)
-    a2a = 4 * rows * k * hidden * 4 * (ep - 1) / ep * moe_layers
+    a2a = 4 * rows * k * hidden * activation_bytes * (ep - 1) / ep * moe_layers
     return {"fsdp_gather_scatter": layers_gs + root_gs + experts_gs,
             "hsdp_all_reduce": layers_ar + root_ar + experts_ar, "ep_all_to_all": a2a}
 
@@ -164,7 +165,54 @@ def worker(out: Path) -> None:
     dist.destroy_process_group()
 
 
+# ---- the modeled scaling table (python bench/dist_train.py --model): docs/ARCHITECTURE.md prints it
+
+# Qwen3-30B-A3B's shape (config.json of the HF release): the formulas above, checked to the byte on
+# the tiny model by the measurement, applied to a production-size MoE.
+BIG = {"layers": 48, "hidden": 2048, "q_heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128, "top_k": 8,
+       "moe_inter": 768, "vocab": 151936}
+NVLINK_GBS = 450.0  # per GPU, one direction, within a node (H100 SXM NVLink 4: 900 GB/s both ways)
+IB_GBS = 50.0  # per GPU across nodes (one 400 Gb/s NDR NIC per GPU)
+GPUS_PER_NODE = 8
+TOKENS_PER_GPU = 16384  # per step
+EFFECTIVE_TFLOPS = 400.0  # bf16 per GPU: ~40% of H100's 989 dense peak
+
+
+def modeled(gpus: int) -> dict[str, dict[str, float]]:
+    b = BIG
+    attn = b["hidden"] * b["head_dim"] * (2 * b["q_heads"] + 2 * b["kv_heads"]) + b["hidden"] * 2 + b["head_dim"] * 2
+    layer = attn + b["experts"] * b["hidden"] + 2 * b["hidden"]  # + router + norms
+    experts = b["experts"] * 3 * b["hidden"] * b["moe_inter"]
+    root = 2 * b["vocab"] * b["hidden"] + b["hidden"]
+    params = b["layers"] * (layer + experts) + root
+    active = b["layers"] * (layer + b["top_k"] * 3 * b["hidden"] * b["moe_inter"]) + root
+    compute_s = 6 * active * TOKENS_PER_GPU / (EFFECTIVE_TFLOPS * 1e12)
+    bf16 = 2
+    units = {"layers": b["layers"] * layer * bf16, "experts": b["layers"] * experts * bf16, "root": root * bf16}
+    node = min(gpus, GPUS_PER_NODE)
+    plans = {"FSDP": (1, gpus, 1), "HSDP": (gpus // node, node, 1), "HSDP+EP": (gpus // node, node, node)}
+    out = {}
+    for plan, (r, s, ep) in plans.items():
+        v = analytic(units, r, s, ep, TOKENS_PER_GPU, b["top_k"], b["hidden"], b["layers"], activation_bytes=bf16)
+        # which link carries what: a shard or EP group inside a node rides NVLink, across nodes IB
+        gather_link = NVLINK_GBS if s <= GPUS_PER_NODE else IB_GBS
+        cross_node_gb = (v["fsdp_gather_scatter"] if s > GPUS_PER_NODE else 0.0) + v["hsdp_all_reduce"]
+        intra_node_gb = (v["fsdp_gather_scatter"] if s <= GPUS_PER_NODE else 0.0) + v["ep_all_to_all"]
+        comm_s = (v["fsdp_gather_scatter"] / gather_link + v["hsdp_all_reduce"] / IB_GBS * (r > 1)
+                  + v["ep_all_to_all"] / NVLINK_GBS) / 1e9
+        # fp32 master weights + grads + Adam moments: 16 bytes per parameter, sharded over s (experts over s x ep)
+        state_gb = 16 * (b["layers"] * layer + root) / s / 1e9 + 16 * b["layers"] * experts / s / 1e9
+        out[plan] = {"mesh": f"{r}x{s} ep{ep}", "cross_node_gb": cross_node_gb / 1e9,
+                     "intra_node_gb": intra_node_gb / 1e9,
+                     "comm_s_unoverlapped": comm_s, "compute_s": compute_s, "state_gb_per_gpu": state_gb,
+                     "params_b": params / 1e9, "active_b": active / 1e9}
+    return out
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--model":
+        print(json.dumps({str(n): modeled(n) for n in (8, 64, 1024)}, indent=1))
+        return
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         worker(Path(sys.argv[2]))
         return
