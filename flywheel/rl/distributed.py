@@ -362,6 +362,11 @@ class DistributedLearner:
             out[name] = done[key]
         return out if self.rank == 0 else None
 
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """What `Learner.weights` is for the in-process engine, on rank 0 (None elsewhere; collective):
+        rank 0 then calls `engine.update_weights(weights, learner.version)`."""
+        return self.full_state_dict()
+
     def export_hf(self, path: str | Path, tokenizer: Any = None) -> Path | None:
         """Write the unsharded model as an HF safetensors folder on rank 0 (collective); its path there."""
         state = self.full_state_dict()

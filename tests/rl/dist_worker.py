@@ -6,10 +6,12 @@ Each check measures and rank 0 writes OUT_DIR/<check>.json; the test asserts on 
 failure names the mesh and the size of the difference. Checks:
 
     step:<R>x<S>[ep<E>]   one DistributedLearner step vs the single-process Learner on the same batch
+    mxfp8_step:<mesh>    the same with MXFP8 expert GEMMs (against the float32 Learner: close, not equal)
     ep_layer:<label>     ExpertParallelMoE vs Qwen3MoeSparseMoeBlock: output, input / router / expert grads
     save:<mesh>          one step under <mesh>, then a DCP checkpoint in OUT_DIR/ckpt; the process then ends
     resume:<mesh>        load OUT_DIR/ckpt under <mesh>, one more step, vs two single-process steps;
-                         exports OUT_DIR/hf (the HF folder) and OUT_DIR/reference.pt (expected weights)
+                         the weights gathered on rank 0 into a LocalEngine; exports OUT_DIR/hf (the
+                         HF folder) and OUT_DIR/reference.pt (expected weights)
     same_mesh:<mesh>     two steps straight vs one, checkpoint, a new learner loads it, one more: bit-exact
 """
 
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from flywheel.agent.trajectory import Trajectory
+from flywheel.model.engine import LocalEngine
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.distributed import DistConfig, DistributedLearner
@@ -108,10 +111,11 @@ def metric_diffs(got: dict[str, float], expected: dict[str, float]) -> dict[str,
             "grad_norm_rel_diff": abs(got["grad_norm"] / expected["grad_norm"] - 1)}
 
 
-def check_step(spec: str, tok) -> dict[str, float]:
+def check_step(spec: str, tok, precision: str = "native") -> dict[str, float]:
     start = {k: v.clone() for k, v in build_model(TINY, tok).state_dict().items()}
     expected, ref_metrics = reference(tok, 1)
-    learner = DistributedLearner(build_model(TINY, tok), LEARNER, mesh(spec))
+    config = mesh(spec).model_copy(update={"expert_precision": precision})
+    learner = DistributedLearner(build_model(TINY, tok), LEARNER, config)
     metrics = run_steps(learner, tok, range(1))
     full = learner.full_state_dict()
     if full is None:
@@ -172,13 +176,19 @@ def check_resume(spec: str, tok, out: Path) -> dict[str, float]:
     learner.load_checkpoint(out / "ckpt")
     version = learner.version
     metrics = run_steps(learner, tok, range(1, 2))
-    full = learner.full_state_dict()
+    full = learner.weights()
     learner.export_hf(out / "hf", tok)
     if full is None:
         return {}
     torch.save(expected, out / "reference.pt")
+    engine = LocalEngine(build_model(TINY, tok))  # the simple path: rank 0's in-process engine
+    engine.update_weights(full, learner.version)
+    engine_diff = max(float((v - expected[k]).abs().max()) for k, v in engine.model.state_dict().items())
+    engine_version = engine.version
+    engine.close()
     return compare(full, expected, start) | metric_diffs(metrics[0], ref_metrics[1]) | {
-        "version_after_load": float(version), "version": float(learner.version)}
+        "version_after_load": float(version), "version": float(learner.version), "engine_weight_diff": engine_diff,
+        "engine_version": float(engine_version)}
 
 
 def check_same_mesh(spec: str, tok) -> dict[str, float]:
@@ -210,6 +220,8 @@ def main() -> None:
         name, _, spec = check.partition(":")
         if name == "step":
             result = check_step(spec, tok)
+        elif name == "mxfp8_step":
+            result = check_step(spec, tok, "mxfp8")
         elif name == "ep_layer":
             result = check_ep_layer(tok)
         elif name == "save":
