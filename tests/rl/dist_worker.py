@@ -7,6 +7,7 @@ failure names the mesh and the size of the difference. Checks:
 
     step:<R>x<S>[ep<E>]   one DistributedLearner step vs the single-process Learner on the same batch
     mxfp8_step:<mesh>    the same with MXFP8 expert GEMMs (against the float32 Learner: close, not equal)
+    nan_step:<mesh>      a NaN in one rank's share: the step is skipped on every rank, weights unchanged
     ep_layer:<label>     ExpertParallelMoE vs Qwen3MoeSparseMoeBlock: output, input / router / expert grads
     save:<mesh>          one step under <mesh>, then a DCP checkpoint in OUT_DIR/ckpt; the process then ends
     resume:<mesh>        load OUT_DIR/ckpt under <mesh>, one more step, vs two single-process steps;
@@ -124,6 +125,23 @@ def check_step(spec: str, tok, precision: str = "native") -> dict[str, float]:
         "moe_load_max_over_mean": metrics[0]["moe_load_max_over_mean"]}
 
 
+def check_nan_step(spec: str, tok) -> dict[str, float]:
+    """A NaN behaviour logprob in the last rank's share: every rank skips, no weight moves."""
+    learner = DistributedLearner(build_model(TINY, tok), LEARNER, mesh(spec))
+    before = learner.full_state_dict()
+    trajectories, advantages = batch(build_model(TINY, tok), seed=0)
+    last = trajectories[-1]
+    logprobs = list(last.logprobs)
+    logprobs[-1] = float("nan")
+    trajectories[-1] = last.model_copy(update={"logprobs": logprobs})
+    metrics = learner.train_step(trajectories, advantages)
+    after = learner.full_state_dict()
+    if after is None:
+        return {}
+    return {"skipped": metrics["skipped_steps"], "version": float(learner.version),
+            "max_weight_change": max(float((after[k] - before[k]).abs().max()) for k in before)}
+
+
 def check_ep_layer(tok) -> dict[str, float]:
     """The EP layer on each rank's own tokens against the dense block; gradients summed over ranks."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -220,6 +238,8 @@ def main() -> None:
         name, _, spec = check.partition(":")
         if name == "step":
             result = check_step(spec, tok)
+        elif name == "nan_step":
+            result = check_nan_step(spec, tok)
         elif name == "mxfp8_step":
             result = check_step(spec, tok, "mxfp8")
         elif name == "ep_layer":

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from flywheel.model.factory import load_pretrained
 from flywheel.model.registry import Registry
+from flywheel.rl.distributed import DistConfig
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,7 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHES = {
     1: ["step:1x1"],
-    2: ["step:2x1", "step:1x2", "step:1x2ep2", "ep_layer:2", "save:1x2ep2", "mxfp8_step:1x2ep2"],
+    2: ["step:2x1", "step:1x2", "step:1x2ep2", "ep_layer:2", "save:1x2ep2", "mxfp8_step:1x2ep2", "nan_step:1x2ep2"],
     4: ["step:2x2", "step:2x2ep2", "step:1x4ep4", "ep_layer:4", "resume:2x2ep2", "same_mesh:1x4ep4"],
 }
 WEIGHT_TOL = 1e-5
@@ -78,6 +79,20 @@ def test_mxfp8_experts_under_expert_parallelism_stay_close_to_float32(results):
     r = results[0]["mxfp8_step_1x2ep2"]
     assert 0 < r["loss_diff"] < 1e-3, r  # > 0: the quantized path was taken
     assert r["grad_norm_rel_diff"] < 1e-3, r
+
+
+def test_a_non_finite_loss_on_one_rank_skips_the_step_everywhere(results):
+    r = results[0]["nan_step_1x2ep2"]
+    assert r["skipped"] == 1 and r["version"] == 0
+    assert r["max_weight_change"] == 0.0
+
+
+def test_mesh_config_errors_say_the_fix():
+    with pytest.raises(ValueError, match="set dist.ep to a divisor of dist.dp_shard"):
+        DistConfig(dp_shard=2, ep=4)
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        DistConfig(dp_replicate=0)
+    assert DistConfig(dp_replicate=2, dp_shard=4, ep=2).world == 8
 
 
 @pytest.mark.parametrize("world", ["2", "4"])
