@@ -231,8 +231,10 @@ class DistributedLearner:
         return range(self.rank * n // self.world, (self.rank + 1) * n // self.world)
 
     def train_step(self, trajectories: Sequence[Trajectory], advantages: Sequence[Advantage]) -> dict[str, float]:
-        """Learn from one batch (the same on every rank); returns its metrics (those of `Learner.train_step`
-        that apply, plus the experts' load: moe_load_max_over_mean, and comm_bytes is not counted here)."""
+        """Learn from one batch (the same on every rank); returns its metrics, the same on every rank:
+        those of `Learner.train_step` that apply (token statistics summed over ranks), plus
+        moe_load_max_over_mean (the busiest expert's routed rows over the mean, all layers and
+        ranks) and world. `LearnerConfig.threads` is not applied: set OMP_NUM_THREADS per process."""
         if not trajectories or len(advantages) != len(trajectories):
             raise ValueError(f"{len(trajectories)} trajectories and {len(advantages)} advantages; give a non-empty "
                              "batch with one advantage per trajectory")
