@@ -18,6 +18,7 @@ from flywheel.live.gate import GateConfig
 from flywheel.live.rewards import RewardConfig
 from flywheel.live.server import ServeConfig
 from flywheel.rl.bootstrap import BootstrapConfig
+from flywheel.rl.distributed import DistTrainConfig
 from flywheel.rl.train import TrainConfig
 from flywheel.sim.scenario import ScenarioConfig
 from flywheel.sim.users import Population
@@ -26,6 +27,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Which model reads which file: a new config file must be added here, or this test fails.
 MODELS = {
     "demo.toml": DemoConfig,
+    "dist.toml": DistTrainConfig,
     "gate.toml": GateConfig,
     "live.toml": LiveConfig,
     "bootstrap.toml": BootstrapConfig,

@@ -1,0 +1,161 @@
+"""The expert-parallel MoE layer: a drop-in for transformers' `Qwen3MoeSparseMoeBlock` across ranks.
+
+    x [tokens, hidden] on every rank (its own data)
+      router           the block's own `Qwen3MoeTopKRouter` (softmax in float32, top-k, renormalised):
+                       the same module, so routing is bit-for-bit the dense block's
+      sort             the tokens x k assignments grouped by expert id; counts per expert [experts]
+      dispatch         all_to_all_single of the counts (each rank learns how many rows it gets per
+                       local expert), then of the rows (uneven splits, autograd): rank j receives the
+                       rows routed to experts j*E/ep .. (j+1)*E/ep - 1 from every rank of its EP group
+      experts          `LocalExperts`: grouped GEMMs over the local experts (gate_up, SiLU * up, down)
+      combine          all_to_all_single back (the reverse splits), unsort, weight each row by its
+                       routing weight, add the k rows of each token (index_add)
+
+Expert weights keep transformers' layout and names (`experts.gate_up_proj` [E, 2I, H],
+`experts.down_proj` [E, H, I], i.e. (experts, out, in)), sliced to the local experts, so a
+checkpoint loads 1:1 and the slices concatenate back into the dense block's tensors.
+
+The grouped GEMM: `torch._grouped_mm` runs on a CPU in bfloat16 but refuses float32 there
+(torch 2.13: "Invalid strides/sizes"), so float32 weights take a loop over the local experts;
+`precision = "bf16"` casts to bfloat16 and takes `torch._grouped_mm`; `precision = "mxfp8"`
+takes torchao's MXFP8 grouped GEMM (`_to_mxfp8_then_scaled_grouped_mm`, the emulated kernel on
+a CPU, the native one on sm100), which quantizes activations and weights to float8_e4m3 with one
+e8m0 scale per 32 elements in the forward and in both backward GEMMs. Master weights stay in their
+dtype (float32 here); the GEMMs see bfloat16 or MXFP8 copies.
+
+Load-balance statistics: `tokens_per_expert` [E] holds the rows this rank's tokens sent to each
+expert in the last forward (all experts, not only the local ones); the Learner sums them over
+ranks and reports the max/mean load ratio.
+
+What it does not do: no capacity factor or token dropping (every routed row is computed, so the
+output equals the dense block's exactly up to summation order); no auxiliary load-balancing loss
+(the policy is trained with `output_router_logits=False`, as the single-process Learner is); no
+overlap of the all-to-all with compute; no shared experts (Qwen3-MoE has none).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+# native: the weights' own dtype; bf16: bfloat16 GEMMs (torch._grouped_mm), the baseline MXFP8 is
+# measured against; mxfp8: torchao's MXFP8 grouped GEMMs
+ExpertPrecision = Literal["native", "bf16", "mxfp8"]
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int],
+                   precision: ExpertPrecision = "native") -> torch.Tensor:
+    """Row group g of x [rows, in] times weight[g] [out, in] transposed: [rows, out].
+
+    counts: rows per group (sums to rows; zeros allowed)."""
+    if precision == "mxfp8":
+        from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm  # noqa: PLC0415  (optional dep)
+        from torchao.prototype.moe_training.config import KernelPreference  # noqa: PLC0415
+
+        offsets = torch.tensor(counts, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
+        kernel = KernelPreference.AUTO if x.is_cuda else KernelPreference.EMULATED
+        # weight.transpose: [groups, in, out] with per-group column-major strides, torchao's B_t layout
+        return _to_mxfp8_then_scaled_grouped_mm(x.to(torch.bfloat16), weight.to(torch.bfloat16).transpose(-2, -1),
+                                                offs=offsets, out_dtype=torch.bfloat16, kernel_preference=kernel,
+                                                pad_token_groups_for_grouped_mm=True)
+    if precision == "bf16" or x.dtype == torch.bfloat16:
+        x, weight = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+        offsets = torch.tensor(counts, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    # float32 on a CPU: one GEMM per expert (torch._grouped_mm refuses float32 there)
+    pieces = [chunk @ weight[g].T for g, chunk in enumerate(x.split(counts))]
+    return torch.cat(pieces) if pieces else x.new_zeros((0, weight.shape[1]))
+
+
+class LocalExperts(nn.Module):
+    """The experts one rank holds: transformers' tensors sliced to experts [first, first + count)."""
+
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn: nn.Module,
+                 precision: ExpertPrecision = "native"):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up_proj.detach().clone())  # [local, 2 * inter, hidden]
+        self.down_proj = nn.Parameter(down_proj.detach().clone())  # [local, hidden, inter]
+        self.act_fn = act_fn
+        self.precision = precision
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [rows, hidden], grouped by local expert, counts[g] rows for expert g: [rows, hidden]."""
+        gate, up = grouped_linear(x, self.gate_up_proj, counts, self.precision).chunk(2, dim=-1)
+        return grouped_linear(self.act_fn(gate) * up, self.down_proj, counts, self.precision).to(x.dtype)
+
+
+class ExpertParallelMoE(nn.Module):
+    """`Qwen3MoeSparseMoeBlock` with its experts spread over the ranks of `group` (see the module doc)."""
+
+    def __init__(self, block: Qwen3MoeSparseMoeBlock, group: dist.ProcessGroup | None, ep_rank: int, ep_size: int,
+                 precision: ExpertPrecision = "native"):
+        super().__init__()
+        experts = block.experts
+        self.num_experts = experts.num_experts
+        if self.num_experts % ep_size:
+            raise ValueError(f"{self.num_experts} experts do not split over ep={ep_size} ranks; "
+                             f"set dist.ep to a divisor of {self.num_experts}")
+        self.local = self.num_experts // ep_size
+        self.first = ep_rank * self.local
+        self.ep_size = ep_size
+        self.group = group
+        self.gate = block.gate  # the router itself: same semantics, same parameter name
+        self.top_k = block.gate.top_k
+        sl = slice(self.first, self.first + self.local)
+        self.experts = LocalExperts(experts.gate_up_proj[sl], experts.down_proj[sl], experts.act_fn, precision)
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+        # Bytes this rank's forwards sent to other ranks (dispatch + combine), summed until reset; the
+        # backward sends as many again (each all-to-all's gradient is the reverse all-to-all).
+        self.sent_bytes = 0
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = hidden_states.shape
+        x = hidden_states.reshape(-1, hidden)  # [tokens, hidden]
+        _, weights, chosen = self.gate(x)  # [tokens, k] each
+        flat = chosen.reshape(-1)  # [tokens * k]
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+        token_of = order // self.top_k  # [tokens * k]: the token each sorted row came from
+        counts = torch.bincount(flat, minlength=self.num_experts)  # [experts]
+        self.tokens_per_expert.copy_(counts)
+        rows = x[token_of]  # [tokens * k, hidden]
+
+        if self.ep_size == 1:
+            out = self.experts(rows, counts.tolist())
+        else:
+            out = self._dispatch_compute_combine(rows, counts)
+        weighted = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)  # [tokens * k, hidden]
+        combined = torch.zeros_like(x).index_add_(0, token_of, weighted.to(x.dtype))
+        return combined.reshape(batch, seq, hidden)
+
+    def _dispatch_compute_combine(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        send_counts = counts.view(self.ep_size, self.local)  # [dest rank, its local expert]
+        recv_counts = torch.empty_like(send_counts)  # [source rank, my local expert]
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits = send_counts.sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        me = dist.get_rank(self.group)
+        row_bytes = rows.shape[1] * rows.element_size()
+        self.sent_bytes += (sum(send_splits) - send_splits[me] + sum(recv_splits) - recv_splits[me]) * row_bytes
+        # one host sync for the splits (the all-to-all needs them as Python ints)
+        received = all_to_all_single_autograd(rows, recv_splits, send_splits, self.group)
+        # [received, hidden], grouped [source][expert]
+        expert_of_row = torch.arange(self.local, device=rows.device).repeat(self.ep_size).repeat_interleave(
+            recv_counts.reshape(-1))  # [received]
+        regroup = torch.argsort(expert_of_row, stable=True)  # grouped [expert][source]
+        computed = self.experts(received[regroup], recv_counts.sum(0).tolist())
+        back = computed[torch.argsort(regroup)]  # grouped [source][expert] again
+        return all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
+
+
+def use_grouped_experts(model: nn.Module, precision: ExpertPrecision) -> nn.Module:
+    """Swap a single-process model's MoE blocks for `ExpertParallelMoE` over one rank (no collectives),
+    so the single-process Learner trains with the chosen expert GEMMs; names and shapes stay HF's."""
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
+            layer.mlp = ExpertParallelMoE(layer.mlp, None, 0, 1, precision)
+    return model
