@@ -125,10 +125,11 @@ def test_a_row_sqlite_refuses_is_rejected_alone(store_url):
             store._db.execute("CREATE TRIGGER poison BEFORE INSERT ON events WHEN NEW.id = 'poison' "
                               "BEGIN SELECT RAISE(ABORT, 'poisoned row'); END")
         else:
-            store._db.execute("CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-                              "IF NEW.id = 'poison' THEN RAISE EXCEPTION 'poisoned row' USING ERRCODE = 'check_violation';"
-                              " END IF; RETURN NEW; END $$")
-            store._db.execute("CREATE TRIGGER poison BEFORE INSERT ON events FOR EACH ROW EXECUTE FUNCTION poison()")
+            store._db.execute("CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN IF NEW.id = "
+                              "'poison' THEN RAISE EXCEPTION 'poisoned row' USING ERRCODE = 'check_violation'; "
+                              "END IF; RETURN NEW; END $$")
+            store._db.execute("CREATE TRIGGER poison BEFORE INSERT ON events FOR EACH ROW "
+                              "EXECUTE FUNCTION poison()")
         from flywheel.live.records import Event, EventType  # noqa: PLC0415
 
         batch = [Event(id=i, type=EventType.EDIT_APPLIED, session_id="s1", completion_id="c1", time=1.0)
