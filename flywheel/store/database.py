@@ -50,7 +50,7 @@ class IntegrityError(RowRefused):
     """A key or constraint violation (a second completion with the same id)."""
 
 
-class SchemaError(RuntimeError):
+class SchemaError(ValueError):
     """The store's schema version is not this flywheel's: the message says the command that fixes it."""
 
 
