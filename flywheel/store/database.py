@@ -188,6 +188,8 @@ def ensure_schema(db: Database, schema: Schema, migrate: bool) -> list[int]:
             raise SchemaError(f"the {schema.name} store at {db.url} is at schema version {current}, newer than this "
                               f"flywheel's {schema.latest}: upgrade flywheel (every replica) before opening it")
         if current == schema.latest:
+            if not db.query(f"SELECT 1 FROM {VERSION_TABLE} WHERE name = ?", (schema.name,)):
+                _record_version(db, schema)  # a store from before versions, already at the latest: say so
             return []
         if current > 0 and not migrate:
             raise SchemaError(f"the {schema.name} store at {db.url} is at schema version {current}; this flywheel "
@@ -198,10 +200,14 @@ def ensure_schema(db: Database, schema: Schema, migrate: bool) -> list[int]:
             for statement in migration.for_dialect(db.dialect):
                 db.execute(db.ddl(statement))
             applied.append(migration.version)
-        db.execute(f"INSERT INTO {VERSION_TABLE} (name, version, migrated_at) VALUES (?, ?, ?) ON CONFLICT (name) "
-                   "DO UPDATE SET version = excluded.version, migrated_at = excluded.migrated_at",
-                   (schema.name, schema.latest, time.time()))
+        _record_version(db, schema)
         return applied
+
+
+def _record_version(db: Database, schema: Schema) -> None:
+    db.execute(f"INSERT INTO {VERSION_TABLE} (name, version, migrated_at) VALUES (?, ?, ?) ON CONFLICT (name) "
+               "DO UPDATE SET version = excluded.version, migrated_at = excluded.migrated_at",
+               (schema.name, schema.latest, time.time()))
 
 
 def migrate_url(url: str | Path, schemas: Sequence[Schema]) -> Iterator[tuple[str, int, list[int]]]:
