@@ -96,3 +96,22 @@ def test_queries_the_distiller_needs_and_reopening(store, store_url):
         assert again.events_for_session("t")[0].payload == {"outcome": "unhappy"}
         assert again.completion("c3").request_meta == {"family": "bugfix"}
         assert [(d["production"], d["candidate"], d["fraction"]) for d in again.deployments()] == [(0, 1, 0.25)]
+
+
+def test_a_snapshot_reads_one_instant_while_another_store_writes(store, store_url):
+    with LiveStore(store_url) as writer, store.snapshot():
+        before = (store.count_completions(), store.count_events())
+        writer.add_completion(completion("c4", 2, 400.0))
+        writer.add_events([event("e1", EventType.EDIT_APPLIED, 401, cid="c4")])
+        assert (store.count_completions(), store.count_events()) == before  # the writes came after the snapshot
+        assert store.events_for_completion("c4") == []
+    assert (store.count_completions(), store.count_events()) == (before[0] + 1, before[1] + 1)
+
+
+def test_latest_deployment_is_the_newest_row(store):
+    assert store.latest_deployment() is None
+    first = store.record_deployment(0, 1, 0.1, "start")
+    second = store.record_deployment(1, None, 0.0, "promoted")
+    assert second > first
+    latest = store.latest_deployment()
+    assert (latest["seq"], latest["production"], latest["candidate"], latest["note"]) == (second, 1, None, "promoted")
