@@ -80,6 +80,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -577,7 +578,7 @@ class LiveServer:
         deployment = deployment_from_registry(registry, _resume_fraction(store, registry, config.candidate_fraction))
         router = Router(registry_loader(registry, config.engine), deployment)
         store.record_deployment(deployment.production, deployment.candidate, deployment.candidate_fraction,
-                                "serve start")
+                                "serve start", replica_name(config))
         return cls(config, router, store, registry)
 
     @property
@@ -591,7 +592,8 @@ class LiveServer:
         with self._deploy_lock:
             previous = self.router.deploy(deployment, self.registry)
             self._deployment_seq = self.store.record_deployment(deployment.production, deployment.candidate,
-                                                                deployment.candidate_fraction, note)
+                                                                deployment.candidate_fraction, note,
+                                                                replica_name(self.config))
         return previous
 
     def follow_deployment(self) -> bool:
@@ -929,6 +931,11 @@ def _resume_fraction(store: LiveStore, registry: Registry, default: float) -> fl
         return default
     last = history[-1]
     return last["fraction"] if last["candidate"] == candidate else default
+
+
+def replica_name(config: ServeConfig) -> str:
+    """Who this server is, in the deployments history of a store several replicas share."""
+    return f"{socket.gethostname()}:{config.port} pid {os.getpid()}"
 
 
 def open_store(config: ServeConfig) -> LiveStore:
