@@ -16,6 +16,8 @@ import httpx
 import pytest
 from tiny_serving import free_port, make_registry
 
+from flywheel.live.store import LiveStore
+
 REPO = Path(__file__).resolve().parents[2]
 POLL_S = 0.5
 # What ServeConfig.deployment_poll_s promises: a change is served everywhere within the poll interval
@@ -68,7 +70,7 @@ def replicas(tmp_path, pg_url):
     try:
         for (proc, url), name in zip(procs, ("a", "b"), strict=True):
             wait_healthy(proc, url, tmp_path / f"{name}.log")
-        yield [url for _, url in procs]
+        yield [url for _, url in procs], [proc.pid for proc, _ in procs], pg_url
     finally:
         for proc, _ in procs:
             proc.terminate()
@@ -81,7 +83,7 @@ def replicas(tmp_path, pg_url):
 
 
 def test_replicas_on_one_postgresql_route_alike_follow_deployments_and_store_events_once(replicas):
-    a, b = replicas
+    (a, b), procs_pids, pg_url = replicas
     sessions = [f"user-{i}" for i in range(16)]
     with httpx.Client(timeout=60) as http:
         before = arms(http, a, sessions)
@@ -94,6 +96,10 @@ def test_replicas_on_one_postgresql_route_alike_follow_deployments_and_store_eve
                       json={"production": 1, "candidate": 0, "candidate_fraction": 0.25})
         assert r.status_code == 200, r.text
         wanted = r.json()["deployment"]
+        with LiveStore(pg_url) as store:  # the history says which replica made the change
+            latest = store.latest_deployment()
+        assert latest["note"] == "admin endpoint" and latest["origin"].endswith(f":{a.rsplit(':', 1)[1]} "
+                                                                                 f"pid {procs_pids[0]}")
         while http.get(f"{b}/v1/admin/deployment", headers=ADMIN).json()["deployment"] != wanted:
             assert time.monotonic() - changed_at < WITHIN_S, "replica b did not follow the deployment in time"
             time.sleep(0.05)
