@@ -23,7 +23,7 @@ Nothing stored breaks a later read: every client-supplied value passes `records.
 Unicode, finite numbers, bounded integers and nesting) before it is written, a completion's record
 is parsed back before its insert, and events are judged one by one: a bad event is rejected with its
 reason and the rest of its batch is stored. Should an insert still fail (a check this store lacks),
-the batch is retried row by row under savepoints and only the rows SQLite refuses are rejected.
+the batch is retried row by row under savepoints and only the rows the database refuses are rejected.
 
 Readers in other processes (the distiller, `flywheel` reports) open their own `LiveStore` on the
 same URL: SQLite's WAL mode, and PostgreSQL, let them read while the server writes. One connection
@@ -90,9 +90,18 @@ SCHEMA = [
         note       TEXT NOT NULL DEFAULT ''
     )""",
 ]
-_PG_SCHEMA = [statement.replace("payload       TEXT NOT NULL           -- JSON",
-                                "payload       TEXT NOT NULL,          -- JSON\n        seq           BIGSERIAL")
-              for statement in SCHEMA]
+
+
+def _with_event_seq(statements: list[str]) -> list[str]:
+    """PostgreSQL's version 1: the events table with `seq`, its insertion order."""
+    last_column = "payload       TEXT NOT NULL           -- JSON"
+    if sum(last_column in statement for statement in statements) != 1:
+        raise AssertionError(f"the events table's last column is no longer {last_column!r}; update _with_event_seq")
+    return [statement.replace(last_column, "payload       TEXT NOT NULL,          -- JSON\n        seq           "
+                              "BIGSERIAL") for statement in statements]
+
+
+_PG_SCHEMA = _with_event_seq(SCHEMA)
 LIVE_SCHEMA = Schema("live", marker_table="completions", migrations=(
     Migration(1, "completions, events, deployments", tuple(SCHEMA), tuple(_PG_SCHEMA)),
     # Which replica changed the routing: with several servers on one store, the history says who.
@@ -193,12 +202,12 @@ class LiveStore:
         record = completion.model_dump_json()
         Completion.model_validate_json(record)  # what every later read does; raises before anything is written
         with self._lock, self._db.transaction(self.completions_synchronous):
-                self._db.execute(
-                    "INSERT INTO completions (id, session_id, user_id, version, arm, created_at, record) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (completion.id, completion.session_id, completion.user_id, completion.version, completion.arm,
-                     completion.created_at, record),
-                )
+            self._db.execute(
+                "INSERT INTO completions (id, session_id, user_id, version, arm, created_at, record) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (completion.id, completion.session_id, completion.user_id, completion.version, completion.arm,
+                 completion.created_at, record),
+            )
 
     def add_events(self, events: Sequence[Event]) -> list[tuple[Ingest, str]]:
         """Store a batch in one transaction; per event (accepted | duplicate | rejected, reason).

@@ -142,8 +142,8 @@ class PostgresDatabase:
         if not rows:
             return set()
         # The whole batch as one JSON parameter that PostgreSQL unpacks into rows of the table's own
-        # types: 2.2x the rate of one typed array per column, whose elements psycopg dumps one by one
-        # in Python (20 batches of 1,000 events: 0.45 s of 2.2 s in array dumping).
+        # types. One typed array per column (unnest) makes psycopg dump every element in Python: client
+        # CPU per 1,000-event batch 15 ms with arrays, 9 ms with JSON (medians of 6, alternated, one run).
         names = ", ".join(columns)
         sql = (f"INSERT INTO {table} ({names}) SELECT {names} FROM json_populate_recordset(NULL::{table}, %s) "
                f"ON CONFLICT ({key}) DO NOTHING RETURNING {key}")
