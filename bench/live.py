@@ -1,7 +1,9 @@
-"""Live-server benchmark: event ingestion through the SDK against raw SQLite, and the server's overhead per completion.
+"""Live-server benchmark: event ingestion through the SDK per store backend and replica count, against
+the raw database; completions committed per second per backend; the server's overhead per completion.
 
-    python bench/live.py                        # full run (~1-2 min on 2 idle cores, plus the server's start)
+    python bench/live.py                        # full run (~2-3 min on 2 idle cores, plus the servers' starts)
     python bench/live.py --events 50000         # quicker
+    python bench/live.py --only events --backends postgresql --replicas 2
 
 Prints one JSON object on stdout; progress goes to stderr.
 
@@ -13,6 +15,14 @@ naming them through `EventClient` (batches of `--batch`) and times from the firs
 SQLite file with the same schema, the same batch size and the same synchronous setting:
 `events_vs_raw_sqlite` is the share of raw SQLite's rate the whole path (SDK, HTTP, JSON,
 validation, completion lookup, commit) keeps. Target: events_per_s >= 20,000 on a 2-core VM.
+
+Backends and replicas: the same run for each `--backends` (sqlite: run_dir/live.sqlite; postgresql:
+FLYWHEEL_PG_URL, else a throwaway cluster with fsync on, a fresh schema per run) and `--replicas`
+(1 or 2 `flywheel serve` processes on one store, the events split between them, each with its own
+SDK client, timed until both have flushed). The PostgreSQL baseline inserts the same events straight
+through psycopg with the store's statement (one unnest INSERT per batch, synchronous_commit on).
+Completions: `completions_per_s` is LiveStore.add_completion on the backend (one commit per
+completion, completions_synchronous NORMAL as served), with 1 and 2 writers (threads, one store each).
 
 Overhead: a LiveServer in this process; each sample is one completion through HTTP (keep-alive,
 the body the openai client sends) and one straight `submit` to the very engine the server uses,
@@ -43,13 +53,15 @@ from flywheel.client import EventClient
 from flywheel.env.families import generate
 from flywheel.live.records import Completion
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
-from flywheel.live.store import SCHEMA, LiveStore
+from flywheel.live.store import EVENT_COLUMNS, SCHEMA, LiveStore
 from flywheel.model.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import PRODUCTION, Registry
 from flywheel.model.tokenizer import train_tokenizer
+from flywheel.store.database import connect_url
+from flywheel.store.pg_cluster import ThrowawayCluster, new_schema_url
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = {"bench-key": ["inference", "events", "admin"]}
@@ -110,47 +122,120 @@ def bench_raw_sqlite(path: Path, events: list[dict], batch: int) -> float:
     return len(events) / elapsed
 
 
-def bench_events(registry_root: Path, run_dir: Path, n: int, batch: int, threads: int) -> dict:
+def bench_raw_postgres(url: str, events: list[dict], batch: int) -> float:
+    """Events/s inserting straight into PostgreSQL with the store's own batch statement, durable commits."""
+    with LiveStore(url):  # the schema
+        pass
+    db = connect_url(url, "FULL")
+    t0 = time.perf_counter()
+    for start in range(0, len(events), batch):
+        with db.transaction():
+            db.insert_new("events", EVENT_COLUMNS, "id", [
+                (e["id"], e["type"], e["session_id"], e["completion_id"], e["time"], time.time(),
+                 json.dumps(e["payload"])) for e in events[start : start + batch]])
+    elapsed = time.perf_counter() - t0
+    db.close()
+    return len(events) / elapsed
+
+
+def bench_completions(location: str | Path, n: int, writers: int) -> float:
+    """Completions/s committed by `writers` LiveStores (threads) on one store, one commit each."""
+    import threading  # noqa: PLC0415
+
+    stores = [LiveStore(location) for _ in range(writers)]
+    records = [[Completion(id=f"w{w}-{i}", session_id=f"s{i % 50}", user_id="u", version=0, prompt_ids=list(range(64)),
+                           completion_ids=list(range(16)), logprobs=[-0.1] * 16, latency_ms=1.0, created_at=1e9 + i)
+                for i in range(n // writers)] for w in range(writers)]
+    threads = [threading.Thread(target=lambda s=store, r=rs: [s.add_completion(c) for c in r])
+               for store, rs in zip(stores, records, strict=True)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    for store in stores:
+        store.close()
+    return sum(len(r) for r in records) / elapsed
+
+
+def bench_events(registry_root: Path, run_dir: Path, n: int, batch: int, threads: int, store_url: str | None,
+                 replicas: int) -> dict:
+    location = store_url or run_dir / "live.sqlite"
     completions = [Completion(id=f"c{i}", session_id=f"s{i % 200}", user_id="u", version=0, prompt_ids=[1],
                               completion_ids=[2], logprobs=[-0.1], latency_ms=1.0, created_at=1e9) for i in range(1000)]
-    with LiveStore(run_dir / "live.sqlite") as store:
+    with LiveStore(location) as store:
         for c in completions:
             store.add_completion(c)
-    port = free_port()
-    cmd = [sys.executable, "-m", "flywheel.cli", "serve", "--config", str(REPO / "configs" / "serve.toml"),
-           "--set", f"registry_root={json.dumps(str(registry_root))}", "--set", f"run_dir={json.dumps(str(run_dir))}",
-           "--set", f"port={port}", "--set", f"threads={threads}", "--set", f"max_events_per_batch={max(batch, 5000)}"]
-    log("events: starting `flywheel serve` ...")
-    server = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    servers, urls = [], []
+    for r in range(replicas):
+        port = free_port()
+        # SQLite replicas share run_dir/live.sqlite; PostgreSQL ones each keep their config.json apart.
+        replica_dir = run_dir if store_url is None else run_dir / f"replica-{r}"
+        cmd = [sys.executable, "-m", "flywheel.cli", "serve", "--config", str(REPO / "configs" / "serve.toml"),
+               "--set", f"registry_root={json.dumps(str(registry_root))}",
+               "--set", f"run_dir={json.dumps(str(replica_dir))}", "--set", f"port={port}",
+               "--set", f"threads={threads}", "--set", f"max_events_per_batch={max(batch, 5000)}"]
+        if store_url is not None:
+            cmd += ["--set", f"store_url={json.dumps(store_url)}"]
+        servers.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        urls.append(f"http://127.0.0.1:{port}")
+    log(f"events: starting {replicas} `flywheel serve` ...")
     try:
-        wait_healthy(url, server)
+        for url, server in zip(urls, servers, strict=True):
+            wait_healthy(url, server)
         events = make_events(n, completions, seed=1)
-        log(f"events: {n} through the SDK in batches of {batch} ...")
-        client = EventClient(url, "dev-events-key", batch_size=batch, flush_interval_s=0.02, max_queue=n + 1)
+        log(f"events: {n} through the SDK in batches of {batch}, {replicas} replica(s) ...")
+        clients = [EventClient(url, "dev-events-key", batch_size=batch, flush_interval_s=0.02, max_queue=n + 1)
+                   for url in urls]
         t0 = time.perf_counter()
-        for e in events:
-            client.emit(e["type"], e["session_id"], e["completion_id"], e["payload"], event_id=e["id"], at=e["time"])
+        for i, e in enumerate(events):
+            clients[i % replicas].emit(e["type"], e["session_id"], e["completion_id"], e["payload"], event_id=e["id"],
+                                       at=e["time"])
         emit_s = time.perf_counter() - t0
-        if not client.flush(timeout_s=600):
-            raise RuntimeError(f"events not acknowledged within 600 s: {client.stats}")
+        for client in clients:
+            if not client.flush(timeout_s=600):
+                raise RuntimeError(f"events not acknowledged within 600 s: {client.stats}")
         elapsed = time.perf_counter() - t0
-        stats = client.stats
-        client.close()
+        stats = [client.stats for client in clients]
+        for client in clients:
+            client.close()
     finally:
-        server.terminate()
-        server.wait(30)
-    if stats.accepted != n:
-        raise RuntimeError(f"only {stats.accepted} of {n} events accepted: {stats}; {client.last_error}")
-    with LiveStore(run_dir / "live.sqlite") as store:
+        for server in servers:
+            server.terminate()
+            server.wait(30)
+    accepted = sum(st.accepted for st in stats)
+    if accepted != n:
+        raise RuntimeError(f"only {accepted} of {n} events accepted: {stats}")
+    with LiveStore(location) as store:
         stored = store.count_events()
-    log("events: the same events straight into SQLite ...")
-    raw = bench_raw_sqlite(run_dir / "raw.sqlite", make_events(n, completions, seed=2), batch)
     sdk = n / elapsed
-    return {"events_per_s": round(sdk), "raw_sqlite_events_per_s": round(raw),
-            "events_vs_raw_sqlite": round(sdk / raw, 3),
-            "target_events_per_s": 20000, "emit_us_per_event": round(emit_s / n * 1e6, 2), "events": n,
-            "batch": batch, "stored": stored, "retries": stats.retries, "dropped": stats.dropped}
+    return {"events_per_s": round(sdk), "emit_us_per_event": round(emit_s / n * 1e6, 2), "events": n, "batch": batch,
+            "replicas": replicas, "stored": stored, "retries": sum(st.retries for st in stats),
+            "dropped": sum(st.dropped for st in stats)}
+
+
+def bench_backend(backend: str, registry_root: Path, run_dir: Path, args: argparse.Namespace,
+                  pg_url: str | None) -> dict:
+    """Events through 1 and/or 2 replicas, the raw baseline and completions/s, on one backend."""
+    fresh = (lambda: new_schema_url(pg_url)) if backend == "postgresql" else (lambda: None)
+    out: dict = {"replicas": {}}
+    for replicas in args.replicas:
+        out["replicas"][str(replicas)] = bench_events(registry_root, run_dir / f"{backend}-{replicas}", args.events,
+                                                      args.batch, args.threads, fresh(), replicas)
+    completions = [Completion(id=f"c{i}", session_id=f"s{i % 200}", user_id="u", version=0, prompt_ids=[1],
+                              completion_ids=[2], logprobs=[-0.1], latency_ms=1.0, created_at=1e9) for i in range(1000)]
+    log(f"events: the same events straight into {backend} ...")
+    if backend == "postgresql":
+        raw = bench_raw_postgres(fresh(), make_events(args.events, completions, seed=2), args.batch)
+    else:
+        raw = bench_raw_sqlite(run_dir / "raw.sqlite", make_events(args.events, completions, seed=2), args.batch)
+    out["raw_events_per_s"] = round(raw)
+    out["events_vs_raw"] = round(out["replicas"][str(args.replicas[0])]["events_per_s"] / raw, 3)
+    log(f"completions: {args.completions} committed one by one into {backend}, 1 and 2 writers ...")
+    out["completions_per_s"] = {str(w): round(bench_completions(fresh() or run_dir / f"completions-{w}.sqlite",
+                                                                args.completions, w)) for w in (1, 2)}
+    return out
 
 
 def bench_overhead(registry_root: Path, run_dir: Path, requests: int, max_tokens: int, threads: int) -> dict:
@@ -233,19 +318,39 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (the server's event loop needs the other core)")
     parser.add_argument("--only", choices=["events", "overhead"], help="run one half")
+    parser.add_argument("--backends", default="sqlite,postgresql", help="comma-separated: sqlite, postgresql")
+    parser.add_argument("--replicas", default="1,2", help="comma-separated replica counts to measure ingestion with")
+    parser.add_argument("--completions", type=int, default=2000, help="completions per backend for completions_per_s")
     args = parser.parse_args()
+    args.replicas = [int(r) for r in args.replicas.split(",")]
+    backends = args.backends.split(",")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="flywheel-bench-live-") as tmp:
         root = Path(tmp)
         log("building a registry with one default-size model ...")
         build_registry(root / "registry", conversations(6))
-        events = overhead = {}
+        events: dict = {}
+        overhead: dict = {}
         if args.only != "overhead":
-            events = bench_events(root / "registry", root / "events", args.events, args.batch, args.threads)
+            cluster = None
+            pg_url = os.environ.get("FLYWHEEL_PG_URL")
+            if "postgresql" in backends and not pg_url:
+                log("postgresql: starting a throwaway cluster (fsync on) ...")
+                cluster = ThrowawayCluster().start()
+                pg_url = cluster.url
+            try:
+                for backend in backends:
+                    events[backend] = bench_backend(backend, root / "registry", root / "events", args, pg_url)
+            finally:
+                if cluster is not None:
+                    cluster.stop()
         if args.only != "events":
             overhead = bench_overhead(root / "registry", root / "overhead", args.requests, args.max_tokens,
                                       args.threads)
-    report = {**{k: events[k] for k in ("events_per_s", "events_vs_raw_sqlite") if k in events},
+    headline = {f"{backend}_events_per_s_{r}_replica{'s' if r > 1 else ''}": result["replicas"][str(r)]["events_per_s"]
+                for backend, result in events.items() for r in args.replicas}
+    report = {**headline, **{f"{b}_completions_per_s": r["completions_per_s"]["1"] for b, r in events.items()},
+              "target_events_per_s": 20000,
               **{k: overhead[k] for k in ("server_overhead_ms_p50", "server_overhead_ms_p99") if k in overhead},
               "events": events, "overhead": overhead,
               "settings": {"synchronous": "FULL", "threads": args.threads, "cpus": os.cpu_count(),

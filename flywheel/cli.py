@@ -77,12 +77,12 @@ def cmd_registry(args: argparse.Namespace) -> int:
     from flywheel.model.registry import Registry  # noqa: PLC0415  (each command imports its own stage)
 
     root = Path(args.root)
-    if not (root / "registry.sqlite").is_file():
+    if args.url is None and not (root / "registry.sqlite").is_file():
         raise ValueError(f"no registry at {root} (no registry.sqlite); pass --root, e.g. --root runs/registry")
     if args.action != "list" and args.ref is None:
         raise ValueError(f"`flywheel registry {args.action}` needs a version (3 or v3) or an alias; "
                          "`flywheel registry list` prints them")
-    with Registry(root) as registry:
+    with Registry(root, url=args.url) as registry:
         if args.action == "show":
             ckpt = registry.get(args.ref)
             print(json.dumps(ckpt.model_dump(mode="json"), indent=2))
@@ -174,6 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
     from flywheel.live.server import LiveServer, ServeConfig, run_forever  # noqa: PLC0415
+    from flywheel.store.database import parse_url  # noqa: PLC0415
 
     config = load_config(ServeConfig, args.config, args.set)
     # The keys stay out of the run folder: only how many there are and their scopes are written.
@@ -185,7 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     candidate = (f", candidate v{d.candidate} for {d.candidate_fraction:.0%} of sessions"
                  if d.candidate is not None else "")
     print(f"serving production v{d.production}{candidate} on http://{config.host}:{config.port}/v1 "
-          f"(store {config.store_path})", flush=True)
+          f"(store {parse_url(config.store_location)})", flush=True)
     run_forever(server)
     return 0
 
@@ -229,6 +230,22 @@ def cmd_scenario(args: argparse.Namespace) -> int:
     return 0 if result.hack_emerged and result.monitor_alarmed and result.default_prevented else 1
 
 
+def cmd_store(args: argparse.Namespace) -> int:
+    """`flywheel store migrate URL`: upgrade the live store and registry schemas the database holds."""
+    from flywheel.live.store import LIVE_SCHEMA  # noqa: PLC0415
+    from flywheel.model.registry import REGISTRY_SCHEMA  # noqa: PLC0415
+    from flywheel.store.database import migrate_url, parse_url  # noqa: PLC0415
+
+    found = False
+    for name, before, applied in migrate_url(args.url, [LIVE_SCHEMA, REGISTRY_SCHEMA]):
+        found = True
+        steps = f"applied {', '.join(f'v{v}' for v in applied)}" if applied else "already current"
+        print(f"{name}: schema v{before} -> v{before + len(applied)} ({steps})")
+    if not found:
+        raise ValueError(f"{parse_url(args.url)} holds no flywheel store (no live or registry tables); check the URL")
+    return 0
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
     """`--config FILE` and repeated `--set key.sub=value`, for commands that read a typed config."""
     parser.add_argument("--config", default=None, help=f"a TOML file, e.g. {example}")
@@ -265,7 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
     registry.add_argument("ref", nargs="?", help="with show/promote: a version (3 or v3) or an alias")
     registry.add_argument("--alias", default="production", help="with promote: the alias to move")
     registry.add_argument("--root", default="runs/registry", help="the registry folder")
+    registry.add_argument("--url", default=None, help="the index's database when not root/registry.sqlite "
+                          "(postgresql://...): the server's registry_url")
     registry.set_defaults(func=cmd_registry)
+
+    store = sub.add_parser("store", help="the live store's and the registry's database: upgrade its schema")
+    store.add_argument("action", choices=["migrate"])
+    store.add_argument("url", help="a SQLite file (runs/live/live.sqlite), sqlite:///path or postgresql://...")
+    store.set_defaults(func=cmd_store)
 
     add_config_command(sub, "bootstrap", "train version 0: tokenizer, tiny MoE, SFT on demonstrations, eval",
                        cmd_bootstrap)

@@ -153,6 +153,10 @@ class LiveConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     registry_root: Path = Path("runs/registry")
     store_path: Path = Path("runs/live/live.sqlite")  # the server's store: its ServeConfig.run_dir / live.sqlite
+    # The server's store_url / registry_url when they are set (PostgreSQL); None: store_path and
+    # registry_root/registry.sqlite, as above.
+    store_url: str | None = None
+    registry_url: str | None = None
     run_dir: Path = Path("runs/cycles")
     server_url: str = "http://127.0.0.1:8000"
     admin_key: str = ""  # a key with the admin scope in the server's [keys]; never written to config.json
@@ -339,11 +343,17 @@ class LiveCycle:
         self.distiller = RewardDistiller(config.rewards)
         self.gate = Gate(config.gate)
         self.monitor = Monitor(config.monitor)
-        if not config.store_path.is_file():
+        if config.store_url is None and not config.store_path.is_file():
             raise ValueError(f"no live store at {config.store_path}; start `flywheel serve` first (it writes "
                              "run_dir/live.sqlite) or set store_path to its file")
-        if not (config.registry_root / "registry.sqlite").is_file():
+        if config.registry_url is None and not (config.registry_root / "registry.sqlite").is_file():
             raise ValueError(f"no registry at {config.registry_root}; run `flywheel bootstrap` or set registry_root")
+
+    def _store(self) -> LiveStore:
+        return LiveStore(self.config.store_url or self.config.store_path)
+
+    def _registry(self) -> Registry:
+        return Registry(self.config.registry_root, url=self.config.registry_url)
 
     def run(self, cycles: int | None = None) -> list[CycleReport]:
         """Wait for each trigger and run a cycle, `cycles` times (config.cycles; 0: forever)."""
@@ -359,7 +369,7 @@ class LiveCycle:
         trigger, last = self.config.trigger, self._last_state()
         if last is None:
             return "first"
-        with LiveStore(self.config.store_path) as store:
+        with self._store() as store:
             while True:
                 if trigger.every_s is not None and time.time() - last.started_at >= trigger.every_s:
                     return "schedule"
@@ -371,7 +381,7 @@ class LiveCycle:
         """One cycle; resumes the run folder's unfinished cycle if there is one."""
         torch.set_num_threads(self.config.threads)
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
-        with Registry(self.config.registry_root) as registry, LiveStore(self.config.store_path) as store:
+        with self._registry() as registry, self._store() as store:
             state = self._unfinished()
             if state is None:
                 state = self._start(trigger, store)
@@ -456,9 +466,10 @@ class LiveCycle:
         while True:
             now = time.time()
             closed_before = now - self.config.rewards.feedback_window_s
-            served = [c for c in store.completions(version=state.production, start=state.since, end=closed_before)
-                      if c.arm != PINNED]
-            rewards = self._distill(store, served, now)
+            with store.snapshot():  # the completions and the events that reward them, as of one instant
+                served = [c for c in store.completions(version=state.production, start=state.since,
+                                                       end=closed_before) if c.arm != PINNED]
+                rewards = self._distill(store, served, now)
             batch = on_policy_batch(served, [rewards[c.id] for c in served], state.production, cfg.family_key,
                                     self.config.learner.temperature)
             if len(batch.trajectories) >= cfg.min_completions:
@@ -524,8 +535,10 @@ class LiveCycle:
         deadline = state.deployed_at + self.config.deploy.max_wait_s
         while True:
             now = time.time()
-            arms = [c for c in store.completions(start=state.deployed_at) if c.version in versions and c.arm in ARMS]
-            rewards = self._distill(store, arms, now)
+            with store.snapshot():
+                arms = [c for c in store.completions(start=state.deployed_at)
+                        if c.version in versions and c.arm in ARMS]
+                rewards = self._distill(store, arms, now)
             ab = analyze(arms, [rewards[c.id] for c in arms], self.config.ab)
             if ab.decision != "wait" or now > deadline:
                 break

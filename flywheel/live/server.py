@@ -37,6 +37,18 @@ the completion's `request_meta` (task family, ambiguous: what the monitors group
 routed by the current `Deployment` (sticky A/B split, see flywheel/live/deploy.py); a request whose
 `model` is a served version ("v3") is pinned to it and recorded with arm `pinned`.
 
+Several replicas: `store_url` (and `registry_url`) in PostgreSQL let any number of `flywheel serve`
+processes share one store, behind any load balancer. What keeps them one service:
+- Routing is a pure function of (deployment, session id): replicas serving the same deployment send
+  a session to the same arm, whichever replica a request reaches.
+- A deployment change made through one replica (admin endpoint, sync) is written to the store's
+  deployments table; every replica polls the table's newest row every `deployment_poll_s` and
+  serves it, so all replicas serve the change within deployment_poll_s + the time to load a
+  version they do not serve yet (~1 s + load; tests/live/test_replicas.py measures it). In that
+  window a session may be answered by the previous deployment on a replica not yet switched.
+- Events are idempotent on their ids across replicas (LiveStore), so a client retrying a batch
+  against another replica stores it once.
+
 Every completion is committed to the LiveStore before its response is sent, and the response's `id`
 is the completion's id: the id clients put in their events. Responses also carry a `flywheel` field
 (version, arm, session_id) that strict clients ignore.
@@ -68,6 +80,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -131,6 +144,15 @@ class ServeConfig(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
     registry_root: Path = Path("runs/registry")
     run_dir: Path = Path("runs/live")  # live.sqlite (completions, events, deployments) and config.json
+    # Where the live store is: None keeps it in run_dir/live.sqlite; `postgresql://USER@HOST:PORT/DB` puts
+    # it in a PostgreSQL that several replicas of this server share.
+    store_url: str | None = None
+    # Where the Registry's index is: None keeps registry_root/registry.sqlite; a PostgreSQL URL shares it
+    # between replicas (the checkpoint folders stay under registry_root, which every replica must mount).
+    registry_url: str | None = None
+    # How often this replica re-reads the deployment other replicas may have changed. Lower serves a
+    # change sooner at the cost of one indexed query per interval per replica.
+    deployment_poll_s: float = Field(default=1.0, gt=0)
     model_name: str = "flywheel"  # the name clients pass as `model` to be routed by the deployment
     # API key -> scopes. The repo's serve.toml holds development keys only; a real deployment writes
     # its own file (keys are compared by SHA-256 digest, never logged, and left out of config.json).
@@ -175,6 +197,11 @@ class ServeConfig(BaseModel):
     @property
     def store_path(self) -> Path:
         return self.run_dir / "live.sqlite"
+
+    @property
+    def store_location(self) -> str | Path:
+        """What LiveStore opens: store_url, else the file in run_dir."""
+        return self.store_url or self.store_path
 
 
 # ---- the request schema (OpenAI's chat completions, the parts we serve)
@@ -531,20 +558,27 @@ class LiveServer:
         self._encoders: dict[int, ConversationEncoder] = {}  # by version: a checkpoint's tokenizer never changes
         self._dashboard_lock = threading.Lock()
         self._dashboard: tuple[float, dict[str, Any]] | None = None  # (monotonic time computed, data)
+        # The deployments row this replica serves; a newer one was written by another replica.
+        self._deploy_lock = threading.Lock()
+        latest = self.store.latest_deployment()
+        self._deployment_seq = latest["seq"] if latest else 0
+        self._stop = threading.Event()
+        self._follower = threading.Thread(target=self._follow_deployments, name="deployment-follower", daemon=True)
+        self._follower.start()
         self.app = create_app(self)
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> LiveServer:
         """Open the Registry and the live store, and serve the Registry's production (and candidate)."""
-        if not (config.registry_root / "registry.sqlite").is_file():
+        if config.registry_url is None and not (config.registry_root / "registry.sqlite").is_file():
             raise ValueError(f"no registry at {config.registry_root}; run `flywheel bootstrap` first or set "
                              "registry_root")
-        registry = Registry(config.registry_root)
+        registry = Registry(config.registry_root, url=config.registry_url)
         store = open_store(config)
         deployment = deployment_from_registry(registry, _resume_fraction(store, registry, config.candidate_fraction))
         router = Router(registry_loader(registry, config.engine), deployment)
         store.record_deployment(deployment.production, deployment.candidate, deployment.candidate_fraction,
-                                "serve start")
+                                "serve start", replica_name(config))
         return cls(config, router, store, registry)
 
     @property
@@ -555,9 +589,37 @@ class LiveServer:
         """Serve `deployment` now (loading and unloading engines); returns the previous one.
 
         Moves the Registry's aliases too, when the server has a Registry, and records the change."""
-        previous = self.router.deploy(deployment, self.registry)
-        self.store.record_deployment(deployment.production, deployment.candidate, deployment.candidate_fraction, note)
+        with self._deploy_lock:
+            previous = self.router.deploy(deployment, self.registry)
+            self._deployment_seq = self.store.record_deployment(deployment.production, deployment.candidate,
+                                                                deployment.candidate_fraction, note,
+                                                                replica_name(self.config))
         return previous
+
+    def follow_deployment(self) -> bool:
+        """Serve the store's newest deployment if another replica wrote it; True if this changed what is served."""
+        latest = self.store.latest_deployment()
+        if latest is None or latest["seq"] <= self._deployment_seq:
+            return False
+        with self._deploy_lock:
+            if latest["seq"] <= self._deployment_seq:  # this replica's own change, recorded meanwhile
+                return False
+            wanted = Deployment(production=latest["production"], candidate=latest["candidate"],
+                                candidate_fraction=latest["fraction"])
+            changed = wanted != self.deployment
+            if changed:  # the replica that wrote it has moved the Registry's aliases already
+                self.router.deploy(wanted)
+                log.info("serving v%s / %s as deployment #%s says (%s)", wanted.production, wanted.candidate,
+                         latest["seq"], latest["note"])
+            self._deployment_seq = latest["seq"]
+            return changed
+
+    def _follow_deployments(self) -> None:
+        while not self._stop.wait(self.config.deployment_poll_s):
+            try:
+                self.follow_deployment()
+            except Exception:  # noqa: BLE001  (a failed poll is logged and retried; the loop must outlive it)
+                log.exception("following the deployment failed; retrying in %s s", self.config.deployment_poll_s)
 
     def sync_from_registry(self, candidate_fraction: float | None = None) -> Deployment:
         """Serve what the Registry's aliases say now (someone ran `flywheel registry promote`)."""
@@ -624,6 +686,8 @@ class LiveServer:
             return data
 
     def close(self) -> None:
+        self._stop.set()
+        self._follower.join(timeout=10)
         self.router.close()
         self.store.close()
         if self.registry is not None:
@@ -869,8 +933,13 @@ def _resume_fraction(store: LiveStore, registry: Registry, default: float) -> fl
     return last["fraction"] if last["candidate"] == candidate else default
 
 
+def replica_name(config: ServeConfig) -> str:
+    """Who this server is, in the deployments history of a store several replicas share."""
+    return f"{socket.gethostname()}:{config.port} pid {os.getpid()}"
+
+
 def open_store(config: ServeConfig) -> LiveStore:
-    return LiveStore(config.store_path, synchronous=config.synchronous,
+    return LiveStore(config.store_location, synchronous=config.synchronous,
                      completions_synchronous=config.completions_synchronous,
                      require_known_completion=config.require_known_completion)
 

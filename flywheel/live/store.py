@@ -1,4 +1,4 @@
-"""The live store: every `Completion` the server returned and every `Event` users sent, in SQLite.
+"""The live store: every `Completion` the server returned and every `Event` users sent, in SQLite or PostgreSQL.
 
     server ──add_completion (before the response leaves)──> completions ──┐
     client ──/v1/events──> check_event ──add_events (one transaction)──> events ──┴──> RewardDistiller
@@ -23,18 +23,25 @@ Nothing stored breaks a later read: every client-supplied value passes `records.
 Unicode, finite numbers, bounded integers and nesting) before it is written, a completion's record
 is parsed back before its insert, and events are judged one by one: a bad event is rejected with its
 reason and the rest of its batch is stored. Should an insert still fail (a check this store lacks),
-the batch is retried row by row under savepoints and only the rows SQLite refuses are rejected.
+the batch is retried row by row under savepoints and only the rows the database refuses are rejected.
 
 Readers in other processes (the distiller, `flywheel` reports) open their own `LiveStore` on the
-same file: WAL mode lets them read while the server writes. One connection per `LiveStore`, shared
-by its threads under a lock.
+same URL: SQLite's WAL mode, and PostgreSQL, let them read while the server writes. One connection
+per `LiveStore`, shared by its threads under a lock. `snapshot()` gives a reader one consistent view
+of all three tables (the live cycle joins completions to events and to the deployment they ran under).
+
+Backends (flywheel/store/database.py): a file path or `sqlite:///path` is SQLite, `postgresql://...`
+is PostgreSQL. Several server replicas share one store: on PostgreSQL, two replicas receiving the
+same retried batch store each event once (`insert_new` is INSERT ... ON CONFLICT DO NOTHING; the
+replica whose insert lost reports `duplicate`), and the deployments table is how a deployment
+change made through one replica reaches the others (`latest_deployment`, polled by the server).
+The durability levels map to PostgreSQL's `synchronous_commit` (FULL: on, NORMAL: off).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -44,8 +51,11 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.live.records import Completion, Event, EventType, storable
-from flywheel.store.sqlite import Synchronous, connect, transaction
+from flywheel.store.database import Database, Migration, RowRefused, Schema, Synchronous, open_database
 
+# Schema version 1: the tables as flywheel wrote them before schema versions existed (a store
+# without a version row and with these tables is at version 1). PostgreSQL's events table has a
+# `seq` column where SQLite has its implicit rowid: the order events were committed in.
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS completions (
         id         TEXT PRIMARY KEY,
@@ -81,16 +91,34 @@ SCHEMA = [
     )""",
 ]
 
+
+def _with_event_seq(statements: list[str]) -> list[str]:
+    """PostgreSQL's version 1: the events table with `seq`, its insertion order."""
+    last_column = "payload       TEXT NOT NULL           -- JSON"
+    if sum(last_column in statement for statement in statements) != 1:
+        raise AssertionError(f"the events table's last column is no longer {last_column!r}; update _with_event_seq")
+    return [statement.replace(last_column, "payload       TEXT NOT NULL,          -- JSON\n        seq           "
+                              "BIGSERIAL") for statement in statements]
+
+
+_PG_SCHEMA = _with_event_seq(SCHEMA)
+LIVE_SCHEMA = Schema("live", marker_table="completions", migrations=(
+    Migration(1, "completions, events, deployments", tuple(SCHEMA), tuple(_PG_SCHEMA)),
+    # Which replica changed the routing: with several servers on one store, the history says who.
+    # (No new index on events: each costs every ingested event, ~10% of the rate per index.)
+    Migration(2, "deployments.origin", ("ALTER TABLE deployments ADD COLUMN origin TEXT NOT NULL DEFAULT ''",)),
+))
+EVENT_COLUMNS = ("id", "type", "session_id", "completion_id", "time", "received_at", "payload")
+
 # Types whose event is about one answer: an edit comes from a completion.
 _NEEDS_COMPLETION = {EventType.EDIT_APPLIED, EventType.EDIT_PERSISTED, EventType.EDIT_REVERTED}
 _SESSION_OUTCOMES = {"success", "unhappy", "abandoned"}
 _MAX_ID_CHARS = 200
 _IN_CHUNK = 500  # ids per IN (...) list; SQLite allows 32766 bound parameters, older builds 999
-# What one row can cause. Not OperationalError (disk full, I/O, locked): that fails the batch, which
-# the client retries, where rejecting its events would lose them (rejections are not retried).
-_ROW_ERRORS = (sqlite3.IntegrityError, sqlite3.DataError, sqlite3.InterfaceError, OverflowError, UnicodeEncodeError)
-_INSERT_EVENT = ("INSERT INTO events (id, type, session_id, completion_id, time, received_at, payload) "
-                 "VALUES (?, ?, ?, ?, ?, ?, ?)")
+# What one row can cause (the backends raise RowRefused for any driver's). Not a failing database
+# (disk full, I/O, locked, connection lost): that fails the batch, which the client retries, where
+# rejecting its events would lose them (rejections are not retried).
+_ROW_ERRORS = (RowRefused, OverflowError, UnicodeEncodeError)
 
 
 class Ingest(StrEnum):
@@ -104,7 +132,7 @@ def check_event(event: Event) -> str | None:
     if not event.id or len(event.id) > _MAX_ID_CHARS:
         return f"id must be 1 to {_MAX_ID_CHARS} characters; use e.g. a uuid4 per event"
     for name in ("id", "session_id", "completion_id"):
-        reason = storable(getattr(event, name), name)
+        reason = storable(getattr(event, name), name) or _text_column(getattr(event, name), name)
         if reason is not None:
             return reason
     if event.completion_id is not None and len(event.completion_id) > _MAX_ID_CHARS:
@@ -131,17 +159,30 @@ def check_event(event: Event) -> str | None:
     return None
 
 
-class LiveStore:
-    """Completions, events and the deployment history over one SQLite file."""
+def _text_column(value: str | None, name: str) -> str | None:
+    # PostgreSQL's text cannot hold NUL; refused on SQLite too, so a store can move between backends.
+    if value is not None and "\x00" in value:
+        return f"{name} contains a NUL character (\\u0000); send text without it"
+    return None
 
-    def __init__(self, path: str | Path, synchronous: Synchronous = "FULL",
-                 completions_synchronous: Synchronous = "NORMAL", require_known_completion: bool = True):
-        self.path = Path(path)
+
+class LiveStore:
+    """Completions, events and the deployment history in one database (a SQLite file or PostgreSQL)."""
+
+    def __init__(self, url: str | Path, synchronous: Synchronous = "FULL",
+                 completions_synchronous: Synchronous = "NORMAL", require_known_completion: bool = True,
+                 migrate: bool | None = None):
+        """`url`: a file path, `sqlite:///path` or `postgresql://...`; `migrate` as `open_database` takes it."""
+        self.url = str(url)
         self.synchronous, self.completions_synchronous = synchronous, completions_synchronous
         self.require_known_completion = require_known_completion
-        self._db = connect(self.path, SCHEMA, synchronous=synchronous)
-        self._synchronous_now: Synchronous = synchronous
-        self._lock = threading.Lock()  # one connection shared by the server's threads
+        self._db: Database = open_database(url, LIVE_SCHEMA, synchronous=synchronous, migrate=migrate)
+        # One connection shared by the server's threads; reentrant so a `snapshot` can hold it across reads.
+        self._lock = threading.RLock()
+
+    @property
+    def dialect(self) -> str:
+        return self._db.dialect
 
     # ---- writing
 
@@ -150,7 +191,9 @@ class LiveStore:
 
         ValueError, and nothing stored, if its record would not read back (module docstring)."""
         for name in ("id", "session_id", "user_id", "arm", "content", "finish_reason"):
-            reason = storable(getattr(completion, name), name)
+            reason = storable(getattr(completion, name), name) or (
+                _text_column(getattr(completion, name), name) if name in ("id", "session_id", "user_id", "arm")
+                else None)
             if reason is not None:
                 raise ValueError(f"completion {completion.id!r} not stored: {reason}")
         reason = storable(completion.request_meta, "request_meta")
@@ -158,35 +201,33 @@ class LiveStore:
             raise ValueError(f"completion {completion.id!r} not stored: {reason}")
         record = completion.model_dump_json()
         Completion.model_validate_json(record)  # what every later read does; raises before anything is written
-        with self._lock:
-            self._set_synchronous(self.completions_synchronous)  # a PRAGMA cannot change inside a transaction
-            with transaction(self._db):
-                self._db.execute(
-                    "INSERT INTO completions (id, session_id, user_id, version, arm, created_at, record) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (completion.id, completion.session_id, completion.user_id, completion.version, completion.arm,
-                     completion.created_at, record),
-                )
+        with self._lock, self._db.transaction(self.completions_synchronous):
+            self._db.execute(
+                "INSERT INTO completions (id, session_id, user_id, version, arm, created_at, record) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (completion.id, completion.session_id, completion.user_id, completion.version, completion.arm,
+                 completion.created_at, record),
+            )
 
     def add_events(self, events: Sequence[Event]) -> list[tuple[Ingest, str]]:
         """Store a batch in one transaction; per event (accepted | duplicate | rejected, reason).
 
         Returns after the commit, so every `accepted` or `duplicate` is durable when the caller sees it.
-        Checks run inside the transaction (which holds the write lock from its start), so which ids
-        exist and which completions are known cannot change between the check and the insert.
+        Known completions are looked up inside the transaction; which ids exist is decided by the
+        insert itself (ON CONFLICT DO NOTHING), so a replica committing the same id at the same moment
+        makes this one report `duplicate`, never a second copy.
         """
         received = time.time()
         results: list[tuple[Ingest, str]] = []
         rows = []
-        # Checked before any lookup: an id SQLite cannot bind must not fail the batch's queries.
+        # Checked before any lookup: an id the database cannot bind must not fail the batch's queries.
         own_reasons = [check_event(e) for e in events]
         checked = [e for e, reason in zip(events, own_reasons, strict=True) if reason is None]
         with self._lock:
-            self._set_synchronous(self.synchronous)
-            with transaction(self._db):
-                # A few set lookups per batch instead of two statements per event: 5x the ingest rate.
+            with self._db.transaction(self.synchronous):
+                # One set lookup per batch instead of a statement per event: 5x the ingest rate.
                 sessions = self._completion_sessions({e.completion_id for e in checked if e.completion_id is not None})
-                seen = self._existing_events({e.id for e in checked})
+                seen: set[str] = set()  # this batch's ids: a second event with one is a duplicate
                 for event, own_reason in zip(events, own_reasons, strict=True):
                     reason = own_reason or self._check_reference(event, sessions)
                     if reason is not None:
@@ -200,33 +241,52 @@ class LiveStore:
                                                         event.completion_id, event.time, received,
                                                         json.dumps(event.payload, allow_nan=False))))
                 try:
-                    with savepoint(self._db, "batch"):
-                        self._db.executemany(_INSERT_EVENT, [row for _, row in rows])
+                    with self._db.savepoint("batch"):
+                        inserted = self._db.insert_new("events", EVENT_COLUMNS, "id", [row for _, row in rows])
                 except _ROW_ERRORS:
-                    self._insert_one_by_one(rows, results)
+                    inserted = self._insert_one_by_one(rows, results)
+                # Not inserted: the id was stored before (or by another replica a moment ago).
+                for index, row in rows:
+                    if row[0] not in inserted and results[index][0] == Ingest.ACCEPTED:
+                        results[index] = (Ingest.DUPLICATE, "")
         return results
 
-    def _insert_one_by_one(self, rows: list[tuple[int, tuple[Any, ...]]], results: list[tuple[Ingest, str]]) -> None:
-        """The batch's rows each under its own savepoint; a row SQLite refuses is rejected alone.
+    def _insert_one_by_one(self, rows: list[tuple[int, tuple[Any, ...]]],
+                           results: list[tuple[Ingest, str]]) -> set[str]:
+        """The batch's rows each under its own savepoint; a row the database refuses is rejected alone.
 
-        Caller holds the lock."""
+        Returns the ids inserted. Caller holds the lock."""
+        inserted: set[str] = set()
         for index, row in rows:
             try:
-                with savepoint(self._db, "event"):
-                    self._db.execute(_INSERT_EVENT, row)
+                with self._db.savepoint("event"):
+                    inserted |= self._db.insert_new("events", EVENT_COLUMNS, "id", [row])
             except _ROW_ERRORS as exc:
                 results[index] = (Ingest.REJECTED, f"the store refused this event ({type(exc).__name__}: {exc}); "
                                                     "check its strings and numbers")
+        return inserted
 
-    def record_deployment(self, production: int, candidate: int | None, fraction: float, note: str = "") -> None:
-        with self._lock:
-            self._set_synchronous(self.synchronous)
-            with transaction(self._db):
-                self._db.execute(
-                    "INSERT INTO deployments (production, candidate, fraction, changed_at, note) VALUES (?, ?, ?, ?, "
-                    "?)",
-                    (production, candidate, fraction, time.time(), note),
-                )
+    def record_deployment(self, production: int, candidate: int | None, fraction: float, note: str = "",
+                          origin: str = "") -> int:
+        """Append to the routing history; returns the row's `seq` (what `latest_deployment` orders by).
+
+        origin: who made the change (the server writes its host, port and pid)."""
+        with self._lock, self._db.transaction(self.synchronous):
+            return self._db.query(
+                "INSERT INTO deployments (production, candidate, fraction, changed_at, note, origin) "
+                "VALUES (?, ?, ?, ?, ?, ?) RETURNING seq", (production, candidate, fraction, time.time(), note,
+                                                             origin))[0][0]
+
+    def latest_deployment(self) -> dict[str, Any] | None:
+        """The last row of the routing history (seq, production, candidate, fraction, changed_at, note, origin)."""
+        rows = self._query("SELECT * FROM deployments ORDER BY seq DESC LIMIT 1")
+        return dict(rows[0]) if rows else None
+
+    @contextmanager
+    def snapshot(self) -> Iterator[LiveStore]:
+        """Every read inside sees the store at one instant (other threads of this store wait)."""
+        with self._lock, self._db.snapshot():
+            yield self
 
     # ---- reading (what the reward distiller, the A/B analysis and the monitors need)
 
@@ -274,7 +334,8 @@ class LiveStore:
         if types:
             where += (" AND " if where else " WHERE ") + f"type IN ({','.join('?' * len(types))})"
             args = (*args, *(str(t) for t in types))
-        return [_event(r) for r in self._query(f"SELECT * FROM events{where} ORDER BY received_at, rowid", args)]
+        order = self._db.insertion_order
+        return [_event(r) for r in self._query(f"SELECT * FROM events{where} ORDER BY received_at, {order}", args)]
 
     def has_event(self, event_id: str) -> bool:
         return bool(self._query("SELECT 1 FROM events WHERE id = ?", (event_id,)))
@@ -314,38 +375,17 @@ class LiveStore:
             return {}
         return dict(self._in("SELECT id, session_id FROM completions WHERE id IN ({})", ids))
 
-    def _existing_events(self, ids: set[str]) -> set[str]:
-        return {row[0] for row in self._in("SELECT id FROM events WHERE id IN ({})", ids)}
-
-    def _in(self, sql: str, values: set[str]) -> list[sqlite3.Row]:
+    def _in(self, sql: str, values: set[str]) -> list[Any]:
         """`sql` with its IN list filled, in chunks under SQLite's bound-parameter limit. Caller holds the lock."""
         items, rows = list(values), []
         for start in range(0, len(items), _IN_CHUNK):
             part = items[start : start + _IN_CHUNK]
-            rows += self._db.execute(sql.format(",".join("?" * len(part))), part).fetchall()
+            rows += self._db.query(sql.format(",".join("?" * len(part))), part)
         return rows
 
-    def _set_synchronous(self, mode: Synchronous) -> None:
-        if mode != self._synchronous_now:
-            self._db.execute(f"PRAGMA synchronous={mode}")
-            self._synchronous_now = mode
-
-    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
         with self._lock:
-            return self._db.execute(sql, tuple(args)).fetchall()
-
-
-@contextmanager
-def savepoint(db: sqlite3.Connection, name: str) -> Iterator[None]:
-    """A nested transaction inside the caller's: rolled back alone if the block raises."""
-    db.execute(f"SAVEPOINT {name}")
-    try:
-        yield
-    except BaseException:
-        db.execute(f"ROLLBACK TO {name}")
-        db.execute(f"RELEASE {name}")
-        raise
-    db.execute(f"RELEASE {name}")
+            return self._db.query(sql, args)
 
 
 def _filters(column: str = "created_at", start: float | None = None, end: float | None = None,
@@ -364,6 +404,6 @@ def _filters(column: str = "created_at", start: float | None = None, end: float 
     return (" WHERE " + " AND ".join(clauses) if clauses else ""), tuple(args)
 
 
-def _event(row: sqlite3.Row) -> Event:
+def _event(row: Any) -> Event:
     return Event(id=row["id"], type=EventType(row["type"]), session_id=row["session_id"],
                  completion_id=row["completion_id"], time=row["time"], payload=json.loads(row["payload"]))

@@ -1,7 +1,8 @@
 """Checkpoints and the Registry: every model version the flywheel produced, and which one serves.
 
     root/
-      registry.sqlite          the index: versions, parents, metrics, aliases (the source of truth)
+      registry.sqlite          the index: versions, parents, metrics, aliases (the source of truth),
+                               unless `url` puts it in PostgreSQL (several servers sharing one registry)
       write.lock               held (flock) by whoever is registering
       checkpoints/v0/          config.json, model.safetensors, generation_config.json,
       checkpoints/v1/          tokenizer files with the chat template, flywheel.json
@@ -14,7 +15,7 @@ the index, so a folder never disagrees with the index about what is production.
 
 Writes are atomic, in three steps under the write lock:
 
-    write files into .tmp-vN-*, fsync ──> rename to vN, fsync dir ──> one SQLite transaction
+    write files into .tmp-vN-*, fsync ──> rename to vN, fsync dir ──> one index transaction
                                                                        (row + aliases, FULL sync)
 
 A crash before the rename leaves only a temp folder; a crash between rename and commit leaves a
@@ -24,6 +25,12 @@ ever see versions whose commit finished.
 
 Aliases (`production`, `candidate`, or any [a-z0-9_-]+ name) point at one version each; moving one
 is a single UPDATE, so there is no moment where `production` resolves to nothing.
+
+The index goes through the store interface (flywheel/store/database.py): `Registry(root)` keeps it
+in root/registry.sqlite; `Registry(root, url="postgresql://...")` keeps it in PostgreSQL, next to
+the live store, while the checkpoint folders stay under `root` (a filesystem every replica mounts).
+The write lock is a flock on root/write.lock either way, so registrations from processes on one
+machine (or on a filesystem with working flock) are serialised.
 
 torch and transformers are imported only by `load` and `state_dict`, so `flywheel registry list`
 starts instantly.
@@ -45,8 +52,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
+from flywheel.store.database import Database, Migration, Schema, open_database
 from flywheel.store.files import publish_folder
-from flywheel.store.sqlite import connect, transaction
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +81,9 @@ SCHEMA = [
         updated_at REAL NOT NULL
     )""",
 ]
+REGISTRY_SCHEMA = Schema("registry", marker_table="checkpoints", migrations=(
+    Migration(1, "checkpoints and aliases", tuple(SCHEMA)),
+))
 
 
 class Checkpoint(BaseModel):
@@ -97,17 +107,19 @@ class CheckpointNotFound(KeyError):
 
 
 class Registry:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, url: str | None = None, migrate: bool | None = None):
+        """`url`: where the index lives (default root/registry.sqlite); `migrate` as `open_database` takes it."""
         self.root = Path(root)
         self.checkpoints_dir = self.root / "checkpoints"
         db_path = self.root / "registry.sqlite"
-        if not db_path.exists() and self.checkpoints_dir.is_dir() and any(self._version_dirs()):
+        if url is None and not db_path.exists() and self.checkpoints_dir.is_dir() and any(self._version_dirs()):
             raise ValueError(
                 f"{db_path} is missing but {self.checkpoints_dir} holds checkpoint folders; restore the "
                 "index file, or move the checkpoints folder away to start an empty registry"
             )
         self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
-        self._db = connect(db_path, SCHEMA, synchronous="FULL")
+        self._db: Database = open_database(db_path if url is None else url, REGISTRY_SCHEMA, synchronous="FULL",
+                                           migrate=migrate)
         self._db_lock = threading.RLock()  # one connection shared by all threads
         self._write_lock = threading.Lock()  # one registration at a time in this process
         with self._file_lock(blocking=False) as held:
@@ -120,16 +132,17 @@ class Registry:
         """A version (3 or "v3") or an alias ("production")."""
         version = self._resolve(ref)
         with self._db_lock:
-            row = self._db.execute("SELECT * FROM checkpoints WHERE version = ?", (version,)).fetchone()
-            aliases = [r[0] for r in self._db.execute(
+            rows = self._db.query("SELECT * FROM checkpoints WHERE version = ?", (version,))
+            aliases = [r[0] for r in self._db.query(
                 "SELECT alias FROM aliases WHERE version = ? ORDER BY alias", (version,))]
+        row = rows[0] if rows else None
         if row is None:
             raise CheckpointNotFound(f"no checkpoint {_show(ref)} in the registry at {self.root}; {self._inventory()}")
         return self._record(row, aliases)
 
     def list(self) -> list[Checkpoint]:
         with self._db_lock:
-            rows = self._db.execute("SELECT * FROM checkpoints ORDER BY version").fetchall()
+            rows = self._db.query("SELECT * FROM checkpoints ORDER BY version")
             aliases = self._aliases()
         by_version: dict[int, list[str]] = {}
         for alias, version in sorted(aliases.items()):
@@ -171,7 +184,7 @@ class Registry:
             if parent is not None:
                 self.get(parent)  # fail before writing anything
             with self._db_lock:
-                version = self._db.execute("SELECT COALESCE(MAX(version) + 1, 0) FROM checkpoints").fetchone()[0]
+                version = self._db.query("SELECT COALESCE(MAX(version) + 1, 0) FROM checkpoints")[0][0]
             created_at = time.time()
             final = self.checkpoints_dir / f"v{version}"
             tmp = self.checkpoints_dir / f"{_TMP_PREFIX}v{version}-{uuid.uuid4().hex[:8]}"
@@ -187,7 +200,7 @@ class Registry:
         """Point `alias` at `version`, replacing where it pointed before, in one statement."""
         _check_alias(alias)
         version = self.get(version).version
-        with self._db_lock, transaction(self._db):
+        with self._db_lock, self._db.transaction():
             self._db.execute(
                 "INSERT INTO aliases (alias, version, updated_at) VALUES (?, ?, ?) "
                 "ON CONFLICT(alias) DO UPDATE SET version = excluded.version, updated_at = excluded.updated_at",
@@ -195,15 +208,15 @@ class Registry:
             )
 
     def remove_alias(self, alias: str) -> None:
-        with self._db_lock, transaction(self._db):
-            if self._db.execute("DELETE FROM aliases WHERE alias = ?", (alias,)).rowcount == 0:
+        with self._db_lock, self._db.transaction():
+            if self._db.execute("DELETE FROM aliases WHERE alias = ?", (alias,)) == 0:
                 raise CheckpointNotFound(f"no alias {alias!r} in the registry at {self.root}; {self._inventory()}")
 
     def update_metrics(self, version: int, metrics: Mapping[str, float]) -> None:
         """Merge `metrics` into the version's metrics (eval results arrive after registration)."""
         version = self.get(version).version
-        with self._db_lock, transaction(self._db):
-            row = self._db.execute("SELECT metrics FROM checkpoints WHERE version = ?", (version,)).fetchone()
+        with self._db_lock, self._db.transaction():
+            row = self._db.query("SELECT metrics FROM checkpoints WHERE version = ?", (version,))[0]
             merged = json.loads(row[0]) | {name: float(value) for name, value in metrics.items()}
             self._db.execute("UPDATE checkpoints SET metrics = ? WHERE version = ?", (json.dumps(merged), version))
 
@@ -227,7 +240,7 @@ class Registry:
 
     def _index(self, version: int, parent: int | None, created_at: float, path: Path,
                metrics: dict[str, float], note: str, aliases: Sequence[str]) -> None:
-        with self._db_lock, transaction(self._db):
+        with self._db_lock, self._db.transaction():
             self._db.execute(
                 "INSERT INTO checkpoints (version, parent, created_at, path, metrics, note) VALUES (?, ?, ?, ?, ?, ?)",
                 (version, parent, created_at, str(path.relative_to(self.root)), json.dumps(metrics), note),
@@ -244,7 +257,7 @@ class Registry:
     def _discard_unfinished(self) -> None:
         """Remove what a killed registration left. Call only while holding the write lock."""
         with self._db_lock:
-            next_version = self._db.execute("SELECT COALESCE(MAX(version) + 1, 0) FROM checkpoints").fetchone()[0]
+            next_version = self._db.query("SELECT COALESCE(MAX(version) + 1, 0) FROM checkpoints")[0][0]
         for entry in self.checkpoints_dir.iterdir():
             if entry.name.startswith(_TMP_PREFIX):
                 shutil.rmtree(entry)
@@ -283,11 +296,11 @@ class Registry:
 
     def _aliases(self) -> dict[str, int]:
         with self._db_lock:
-            return {alias: version for alias, version in self._db.execute("SELECT alias, version FROM aliases")}
+            return {alias: version for alias, version in self._db.query("SELECT alias, version FROM aliases")}
 
     def _inventory(self) -> str:
         with self._db_lock:
-            versions = [r[0] for r in self._db.execute("SELECT version FROM checkpoints ORDER BY version")]
+            versions = [r[0] for r in self._db.query("SELECT version FROM checkpoints ORDER BY version")]
         if not versions:
             return "it is empty (register a checkpoint first)"
         shown = ", ".join(f"v{v}" for v in versions[:20]) + (", ..." if len(versions) > 20 else "")

@@ -1,14 +1,13 @@
-"""LiveStore on a real SQLite file: idempotent ingestion, the reasons events are refused, the queries
-the reward distiller uses, and what survives closing and reopening."""
+"""LiveStore on each backend (a real SQLite file, a real PostgreSQL server): idempotent ingestion, the
+reasons events are refused, the queries the reward distiller uses, and what survives closing and reopening."""
 
 from __future__ import annotations
-
-import sqlite3
 
 import pytest
 
 from flywheel.live.records import Completion, Event, EventType
 from flywheel.live.store import Ingest, LiveStore, check_event
+from flywheel.store.database import IntegrityError
 
 
 def completion(cid: str, version: int, t: float, session: str = "s", arm: str = "production") -> Completion:
@@ -22,8 +21,8 @@ def event(eid: str, kind: EventType, t: float, cid: str | None = "c1", session: 
 
 
 @pytest.fixture
-def store(tmp_path):
-    with LiveStore(tmp_path / "live.sqlite") as s:
+def store(store_url):
+    with LiveStore(store_url) as s:
         s.add_completion(completion("c1", 0, 100.0))
         s.add_completion(completion("c2", 1, 200.0, arm="candidate"))
         s.add_completion(completion("c3", 1, 300.0, session="t", arm="candidate"))
@@ -39,7 +38,7 @@ def test_completions_round_trip_and_filter(store):
     assert [c.id for c in store.completions(session_id="t")] == ["c3"]
     assert [c.id for c in store.completions(limit=2)] == ["c1", "c2"]
     assert (store.count_completions(), store.count_completions(version=1)) == (3, 2)
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(IntegrityError):
         store.add_completion(completion("c1", 0, 1.0))  # completion ids are unique
 
 
@@ -79,7 +78,7 @@ def test_events_must_name_a_served_completion_of_their_session(store, tmp_path):
         assert lenient.add_events([unknown]) == [(Ingest.ACCEPTED, "")]
 
 
-def test_queries_the_distiller_needs_and_reopening(store, tmp_path):
+def test_queries_the_distiller_needs_and_reopening(store, store_url):
     store.add_events([
         event("e3", EventType.EDIT_PERSISTED, 130), event("e1", EventType.EDIT_APPLIED, 110),
         event("e2", EventType.FOLLOWUP, 220, cid="c2", dissatisfied=True),
@@ -93,7 +92,26 @@ def test_queries_the_distiller_needs_and_reopening(store, tmp_path):
     assert len(store.events(start=0.0)) == 4 and store.events(end=0.0) == []
     store.record_deployment(0, 1, 0.25, "start")
     store.close()
-    with LiveStore(tmp_path / "live.sqlite") as again:
+    with LiveStore(store_url) as again:
         assert again.events_for_session("t")[0].payload == {"outcome": "unhappy"}
         assert again.completion("c3").request_meta == {"family": "bugfix"}
         assert [(d["production"], d["candidate"], d["fraction"]) for d in again.deployments()] == [(0, 1, 0.25)]
+
+
+def test_a_snapshot_reads_one_instant_while_another_store_writes(store, store_url):
+    with LiveStore(store_url) as writer, store.snapshot():
+        before = (store.count_completions(), store.count_events())
+        writer.add_completion(completion("c4", 2, 400.0))
+        writer.add_events([event("e1", EventType.EDIT_APPLIED, 401, cid="c4")])
+        assert (store.count_completions(), store.count_events()) == before  # the writes came after the snapshot
+        assert store.events_for_completion("c4") == []
+    assert (store.count_completions(), store.count_events()) == (before[0] + 1, before[1] + 1)
+
+
+def test_latest_deployment_is_the_newest_row(store):
+    assert store.latest_deployment() is None
+    first = store.record_deployment(0, 1, 0.1, "start")
+    second = store.record_deployment(1, None, 0.0, "promoted")
+    assert second > first
+    latest = store.latest_deployment()
+    assert (latest["seq"], latest["production"], latest["candidate"], latest["note"]) == (second, 1, None, "promoted")

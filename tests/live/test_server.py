@@ -4,7 +4,8 @@ The official `openai` client talks to it (plain, streaming, logprobs); every com
 the store, read through a second connection, by the time the response arrives, with the version
 that served it. Sessions stick to their A/B arm; the deployment changes at runtime. Keys, scopes and
 bad requests get 4xx JSON. Events are acknowledged per event and idempotently, and a `flywheel serve`
-process killed with SIGKILL in the middle of a flood of events loses none it acknowledged.
+process killed with SIGKILL in the middle of a flood of events and completions loses none it acknowledged
+or returned, on SQLite and on a real PostgreSQL server.
 Only the tool-call format test uses a scripted engine (an untrained model writes no tool calls).
 """
 
@@ -372,14 +373,18 @@ def test_events_are_acknowledged_per_event_and_idempotently(live):
     assert server.store.events_for_completion("c-ev")[1].payload == {"dissatisfied": True}
 
 
-def test_kill_9_during_a_flood_loses_no_acknowledged_event(registry_root, tmp_path):
+def test_kill_9_during_a_flood_loses_no_acknowledged_event(registry_root, tmp_path, store_url):
     run_dir, port = tmp_path / "live", free_port()
-    with LiveStore(run_dir / "live.sqlite") as store:
+    postgres = store_url.startswith("postgresql://")
+    location = store_url if postgres else run_dir / "live.sqlite"
+    with LiveStore(location) as store:
         for i in range(8):
             store.add_completion(stored_completion(f"c{i}", f"s{i}"))
     cmd = [sys.executable, "-m", "flywheel.cli", "serve", "--config", str(REPO / "configs" / "serve.toml"),
            "--set", f"registry_root={json.dumps(str(registry_root))}", "--set", f"run_dir={json.dumps(str(run_dir))}",
            "--set", f"port={port}", "--set", "threads=1"]
+    if postgres:
+        cmd += ["--set", f"store_url={json.dumps(store_url)}"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -395,7 +400,21 @@ def test_kill_9_during_a_flood_loses_no_acknowledged_event(registry_root, tmp_pa
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.1)
         acked: list[str] = []
+        returned: list[str] = []  # completion ids the server answered with
         lock, stop = threading.Lock(), threading.Event()
+
+        def complete() -> None:
+            with httpx.Client(base_url=url, headers={"authorization": "Bearer dev-inference-key"}, timeout=30) as http:
+                for n in range(10**6):
+                    if stop.is_set():
+                        return
+                    body = {"model": "flywheel", "messages": MESSAGES, "max_tokens": 2, "session_id": f"k{n}"}
+                    try:
+                        r = http.post("/v1/chat/completions", json=body)
+                    except httpx.TransportError:
+                        return
+                    assert r.status_code == 200, r.text
+                    returned.append(r.json()["id"])
 
         def flood(worker: int) -> None:
             with httpx.Client(base_url=url, headers={"authorization": "Bearer dev-events-key"}, timeout=10) as http:
@@ -413,10 +432,10 @@ def test_kill_9_during_a_flood_loses_no_acknowledged_event(registry_root, tmp_pa
                     with lock:
                         acked.extend(r.json()["accepted"])
 
-        workers = [threading.Thread(target=flood, args=(w,)) for w in range(3)]
+        workers = [threading.Thread(target=flood, args=(w,)) for w in range(3)] + [threading.Thread(target=complete)]
         for w in workers:
             w.start()
-        while len(acked) < 3000 and all(w.is_alive() for w in workers):
+        while (len(acked) < 3000 or not returned) and all(w.is_alive() for w in workers):
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)  # while the workers are still sending
         proc.wait(10)
@@ -427,9 +446,12 @@ def test_kill_9_during_a_flood_loses_no_acknowledged_event(registry_root, tmp_pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert len(acked) >= 3000
-    with LiveStore(run_dir / "live.sqlite") as store:
-        assert store._query("PRAGMA integrity_check")[0][0] == "ok"
+    assert len(acked) >= 3000 and returned
+    with LiveStore(location) as store:
+        if not postgres:
+            assert store._query("PRAGMA integrity_check")[0][0] == "ok"
         missing = [i for i in acked if not store.has_event(i)]
         assert not missing, f"{len(missing)} acknowledged events lost, e.g. {missing[:3]}"
         assert store.count_events() >= len(acked)
+        lost = [c for c in returned if store.completion(c) is None]
+        assert not lost, f"{len(lost)} of {len(returned)} returned completions lost, e.g. {lost[:3]}"

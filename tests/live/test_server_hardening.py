@@ -117,12 +117,19 @@ def test_events_are_accepted_or_rejected_one_by_one(live):
     assert len(server.store.events()) >= 2
 
 
-def test_a_row_sqlite_refuses_is_rejected_alone(tmp_path):
-    with LiveStore(tmp_path / "live.sqlite") as store:
+def test_a_row_sqlite_refuses_is_rejected_alone(store_url):
+    with LiveStore(store_url) as store:
         store.add_completion(stored_completion("c1", "s1"))
-        # A refusal none of the store's checks foresees, made by SQLite itself.
-        store._db.execute("CREATE TRIGGER poison BEFORE INSERT ON events WHEN NEW.id = 'poison' "
-                          "BEGIN SELECT RAISE(ABORT, 'poisoned row'); END")
+        # A refusal none of the store's checks foresees, made by the database itself.
+        if store.dialect == "sqlite":
+            store._db.execute("CREATE TRIGGER poison BEFORE INSERT ON events WHEN NEW.id = 'poison' "
+                              "BEGIN SELECT RAISE(ABORT, 'poisoned row'); END")
+        else:
+            store._db.execute("CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN IF NEW.id = "
+                              "'poison' THEN RAISE EXCEPTION 'poisoned row' USING ERRCODE = 'check_violation'; "
+                              "END IF; RETURN NEW; END $$")
+            store._db.execute("CREATE TRIGGER poison BEFORE INSERT ON events FOR EACH ROW "
+                              "EXECUTE FUNCTION poison()")
         from flywheel.live.records import Event, EventType  # noqa: PLC0415
 
         batch = [Event(id=i, type=EventType.EDIT_APPLIED, session_id="s1", completion_id="c1", time=1.0)

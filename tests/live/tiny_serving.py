@@ -39,9 +39,9 @@ def corpus() -> list[str]:
     return [render_messages(messages, tool_schemas())] * 4 + ["def add(a, b):\n    return a + b\n"] * 4
 
 
-def make_registry(root: Path) -> Registry:
+def make_registry(root: Path, url: str | None = None) -> Registry:
     tokenizer = train_tokenizer(corpus(), vocab_size=400)
-    registry = Registry(root)
+    registry = Registry(root, url=url)
     registry.register(build_model(ModelConfig(**TINY, seed=0), tokenizer), tokenizer, aliases=[PRODUCTION])
     registry.register(build_model(ModelConfig(**TINY, seed=1), tokenizer), tokenizer, parent=0, aliases=[CANDIDATE])
     return registry

@@ -1,4 +1,5 @@
-"""The checkpoint Registry on real files, real SQLite and a real tiny MoE model.
+"""The checkpoint Registry on real files, a real index (SQLite, and PostgreSQL where `index_url` runs
+a test once per backend) and a real tiny MoE model.
 
 The atomicity tests kill a registering process with SIGKILL at the two moments a crash can hit
 (files half written; folder published but not yet indexed) and check the registry reopens exactly
@@ -39,6 +40,12 @@ def model(tokenizer):
     return build_model(ModelConfig(**TINY), tokenizer)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def index_url(request) -> str | None:
+    """None: the default root/registry.sqlite; else a fresh PostgreSQL schema."""
+    return None if request.param == "sqlite" else request.getfixturevalue("pg_url")
+
+
 def other_model(tokenizer, seed: int):
     return build_model(ModelConfig(**TINY, seed=seed), tokenizer)
 
@@ -71,8 +78,8 @@ def test_checkpoint_loads_with_plain_transformers(tmp_path, model, tokenizer):
     assert torch.equal(logits(reloaded, tokenizer), logits(model, tokenizer))
 
 
-def test_versions_parents_aliases_metrics(tmp_path, model, tokenizer):
-    registry = Registry(tmp_path)
+def test_versions_parents_aliases_metrics(tmp_path, model, tokenizer, index_url):
+    registry = Registry(tmp_path, url=index_url)
     v0 = registry.register(model, tokenizer, aliases=[PRODUCTION])
     v1 = registry.register(other_model(tokenizer, 1), tokenizer, parent=v0.version, aliases=[CANDIDATE])
     assert (v0.version, v1.version, v1.parent) == (0, 1, 0)
@@ -89,12 +96,12 @@ def test_versions_parents_aliases_metrics(tmp_path, model, tokenizer):
     registry.update_metrics(1, {"edit_rate": 0.1})
     assert registry.get(1).metrics == {"pass_rate": 0.25, "edit_rate": 0.1}
 
-    reopened = Registry(tmp_path)  # everything above is in the index, not in memory
+    reopened = Registry(tmp_path, url=index_url)  # everything above is in the index, not in memory
     assert reopened.list() == registry.list()
 
 
-def test_bad_refs_say_what_exists(tmp_path, model, tokenizer):
-    registry = Registry(tmp_path)
+def test_bad_refs_say_what_exists(tmp_path, model, tokenizer, index_url):
+    registry = Registry(tmp_path, url=index_url)
     with pytest.raises(KeyError, match="empty"):
         registry.get(PRODUCTION)
     registry.register(model, tokenizer, aliases=[PRODUCTION])
@@ -123,8 +130,8 @@ def test_a_lost_index_is_not_mistaken_for_an_empty_registry(tmp_path, model, tok
     assert (tmp_path / "checkpoints" / "v0" / "model.safetensors").is_file()
 
 
-def test_concurrent_registrations_get_distinct_versions(tmp_path, model, tokenizer):
-    registry = Registry(tmp_path)
+def test_concurrent_registrations_get_distinct_versions(tmp_path, model, tokenizer, index_url):
+    registry = Registry(tmp_path, url=index_url)
     threads = [threading.Thread(target=registry.register, args=(model, tokenizer)) for _ in range(3)]
     for t in threads:
         t.start()
