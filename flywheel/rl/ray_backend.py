@@ -54,9 +54,10 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -111,12 +112,15 @@ class RolloutWorker:
 
     def __init__(self, name: str, model_class: type, model_config: Any, state: Mapping[str, torch.Tensor],
                  tokenizer: PreTrainedTokenizerBase, engine: EngineConfig, pool: PoolConfig, cluster: ClusterConfig,
-                 version: int):
+                 version: int, engine_factory: Callable[[PreTrainedTokenizerBase, int], Any] | None = None):
         torch.set_num_threads(engine.threads or 1)
-        model = model_class(model_config)
-        model.load_state_dict(state, strict=True)
         self.name, self.tokenizer = name, tokenizer
-        self.engine = LocalEngine(model.eval(), engine, version)
+        if engine_factory is not None:  # another Engine (bench/ray_scale.py: a modeled accelerator)
+            self.engine = engine_factory(tokenizer, version)
+        else:
+            model = model_class(model_config)
+            model.load_state_dict(state, strict=True)
+            self.engine = LocalEngine(model.eval(), engine, version)
         context = ray.get_runtime_context()
         self.node_id = context.get_node_id()
         node = next(n for n in ray.nodes() if n["NodeID"] == self.node_id)
@@ -181,6 +185,21 @@ class RolloutWorker:
 
     def stats(self) -> dict[str, Any]:
         return {"name": self.name, "node_id": self.node_id, **self.pool.stats()}
+
+    def burst(self, n: int) -> dict[str, float]:
+        """`n` sandboxes asked for at once through this node's pool (more than it holds queue, none
+        fail), each released when made: sandboxes created per second, and the worst queue wait."""
+        def one() -> float:
+            asked = time.perf_counter()
+            self.pool.release(self.pool.acquire({"a.py": "x = 1\n"}))
+            return time.perf_counter() - asked
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self.pool.config.max_active) as threads:
+            waits = list(threads.map(lambda _: one(), range(n)))
+        seconds = time.perf_counter() - t0
+        return {"sandboxes": n, "max_active": self.pool.config.max_active, "seconds": seconds,
+                "created_per_s": n / seconds, "slowest_acquire_s": max(waits)}
 
     def close(self) -> None:
         self.engine.close()
@@ -297,7 +316,8 @@ class RayRollouts:
     runner over N RolloutWorker actors, placed with one placement group."""
 
     def __init__(self, cluster: ClusterConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 engine: EngineConfig, pool: PoolConfig, version: int = 0, log: Callable[[str], None] = print):
+                 engine: EngineConfig, pool: PoolConfig, version: int = 0, log: Callable[[str], None] = print,
+                 engine_factory: Callable[[PreTrainedTokenizerBase, int], Any] | None = None):
         self.cluster, self._version, self.log = cluster, version, log
         bundle = {"CPU": cluster.worker_cpus, **cluster.worker_resources}
         self._pg = placement_group([bundle] * cluster.rollout_workers, strategy=cluster.placement,
@@ -312,7 +332,8 @@ class RayRollouts:
                 name=f"rollout-{i}-{tag}", num_cpus=cluster.worker_cpus, resources=cluster.worker_resources,
                 max_concurrency=cluster.episodes_per_worker + 8, max_restarts=0,  # + 8: updates, stats, generate
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
-            ).remote(f"rollout-{i}", type(model), model.config, state, tokenizer, engine, pool, cluster, version)
+            ).remote(f"rollout-{i}", type(model), model.config, state, tokenizer, engine, pool, cluster, version,
+                     engine_factory)
             for i in range(cluster.rollout_workers)]
         self.where: list[dict[str, Any]] = []
         for i, worker in enumerate(self.workers):
