@@ -24,6 +24,10 @@ with usage reporting off, fractional CPU requests and a 100 MB object store per 
    sandboxes created per second per node, alone and with all nodes at once.
 4. recovery: during a scaling run at the largest N ≤ 4, one node is removed after the first step;
    seconds from the removal to the next completed learner step, against the median step.
+5. memory: what one sandbox costs the host (MemAvailable before and after, /proc/meminfo), held
+   idle with a task's workspace, and running a Python test process (the heaviest thing an
+   episode's tools do), over 32 at once; the 100,000-sandbox arithmetic in docs/ARCHITECTURE.md
+   rests on it and on the burst's creation rate.
 """
 
 from __future__ import annotations
@@ -159,9 +163,42 @@ def scaled_run(n: int, model, tokenizer, tasks, costs: dict, learner_s: float, s
     return out
 
 
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def memory(n: int = 32) -> dict:
+    """Host memory per sandbox, idle (workspace held) and running a Python process."""
+    task = task_set(["bugfix"], "train", 1, seed=100, difficulty=1)[0]
+    before = mem_available()
+    with SandboxPool(PoolConfig(max_active=n, warm=0)) as pool:
+        boxes = [pool.acquire(task.files) for _ in range(n)]
+        time.sleep(0.5)
+        idle = (before - mem_available()) / n
+        samples: list[int] = []
+        threads = [threading.Thread(target=b.run, args=("python3 -c 'import time; time.sleep(3)'",)) for b in boxes]
+        for t in threads:
+            t.start()
+        for _ in range(4):
+            time.sleep(0.5)
+            samples.append(mem_available())
+        for t in threads:
+            t.join()
+        running = (before - min(samples)) / n
+        for b in boxes:
+            pool.release(b)
+    out = {"sandboxes": n, "idle_mb_per_sandbox": idle / 2**20, "running_python_mb_per_sandbox": running / 2**20,
+           "workspace_kb": sum(len(v) for v in task.files.values()) / 1024}
+    log(f"memory: {out}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default="overhead,scaling,burst,recovery")
+    parser.add_argument("--parts", default="overhead,scaling,burst,recovery,memory")
     parser.add_argument("--steps", type=int, default=5, help="K: learner steps per run")
     parser.add_argument("--nodes", type=lambda v: [int(k) for k in v.split(",")], default=[1, 2, 4, 8])
     parser.add_argument("--costs", type=Path, default=COSTS)
@@ -172,6 +209,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         registry, model, tokenizer = tiny_registry(work / "registry")
+        if "memory" in parts:
+            result["memory"] = memory()
         if "overhead" in parts:
             result["overhead"] = overhead(args, registry, work)
         if parts & {"scaling", "burst", "recovery"}:

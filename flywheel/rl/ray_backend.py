@@ -371,12 +371,16 @@ class RayRollouts:
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(dict(weights))
         with self._lock:
             alive = sorted(self._alive)
+        if not alive:
+            raise NoWorkersLeft(f"no rollout worker is left to take the weights of policy {version}; restart the run "
+                                "on a cluster with live nodes (it resumes from its last checkpoint)")
         calls = {self.workers[i].update_weights.remote(ref, version, timeout_s): i for i in alive}
         timeout = max(timeout_s, self.cluster.actor_timeout_s)
         done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout)
         if pending:
             raise ActorHung(f"{self._describe(calls[pending[0]])} did not apply the weights of policy {version} "
-                            f"within {timeout:.0f} s; inspect it (`ray stack`) or raise cluster.actor_timeout_s")
+                            f"within {timeout:.0f} s (or the learner actor did not produce them); inspect both "
+                            "(`ray stack`) or raise cluster.actor_timeout_s")
         for ref_done in done:
             try:
                 ray.get(ref_done)
