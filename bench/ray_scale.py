@@ -1,6 +1,6 @@
 """The Ray backend's costs and scaling, on simulated nodes of one machine.
 
-    python bench/ray_scale.py                                  # all parts (~5 min on 2 cores)
+    python bench/ray_scale.py                                  # all parts (~11 min on 2 shared cores)
     python bench/ray_scale.py --parts overhead --steps 6
     python bench/ray_scale.py --parts scaling,burst,recovery --nodes 1,2,4
 
