@@ -79,7 +79,7 @@ def registry_root(tmp_path_factory) -> Path:
             reply = encoder.user_reply(task.answer_question(SAY))
             tokens, mask = tokens + say + reply, mask + [1] * len(say) + [0] * len(reply)
         examples.append((tokens, mask))
-    train_sft(model, examples, SFTConfig(epochs=40, lr=2e-2, warmup_steps=1, batch_tokens=100_000),
+    train_sft(model, examples, SFTConfig(epochs=25, lr=3e-2, warmup_steps=1, batch_tokens=100_000),
               tokenizer.pad_token_id)
     with Registry(root) as registry:
         registry.register(model, tokenizer, parent=None, aliases=["production"], note="asks questions")
@@ -228,7 +228,8 @@ def test_a_killed_learner_resumes_from_its_last_checkpoint(cluster, registry_roo
 
     watcher = threading.Thread(target=kill_the_learner, daemon=True)
     watcher.start()
-    _, summary = train(run_config(registry_root, run_dir, steps=3, learner_restarts=1), log=logs.append)
+    _, summary = train(run_config(registry_root, run_dir, steps=3, learner_restarts=1, rollout_workers=1),
+                       log=logs.append)
     watcher.join(timeout=10)
     assert any("the learner actor died" in line and "restarting from" in line for line in logs), logs
     assert any(line.startswith(f"resumed {run_dir} at step") for line in logs), logs
@@ -247,7 +248,8 @@ def test_a_hung_worker_is_named_within_the_timeout(cluster, registry_root, tmp_p
     watcher = when_inflight(run_dir, 2, hang_a_worker)
     try:
         with pytest.raises((OrchestratorStalled, ActorHung)) as raised:
-            train(run_config(registry_root, run_dir, steps=20, actor_timeout_s=4.0), log=lambda _: None)
+            train(run_config(registry_root, run_dir, steps=20, actor_timeout_s=4.0, rollout_workers=1),
+                  log=lambda _: None)
         detected = time.monotonic()
     finally:
         watcher.join(timeout=60)
