@@ -17,6 +17,9 @@
 7. eval every `eval_every` steps (and at the start and the end): held-out pass rate at temperature 0
 8. register the result in the Registry (parent = the start version), with its eval metrics
 
+Where the Learner, the Engine and the episodes run is `cluster.backend` (`flywheel.rl.cluster`):
+in this process (default) or as Ray actors across nodes; the steps above are the same code.
+
 Progress: one line per step (step, reward, pass rate, tokens/s, staleness); metrics.jsonl and
 eval.jsonl in the run folder (`flywheel.rl.run_folder`). A run folder that already holds a run is
 resumed, not overwritten.
