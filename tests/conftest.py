@@ -5,6 +5,11 @@ a real PostgreSQL server. The server is FLYWHEEL_PG_URL when set (.ci/run starts
 else a throwaway cluster this session starts from the local server binaries
 (flywheel/store/pg_cluster.py); without either the PostgreSQL cases skip, and fail under
 FLYWHEEL_CI=1, where a missing server is a broken setup, not an absent option.
+
+It also sets, before anything imports Ray (its constants are read at import), that the simulated
+Ray clusters of tests/rl/test_ray.py advertise loopback addresses, not the address of this
+machine's interface, which a sandboxed CI machine may not let it reach itself on; and that Ray
+reports no usage.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from collections.abc import Iterator
 import pytest
 
 from flywheel.store.pg_cluster import ThrowawayCluster, new_schema_url, server_binaries
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # on Linux: nodes' IPs are 127.0.0.1
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 @pytest.fixture(scope="session")

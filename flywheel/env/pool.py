@@ -54,6 +54,9 @@ class SandboxPool:
         self._created = 0
         self._reaped = reap_orphans(self.config.sandbox.resolved_root())
         self._latencies_ms: deque[float] = deque(maxlen=10_000)
+        self._waits_ms: deque[float] = deque(maxlen=10_000)  # asked -> slot granted: the admission queue's wait
+        self._peak_active = 0
+        self._opened = time.monotonic()
         self._refill_warm()
 
     def acquire(
@@ -91,7 +94,8 @@ class SandboxPool:
                 self._cond.notify_all()  # the next in line may now be at the head
             self._starting += 1
             warm = self._warm.pop() if self._warm else None
-        granted = time.monotonic()
+            granted = time.monotonic()
+            self._waits_ms.append((granted - asked) * 1000)
         try:
             if warm is None:
                 sandbox = Sandbox.create(files, self.config.sandbox)
@@ -112,6 +116,7 @@ class SandboxPool:
             self._starting -= 1
             self._created += created
             self._active[id(sandbox)] = (sandbox, time.monotonic())
+            self._peak_active = max(self._peak_active, len(self._active) + self._starting)
             self._latencies_ms.append((time.monotonic() - granted) * 1000)
         return sandbox
 
@@ -135,15 +140,19 @@ class SandboxPool:
     def stats(self) -> dict[str, float | int]:
         with self._cond:
             self._reap_expired()
-            lat = sorted(self._latencies_ms)
+            lat, waits = sorted(self._latencies_ms), sorted(self._waits_ms)
             return {
                 "active": len(self._active) + self._starting,
+                "peak_active": self._peak_active,
                 "queued": len(self._queue),
                 "warm": len(self._warm),
                 "created": self._created,
                 "reaped": self._reaped,
                 "start_latency_ms_p50": _percentile(lat, 0.50),
                 "start_latency_ms_p99": _percentile(lat, 0.99),
+                "queue_wait_ms_p50": _percentile(waits, 0.50),
+                "queue_wait_ms_p99": _percentile(waits, 0.99),
+                "uptime_s": time.monotonic() - self._opened,
             }
 
     def close(self) -> None:

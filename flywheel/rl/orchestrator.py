@@ -29,7 +29,10 @@ What unblocks what:
   flight than the engine has rows, the oldest groups, the ones the learner waits on, go first.
 
 What goes in and out is plain: tasks, an Engine and a SandboxPool to run episodes on, a getter of
-the current policy version (the Orchestrator never holds a Learner, so it can run as a Ray actor);
+the current policy version (the Orchestrator never holds a Learner, so it can run as a Ray actor),
+and optionally a `runner` that plays an episode elsewhere (`flywheel.rl.ray_backend`: on a rollout
+worker actor of a Ray cluster) with `run_episode`'s contract: same task, resume state, `on_turn`
+at every turn boundary on this side, one Trajectory back;
 out come `Batch` records (groups of `Trajectory`), in come `consumed(group ids, version)` calls, and
 `progress()` is the dict the loop checkpoints with the learner state and `resume` takes back.
 
@@ -60,7 +63,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, model_validator
 from transformers import PreTrainedTokenizerBase
@@ -136,6 +139,16 @@ class OrchestratorConfig(BaseModel):
         return self.groups_per_step * (1 + self.staleness_bound)
 
 
+class EpisodeRunner(Protocol):
+    """Plays one episode as `run_episode` does (with the Orchestrator's engine, tokenizer and pool
+    when it runs here); `on_turn` is called in the caller's process at every turn boundary, and an
+    exception it raises stops the episode. May have `counts() -> dict[str, int]` (added to
+    `Orchestrator.counts`)."""
+
+    def __call__(self, task: Task, config: EpisodeConfig, group_id: str, resume: EpisodeState | None,
+                 on_turn: Callable[[EpisodeState], None], priority: int) -> Trajectory: ...
+
+
 class OrchestratorStalled(RuntimeError):
     pass
 
@@ -203,11 +216,12 @@ class Orchestrator:
 
     def __init__(self, config: OrchestratorConfig, tasks: Sequence[Task], engine: Engine,
                  tokenizer: PreTrainedTokenizerBase, pool: SandboxPool, run_dir: str | Path,
-                 version: Callable[[], int]):
+                 version: Callable[[], int], runner: EpisodeRunner | None = None):
         if not tasks:
             raise ValueError("no training tasks")
         self.config, self.tasks, self.engine, self.version = config, list(tasks), engine, version
         self.tokenizer, self.pool = tokenizer, pool
+        self.runner = runner or self._run_here
         self.run = RunFolder(run_dir)
         self._tasks_by_id = {t.id: t for t in self.tasks}
         self._siblings: dict[tuple[str, object], list[Task]] = {}
@@ -221,6 +235,7 @@ class Orchestrator:
         self._consumed: dict[str, int] = {}  # group -> the version it was consumed at (trained, or filtered)
         self._counts = {"zero_signal_groups": 0, "filtered_groups": 0, "episodes": 0, "failed_episodes": 0,
                         "resumed_episodes": 0}
+        self._resumed_runner_counts: dict[str, int] = {}  # the runner's counts as the resumed run saved them
         self._error: BaseException | None = None
         self._filtered_in_a_row = 0
         self._rollouts = {"episodes": 0, "passed": 0}  # since the previous batch, see `Batch`
@@ -275,16 +290,21 @@ class Orchestrator:
             self._admit(version)
 
     def counts(self) -> dict[str, int]:
-        """Running totals: episodes, failed episodes, resumed episodes, zero-signal and filtered groups."""
+        """Running totals: episodes, failed episodes, resumed episodes, zero-signal and filtered groups,
+        and the runner's own (a Ray runner's `failover_episodes`), added to what a resumed run counted."""
         with self._cond:
-            return dict(self._counts)
+            counts = dict(self._counts)
+        for key, n in getattr(self.runner, "counts", dict)().items():
+            counts[key] = self._resumed_runner_counts.get(key, 0) + n
+        return counts
 
     def progress(self) -> dict[str, Any]:
         """What a resume needs besides the learner (a plain dict for `RunFolder.save_state`): batches
         consumed, groups started, which groups were consumed at which version, the counts."""
+        counts = self.counts()
         with self._cond:
             return {"step": self.step, "next_group": self._next_group, "consumed": dict(self._consumed),
-                    "counts": dict(self._counts)}
+                    "counts": counts}
 
     def resume(self, progress: dict[str, Any] | None) -> bool:
         """Restore from `run_dir` and the `progress()` saved with the learner (None: no checkpoint was
@@ -296,7 +316,9 @@ class Orchestrator:
             self.step = progress["step"]
             consumed = progress["consumed"]  # a list in runs saved before the versions were kept
             self._consumed = dict(consumed) if isinstance(consumed, dict) else dict.fromkeys(consumed, -1)
-            self._counts.update(progress["counts"])
+            runner_keys = set(getattr(self.runner, "counts", dict)())
+            self._counts.update({k: v for k, v in progress["counts"].items() if k not in runner_keys})
+            self._resumed_runner_counts = {k: v for k, v in progress["counts"].items() if k in runner_keys}
         finished: dict[str, Trajectory] = {}
         for record in self.run.read("trajectories.jsonl"):
             finished[record["episode"]] = Trajectory.model_validate(record["trajectory"])
@@ -430,8 +452,8 @@ class Orchestrator:
                     raise _Stopped
 
         try:
-            traj = run_episode(group.task(index), self.engine, self.tokenizer, self.pool, self.config.episode,
-                               group_id=group.id, resume=state, on_turn=saved, priority=group.order)
+            traj = self.runner(group.task(index), self.config.episode, group_id=group.id, resume=state,
+                               on_turn=saved, priority=group.order)
         except _Stopped:
             return
         except BaseException as exc:  # noqa: BLE001 - recorded and raised in the learner's thread
@@ -449,6 +471,12 @@ class Orchestrator:
             self._counts["episodes"] += 1
             self._counts["failed_episodes"] += traj.status in (Status.SANDBOX_ERROR, Status.ABORTED, Status.TOOL_ERROR)
             self._cond.notify_all()
+
+    def _run_here(self, task: Task, config: EpisodeConfig, group_id: str, resume: EpisodeState | None,
+                  on_turn: Callable[[EpisodeState], None], priority: int) -> Trajectory:
+        """The default runner: the episode in this process, on this Orchestrator's engine and pool."""
+        return run_episode(task, self.engine, self.tokenizer, self.pool, config, group_id=group_id, resume=resume,
+                           on_turn=on_turn, priority=priority)
 
     def _check_episode_progress(self) -> None:
         now = time.monotonic()

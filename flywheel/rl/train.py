@@ -17,6 +17,9 @@
 7. eval every `eval_every` steps (and at the start and the end): held-out pass rate at temperature 0
 8. register the result in the Registry (parent = the start version), with its eval metrics
 
+Where the Learner, the Engine and the episodes run is `cluster.backend` (`flywheel.rl.cluster`):
+in this process (default) or as Ray actors across nodes; the steps above are the same code.
+
 Progress: one line per step (step, reward, pass rate, tokens/s, staleness); metrics.jsonl and
 eval.jsonl in the run folder (`flywheel.rl.run_folder`). A run folder that already holds a run is
 resumed, not overwritten.
@@ -43,9 +46,9 @@ from flywheel.agent.trajectory import Status
 from flywheel.env.families import FAMILIES, held_out_tasks, task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.engine import Engine, EngineConfig
-from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import Checkpoint, Registry
 from flywheel.rl.advantages import outcome_tied
+from flywheel.rl.cluster import ClusterConfig, LearnerLost, start_cluster
 from flywheel.rl.learner import Learner, LearnerConfig
 from flywheel.rl.orchestrator import Batch, Orchestrator, OrchestratorConfig
 from flywheel.rl.run_folder import RunFolder
@@ -73,6 +76,7 @@ class TrainConfig(BaseModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # local (default) or Ray actors across nodes
 
     @model_validator(mode="after")
     def _sampling_matches_learning(self) -> TrainConfig:
@@ -187,6 +191,19 @@ def resume(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Lear
 
 
 def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Checkpoint | None, dict[str, Any]]:
+    """`train_once`, restarted from the run's last checkpoint when a Ray learner actor dies
+    (`cluster.learner_restarts` times): the resume path of a killed local run."""
+    for restart in range(config.cluster.learner_restarts + 1):
+        try:
+            return train_once(config, log)
+        except LearnerLost as exc:
+            if restart == config.cluster.learner_restarts:
+                raise
+            log(f"{exc}: restarting from {config.run_dir} ({restart + 1} of {config.cluster.learner_restarts})")
+    raise AssertionError("unreachable")
+
+
+def train_once(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Checkpoint | None, dict[str, Any]]:
     torch.set_num_threads(config.threads)
     start = time.perf_counter()
     config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +212,6 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
     parent = registry.get(config.checkpoint)
     engine_model, tokenizer = registry.load(parent.version)
     learner_model, _ = registry.load(parent.version)
-    learner = Learner(learner_model.train(), config.learner)  # policy 0: the start checkpoint's weights
     tasks = train_tasks(config)
     orch_config = config.orchestrator
     evals: list[dict[str, Any]] = []
@@ -209,10 +225,13 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
             f"[{report['pass_rate_ci'][0]:.2f}, {report['pass_rate_ci'][1]:.2f}], "
             f"valid tool calls {report['valid_tool_call_rate']:.2f}, failed {report['failed_tool_call_rate']:.2f}")
 
-    with start_engine(engine_model, config.engine, version=learner.version) as engine, \
+    # cluster.backend: the Learner, the Engine and the episodes here, or as Ray actors (flywheel/rl/cluster.py)
+    with start_cluster(config.cluster, log) as cluster, \
+            cluster.learner(learner_model, config.learner, threads=config.threads) as learner, \
+            cluster.engine(engine_model, tokenizer, config.engine, config.pool, version=learner.version) as engine, \
             SandboxPool(config.pool) as pool, \
             Orchestrator(orch_config, tasks, engine, tokenizer, pool, config.run_dir,
-                         version=lambda: learner.version) as orchestrator:
+                         version=lambda: learner.version, runner=cluster.runner(engine)) as orchestrator:
         if resume(orch_config, orchestrator, learner, engine, run):
             log(f"resumed {config.run_dir} at step {orchestrator.step} (policy {learner.version})")
         elif config.eval_at_start:
@@ -225,12 +244,15 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
                 log(f"time budget of {config.time_budget_s:.0f} s reached at step {orchestrator.step}")
                 break
             log(step_line(learning_step(orch_config, orchestrator, learner, engine, run)))
+            if fleet := cluster.stats():  # Ray: live sandboxes, queue wait, creation rate per node
+                run.append("fleet.jsonl", {"step": orchestrator.step, **fleet})
             if (config.eval_every and orchestrator.step % config.eval_every == 0
                     and orchestrator.step < orch_config.max_steps):
                 record_eval(run_eval(config, engine, tokenizer, pool), orchestrator.step)
         orchestrator.close()  # in-flight episodes stop at a turn boundary, saved for a resume
         final = run_eval(config, engine, tokenizer, pool)
         record_eval(final, orchestrator.step)
+        trained_model = learner.model  # the Ray learner's weights come back to this copy
     summary = {"steps": orchestrator.step, "policy_version": learner.version,
                "seconds": time.perf_counter() - start,
                "pass_rate_start": evals[0]["pass_rate"] if evals and evals[0]["step"] == 0 else float("nan"),
@@ -239,7 +261,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
     if config.register_checkpoint and orchestrator.step > 0:
         metrics = {"eval_pass_rate": final["pass_rate"], "eval_valid_tool_call_rate": final["valid_tool_call_rate"],
                    "train_steps": float(orchestrator.step)}
-        checkpoint = registry.register(learner.model.eval(), tokenizer, parent=parent.version, metrics=metrics,
+        checkpoint = registry.register(trained_model.eval(), tokenizer, parent=parent.version, metrics=metrics,
                                        aliases=[config.alias] if config.alias else [],
                                        note=f"simulated RL ({orch_config.mode}), {orchestrator.step} steps")
         log(f"registered v{checkpoint.version} (parent v{parent.version}) at {checkpoint.path}")

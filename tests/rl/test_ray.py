@@ -1,0 +1,261 @@
+"""The training loop on Ray: a multi-node cluster simulated on this machine, never mocks.
+
+One `ray.cluster_utils.Cluster` per module: a head node (the learner's, custom resource
+`learner`) and two rollout nodes (custom resource `rollout`), each a raylet of its own with one
+CPU, a 100 MB object store, loopback only, usage reporting off. Rollout workers and the learner are
+real actors placed by placement groups; episodes run the real engine (a tiny SFT'd model that
+talks for a few turns, so every episode has turn boundaries to resume from), real bwrap
+sandboxes and real grading. The faults are real too: `ray.kill` of a worker or the learner,
+`Cluster.remove_node` of a whole node, SIGSTOP of a worker's process for a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+from flywheel.agent.episode import initial_prompt, opening
+from flywheel.env.families import task_set
+from flywheel.model.chat import IM_END
+from flywheel.model.conversation import ConversationEncoder
+from flywheel.model.factory import ModelConfig, build_model
+from flywheel.model.registry import Registry
+from flywheel.model.tokenizer import train_tokenizer
+from flywheel.rl.orchestrator import OrchestratorStalled
+from flywheel.rl.ray_backend import ActorHung
+from flywheel.rl.run_folder import RunFolder
+from flywheel.rl.sft import SFTConfig, train_sft
+from flywheel.rl.train import TrainConfig, train
+
+SAY = "Which file?"
+STORE = 100 * 2**20
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Node death is noticed by health checks: every 0.5 s, dead after 4 misses, not Ray's 3 s x 5.
+    system = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"learner": 1}, "object_store_memory": STORE, "node_ip_address": "127.0.0.1",
+        "include_dashboard": False, "_system_config": system})
+    try:
+        for _ in range(3):
+            c.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=STORE, node_ip_address="127.0.0.1")
+        c.wait_for_nodes()
+        ray.init(address=c.address)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def registry_root(tmp_path_factory) -> Path:
+    """A tiny policy that answers every turn with a question (no tool call), so an episode is
+    `max_turns` turns with a saved state after each, then graded."""
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("ray") / "registry"
+    tasks = task_set(["bugfix"], "train", 2, seed=100, difficulty=1)
+    tokenizer = train_tokenizer([initial_prompt(t) + SAY for t in tasks] * 4, vocab_size=300)
+    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
+    encoder = ConversationEncoder(tokenizer)
+    say = tokenizer(SAY + IM_END, add_special_tokens=False)["input_ids"]
+    examples = []
+    for task in tasks:  # four turns of the same question, each answered by the simulated user
+        tokens = encoder.encode(opening(task), encoder.tools)
+        mask = [0] * len(tokens)
+        for _ in range(4):
+            reply = encoder.user_reply(task.answer_question(SAY))
+            tokens, mask = tokens + say + reply, mask + [1] * len(say) + [0] * len(reply)
+        examples.append((tokens, mask))
+    train_sft(model, examples, SFTConfig(epochs=25, lr=3e-2, warmup_steps=1, batch_tokens=100_000),
+              tokenizer.pad_token_id)
+    with Registry(root) as registry:
+        registry.register(model, tokenizer, parent=None, aliases=["production"], note="asks questions")
+    return root
+
+
+def run_config(registry_root: Path, run_dir: Path, backend: str = "ray", steps: int = 4, **cluster) -> TrainConfig:
+    cluster_keys = {"backend": backend}
+    if backend == "ray":
+        cluster_keys.update(rollout_workers=2, placement="STRICT_SPREAD", worker_cpus=0.2, learner_cpus=0.2,
+                            worker_resources={"rollout": 0.5}, learner_resources={"learner": 0.5},
+                            episodes_per_worker=16, actor_timeout_s=60.0, sandboxes_per_cpu=6)
+    cluster_keys.update(cluster)
+    return TrainConfig.model_validate({
+        "registry_root": str(registry_root), "run_dir": str(run_dir), "families": ["bugfix"],
+        "train_tasks_per_family": 2, "eval_tasks_per_family": 1, "eval_at_start": False, "threads": 1,
+        "register_checkpoint": False,
+        "orchestrator": {"group_size": 4, "groups_per_step": 2, "max_staleness": 1, "concurrency": 16,
+                         "max_steps": steps, "filter_zero_signal": False,
+                         "episode": {"max_turns": 4, "max_tokens_per_turn": 24, "temperature": 0.5}},
+        "learner": {"lr": 0.01, "temperature": 0.5},
+        "engine": {"threads": 1},
+        "pool": {"warm": 0},
+        "cluster": cluster_keys,
+    })
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def check_run(run_dir: Path, steps: int, staleness: int = 1) -> list[dict]:
+    """What every run must show: each step once, versions per generated token within the bound,
+    each episode recorded once, each trained group trained once and complete."""
+    metrics = rows(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert [m["policy_version"] for m in metrics] == list(range(1, steps + 1))
+    assert max(m["staleness_max"] for m in metrics) <= staleness
+    records = rows(run_dir / "trajectories.jsonl")
+    episodes = [r["episode"] for r in records]
+    assert len(episodes) == len(set(episodes)), "an episode was recorded twice"
+    groups = {}
+    for r in records:
+        groups.setdefault(r["episode"].split("/")[0], []).append(r["trajectory"])
+        t = r["trajectory"]
+        generated = [v for v, m in zip(t["versions"], t["loss_mask"], strict=True) if m]
+        assert generated and min(generated) >= 0 and max(generated) <= steps
+        assert generated == sorted(generated), "a token's version went back in time"
+    started = rows(run_dir / "groups.jsonl")
+    for g in started:
+        if g["group"] in groups and len(groups[g["group"]]) == 4:
+            oldest = min(v for t in groups[g["group"]] for v, m in zip(t["versions"], t["loss_mask"], strict=True) if m)
+            assert oldest >= g["version"]
+    return metrics
+
+
+def named_actors(prefix: str) -> list:
+    """The live actors whose name starts with `prefix` ("rollout-", "learner-"), by name."""
+    found = ray.util.list_named_actors(all_namespaces=True)
+    return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in sorted(found, key=lambda a: a["name"])
+            if a["name"].startswith(prefix)]
+
+
+def when_inflight(run_dir: Path, n: int, then, timeout_s: float = 120.0) -> threading.Thread:
+    """Call `then()` once at least `n` episodes of the run have a saved in-flight state."""
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            inflight = run_dir / "inflight"
+            if inflight.exists() and sum(1 for _ in inflight.rglob("*.json")) >= n:
+                then()
+                return
+            time.sleep(0.05)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_and_a_lost_node(
+        cluster, registry_root, tmp_path):
+    """One run for both (each run starts its actors, 20-30 s on 2 shared cores): three rollout
+    workers, one per rollout node; one is killed, then another's node is removed; the last one
+    finishes the run. The records must be the local run's, and no episode lost or trained twice."""
+    run_dir, logs, faults = tmp_path / "ray", [], []
+
+    def kill_a_worker_then_a_node() -> None:
+        workers = named_actors("rollout-")
+        where = [ray.get(w.where.remote()) for w in workers]
+        ray.kill(workers[0])
+        faults.append(("killed", where[0]["name"]))
+        time.sleep(1.0)  # the survivors take the killed worker's episodes, then lose another node
+        node = next(n for n in cluster.list_all_nodes() if n.node_id == where[1]["node_id"])
+        cluster.remove_node(node)
+        faults.append(("removed node of", where[1]["name"]))
+
+    watcher = when_inflight(run_dir, 4, kill_a_worker_then_a_node)
+    try:
+        _, summary = train(run_config(registry_root, run_dir, steps=5, rollout_workers=3), log=logs.append)
+    finally:
+        watcher.join(timeout=60)
+        cluster.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=STORE, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+    assert summary["steps"] == 5
+    assert [f[0] for f in faults] == ["killed", "removed node of"], faults
+    ray_metrics = check_run(run_dir, 5)
+
+    # The workers sat one per rollout node (STRICT_SPREAD over the nodes offering `rollout`) and
+    # sized their pools from their node: 1 CPU x 6 sandboxes per CPU.
+    sizing = [line for line in logs if line.startswith("rollout worker") and " sandboxes = " in line]
+    assert len(sizing) == 3 and all(": 6 sandboxes = min(1 CPU" in line for line in sizing), sizing
+    assert len({line.split(" on node ")[1].split()[0] for line in sizing}) == 3
+    fleet = rows(run_dir / "fleet.jsonl")
+    assert len(fleet) == 5 and fleet[-1]["live_workers"] == 1
+    assert all(n["peak"] <= 6 and n["created_per_s"] > 0 for row in fleet for n in row["nodes"].values())
+
+    # Faults: the dead workers' in-flight episodes moved, some from a saved mid-episode state.
+    moved = [line for line in logs if "continues on another worker from turn" in line]
+    assert ray_metrics[-1]["failover_episodes"] == len(moved) >= 2, moved
+    assert any(not line.split("from turn ")[1].startswith("0:") for line in moved), moved
+    _, progress = RunFolder(run_dir).load_state()
+    by_group: dict[str, int] = {}
+    for r in rows(run_dir / "trajectories.jsonl"):
+        by_group[r["episode"].split("/")[0]] = by_group.get(r["episode"].split("/")[0], 0) + 1
+    assert progress["consumed"] and all(by_group.get(g) == 4 for g in progress["consumed"])  # none lost
+
+    # The same records as the local backend's.
+    train(run_config(registry_root, tmp_path / "local", backend="local"), log=lambda _: None)
+    local_metrics = check_run(tmp_path / "local", 4)
+    ray_records, local_records = rows(run_dir / "trajectories.jsonl"), rows(tmp_path / "local" / "trajectories.jsonl")
+    assert set(ray_records[0]) == set(local_records[0])
+    assert set(ray_records[0]["trajectory"]) == set(local_records[0]["trajectory"])
+    assert set(local_metrics[0]) - set(ray_metrics[0]) == set()
+    assert set(ray_metrics[0]) - set(local_metrics[0]) == {"failover_episodes"}
+    turns = [t["trajectory"]["turns"] for t in ray_records]
+    assert sum(turns) / len(turns) >= 2, turns  # the episodes really had turn boundaries to resume from
+
+
+def test_a_killed_learner_resumes_from_its_last_checkpoint(cluster, registry_root, tmp_path):
+    run_dir, logs = tmp_path / "run", []
+
+    def kill_the_learner() -> None:
+        deadline = time.monotonic() + 120
+        while len(rows(run_dir / "metrics.jsonl")) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ray.kill(named_actors("learner-")[0])
+
+    watcher = threading.Thread(target=kill_the_learner, daemon=True)
+    watcher.start()
+    _, summary = train(run_config(registry_root, run_dir, steps=3, learner_restarts=1, rollout_workers=1),
+                       log=logs.append)
+    watcher.join(timeout=10)
+    assert any("the learner actor died" in line and "restarting from" in line for line in logs), logs
+    assert any(line.startswith(f"resumed {run_dir} at step") for line in logs), logs
+    check_run(run_dir, 3)  # each step once: the one the dead learner was on is trained by the new one
+    assert summary["steps"] == 3
+
+
+def test_a_hung_worker_is_named_within_the_timeout(cluster, registry_root, tmp_path):
+    run_dir, stopped = tmp_path / "run", []
+
+    def hang_a_worker() -> None:
+        where = ray.get(named_actors("rollout-")[0].where.remote())
+        os.kill(where["pid"], signal.SIGSTOP)  # alive to Ray, answering nothing
+        stopped.append((where["pid"], time.monotonic()))
+
+    watcher = when_inflight(run_dir, 2, hang_a_worker)
+    try:
+        with pytest.raises((OrchestratorStalled, ActorHung)) as raised:
+            train(run_config(registry_root, run_dir, steps=20, actor_timeout_s=4.0, rollout_workers=1),
+                  log=lambda _: None)
+        detected = time.monotonic()
+    finally:
+        watcher.join(timeout=60)
+        for pid, _ in stopped:
+            os.kill(pid, signal.SIGCONT)
+    assert stopped, "the run ended before a worker could be stopped"
+    pid, since = stopped[0]
+    assert f"pid {pid}" in str(raised.value) and "rollout worker rollout-" in str(raised.value)
+    assert detected - since < 4.0 + 30.0  # the timeout, plus closing the run
