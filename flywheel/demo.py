@@ -33,6 +33,7 @@ from flywheel.model.registry import Checkpoint, Registry
 from flywheel.report.render import render_report
 from flywheel.rl.bootstrap import BootstrapConfig, bootstrap
 from flywheel.rl.train import TrainConfig, train
+from flywheel.rl.train import eval_tasks as train_eval_tasks
 from flywheel.sim.expert import bootstrap_demonstrations
 from flywheel.sim.users import Population, run_population
 
@@ -67,6 +68,22 @@ def cache_refusal(metrics: dict[str, float]) -> str | None:
         return None
     return (f"version 0 passed no held-out task (SFT: {metrics.get('sft_tokens_per_s', 0.0):,.0f} tokens/s for "
             f"{metrics.get('sft_seconds', 0.0):.0f} s; was another job using these cores?)")
+
+
+def _start_report(path: Path, boot: BootstrapConfig, train_config: TrainConfig) -> tuple[dict | None, str]:
+    """The bootstrap's held-out eval when it is the eval simulated RL would play at its start (the same
+    tasks, the same episode settings), so the run's eval.jsonl starts at version 0 without playing the
+    same 96 episodes twice; otherwise (None, why not)."""
+    if not path.exists():
+        return None, f"{path} is missing"
+    report = json.loads(path.read_text())
+    ids = {t.id for t in train_eval_tasks(train_config)}
+    if set(report.get("per_task", {})) != ids:
+        return None, f"{path} is not an eval of simulated RL's {len(ids)} held-out tasks"
+    episode = train_config.orchestrator.episode.model_copy(update={"temperature": train_config.eval_temperature})
+    if episode != boot.episode:
+        return None, "the bootstrap's eval episodes differ from simulated RL's (temperature, turns or tokens)"
+    return report, ""
 
 
 def _cached_bootstrap(registry_root: Path, marker: Path, key: str) -> Checkpoint | None:
@@ -128,7 +145,11 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     train_config = config.train.model_copy(update={"registry_root": registry_root, "run_dir": run / "train",
                                                    "checkpoint": "production"})
     (run / "train").mkdir(parents=True, exist_ok=True)
-    rl_checkpoint, rl_summary = train(train_config)
+    start_report, why = _start_report(run / "bootstrap" / "eval.json", config.bootstrap, train_config)
+    if start_report is None:
+        print(f"evaluating v{v0.version} again at the start of simulated RL: {why}")
+        train_config = train_config.model_copy(update={"eval_at_start": True})
+    rl_checkpoint, rl_summary = train(train_config, start_report=start_report)
     with Registry(registry_root) as registry:
         if rl_checkpoint is not None:
             registry.set_alias("production", rl_checkpoint.version)
@@ -174,6 +195,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     summary = {
         "pass_rate_bootstrap": start_pass,
         "pass_rate_after_simulated_rl": rl_summary.get("pass_rate_end"),
+        "simulated_rl_lift": rl_summary.get("lift"),
         "simulated_rl_steps": rl_summary.get("steps"),
         "cycles": [{"cycle": r.cycle, "decision": r.decision, "reason": r.reason,
                     "production": r.production, "production_after": r.production_after,
@@ -199,3 +221,30 @@ def print_summary(summary: dict[str, Any], reports: list[Any]) -> None:
               f"{'' if r.candidate is None else f'v{r.candidate}':>9}  {r.reason}")
     print(f"traffic: {summary['traffic']['sessions']} sessions, {summary['traffic']['completions']} completions")
     print(f"report: {summary['report']}   ({summary['timings']['total_s']:.0f} s in all)")
+    print(outcome_line(summary, reports))
+
+
+def outcome_line(summary: dict[str, Any], reports: list[Any]) -> str:
+    """The summary's last line, for a newcomer: what improved, by how much, with its interval, and
+    where nothing did, what the run showed instead."""
+    lift = summary.get("simulated_rl_lift")
+    if lift:
+        sign = "significant" if lift["significant"] else "not significant at 95%"
+        sim = (f"simulated RL moved the held-out pass rate {lift['before']:.3f} -> {lift['after']:.3f} "
+               f"({lift['diff']:+.3f}, 95% CI [{lift['ci'][0]:+.3f}, {lift['ci'][1]:+.3f}] over {lift['tasks']} "
+               f"paired tasks, {lift['gained']} gained / {lift['lost']} lost: {sign})")
+    else:
+        sim = (f"simulated RL: held-out pass rate {summary['pass_rate_bootstrap']:.3f} -> "
+               f"{summary['pass_rate_after_simulated_rl']:.3f} (no paired start eval to give an interval)")
+    promoted = [r for r in reports if r.decision == "promote"]
+    if promoted:
+        r = promoted[-1]
+        better = [f"{name} {m.diff:+.3f} [{m.ci_low:+.3f}, {m.ci_high:+.3f}]"
+                  for name, m in (r.ab.metrics.items() if r.ab else []) if m.verdict == "better"]
+        live = (f"real-time RL promoted v{r.candidate} in cycle {r.cycle}"
+                + (f" on {', '.join(better)} (candidate - production, 95% CI)" if better else f": {r.reason}"))
+    elif reports:
+        live = f"real-time RL promoted nothing in {len(reports)} cycle(s); the last: {reports[-1].reason}"
+    else:
+        live = "real-time RL ran no cycle"
+    return f"In one line: {sim}; {live}."

@@ -20,7 +20,7 @@ from flywheel.agent.trajectory import Trajectory
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
 from flywheel.model.engine import Engine
-from flywheel.stats import mean_interval, wilson_interval
+from flywheel.stats import mean_interval, paired_proportion_interval, wilson_interval
 
 
 def passed(t: Trajectory) -> bool:
@@ -93,7 +93,33 @@ def _summarize(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         "status_counts": {s: sum(t.status == s for t in trajectories)
                           for s in sorted({t.status for t in trajectories})},
         "asked_question_rate": sum(t.asked_question for t in trajectories) / n if n else 0.0,
+        # each task's share of passing episodes (0 or 1 with one sample): what a paired comparison of
+        # two evals on the same tasks needs (`paired_lift`)
+        "per_task": {task: sum(passed(t) for t in ts) / len(ts) for task, ts in sorted(_by_task(trajectories).items())},
     }
+
+
+def _by_task(trajectories: Sequence[Trajectory]) -> dict[str, list[Trajectory]]:
+    by_task: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajectories:
+        by_task[t.task_id].append(t)
+    return by_task
+
+
+def paired_lift(before: dict[str, Any], after: dict[str, Any], confidence: float = 0.95) -> dict[str, Any] | None:
+    """The pass-rate change from one eval report to another on the same tasks, with its paired interval
+    (Tango's, `stats.paired_proportion_interval`; tasks played once each, e.g. greedily). None where the
+    two reports share no task or either lacks per-task results (reports written before they had them)."""
+    a, b = before.get("per_task") or {}, after.get("per_task") or {}
+    common = sorted(set(a) & set(b))
+    if not common or any(a[t] not in (0.0, 1.0) or b[t] not in (0.0, 1.0) for t in common):
+        return None
+    wins = sum(b[t] > a[t] for t in common)
+    losses = sum(b[t] < a[t] for t in common)
+    diff, low, high = paired_proportion_interval(wins, losses, len(common), confidence)
+    return {"before": sum(a[t] for t in common) / len(common), "after": sum(b[t] for t in common) / len(common),
+            "diff": diff, "ci": [low, high], "tasks": len(common), "gained": wins, "lost": losses,
+            "significant": low > 0 or high < 0}
 
 
 def evaluate(tasks: Sequence[Task], engine: Engine, tokenizer: PreTrainedTokenizerBase, pool: SandboxPool,

@@ -63,7 +63,7 @@ from flywheel.env.families import FAMILIES, held_out_tasks
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
 from flywheel.model.engine import Engine
-from flywheel.stats import mean_and_variance, t_quantile, wilson_interval, z_quantile
+from flywheel.stats import mean_and_variance, paired_proportion_interval, t_quantile, wilson_interval, z_quantile
 
 TaskResults = Mapping[str, Mapping[str, float | bool | None]]  # task id -> metric -> value (None: n/a)
 
@@ -120,7 +120,7 @@ def non_inferiority(candidate: Sequence[float], production: Sequence[float], mar
         b = sum(c > p for c, p in zip(candidate, production, strict=True))  # candidate won the task
         c = sum(c < p for c, p in zip(candidate, production, strict=True))  # production won it
         mean, method = (b - c) / n, "tango"
-        low, high = _tango_bound(b, c, n, alpha, lower=True), _tango_bound(b, c, n, alpha, lower=False)
+        _, low, high = paired_proportion_interval(b, c, n, 1 - 2 * alpha)
     else:
         diffs = [float(c) - float(p) for c, p in zip(candidate, production, strict=True)]
         mean, var = mean_and_variance(diffs)
@@ -131,34 +131,6 @@ def non_inferiority(candidate: Sequence[float], production: Sequence[float], mar
     return GateResult(passed=passed, diff=mean, ci_low=low, ci_high=high, n=n, method=method,
                       reason=f"{1 - alpha:.0%} lower bound {low:+.3f} of the paired difference {mean:+.3f} "
                              f"({method}, {n} tasks) is {verdict} -margin {-margin:+.3f}")
-
-
-def _tango_score(b: int, c: int, n: int, delta: float) -> float:
-    """Tango's score statistic for H0: p(candidate) - p(production) = delta; decreasing in delta."""
-    big_a = 2 * n
-    big_b = -b - c + (2 * n - b + c) * delta
-    big_c = -c * delta * (1 - delta)
-    q21 = (math.sqrt(max(0.0, big_b * big_b - 4 * big_a * big_c)) - big_b) / (2 * big_a)  # restricted MLE
-    var = n * (2 * q21 + delta * (1 - delta))
-    num = b - c - n * delta
-    if var <= 0:
-        return 0.0 if num == 0 else math.copysign(math.inf, num)
-    return num / math.sqrt(var)
-
-
-def _tango_bound(b: int, c: int, n: int, alpha: float, lower: bool) -> float:
-    """The one-sided (1 - alpha) confidence bound: where the score crosses +-z, found by bisection."""
-    z = z_quantile(1 - alpha)
-    estimate = (b - c) / n
-    lo, hi = (-1.0, estimate) if lower else (estimate, 1.0)
-    target = z if lower else -z
-    for _ in range(60):  # 2^-60: far below any margin
-        mid = (lo + hi) / 2
-        if (_tango_score(b, c, n, mid) > target) == lower:
-            lo, hi = (mid, hi) if lower else (lo, mid)
-        else:
-            lo, hi = (lo, mid) if lower else (mid, hi)
-    return (lo + hi) / 2
 
 
 def rate_limit(values: Sequence[bool | float], max_rate: float, alpha: float = 0.05) -> GateResult:

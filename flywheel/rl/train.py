@@ -34,14 +34,14 @@ staleness is the difference of two of them. A run's policy 5 is not registry v5.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from flywheel.agent.evaluate import evaluate, passed
+from flywheel.agent.evaluate import evaluate, paired_lift, passed
 from flywheel.agent.trajectory import Status
 from flywheel.env.families import FAMILIES, held_out_tasks, task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
@@ -190,12 +190,13 @@ def resume(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Lear
     return orchestrator.resume(progress)
 
 
-def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Checkpoint | None, dict[str, Any]]:
+def train(config: TrainConfig, log: Callable[[str], None] = print,
+          start_report: Mapping[str, Any] | None = None) -> tuple[Checkpoint | None, dict[str, Any]]:
     """`train_once`, restarted from the run's last checkpoint when a Ray learner actor dies
     (`cluster.learner_restarts` times): the resume path of a killed local run."""
     for restart in range(config.cluster.learner_restarts + 1):
         try:
-            return train_once(config, log)
+            return train_once(config, log, start_report)
         except LearnerLost as exc:
             if restart == config.cluster.learner_restarts:
                 raise
@@ -203,7 +204,11 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Chec
     raise AssertionError("unreachable")
 
 
-def train_once(config: TrainConfig, log: Callable[[str], None] = print) -> tuple[Checkpoint | None, dict[str, Any]]:
+def train_once(config: TrainConfig, log: Callable[[str], None] = print,
+               start_report: Mapping[str, Any] | None = None) -> tuple[Checkpoint | None, dict[str, Any]]:
+    """The RL loop (module docstring). `start_report`: the start checkpoint's held-out eval that the
+    caller already played on these eval tasks (the demo passes the bootstrap's); it is recorded as the
+    eval at step 0 instead of being played again, so every run's eval.jsonl starts at its start."""
     torch.set_num_threads(config.threads)
     start = time.perf_counter()
     config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -234,6 +239,8 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
                          version=lambda: learner.version, runner=cluster.runner(engine)) as orchestrator:
         if resume(orch_config, orchestrator, learner, engine, run):
             log(f"resumed {config.run_dir} at step {orchestrator.step} (policy {learner.version})")
+        elif start_report is not None:
+            record_eval({**start_report, "source": "start_report"}, 0)
         elif config.eval_at_start:
             record_eval(run_eval(config, engine, tokenizer, pool), 0)
         log(f"training v{parent.version} on {len(tasks)} tasks: {orch_config.mode}, "
@@ -256,7 +263,9 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print) -> tuple
     summary = {"steps": orchestrator.step, "policy_version": learner.version,
                "seconds": time.perf_counter() - start,
                "pass_rate_start": evals[0]["pass_rate"] if evals and evals[0]["step"] == 0 else float("nan"),
-               "pass_rate_end": final["pass_rate"]}
+               "pass_rate_end": final["pass_rate"],
+               # the paired change on the held-out tasks, start -> end (None without a start eval)
+               "lift": paired_lift(evals[0], final) if evals and evals[0]["step"] == 0 else None}
     checkpoint = None
     if config.register_checkpoint and orchestrator.step > 0:
         metrics = {"eval_pass_rate": final["pass_rate"], "eval_valid_tool_call_rate": final["valid_tool_call_rate"],

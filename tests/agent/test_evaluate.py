@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flywheel.agent.evaluate import clustered_interval, summarize
+from flywheel.agent.evaluate import clustered_interval, paired_lift, summarize
 from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.env.outcome import TestOutcome
 from flywheel.stats import wilson_interval
@@ -51,3 +51,22 @@ def test_clustered_interval_by_hand():
     assert clustered_interval([0.0, 1.0]) == (0.0, 1.0)  # clipped to what a pass rate can be
     assert clustered_interval([1.0, 1.0, 1.0]) == (1.0, 1.0)
     assert clustered_interval([0.5]) == (0.0, 1.0)
+
+
+def test_per_task_results_give_a_paired_lift_with_its_interval():
+    before = summarize([episode(f"t{i}", "bugfix", i < 10) for i in range(40)])
+    after = summarize([episode(f"t{i}", "bugfix", i < 22) for i in range(40)])
+    assert before["per_task"]["t3"] == 1.0 and before["per_task"]["t30"] == 0.0
+    lift = paired_lift(before, after)
+    assert (lift["before"], lift["after"], lift["tasks"], lift["gained"], lift["lost"]) == (0.25, 0.55, 40, 12, 0)
+    assert lift["diff"] == pytest.approx(0.3) and 0 < lift["ci"][0] < 0.3 < lift["ci"][1] and lift["significant"]
+    # one task gained, one lost: no change, and an interval on both sides of it
+    swapped = summarize([episode(f"t{i}", "bugfix", 1 <= i < 11) for i in range(40)])
+    tie = paired_lift(before, swapped)
+    assert tie["diff"] == 0 and tie["ci"][0] < 0 < tie["ci"][1] and not tie["significant"]
+
+
+def test_paired_lift_is_none_without_shared_per_task_results():
+    report = summarize([episode("t0", "bugfix", True)])
+    assert paired_lift({"pass_rate": 0.5}, report) is None
+    assert paired_lift(summarize([episode("other", "bugfix", True)]), report) is None

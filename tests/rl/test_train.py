@@ -16,6 +16,7 @@ import json
 import torch
 
 from flywheel.agent.episode import initial_prompt
+from flywheel.agent.evaluate import summarize
 from flywheel.cli import main
 from flywheel.env.families import task_set
 from flywheel.model.chat import IM_END, TOOL_CALL_OPEN
@@ -23,6 +24,8 @@ from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import Registry
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.sft import SFTConfig, train_sft
+from flywheel.rl.train import TrainConfig, eval_tasks, train
+from tests.agent.test_evaluate import episode
 
 RAMBLE = "Let me think."
 
@@ -86,3 +89,27 @@ lr = 0.03
         assert trained.version == 2 and trained.parent == 1 and trained.metrics["train_steps"] == 10
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 10] and [e["policy_version"] for e in evals] == [0, 10]
+
+
+def test_a_start_report_from_the_caller_is_the_eval_at_step_0_and_the_lift_is_paired(tmp_path):
+    """The demo hands `train` the bootstrap's eval of the same held-out tasks: eval.jsonl starts at
+    step 0 with it (not played again), and the summary's lift pairs it with the end's eval."""
+    tokenizer = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 8, vocab_size=300)
+    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
+    with Registry(tmp_path / "registry") as registry:
+        registry.register(model, tokenizer, parent=None, aliases=["production"])
+    config = TrainConfig.model_validate({
+        "registry_root": tmp_path / "registry", "run_dir": tmp_path / "run", "families": ["bugfix"],
+        "train_tasks_per_family": 1, "eval_tasks_per_family": 3, "threads": 1, "eval_at_start": False,
+        "orchestrator": {"group_size": 2, "groups_per_step": 1, "max_steps": 1, "filter_zero_signal": False,
+                         "episode": {"max_turns": 1, "max_tokens_per_turn": 8}}})
+    ids = [t.id for t in eval_tasks(config)]
+    start = summarize([episode(task, "bugfix", True) for task in ids])  # as if v0 had passed all three
+    _, summary = train(config, log=lambda line: None, start_report=start)
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 1] and evals[0]["source"] == "start_report"
+    assert evals[0]["per_task"] == dict.fromkeys(ids, 1.0) and summary["pass_rate_start"] == 1.0
+    lift = summary["lift"]
+    assert lift["tasks"] == 3 and lift["before"] == 1.0 and lift["after"] == summary["pass_rate_end"]
+    assert lift["lost"] == round(3 * (1 - summary["pass_rate_end"]))  # a random tiny policy passes ~none
