@@ -16,13 +16,15 @@ from tiny_serving import KEYS
 
 from flywheel.client import EventClient
 from flywheel.live.batch import on_policy_batch
-from flywheel.live.deploy import PINNED
+from flywheel.live.cycle import CycleState, LiveConfig, LiveCycle
+from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.records import BACKGROUND, Completion, CompletionToolCall, Event, EventType
 from flywheel.live.rewards import BackgroundConfig, RewardConfig, RewardDistiller, RewardStatus
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.sessions import SessionMonitor, SessionMonitorConfig, gather_background, session_summaries
 from flywheel.live.store import LiveStore
 from flywheel.model.chat import SYSTEM_PROMPT
+from flywheel.model.registry import Registry
 
 H = 3600.0
 T0 = 1_000_000.0
@@ -236,3 +238,55 @@ def test_a_store_written_before_org_ids_gains_the_column_and_keeps_its_rows(tmp_
         assert store.completion("old-0") == old and store.events_for_session("old")[0].org_id == ""
         store.add_completion(turn("new", 0, T0, org="acme"))
         assert [c.id for c in store.completions(org_id="acme")] == ["new-0"]
+
+
+class _Clock:
+    """Simulated time for the cycle: each sleep moves it on, and events due by then arrive."""
+
+    def __init__(self, start: float, store: LiveStore, arrivals: list[Event]):
+        self.now, self.store, self.arrivals, self.sleeps = start, store, sorted(arrivals, key=lambda e: e.time), 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.sleeps += 1
+        due = [e for e in self.arrivals if e.time <= self.now]
+        self.arrivals = self.arrivals[len(due):]
+        if due:
+            self.store.add_events(due)
+
+
+def test_the_cycle_waits_its_late_arrival_window_for_outcomes_and_reports_what_it_left_out(tmp_path):
+    store = LiveStore(tmp_path / "live.sqlite")
+    for name, start in (("early", T0), ("waited", T0 + 600), ("slow", T0 + 1200), ("mixed", T0 + 1800)):
+        for c in session(name, start, version=1 if name == "mixed" else 0):
+            store.add_completion(c)
+    store.add_events([outcome("early", "merged", T0 + 2 * H)])
+    arrivals = [outcome("waited", "ci_green", T0 + 4.5 * H),  # inside the 2 h wait after the batch is full
+                outcome("slow", "reverted", T0 + 7.5 * H)]  # after the wait: the next cycle has started
+    Registry(tmp_path / "registry").close()
+    config = LiveConfig(registry_root=tmp_path / "registry", store_path=tmp_path / "live.sqlite",
+                        run_dir=tmp_path / "run",
+                        batch={"min_completions": 6, "outcome_wait_s": 2 * H, "poll_s": 600, "max_wait_s": 24 * H})
+
+    class Control:
+        def current(self) -> Deployment:
+            return Deployment(production=0)
+
+        def apply(self, deployment: Deployment, note: str) -> None:
+            raise AssertionError("gathering changes no deployment")
+
+    clock = _Clock(T0 + 3 * H, store, arrivals)
+    cycle = LiveCycle(config, Control(), log=lambda m: None, clock=clock, sleep=clock.sleep)
+    state = CycleState(cycle=1, trigger="test", started_at=T0, production=0, first_production=0, since=0.0,
+                       events_at_start=0)
+    batch, _ = cycle._gather(state, store)
+    # Full at once ("early"), then waited 2 h: "waited" came in, "slow" did not.
+    assert clock.now == T0 + 5 * H and clock.sleeps == 12
+    assert state.batch["background"] == {"sessions": 2, "completions": 12, "outcomes": {"merged": 1, "ci_green": 1},
+                                         "left_out": {"open": 1, "other_version": 1}}
+    assert {c.session_id for c in batch.completions} == {"early", "waited"}
+    assert state.cutoff == T0 + 3 * H - config.rewards.feedback_window_s
+    store.close()
