@@ -29,8 +29,17 @@ adapter, or the base for its first. Aliases per organization: `production-<org>`
 `load_adapted(registry, version)` loads the base and applies the adapter (peft), and `merged(...)`
 folds it into plain weights for an engine.
 
-Not covered here (see docs/ARCHITECTURE.md): serving adapters to their organizations' requests
-from one engine, the per-organization A/B test and deployment.
+Serving several adapters without reloading the base: `adapter_view(base, adapter)` is a plain
+model (any engine runs it, the lean decoder included) whose every tensor the adapter does not
+touch IS the base's tensor (same storage), and whose adapted projections hold base + the LoRA
+delta, merged once. That is the "merged-weights cache per adapter, base shared" design, chosen over
+per-request adapter selection inside the engine's batch: the engine's batched decode and its lean
+decoder stay as they are (no per-row adapter matmuls), and an adapter costs the memory of its
+adapted projections only (on the tiny model, the attention projections: experts and embeddings,
+most of an MoE's weights, are shared). Its cost: one engine (a batch of its own) per served adapter.
+
+Not covered here (see docs/ARCHITECTURE.md): routing each request to its organization's engine in
+the server, the per-organization A/B test and deployment.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -149,6 +159,32 @@ def load_adapted(registry: Registry, version: int | str) -> tuple[Any, PreTraine
 def merged(adapter: Any) -> PreTrainedModel:
     """Plain weights with the adapter folded in (a copy), for an engine or the gate."""
     return copy.deepcopy(adapter).merge_and_unload().eval()
+
+
+def adapter_view(base: PreTrainedModel, adapter: Any) -> PreTrainedModel:
+    """`base` with `adapter` merged into the modules it adapts, sharing every other tensor with
+    `base` (module docstring). `base` is not changed; the view's shared tensors must not be trained."""
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415
+
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in adapter.named_modules():
+        if isinstance(module, LoraLayer) and module.active_adapters:
+            with torch.no_grad():
+                delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
+            deltas[name.removeprefix("base_model.model.") + ".weight"] = delta
+    params = dict(base.named_parameters())
+    missing = sorted(set(deltas) - set(params))
+    if missing:
+        raise ValueError(f"the adapter adapts {missing[:3]}, which {type(base).__name__} lacks; pass the base it "
+                         "was trained on")
+    # deepcopy with a memo: every tensor named in it is taken as is (shared), the rest is copied.
+    memo: dict[int, Any] = {id(t): t for n, t in params.items() if n not in deltas}
+    memo |= {id(b): b for _, b in base.named_buffers()}
+    view = copy.deepcopy(base, memo)
+    with torch.no_grad():
+        for name, delta in deltas.items():
+            view.get_parameter(name).data = params[name].data + delta.to(params[name].dtype)
+    return view.eval()
 
 
 def adapter_metadata(path: Path) -> dict[str, Any]:

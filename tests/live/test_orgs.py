@@ -12,6 +12,7 @@ from flywheel.live.batch import on_policy_batch
 from flywheel.live.gate import GateDecision, GateResult, GateRun
 from flywheel.live.orgs import (
     OrgAdapterConfig,
+    adapter_view,
     gate_decision,
     load_adapted,
     merged,
@@ -22,6 +23,7 @@ from flywheel.live.orgs import (
 )
 from flywheel.live.records import Completion
 from flywheel.live.rewards import RewardDistiller
+from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
 from flywheel.model.registry import PRODUCTION
 from flywheel.rl.learner import LearnerConfig
 
@@ -98,6 +100,25 @@ def test_an_org_adapter_trains_on_its_traffic_registers_with_base_and_org_and_lo
         trained_logits = adapter(ids).logits
         assert torch.allclose(loaded(ids).logits, trained_logits, atol=1e-5)
         assert torch.allclose(merged(adapter)(ids).logits, trained_logits, atol=1e-4)
+    # Served without reloading the base: the view shares every tensor the adapter does not touch.
+    view = adapter_view(base, loaded)
+    second = adapter_view(base, train_org_adapter(base, batch, LearnerConfig(lr=1e-2), config)[0])
+    with torch.no_grad():
+        assert torch.allclose(view(ids).logits, trained_logits, atol=1e-4)
+        assert not torch.allclose(second(ids).logits, trained_logits, atol=1e-4)
+    base_params = dict(base.named_parameters())
+    for model in (view, second):
+        shared = {n for n, p in model.named_parameters() if p.data_ptr() == base_params[n].data_ptr()}
+        adapted = set(base_params) - shared
+        assert adapted and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
+                               for n in adapted)
+        assert "model.embed_tokens.weight" in shared
+    assert all(torch.equal(v, base_weights[k]) for k, v in base.state_dict().items())
+    with LocalEngine(view, EngineConfig(max_batch=2)) as engine:
+        generation = engine.generate([acme[0].prompt_ids], SamplingParams(temperature=0.0, max_tokens=3))[0]
+    with torch.no_grad():
+        expect = adapter(torch.tensor([acme[0].prompt_ids])).logits[0, -1].argmax().item()
+    assert generation.token_ids[0] == expect
     with pytest.raises(ValueError, match="adapters apply on a full checkpoint"):
         register_adapter(registry, adapter, tokenizer, base=checkpoint.version, org_id="acme")
     with pytest.raises(ValueError, match="organization id"):
