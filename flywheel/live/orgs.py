@@ -38,8 +38,14 @@ decoder stay as they are (no per-row adapter matmuls), and an adapter costs the 
 adapted projections only (on the tiny model, the attention projections: experts and embeddings,
 most of an MoE's weights, are shared). Its cost: one engine (a batch of its own) per served adapter.
 
-Not covered here (see docs/ARCHITECTURE.md): routing each request to its organization's engine in
-the server, the per-organization A/B test and deployment.
+Routing (flywheel/live/server.py): `LiveServer.set_org_deployment(org, Deployment(production=a1,
+candidate=a2, candidate_fraction=f))` gives the organization a Router of its own over adapter
+versions, loaded by `adapter_loader` on the tensors of the base the main Router serves; its requests
+(the key's org) go there, A/B split by session within that organization's traffic; `None` rolls
+the organization back to the shared deployment. Everyone else is untouched.
+
+Not covered here (see docs/ARCHITECTURE.md): the live cycle driving this per organization
+(gather its traffic, train, gate on both batteries, deploy, A/B, decide) end to end.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ import copy
 import json
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +67,7 @@ from flywheel.live.deploy import PINNED
 from flywheel.live.gate import GateRun
 from flywheel.live.records import Completion
 from flywheel.live.rewards import Reward
+from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.registry import METADATA_FILE, Checkpoint, Registry
 from flywheel.rl.learner import Learner, LearnerConfig
 
@@ -185,6 +192,26 @@ def adapter_view(base: PreTrainedModel, adapter: Any) -> PreTrainedModel:
         for name, delta in deltas.items():
             view.get_parameter(name).data = params[name].data + delta.to(params[name].dtype)
     return view.eval()
+
+
+def adapter_loader(registry: Registry, served_base: Callable[[int], PreTrainedModel | None],
+                   engine_config: EngineConfig) -> Callable[[int], tuple[LocalEngine, PreTrainedTokenizerBase]]:
+    """An EngineLoader for adapter versions: each is an `adapter_view` on its base's weights as
+    `served_base(base)` holds them (the main Router's engine), or loaded once here if none is served."""
+    bases: dict[int, PreTrainedModel] = {}
+
+    def load(version: int) -> tuple[LocalEngine, PreTrainedTokenizerBase]:
+        checkpoint = registry.get(version)
+        if checkpoint.base is None:
+            raise ValueError(f"v{version} is a full checkpoint; an organization's deployment names adapter versions "
+                             "(or set it to None to serve the organization the shared deployment)")
+        base = served_base(checkpoint.base)
+        if base is None:
+            base = bases.get(checkpoint.base) or bases.setdefault(checkpoint.base, registry.load(checkpoint.base)[0])
+        adapter, tokenizer = load_adapted(registry, version)
+        return LocalEngine(adapter_view(base, adapter), engine_config, version=version), tokenizer
+
+    return load
 
 
 def adapter_metadata(path: Path) -> dict[str, Any]:

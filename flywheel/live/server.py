@@ -559,6 +559,10 @@ class LiveServer:
         self.registry = registry
         self._scopes = {hashlib.sha256(k.encode()).digest(): frozenset(v) for k, v in config.keys.items()}
         self._orgs = {hashlib.sha256(k.encode()).digest(): org for k, org in config.orgs.items()}
+        # Organizations with adapters deployed: each its own Router over adapter versions
+        # (flywheel/live/orgs.py); every other request goes to `router`.
+        self._org_routers: dict[str, Router] = {}
+        self._org_lock = threading.Lock()
         self._encoders: dict[int, ConversationEncoder] = {}  # by version: a checkpoint's tokenizer never changes
         self._dashboard_lock = threading.Lock()
         self._dashboard: tuple[float, dict[str, Any]] | None = None  # (monotonic time computed, data)
@@ -624,6 +628,38 @@ class LiveServer:
                 self.follow_deployment()
             except Exception:  # noqa: BLE001  (a failed poll is logged and retried; the loop must outlive it)
                 log.exception("following the deployment failed; retrying in %s s", self.config.deployment_poll_s)
+
+    def org_deployment(self, org_id: str) -> Deployment | None:
+        """The organization's own deployment of adapters, or None (it is served the shared one)."""
+        router = self._org_routers.get(org_id)
+        return router.deployment if router is not None else None
+
+    def set_org_deployment(self, org_id: str, deployment: Deployment | None, note: str = "") -> None:
+        """Serve `org_id` its adapters per `deployment` (versions are adapters of the served base;
+        A/B split by session within the organization's traffic), or with None the shared deployment
+        again (a rollback of the organization alone). Needs a Registry (the adapters live there)."""
+        if self.registry is None:
+            raise ValueError("this server has no Registry to load adapters from; build it with LiveServer.from_config")
+        from flywheel.live.orgs import adapter_loader, check_org_id  # noqa: PLC0415  (peft loads only when used)
+
+        check_org_id(org_id)
+        with self._org_lock:
+            current = self._org_routers.get(org_id)
+            if deployment is None:
+                if current is not None:
+                    del self._org_routers[org_id]
+                    current.close()
+            elif current is None:
+                def served_base(version: int) -> Any:
+                    try:
+                        return getattr(self.router.engine(version), "model", None)
+                    except NotServed:
+                        return None
+                self._org_routers[org_id] = Router(adapter_loader(self.registry, served_base, self.config.engine),
+                                                   deployment)
+            else:
+                current.deploy(deployment)
+        log.info("organization %s: %s (%s)", org_id, deployment or "shared deployment", note)
 
     def sync_from_registry(self, candidate_fraction: float | None = None) -> Deployment:
         """Serve what the Registry's aliases say now (someone ran `flywheel registry promote`)."""
@@ -709,6 +745,8 @@ class LiveServer:
         self._stop.set()
         self._follower.join(timeout=10)
         self.router.close()
+        for router in self._org_routers.values():
+            router.close()
         self.store.close()
         if self.registry is not None:
             self.registry.close()
@@ -731,8 +769,9 @@ class LiveServer:
             raise ApiError(400, f"metadata.session_kind must be {INTERACTIVE!r} or {BACKGROUND!r} (a long agent "
                            "session judged by one outcome event)", param="metadata")
         pinned = self._pinned_version(req.model)
+        router = self._org_routers.get(org_id, self.router) if pinned is None else self.router
         try:
-            lease = self.router.checkout(session_id, pinned)
+            lease = router.checkout(session_id, pinned)
         except NotServed as exc:
             if pinned is not None:
                 raise ApiError(404, f"{exc}; ask for {self.config.model_name!r} to be routed", code="model_not_found",
@@ -764,7 +803,7 @@ class LiveServer:
                                "server_error", "engine_failed") from None
             engine_ms = (time.perf_counter() - engine_started) * 1000
         finally:
-            self.router.release(lease)
+            router.release(lease)
         if generation.finish_reason == "aborted" or set(generation.versions) != {lease.version}:
             raise ApiError(503, f"v{lease.version} stopped or changed weights mid-answer (it was retired); retry",
                            "server_error", "engine_aborted")

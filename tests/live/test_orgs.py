@@ -4,17 +4,20 @@ organization, loaded back exactly, and gated on two batteries."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 import torch
-from tiny_serving import make_registry
+from tiny_serving import KEYS, make_registry
 
 from flywheel.live.batch import on_policy_batch
+from flywheel.live.deploy import Deployment
 from flywheel.live.gate import GateDecision, GateResult, GateRun
 from flywheel.live.orgs import (
     OrgAdapterConfig,
     adapter_view,
     gate_decision,
     load_adapted,
+    lora_model,
     merged,
     org_alias,
     orgs_with_traffic,
@@ -23,6 +26,8 @@ from flywheel.live.orgs import (
 )
 from flywheel.live.records import Completion
 from flywheel.live.rewards import RewardDistiller
+from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.model.chat import SYSTEM_PROMPT
 from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
 from flywheel.model.registry import PRODUCTION
 from flywheel.rl.learner import LearnerConfig
@@ -139,3 +144,56 @@ def test_an_adapter_must_pass_both_its_organizations_battery_and_the_general_one
     forgot = gate_decision(_run(pass_rate=True), _run(pass_rate=False, valid_tool_call_rate=True))
     assert not forgot.passed and forgot.reason.startswith("general battery: pass_rate")
     assert not gate_decision(_run(pass_rate=False), _run(pass_rate=True)).passed
+
+
+def test_the_server_routes_each_org_to_its_adapters_ab_tests_within_it_and_rolls_it_back_alone(tmp_path):
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    registry = make_registry(tmp_path / "registry")
+    base, tokenizer = registry.load(0)
+    config = OrgAdapterConfig(rank=4)
+    versions = []
+    for seed in (1, 2):  # two distinct adapters: LoRA B starts at zero, so give it weights
+        adapter = lora_model(base, config)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in adapter.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        versions.append(register_adapter(registry, adapter, tokenizer, base=0, org_id="acme").version)
+    registry.close()
+    a1, a2 = versions
+    keys = {**KEYS, "acme-key": ["inference", "events"]}
+    serve = ServeConfig(registry_root=tmp_path / "registry", run_dir=tmp_path / "live", keys=keys,
+                        orgs={"acme-key": "acme"}, threads=1, candidate_fraction=0.0)
+    server = LiveServer.from_config(serve)
+    server.set_deployment(Deployment(production=0))
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Fix the failing test."}]
+    with serve_in_thread(server) as running:
+        acme = openai.OpenAI(base_url=f"{running.url}/v1", api_key="acme-key", max_retries=0, timeout=60)
+        other = openai.OpenAI(base_url=f"{running.url}/v1", api_key="inference-key", max_retries=0, timeout=60)
+
+        def served(api: openai.OpenAI, session: str) -> tuple[int, str]:
+            r = api.chat.completions.create(model="flywheel", messages=messages, max_tokens=2,
+                                            extra_body={"session_id": session})
+            c = server.store.completion(r.id)
+            return c.version, c.arm
+
+        server.set_org_deployment("acme", Deployment(production=a1))
+        assert served(acme, "a-0") == (a1, "production") and served(other, "o-0") == (0, "production")
+        # One engine per adapter on the base's own tensors: nothing of the base was loaded again.
+        view = server._org_routers["acme"].engine(a1).model
+        shared = server.router.engine(0).model
+        assert view.get_input_embeddings().weight.data_ptr() == shared.get_input_embeddings().weight.data_ptr()
+
+        server.set_org_deployment("acme", Deployment(production=a1, candidate=a2, candidate_fraction=0.5))
+        seen = {served(acme, f"ab-{i}") for i in range(16)}
+        assert seen == {(a1, "production"), (a2, "candidate")}
+        assert {served(other, f"o-{i}")[0] for i in range(4)} == {0}
+        assert server.org_deployment("acme").candidate == a2
+
+        server.set_org_deployment("acme", None)  # rolled back alone
+        assert served(acme, "a-1") == (0, "production") and server.org_deployment("acme") is None
+        with pytest.raises(ValueError, match="full checkpoint"):
+            server.set_org_deployment("acme", Deployment(production=1))
+    server.close()
