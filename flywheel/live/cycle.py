@@ -11,7 +11,7 @@
     │          min_events events since then                                                              │
     │ gather   batch.min_completions trainable completions of     production traffic, and each answer's  │
     │          v_p (feedback windows closed) since the last cut   feedback window closing                │
-    │          + up to outcome_wait_s for open background         background sessions' outcome events     │
+    │          + up to outcome_wait_s for open background         background sessions' outcome events    │
     │          sessions' outcomes (flywheel/live/sessions.py)     (or their horizon passing)             │
     │ train    -  (family_loo advantages, Learner.train_step,     CPU                                    │
     │             register the candidate v_c, parent v_p)                                                │
