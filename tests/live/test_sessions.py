@@ -22,7 +22,7 @@ from flywheel.live.records import BACKGROUND, Completion, CompletionToolCall, Ev
 from flywheel.live.rewards import BackgroundConfig, RewardConfig, RewardDistiller, RewardStatus
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.sessions import SessionMonitor, SessionMonitorConfig, gather_background, session_summaries
-from flywheel.live.store import LiveStore
+from flywheel.live.store import LIVE_SCHEMA, LiveStore
 from flywheel.model.chat import SYSTEM_PROMPT
 from flywheel.model.registry import Registry
 
@@ -224,10 +224,8 @@ def test_org_and_session_kind_travel_with_requests_and_outcome_events(registry_r
 def test_a_store_written_before_org_ids_gains_the_column_and_keeps_its_rows(tmp_path):
     path = tmp_path / "old.sqlite"
     db = sqlite3.connect(path)
-    db.execute("CREATE TABLE completions (id TEXT PRIMARY KEY, session_id TEXT NOT NULL, user_id TEXT NOT NULL, "
-               "version INTEGER NOT NULL, arm TEXT NOT NULL, created_at REAL NOT NULL, record TEXT NOT NULL)")
-    db.execute("CREATE TABLE events (id TEXT PRIMARY KEY, type TEXT NOT NULL, session_id TEXT NOT NULL, "
-               "completion_id TEXT, time REAL NOT NULL, received_at REAL NOT NULL, payload TEXT NOT NULL)")
+    for statement in LIVE_SCHEMA.migrations[0].statements:  # version 1, as stores were written before org ids
+        db.execute(statement)
     old = turn("old", 0, T0)
     db.execute("INSERT INTO completions VALUES (?, ?, ?, ?, ?, ?, ?)",
                (old.id, old.session_id, old.user_id, 0, "production", T0, old.model_dump_json()))
