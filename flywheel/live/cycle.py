@@ -11,6 +11,8 @@
     │          min_events events since then                                                              │
     │ gather   batch.min_completions trainable completions of     production traffic, and each answer's  │
     │          v_p (feedback windows closed) since the last cut   feedback window closing                │
+    │          + up to outcome_wait_s for open background         background sessions' outcome events    │
+    │          sessions' outcomes (flywheel/live/sessions.py)     (or their horizon passing)             │
     │ train    -  (family_loo advantages, Learner.train_step,     CPU                                    │
     │             register the candidate v_c, parent v_p)                                                │
     │ gate     -  (v_c and v_p play the eval battery; paired      CPU + sandboxes; fails: "rejected",    │
@@ -76,8 +78,9 @@ from flywheel.live.batch import OnPolicyBatch, on_policy_batch
 from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import Contender, Gate, GateConfig, GateRun
 from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorConfig, monitor_window
-from flywheel.live.records import Completion
+from flywheel.live.records import BACKGROUND, Completion
 from flywheel.live.rewards import Reward, RewardConfig, RewardDistiller, distill_sessions
+from flywheel.live.sessions import GatheredSessions, gather_background
 from flywheel.live.store import LiveStore
 from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.registry import Registry
@@ -122,6 +125,11 @@ class BatchConfig(BaseModel):
     poll_s: float = Field(5.0, gt=0)
     # request_meta key(s) that group the advantage baseline, e.g. ["family", "difficulty"] (flywheel/live/batch.py)
     family_key: str | list[str] = "family"
+    # The late-arrival window: once the batch is full, how long the cycle waits for the outcomes of
+    # background sessions that started before its cutoff and are still open (no outcome, horizon
+    # not reached). Sessions still open then are left out and counted (flywheel/live/sessions.py);
+    # they are not trained on later. Longer uses more outcomes, at the cost of a later cycle.
+    outcome_wait_s: float = Field(3600.0, ge=0)
 
     @model_validator(mode="after")
     def _sizes(self) -> BatchConfig:
@@ -334,9 +342,13 @@ class LiveCycle:
     """Runs cycles (module docstring); `run` loops over triggers, `run_cycle` does one."""
 
     def __init__(self, config: LiveConfig, control: DeploymentControl, log: Callable[[str], None] = print,
-                 gate_tasks: Sequence[Task] | None = None):
-        """`gate_tasks` replaces the battery's tasks (a world whose tasks are no procedural family)."""
+                 gate_tasks: Sequence[Task] | None = None, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep):
+        """`gate_tasks` replaces the battery's tasks (a world whose tasks are no procedural family).
+        `clock` / `sleep` are what gathering reads the time with and waits with: a simulation whose
+        store holds hours of timestamps passes its own, so no test sleeps for hours."""
         self.config = config
+        self.clock, self.sleep = clock, sleep
         self.control = control
         self.log = log
         self.gate_tasks = list(gate_tasks) if gate_tasks is not None else None
@@ -460,21 +472,26 @@ class LiveCycle:
                  f"loss {metrics['loss']:.4f}, {metrics['seconds']:.1f} s)")
 
     def _gather(self, state: CycleState, store: LiveStore) -> tuple[OnPolicyBatch, dict[str, ServedMetric]] | None:
-        """Wait for a full on-policy batch; None (and the state says skipped) if none came in time."""
+        """Wait for a full on-policy batch, then up to batch.outcome_wait_s for the outcomes of its
+        background sessions; None (and the state says skipped) if no full batch came in time."""
         cfg = self.config.batch
-        deadline = time.time() + cfg.max_wait_s
+        deadline = self.clock() + cfg.max_wait_s
+        full_at: float | None = None  # when the batch was first full: its cutoff is frozen from then
+        cutoff = 0.0
         while True:
-            now = time.time()
-            closed_before = now - self.config.rewards.feedback_window_s
-            with store.snapshot():  # the completions and the events that reward them, as of one instant
-                served = [c for c in store.completions(version=state.production, start=state.since,
-                                                       end=closed_before) if c.arm != PINNED]
-                rewards = self._distill(store, served, now)
-            batch = on_policy_batch(served, [rewards[c.id] for c in served], state.production, cfg.family_key,
-                                    self.config.learner.temperature)
-            if len(batch.trajectories) >= cfg.min_completions:
-                break
-            if now > deadline:
+            now = self.clock()
+            if full_at is None:
+                cutoff = now - self.config.rewards.feedback_window_s
+            served, rewards, background = self._on_policy(state, store, cutoff, now)
+            batch = self._batch(state, served, rewards)
+            if full_at is None and len(batch.trajectories) >= cfg.min_completions:
+                full_at = now
+            if full_at is not None:
+                if not background.left_out.get("open") or now >= full_at + cfg.outcome_wait_s:
+                    break
+                self.log(f"cycle {state.cycle}: waiting for {background.left_out['open']} background sessions' "
+                         f"outcomes ({now - full_at:.0f}/{cfg.outcome_wait_s:.0f} s)")
+            elif now > deadline:
                 state.decision = "skipped"
                 state.reason = (f"{len(batch.trajectories)} trainable completions of v{state.production} after "
                                 f"{cfg.max_wait_s:.0f} s; batch.min_completions is {cfg.min_completions}")
@@ -483,20 +500,38 @@ class LiveCycle:
                                      f"than learner.temperature = {self.config.learner.temperature}: set it to the "
                                      "temperature users sample at")
                 return None
-            self.log(f"cycle {state.cycle}: gathering, {len(batch.trajectories)}/{cfg.min_completions} trainable "
-                     f"completions of v{state.production}")
-            time.sleep(cfg.poll_s)
-        cutoff = closed_before
+            else:
+                self.log(f"cycle {state.cycle}: gathering, {len(batch.trajectories)}/{cfg.min_completions} "
+                         f"trainable completions of v{state.production}")
+            self.sleep(cfg.poll_s)
         if len(batch.trajectories) > cfg.max_completions:
             # Keep the earliest max_completions; the next cycle starts at the first answer left out.
             last = batch.completions[cfg.max_completions - 1]
             cutoff = next(c.created_at for c in served if c.created_at > last.created_at)
-            served = [c for c in served if c.created_at < cutoff]
-            batch = on_policy_batch(served, [rewards[c.id] for c in served], state.production, cfg.family_key,
-                                    self.config.learner.temperature)
+            served, rewards, background = self._on_policy(state, store, cutoff, now)
+            batch = self._batch(state, served, rewards)
+        if background.left_out:
+            self.log(f"cycle {state.cycle}: background sessions left out: "
+                     + ", ".join(f"{n} {why}" for why, n in sorted(background.left_out.items())))
         state.cutoff = cutoff
-        state.batch = {**batch.summary(), "since": state.since, "cutoff": cutoff}
+        state.batch = {**batch.summary(), "since": state.since, "cutoff": cutoff, "background": background.summary()}
         return batch, self._served_metrics(served, rewards)
+
+    def _on_policy(self, state: CycleState, store: LiveStore, cutoff: float,
+                   now: float) -> tuple[list[Completion], dict[str, Reward], GatheredSessions]:
+        """Production's user-routed completions in [since, cutoff) with their rewards: the interactive
+        ones, and those of the background sessions that started there and are resolved (sessions.py)."""
+        with store.snapshot():  # the completions and the events that reward them, as of one instant
+            interactive = [c for c in store.completions(version=state.production, start=state.since, end=cutoff)
+                           if c.arm != PINNED and c.session_kind != BACKGROUND]
+            rewards = self._distill(store, interactive, now)
+            background = gather_background(store, self.distiller, state.production, state.since, cutoff, now)
+        served = sorted([*interactive, *background.completions], key=lambda c: (c.created_at, c.id))
+        return served, {**rewards, **background.rewards}, background
+
+    def _batch(self, state: CycleState, served: Sequence[Completion], rewards: dict[str, Reward]) -> OnPolicyBatch:
+        return on_policy_batch(served, [rewards[c.id] for c in served], state.production,
+                               self.config.batch.family_key, self.config.learner.temperature)
 
     def _run_gate(self, state: CycleState, registry: Registry) -> None:
         assert state.candidate is not None

@@ -159,7 +159,7 @@ def _value(kind: str, m: Moments) -> float | None:
     return m.correlation if kind == "correlation" else m.mean
 
 
-def _p_value(kind: str, window: Moments, base: Moments) -> float | None:
+def change_p_value(kind: str, window: Moments, base: Moments) -> float | None:
     """Two-sided p-value of "window and baseline are the same", or None when it cannot be tested."""
     if kind == "rate":
         low, high = fisher_tails(round(window.sx), window.n, round(base.sx), base.n)
@@ -224,13 +224,13 @@ class Monitor:
         need = self.config.min_rate_count if metric.kind == "rate" else self.config.min_count
         if metric.bad is None or window.n < need or base.n < need:
             return None
-        return _p_value(metric.kind, window, base)
+        return change_p_value(metric.kind, window, base)
 
     def _alarm(self, name: str, version: int, w: int, label: str, window: Moments, base: Moments, p: float) -> Alarm:
         metric, size = METRICS[name], self.config.window_s
         value, base_value = _value(metric.kind, window), _value(metric.kind, base)
         if value is None or base_value is None:
-            raise ValueError(f"{name}: a tested window has no value; _p_value and _value disagree")
+            raise ValueError(f"{name}: a tested window has no value; change_p_value and _value disagree")
         up = value > base_value
         critical = (metric.bad == "up") == up
         return Alarm(metric=name, version=version, window_start=w * size, window_end=(w + 1) * size,

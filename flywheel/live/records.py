@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -79,6 +79,15 @@ class EventType(StrEnum):
     FOLLOWUP = "followup"  # the user wrote again; payload {"dissatisfied": bool}
     THUMBS = "thumbs"  # explicit rating; payload {"up": bool}
     SESSION_END = "session_end"  # payload {"outcome": "success" | "unhappy" | "abandoned"}
+    # A background session's result, judged hours later: payload {"outcome": one of OUTCOMES}
+    # (flywheel/live/sessions.py credits it to the whole session).
+    OUTCOME = "outcome"
+
+
+# A background session's outcomes, best first: the user accepted the result, merged it, their CI
+# ran green on it; or reverted it, or abandoned the session.
+OUTCOMES = ("accepted", "merged", "ci_green", "reverted", "abandoned")
+INTERACTIVE, BACKGROUND = "interactive", "background"
 
 
 class CompletionToolCall(BaseModel):
@@ -108,6 +117,11 @@ class Completion(BaseModel):
     # What the request was about, where the client said so (the simulated users do): task family,
     # whether the request was ambiguous. Monitors use it; rewards never do.
     request_meta: dict[str, Any] = Field(default_factory=dict)
+    # The organization the request came from ("" = none): the API key's, else metadata["org_id"].
+    org_id: str = ""
+    # "background": a long agent session with no user between its turns, judged by one OUTCOME
+    # event at its end (metadata["session_kind"]); "interactive": feedback per answer.
+    session_kind: Literal["interactive", "background"] = INTERACTIVE
 
     @model_validator(mode="after")
     def _equal_lengths(self) -> Completion:
@@ -139,3 +153,4 @@ class Event(BaseModel):
     completion_id: str | None = None  # None for session-level outcomes
     time: float
     payload: dict[str, Any] = Field(default_factory=dict)
+    org_id: str = ""  # the organization of the key that sent it (the server sets it; "" = none)

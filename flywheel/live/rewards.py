@@ -50,6 +50,29 @@ events (same id) count once; the repeats are counted in `ignored["duplicate"]`. 
 be placed (unknown completion, no completion earlier in the session) are returned by `unassigned`.
 Pass every completion of the sessions concerned, or session-level events land on the wrong one.
 
+Background sessions (`Completion.session_kind == "background"`: a long agent session, many
+completions with no user between them) are judged by one `outcome` event (accepted, merged,
+ci_green, reverted, abandoned) that may arrive hours after the session's last completion, sent
+through the same SDK and /v1/events. Its rules, `RewardConfig.background`:
+
+- Whole-session credit: the session's first on-time outcome gives every one of its completions the
+  part `outcome_<name>` = background.outcomes[name] (share 1 each: every turn of the session made
+  the result). The serve-time parts stay per completion, so a broken call inside a session that was
+  merged still costs its turn `invalid_call_penalty`.
+- Horizon: an outcome counts until the session's first completion + background.horizon_s (the
+  event's time). Until then the session's rewards are "pending"; later outcomes are "late",
+  ignored and counted.
+- A session with no outcome at its horizon is "unresolved": background.unresolved = "worst" (the
+  default) scores it as the worst outcome's weight (part `outcome_unresolved`), status
+  "defaulted". Silence must not be cheaper than a bad outcome: with "neutral" (the naive config,
+  default_reward) a policy that stalls until the horizon escapes every negative outcome. For the
+  same reason "abandoned" (what a user does with a session that ended "done" having done nothing)
+  weighs as much as "reverted" by default: ending early must not be a cheaper way out of a hard
+  task than an honest attempt. tests/live/test_sessions.py reproduces both hacks under the naive
+  weights and shows the session monitors catching them.
+- Per-completion feedback windows do not apply to background completions; the session's horizon does.
+Which sessions a cycle gathers and how long it waits for their outcomes: flywheel/live/sessions.py.
+
 The two naive flags reproduce known reward hacks for the scenarios, and are off by default:
 `drop_invalid` marks completions with an invalid tool call "dropped" (policy learns to break calls
 to escape bad turns); `score_questions = false` gives every question reward 0 (policy learns to ask
@@ -61,13 +84,14 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.agent.trajectory import INVALID_CALL_PENALTY
-from flywheel.live.records import Completion, Event, EventType
+from flywheel.live.records import BACKGROUND, OUTCOMES, Completion, Event, EventType
 from flywheel.live.store import LiveStore
 
 EDIT_TOOLS = ("edit_file",)
@@ -108,6 +132,30 @@ class Reward(BaseModel):
         return self.status in (RewardStatus.FINAL, RewardStatus.DEFAULTED)
 
 
+class BackgroundConfig(BaseModel):
+    """How a background session's outcome becomes its completions' reward (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+    # outcome -> the reward every completion of the session gets. All five must be given: an
+    # outcome the SDK may send must never be silently unscored.
+    outcomes: dict[str, float] = Field(default_factory=lambda: {
+        "accepted": 1.0, "merged": 1.0, "ci_green": 0.5, "reverted": -1.0, "abandoned": -1.0})
+    # Outcomes count until the session's first completion + horizon_s. Longer hears more late
+    # outcomes, at the cost of training on sessions that old (a cycle waits at most
+    # batch.outcome_wait_s for them; the rest are left out, flywheel/live/sessions.py).
+    horizon_s: float = Field(8 * 3600.0, gt=0)
+    # A session with no outcome by its horizon: "worst" scores it as the lowest of `outcomes`;
+    # "neutral" gives it default_reward (naive: stalling past the horizon escapes every bad outcome).
+    unresolved: Literal["worst", "neutral"] = "worst"
+
+    @model_validator(mode="after")
+    def _every_outcome(self) -> BackgroundConfig:
+        if set(self.outcomes) != set(OUTCOMES):
+            raise ValueError(f"background.outcomes must give a weight to exactly {list(OUTCOMES)}; got "
+                             f"{sorted(self.outcomes)}")
+        return self
+
+
 class RewardConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # How long after a completion its feedback is accepted. Must exceed the client's persistence
@@ -138,6 +186,7 @@ class RewardConfig(BaseModel):
     # clear request and below what a reverted edit costs, so asking pays only when it is needed.
     clarify_cost: float = Field(0.3, ge=0)
     session_assignment: SessionAssignment = SessionAssignment.LAST
+    background: BackgroundConfig = Field(default_factory=BackgroundConfig)
     edit_tools: list[str] = Field(default_factory=lambda: list(EDIT_TOOLS), min_length=1)
     # Naive behaviours, kept only to reproduce reward hacks; the defaults prevent them.
     drop_invalid: bool = False  # true: completions with an invalid call are "dropped" (the Composer hack)
@@ -156,6 +205,8 @@ class _Assignment:
     shares: dict[str, list[_Share]]  # completion id -> on-time feedback
     ignored: dict[str, Counter[str]]  # completion id -> reason -> count
     unassigned: list[Event]
+    outcomes: dict[str, _Share] = field(default_factory=dict)  # background session id -> its on-time outcome
+    session_start: dict[str, float] = field(default_factory=dict)  # background session id -> first completion
 
 
 _REPLIES = (EventType.FOLLOWUP, EventType.THUMBS)
@@ -203,6 +254,8 @@ class RewardDistiller:
                 return event.type.value, ""
 
     def _weight(self, kind: str) -> float:
+        if kind.startswith("outcome_"):
+            return self.config.background.outcomes[kind.removeprefix("outcome_")]
         if kind.startswith("session_"):
             return self.config.session_outcome[kind.removeprefix("session_")]
         return getattr(self.config, kind)
@@ -233,9 +286,15 @@ class RewardDistiller:
         for c in sorted(completions, key=lambda c: c.created_at):
             by_session[c.session_id].append(c)
         result = _Assignment(defaultdict(list), defaultdict(Counter), [])
+        for session, cs in by_session.items():
+            if cs and cs[0].session_kind == BACKGROUND:
+                result.session_start[session] = cs[0].created_at
         seen: set[str] = set()
         # In time order, so of two copies of an event the earlier one counts.
         for event in sorted(events, key=lambda e: e.time):
+            if event.type == EventType.OUTCOME:
+                self._assign_outcome(event, by_session.get(event.session_id, []), result, seen)
+                continue
             targets = self._targets(event, by_id, by_session)
             if not targets:
                 if event.id not in seen:
@@ -256,6 +315,28 @@ class RewardDistiller:
                     result.shares[c.id].append(_Share(kind, share, event.time))
         return result
 
+    def _assign_outcome(self, event: Event, session: list[Completion], result: _Assignment, seen: set[str]) -> None:
+        """A background session's outcome: the first on-time one is the session's (module docstring)."""
+        start = result.session_start.get(event.session_id)
+        if start is None:  # no completion of the session passed, or not a background session
+            if event.id not in seen:
+                result.unassigned.append(event)
+            seen.add(event.id)
+            return
+        last = session[-1].id
+        outcome = event.payload.get("outcome")
+        if event.id in seen:
+            result.ignored[last]["duplicate"] += 1
+        elif outcome not in self.config.background.outcomes:
+            result.ignored[last]["unknown_outcome"] += 1
+        elif event.time > start + self.config.background.horizon_s:
+            result.ignored[last]["late"] += 1
+        elif event.session_id in result.outcomes:
+            result.ignored[last]["second_outcome"] += 1
+        else:
+            result.outcomes[event.session_id] = _Share(f"outcome_{outcome}", 1.0, event.time)
+        seen.add(event.id)
+
     # -- one completion's reward
 
     def _window_end(self, c: Completion) -> float:
@@ -274,7 +355,14 @@ class RewardDistiller:
         signals: dict[str, float] = {}
         for s in assignment.shares.get(c.id, []):
             signals[s.kind] = max(signals.get(s.kind, 0.0), s.share)
-        closed = now >= self._window_end(c)
+        background = c.session_id in assignment.session_start
+        outcome = assignment.outcomes.get(c.session_id) if background else None
+        if outcome is not None:
+            signals[outcome.kind] = 1.0
+        if background:  # the session's horizon, not the completion's window (module docstring)
+            closed = outcome is not None or now >= assignment.session_start[c.session_id] + cfg.background.horizon_s
+        else:
+            closed = now >= self._window_end(c)
         parts: dict[str, float] = {}
         if cfg.drop_invalid and c.invalid_tool_calls:
             status = RewardStatus.DROPPED
@@ -299,6 +387,9 @@ class RewardDistiller:
                 status = RewardStatus.PENDING
             elif signals or refunded:
                 status = RewardStatus.FINAL
+            elif background and cfg.background.unresolved == "worst":
+                status = RewardStatus.DEFAULTED
+                parts["outcome_unresolved"] = min(cfg.background.outcomes.values())
             else:
                 status = RewardStatus.DEFAULTED
                 parts["no_feedback"] = cfg.default_reward

@@ -100,7 +100,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flywheel.env.toolspec import ToolCall
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
 from flywheel.live.monitors import Monitor, MonitorConfig, monitor_window
-from flywheel.live.records import Completion, CompletionToolCall, Event, storable
+from flywheel.live.records import BACKGROUND, INTERACTIVE, Completion, CompletionToolCall, Event, storable
 from flywheel.live.rewards import RewardConfig, RewardDistiller
 from flywheel.live.store import Ingest, LiveStore
 from flywheel.model.chat import IM_END, parse_assistant, tools_in_prompt
@@ -157,6 +157,9 @@ class ServeConfig(BaseModel):
     # API key -> scopes. The repo's serve.toml holds development keys only; a real deployment writes
     # its own file (keys are compared by SHA-256 digest, never logged, and left out of config.json).
     keys: dict[str, list[Scope]] = Field(default_factory=dict)
+    # API key -> organization id: every completion and event sent with that key carries it (a request
+    # naming another org in its metadata gets 403). Keys not listed may name one in metadata["org_id"].
+    orgs: dict[str, str] = Field(default_factory=dict)
     # Share of sessions routed to the Registry's `candidate` at start, unless the live store recorded
     # a later choice for that same candidate (then that choice stands).
     candidate_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
@@ -555,6 +558,11 @@ class LiveServer:
         self.store = store or open_store(config)
         self.registry = registry
         self._scopes = {hashlib.sha256(k.encode()).digest(): frozenset(v) for k, v in config.keys.items()}
+        self._orgs = {hashlib.sha256(k.encode()).digest(): org for k, org in config.orgs.items()}
+        # Organizations with adapters deployed: each its own Router over adapter versions
+        # (flywheel/live/orgs.py); every other request goes to `router`.
+        self._org_routers: dict[str, Router] = {}
+        self._org_lock = threading.Lock()
         self._encoders: dict[int, ConversationEncoder] = {}  # by version: a checkpoint's tokenizer never changes
         self._dashboard_lock = threading.Lock()
         self._dashboard: tuple[float, dict[str, Any]] | None = None  # (monotonic time computed, data)
@@ -621,6 +629,38 @@ class LiveServer:
             except Exception:  # noqa: BLE001  (a failed poll is logged and retried; the loop must outlive it)
                 log.exception("following the deployment failed; retrying in %s s", self.config.deployment_poll_s)
 
+    def org_deployment(self, org_id: str) -> Deployment | None:
+        """The organization's own deployment of adapters, or None (it is served the shared one)."""
+        router = self._org_routers.get(org_id)
+        return router.deployment if router is not None else None
+
+    def set_org_deployment(self, org_id: str, deployment: Deployment | None, note: str = "") -> None:
+        """Serve `org_id` its adapters per `deployment` (versions are adapters of the served base;
+        A/B split by session within the organization's traffic), or with None the shared deployment
+        again (a rollback of the organization alone). Needs a Registry (the adapters live there)."""
+        if self.registry is None:
+            raise ValueError("this server has no Registry to load adapters from; build it with LiveServer.from_config")
+        from flywheel.live.orgs import adapter_loader, check_org_id  # noqa: PLC0415  (peft loads only when used)
+
+        check_org_id(org_id)
+        with self._org_lock:
+            current = self._org_routers.get(org_id)
+            if deployment is None:
+                if current is not None:
+                    del self._org_routers[org_id]
+                    current.close()
+            elif current is None:
+                def served_base(version: int) -> Any:
+                    try:
+                        return getattr(self.router.engine(version), "model", None)
+                    except NotServed:
+                        return None
+                self._org_routers[org_id] = Router(adapter_loader(self.registry, served_base, self.config.engine),
+                                                   deployment)
+            else:
+                current.deploy(deployment)
+        log.info("organization %s: %s (%s)", org_id, deployment or "shared deployment", note)
+
     def sync_from_registry(self, candidate_fraction: float | None = None) -> Deployment:
         """Serve what the Registry's aliases say now (someone ran `flywheel registry promote`)."""
         if self.registry is None:
@@ -656,6 +696,22 @@ class LiveServer:
             raise ApiError(403, f"this key lacks the 'dashboard' and 'admin' scopes (it has {sorted(scopes)}); use a "
                            "key with one of them", "permission_error", "insufficient_scope")
 
+    def key_org(self, request: Request) -> str | None:
+        """The organization the request's (authorized) API key carries, or None."""
+        key = request.headers.get("authorization", "").partition(" ")[2]
+        return self._orgs.get(hashlib.sha256(key.strip().encode()).digest())
+
+    def _request_org(self, request: Request, meta: dict[str, Any]) -> str:
+        """The key's organization, else metadata["org_id"] (popped from `meta`), else ""."""
+        claimed, key_org = meta.pop("org_id", None), self.key_org(request)
+        if claimed is not None and (not isinstance(claimed, str) or len(claimed) > _MAX_ID_CHARS):
+            raise ApiError(400, f"metadata.org_id must be a string of at most {_MAX_ID_CHARS} characters",
+                           param="metadata")
+        if key_org is not None and claimed not in (None, key_org):
+            raise ApiError(403, f"this key belongs to organization {key_org!r}, not {claimed!r}; drop "
+                           "metadata.org_id or use that organization's key", "permission_error", "wrong_org")
+        return key_org if key_org is not None else (claimed or "")
+
     def _key_scopes(self, key: str) -> frozenset[str]:
         scopes = self._scopes.get(hashlib.sha256(key.strip().encode()).digest())
         if scopes is None:
@@ -689,6 +745,8 @@ class LiveServer:
         self._stop.set()
         self._follower.join(timeout=10)
         self.router.close()
+        for router in self._org_routers.values():
+            router.close()
         self.store.close()
         if self.registry is not None:
             self.registry.close()
@@ -705,9 +763,15 @@ class LiveServer:
         started, created = time.perf_counter(), time.time()
         req = _parse_chat(body)
         session_id, user_id, meta = _identity(req, request)
+        org_id = self._request_org(request, meta)
+        session_kind = meta.pop("session_kind", INTERACTIVE)
+        if session_kind not in (INTERACTIVE, BACKGROUND):
+            raise ApiError(400, f"metadata.session_kind must be {INTERACTIVE!r} or {BACKGROUND!r} (a long agent "
+                           "session judged by one outcome event)", param="metadata")
         pinned = self._pinned_version(req.model)
+        router = self._org_routers.get(org_id, self.router) if pinned is None else self.router
         try:
-            lease = self.router.checkout(session_id, pinned)
+            lease = router.checkout(session_id, pinned)
         except NotServed as exc:
             if pinned is not None:
                 raise ApiError(404, f"{exc}; ask for {self.config.model_name!r} to be routed", code="model_not_found",
@@ -739,7 +803,7 @@ class LiveServer:
                                "server_error", "engine_failed") from None
             engine_ms = (time.perf_counter() - engine_started) * 1000
         finally:
-            self.router.release(lease)
+            router.release(lease)
         if generation.finish_reason == "aborted" or set(generation.versions) != {lease.version}:
             raise ApiError(503, f"v{lease.version} stopped or changed weights mid-answer (it was retired); retry",
                            "server_error", "engine_aborted")
@@ -759,7 +823,7 @@ class LiveServer:
             tool_calls=[CompletionToolCall(name=c.name, arguments=c.arguments, valid=c.valid, error=c.error or "")
                         for c in calls],
             content=content, finish_reason=finish, arm=lease.arm, created_at=created, request_meta=meta,
-            temperature=params.temperature, top_p=params.top_p,
+            temperature=params.temperature, top_p=params.top_p, org_id=org_id, session_kind=session_kind,
         )
         # Committed before the response exists: a client can never hold an id the store lacks.
         try:
@@ -785,8 +849,10 @@ class LiveServer:
                    "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}]}
         return Response(json.dumps(payload), media_type="application/json", headers=headers)
 
-    def ingest(self, body: bytes) -> dict[str, Any]:
-        """Parse a batch, check each event, store the good ones in one transaction, say what became of each."""
+    def ingest(self, body: bytes, org_id: str | None = None) -> dict[str, Any]:
+        """Parse a batch, check each event, store the good ones in one transaction, say what became of each.
+
+        `org_id`: the sending key's organization; each event carries it (one naming another is rejected)."""
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
@@ -801,7 +867,12 @@ class LiveServer:
         valid: list[tuple[int, Event]] = []
         for i, item in enumerate(items):
             try:
-                valid.append((i, Event.model_validate(item)))
+                event = Event.model_validate(item)
+                if org_id is not None and event.org_id not in ("", org_id):
+                    rejected.append({"index": i, "id": event.id, "reason": f"this key belongs to organization "
+                                     f"{org_id!r}, not {event.org_id!r}; drop org_id or use that organization's key"})
+                    continue
+                valid.append((i, event.model_copy(update={"org_id": org_id}) if org_id is not None else event))
             except ValidationError as exc:
                 event_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
                 rejected.append({"index": i, "id": event_id, "reason": _errors(exc)})
@@ -1070,7 +1141,7 @@ def create_app(server: LiveServer) -> FastAPI:
         server.authorize(request, "events")
         body = await _read_body(request, limit)
         # Parsing, validation and the commit run off the event loop, so completions keep flowing.
-        result = await run_in_threadpool(server.ingest, body)
+        result = await run_in_threadpool(server.ingest, body, server.key_org(request))
         return Response(json.dumps(result), media_type="application/json")
 
     @app.get("/v1/admin/deployment", response_model=None, responses=_json_reply(DeploymentResponse, 401, 403))

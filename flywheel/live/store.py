@@ -50,7 +50,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from flywheel.live.records import Completion, Event, EventType, storable
+from flywheel.live.records import OUTCOMES, Completion, Event, EventType, storable
 from flywheel.store.database import Database, Migration, RowRefused, Schema, Synchronous, open_database
 
 # Schema version 1: the tables as flywheel wrote them before schema versions existed (a store
@@ -107,8 +107,13 @@ LIVE_SCHEMA = Schema("live", marker_table="completions", migrations=(
     # Which replica changed the routing: with several servers on one store, the history says who.
     # (No new index on events: each costs every ingested event, ~10% of the rate per index.)
     Migration(2, "deployments.origin", ("ALTER TABLE deployments ADD COLUMN origin TEXT NOT NULL DEFAULT ''",)),
+    # The organization a completion or event came from ('' = none: every row written before).
+    Migration(3, "completions.org_id, events.org_id", (
+        "ALTER TABLE completions ADD COLUMN org_id TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE events ADD COLUMN org_id TEXT NOT NULL DEFAULT ''",
+        "CREATE INDEX IF NOT EXISTS completions_by_org ON completions (org_id, version, created_at)")),
 ))
-EVENT_COLUMNS = ("id", "type", "session_id", "completion_id", "time", "received_at", "payload")
+EVENT_COLUMNS = ("id", "type", "session_id", "completion_id", "time", "received_at", "payload", "org_id")
 
 # Types whose event is about one answer: an edit comes from a completion.
 _NEEDS_COMPLETION = {EventType.EDIT_APPLIED, EventType.EDIT_PERSISTED, EventType.EDIT_REVERTED}
@@ -156,6 +161,11 @@ def check_event(event: Event) -> str | None:
         return 'a thumbs event needs payload {"up": true|false}'
     if event.type == EventType.SESSION_END and payload.get("outcome") not in _SESSION_OUTCOMES:
         return f'a session_end event needs payload {{"outcome": one of {sorted(_SESSION_OUTCOMES)}}}'
+    if event.type == EventType.OUTCOME and payload.get("outcome") not in OUTCOMES:
+        return f'an outcome event needs payload {{"outcome": one of {list(OUTCOMES)}}}'
+    reason = storable(event.org_id, "org_id") or _text_column(event.org_id, "org_id")
+    if reason is not None or len(event.org_id) > _MAX_ID_CHARS:
+        return reason or f"org_id is longer than {_MAX_ID_CHARS} characters"
     return None
 
 
@@ -190,9 +200,10 @@ class LiveStore:
         """Store `completion`; returns after the commit. A second completion with the same id fails.
 
         ValueError, and nothing stored, if its record would not read back (module docstring)."""
-        for name in ("id", "session_id", "user_id", "arm", "content", "finish_reason"):
+        for name in ("id", "session_id", "user_id", "arm", "content", "finish_reason", "org_id"):
             reason = storable(getattr(completion, name), name) or (
-                _text_column(getattr(completion, name), name) if name in ("id", "session_id", "user_id", "arm")
+                _text_column(getattr(completion, name), name) if name in ("id", "session_id", "user_id", "arm",
+                                                                          "org_id")
                 else None)
             if reason is not None:
                 raise ValueError(f"completion {completion.id!r} not stored: {reason}")
@@ -203,10 +214,10 @@ class LiveStore:
         Completion.model_validate_json(record)  # what every later read does; raises before anything is written
         with self._lock, self._db.transaction(self.completions_synchronous):
             self._db.execute(
-                "INSERT INTO completions (id, session_id, user_id, version, arm, created_at, record) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO completions (id, session_id, user_id, version, arm, created_at, record, org_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (completion.id, completion.session_id, completion.user_id, completion.version, completion.arm,
-                 completion.created_at, record),
+                 completion.created_at, record, completion.org_id),
             )
 
     def add_events(self, events: Sequence[Event]) -> list[tuple[Ingest, str]]:
@@ -239,7 +250,8 @@ class LiveStore:
                         results.append((Ingest.ACCEPTED, ""))
                         rows.append((len(results) - 1, (event.id, event.type.value, event.session_id,
                                                         event.completion_id, event.time, received,
-                                                        json.dumps(event.payload, allow_nan=False))))
+                                                        json.dumps(event.payload, allow_nan=False),
+                                                        event.org_id)))
                 try:
                     with self._db.savepoint("batch"):
                         inserted = self._db.insert_new("events", EVENT_COLUMNS, "id", [row for _, row in rows])
@@ -296,9 +308,10 @@ class LiveStore:
 
     def completions(self, version: int | None = None, start: float | None = None, end: float | None = None,
                     arm: str | None = None, session_id: str | None = None,
-                    limit: int | None = None) -> list[Completion]:
-        """Completions in time order, filtered by version, arm, session and `start <= created_at < end`."""
-        where, args = _filters(version=version, arm=arm, session_id=session_id, start=start, end=end,
+                    limit: int | None = None, org_id: str | None = None) -> list[Completion]:
+        """Completions in time order, filtered by version, arm, session, organization and
+        `start <= created_at < end`."""
+        where, args = _filters(version=version, arm=arm, session_id=session_id, org_id=org_id, start=start, end=end,
                                column="created_at")
         sql = f"SELECT record FROM completions{where} ORDER BY created_at, id" + (" LIMIT ?" if limit else "")
         rows = self._query(sql, (*args, limit) if limit else args)
@@ -406,4 +419,5 @@ def _filters(column: str = "created_at", start: float | None = None, end: float 
 
 def _event(row: Any) -> Event:
     return Event(id=row["id"], type=EventType(row["type"]), session_id=row["session_id"],
-                 completion_id=row["completion_id"], time=row["time"], payload=json.loads(row["payload"]))
+                 completion_id=row["completion_id"], time=row["time"], payload=json.loads(row["payload"]),
+                 org_id=row["org_id"])

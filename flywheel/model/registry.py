@@ -23,6 +23,11 @@ folder the index does not know. Both are removed the next time the lock is free 
 each registration), so a killed write leaves the previous state exactly as it was. Readers only
 ever see versions whose commit finished.
 
+Adapters: a version may be a LoRA adapter instead of full weights (peft's adapter_model.safetensors
+and adapter_config.json in its folder): `base` names the full version it applies on and `org_id`
+the organization it specializes for (flywheel/live/orgs.py trains, registers and loads them). Both
+are columns of the index (schema version 2) and in flywheel.json.
+
 Aliases (`production`, `candidate`, or any [a-z0-9_-]+ name) point at one version each; moving one
 is a single UPDATE, so there is no moment where `production` resolves to nothing.
 
@@ -83,6 +88,10 @@ SCHEMA = [
 ]
 REGISTRY_SCHEMA = Schema("registry", marker_table="checkpoints", migrations=(
     Migration(1, "checkpoints and aliases", tuple(SCHEMA)),
+    # Adapters (module docstring): the full version an adapter applies on, and its organization.
+    Migration(2, "checkpoints.base, checkpoints.org_id", (
+        "ALTER TABLE checkpoints ADD COLUMN base INTEGER REFERENCES checkpoints(version)",
+        "ALTER TABLE checkpoints ADD COLUMN org_id TEXT NOT NULL DEFAULT ''")),
 ))
 
 
@@ -97,6 +106,8 @@ class Checkpoint(BaseModel):
     metrics: dict[str, float]
     aliases: list[str]
     note: str = ""
+    base: int | None = None  # an adapter's base version (module docstring); None: full weights
+    org_id: str = ""  # the organization an adapter specializes for
 
 
 class CheckpointNotFound(KeyError):
@@ -152,7 +163,12 @@ class Registry:
     def load(self, ref: int | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         from flywheel.model.factory import load_pretrained  # noqa: PLC0415  (keeps torch out of `registry list`)
 
-        return load_pretrained(self.get(ref).path)
+        checkpoint = self.get(ref)
+        if checkpoint.base is not None:
+            raise ValueError(f"v{checkpoint.version} is a LoRA adapter of v{checkpoint.base} for "
+                             f"{checkpoint.org_id!r}, not full weights; apply it on its base "
+                             "(flywheel.live.orgs.load_adapted)")
+        return load_pretrained(checkpoint.path)
 
     def state_dict(self, ref: int | str) -> dict[str, torch.Tensor]:
         """Weights keyed as `model.state_dict()` is, ready for `Engine.update_weights`.
@@ -174,15 +190,19 @@ class Registry:
         metrics: Mapping[str, float] | None = None,
         aliases: Sequence[str] = (),
         note: str = "",
+        base: int | None = None,
+        org_id: str = "",
     ) -> Checkpoint:
-        """Write `model` and `tokenizer` as the next version and point `aliases` at it."""
+        """Write `model` and `tokenizer` as the next version and point `aliases` at it. With `base`,
+        `model` is an adapter (a peft model, which saves only its adapter) on that version, for `org_id`."""
         metrics = {name: float(value) for name, value in (metrics or {}).items()}
         for alias in aliases:
             _check_alias(alias)
         with self._write_lock, self._file_lock(blocking=True):
             self._discard_unfinished()
-            if parent is not None:
-                self.get(parent)  # fail before writing anything
+            for ref in (parent, base):
+                if ref is not None:
+                    self.get(ref)  # fail before writing anything
             with self._db_lock:
                 version = self._db.query("SELECT COALESCE(MAX(version) + 1, 0) FROM checkpoints")[0][0]
             created_at = time.time()
@@ -191,9 +211,11 @@ class Registry:
             tmp.mkdir()
             metadata = {"version": version, "parent": parent, "created_at": created_at, "metrics": metrics,
                         "note": note}
+            if base is not None:
+                metadata |= {"base": base, "org_id": org_id}
             self._write_files(tmp, model, tokenizer, metadata)
             publish_folder(tmp, final)  # fsynced, then renamed: the folder appears whole or not at all
-            self._index(version, parent, created_at, final, metrics, note, aliases)
+            self._index(version, parent, created_at, final, metrics, note, aliases, base, org_id)
         return self.get(version)
 
     def set_alias(self, alias: str, version: int) -> None:
@@ -239,11 +261,14 @@ class Registry:
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2))
 
     def _index(self, version: int, parent: int | None, created_at: float, path: Path,
-               metrics: dict[str, float], note: str, aliases: Sequence[str]) -> None:
+               metrics: dict[str, float], note: str, aliases: Sequence[str], base: int | None = None,
+               org_id: str = "") -> None:
         with self._db_lock, self._db.transaction():
             self._db.execute(
-                "INSERT INTO checkpoints (version, parent, created_at, path, metrics, note) VALUES (?, ?, ?, ?, ?, ?)",
-                (version, parent, created_at, str(path.relative_to(self.root)), json.dumps(metrics), note),
+                "INSERT INTO checkpoints (version, parent, created_at, path, metrics, note, base, org_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (version, parent, created_at, str(path.relative_to(self.root)), json.dumps(metrics), note, base,
+                 org_id),
             )
             for alias in aliases:
                 self._db.execute(
@@ -316,6 +341,8 @@ class Registry:
             metrics=json.loads(row["metrics"]),
             aliases=aliases,
             note=row["note"],
+            base=row["base"],
+            org_id=row["org_id"],
         )
 
     def _version_dirs(self) -> Iterator[Path]:

@@ -35,6 +35,17 @@ request, and a served completion is never rewritten, so it travels as an event p
 `flywheel.live.monitors.label_tests_passed` copies it into the session's completions'
 request_meta["tests_passed"] (what the monitors read); the reward never looks at it.
 
+Background agents (`kind = "background"`): the user gives one instruction and leaves; the agent
+works for up to `patience` turns with no user in between (tool results go back, a question is
+answered "work on your own" and counted, never a follow-up event), and the requests carry
+metadata session_kind = "background". The user judges the whole result at the end, hours later:
+one `outcome` event, merged (or ci_green) when the final workspace passes the hidden tests,
+reverted when it fails with an edit, abandoned when nothing was edited. Its time is the session's
+end + a delay drawn from `outcome_delay_s` (hours, simulated): with `deferred` given to
+`run_population`, the outcome is not sent but kept there with the time it is due, and the driver
+sends it when its simulated clock reaches that time (`release_due`), so some outcomes arrive after
+the next cycle started, and nothing sleeps for hours.
+
 Departures from a real editor: one task per session; edits are judged when the session ends (a
 real client reports edit_persisted after a horizon); every task fails its hidden tests untouched
 (tests/sim/test_expert.py checks it), so an untouched workspace is not graded. Events go through
@@ -56,7 +67,7 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import openai
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -76,6 +87,7 @@ from flywheel.model.chat import SYSTEM_PROMPT, tool_schemas
 log = logging.getLogger(__name__)
 
 TESTS_FAIL = "That did not work: the tests still fail. Please fix it."
+WORK_ALONE = "I am not at my desk; work on your own, I will review the result."
 
 
 class UserProfile(BaseModel):
@@ -95,6 +107,11 @@ class UserProfile(BaseModel):
     families: dict[str, float] = Field(default_factory=lambda: {"bugfix": 1.0, "implement": 1.0, "crossfile": 1.0,
                                                                  "ambiguous": 1.0})
     think_time_s: tuple[float, float] = (0.0, 0.0)  # uniform pause before each request (reading, typing)
+    # "background": a long agent session judged by one outcome hours later (module docstring).
+    kind: Literal["interactive", "background"] = "interactive"
+    # Background: seconds from the session's end to its outcome, uniform in [low, high] (simulated).
+    outcome_delay_s: tuple[float, float] = (3600.0, 4 * 3600.0)
+    org_id: str = ""  # the organization its requests name in metadata (a keyed deployment sets it by key)
 
     @field_validator("families")
     @classmethod
@@ -106,11 +123,11 @@ class UserProfile(BaseModel):
             raise ValueError("family weights must be >= 0 with a positive sum, e.g. {bugfix = 1.0}")
         return families
 
-    @field_validator("think_time_s")
+    @field_validator("think_time_s", "outcome_delay_s")
     @classmethod
     def _think_time(cls, bounds: tuple[float, float]) -> tuple[float, float]:
         if not 0 <= bounds[0] <= bounds[1]:
-            raise ValueError(f"think_time_s must be [low, high] with 0 <= low <= high, got {list(bounds)}")
+            raise ValueError(f"bounds must be [low, high] with 0 <= low <= high, got {list(bounds)}")
         return bounds
 
 
@@ -171,6 +188,8 @@ class SessionResult(BaseModel):
     outcome: str = "abandoned"
     latencies_ms: list[float] = Field(default_factory=list)  # per request, as the client waited
     error: str = ""  # why the session ended early (server error, sandbox failure), if it did
+    kind: str = "interactive"
+    outcome_at: float | None = None  # background: when its outcome event is (or was) due
 
 
 class SimStats(BaseModel):
@@ -278,9 +297,9 @@ class SimulatedUser:
     openai client and the EventClient are shared, everything else is per session."""
 
     def __init__(self, user_id: str, profile: UserProfile, api: openai.OpenAI, events: EventClient,
-                 pool: SandboxPool, population: Population):
+                 pool: SandboxPool, population: Population, deferred: list[DeferredEvent] | None = None):
         self.user_id, self.profile, self.api, self.events = user_id, profile, api, events
-        self.pool, self.population = pool, population
+        self.pool, self.population, self.deferred = pool, population, deferred
 
     def run_session(self, session_id: str, task: Task, rng: random.Random) -> SessionResult:
         result = SessionResult(session_id=session_id, user_id=self.user_id, profile=self.profile.name,
@@ -319,6 +338,10 @@ class SimulatedUser:
                 log.warning("session %s abandoned after a server error: %s", result.session_id, exc)
                 return False
             messages.append(answer.message)
+            if not answer.calls and self.profile.kind == "background":
+                result.questions += bool(answer.content.strip())  # no user to answer: no event
+                messages.append({"role": "user", "content": WORK_ALONE})
+                continue
             if not answer.calls:
                 result.questions += bool(answer.content.strip())
                 needed = task.metadata.ambiguous and not clarified and bool(answer.content.strip())
@@ -333,10 +356,13 @@ class SimulatedUser:
             result.invalid_tool_calls += sum(not c.valid for c in answer.calls)
             if any(out.ok and out.name in EDIT_TOOLS for out in outputs):
                 result.edit_completions.append(answer.completion_id)
-                self._emit(EventType.EDIT_APPLIED, result, answer.completion_id)
+                if self.profile.kind == "interactive":  # a background agent edits its own workspace: no editor event
+                    self._emit(EventType.EDIT_APPLIED, result, answer.completion_id)
             messages += [{"role": "tool", "tool_call_id": call.id, "content": out.content}
                          for call, out in zip(answer.calls, outputs, strict=True)]
             if any(c.valid and c.name == "finish" for c in answer.calls):
+                if self.profile.kind == "background":
+                    return True  # judged at the end, hours later
                 if self._passes(task, tools.sandbox.snapshot(), verdicts):
                     return True
                 if last_turn or rng.random() >= self.profile.followup_propensity:
@@ -352,6 +378,10 @@ class SimulatedUser:
             time.sleep(rng.uniform(low, high))
         meta = {"family": task.family, "ambiguous": task.metadata.ambiguous, "task_id": task.id,
                 "difficulty": task.metadata.difficulty, "profile": self.profile.name}
+        if self.profile.kind == "background":
+            meta["session_kind"] = "background"
+        if self.profile.org_id:
+            meta["org_id"] = self.profile.org_id
         started = time.perf_counter()
         try:
             response = self.api.chat.completions.create(
@@ -381,6 +411,9 @@ class SimulatedUser:
     def _report(self, result: SessionResult, finished: bool, rng: random.Random) -> None:
         if not result.completion_ids:
             return  # the server never answered: there is nothing to give feedback on
+        if self.profile.kind == "background":
+            self._judge(result, rng)
+            return
         passed = result.tests_passed
         if passed is not None and result.edit_completions:
             result.kept = passed or rng.random() >= self.profile.revert_strictness
@@ -400,9 +433,45 @@ class SimulatedUser:
             outcome["tests_passed"] = passed
         self._emit(EventType.SESSION_END, result, None, outcome)
 
+    def _judge(self, result: SessionResult, rng: random.Random) -> None:
+        """A background session's one outcome, due hours after its end (module docstring)."""
+        result.kind = "background"
+        if result.tests_passed:
+            result.outcome = rng.choice(("merged", "ci_green"))
+        else:
+            result.outcome = "reverted" if result.edit_completions else "abandoned"
+        result.kept = None if not result.edit_completions else bool(result.tests_passed)
+        result.outcome_at = time.time() + rng.uniform(*self.profile.outcome_delay_s)
+        payload: dict[str, Any] = {"outcome": result.outcome}
+        if result.tests_passed is not None:
+            payload["tests_passed"] = result.tests_passed
+        event = {"type": EventType.OUTCOME, "session_id": result.session_id, "payload": payload,
+                 "at": result.outcome_at}
+        if self.deferred is not None:
+            self.deferred.append(DeferredEvent(result.outcome_at, event))
+        else:
+            self.events.emit(**event)
+
     def _emit(self, kind: EventType, result: SessionResult, completion_id: str | None,
               payload: dict[str, Any] | None = None) -> None:
         self.events.emit(kind, session_id=result.session_id, completion_id=completion_id, payload=payload)
+
+
+@dataclass(frozen=True)
+class DeferredEvent:
+    """An event a simulated user will send at `due` (simulated time): `EventClient.emit(**kwargs)`."""
+
+    due: float
+    kwargs: dict[str, Any]
+
+
+def release_due(deferred: list[DeferredEvent], events: EventClient, now: float) -> int:
+    """Send the deferred events due by `now` (removed from `deferred`); returns how many."""
+    due = [d for d in deferred if d.due <= now]
+    for d in sorted(due, key=lambda d: d.due):
+        events.emit(**d.kwargs)
+        deferred.remove(d)
+    return len(due)
 
 
 @dataclass(frozen=True)
@@ -443,13 +512,15 @@ def plan_sessions(population: Population, n_sessions: int, tasks: Sequence[Task]
 
 def run_population(base_url: str, api_key: str, population: Population, n_sessions: int, pool: SandboxPool,
                    events_key: str | None = None, events: EventClient | None = None,
-                   tasks: Sequence[Task] | None = None, session_prefix: str | None = None) -> SimStats:
+                   tasks: Sequence[Task] | None = None, session_prefix: str | None = None,
+                   deferred: list[DeferredEvent] | None = None) -> SimStats:
     """Run `n_sessions` sessions (`plan_sessions`), `population.concurrency` at a time, against `base_url`.
 
     `api_key` needs the inference scope; events go with `events_key` (default: `api_key`) through a
     new EventClient that is flushed and closed before this returns, so `stats.events` is final; or
     through `events` (flushed, left open). Session ids are `{session_prefix}-{i}`, the prefix random
-    by default so that runs against one store never share a session.
+    by default so that runs against one store never share a session. With `deferred`, background
+    sessions' outcomes are appended there instead of sent (`release_due` sends them later).
     """
     started = time.perf_counter()
     plan = plan_sessions(population, n_sessions, tasks)
@@ -459,7 +530,8 @@ def run_population(base_url: str, api_key: str, population: Population, n_sessio
     client = events or EventClient(base_url, events_key or api_key)
 
     def session(planned: PlannedSession) -> SessionResult:
-        user = SimulatedUser(f"{planned.profile.name}-{planned.user}", planned.profile, api, client, pool, population)
+        user = SimulatedUser(f"{planned.profile.name}-{planned.user}", planned.profile, api, client, pool, population,
+                             deferred)
         rng = random.Random(f"{population.seed}:session:{planned.index}")
         return user.run_session(f"{prefix}-{planned.index}", planned.task, rng)
 

@@ -303,7 +303,8 @@ def test_completions_keep_their_sampling_and_the_learner_takes_only_its_temperat
     with LiveStore(tmp_path / "old.sqlite") as old:
         record = json.loads(stored_completion("c-old", "s").model_dump_json())
         del record["temperature"], record["top_p"]
-        old._db.execute("INSERT INTO completions VALUES ('c-old', 's', 'u', 0, 'production', 1000.0, ?)",
+        old._db.execute("INSERT INTO completions (id, session_id, user_id, version, arm, created_at, record) "
+                        "VALUES ('c-old', 's', 'u', 0, 'production', 1000.0, ?)",
                         (json.dumps(record),))
         loaded = old.completion("c-old")
     assert (loaded.temperature, loaded.top_p) == (1.0, 1.0)

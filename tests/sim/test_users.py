@@ -21,6 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "live"))  # tiny_serving, shared with the server tests
 from tiny_serving import KEYS, TOOL_ANSWER, tiny_registry_root  # noqa: E402
 
+from flywheel.client import EventClient  # noqa: E402
 from flywheel.env.families import generate  # noqa: E402
 from flywheel.env.pool import PoolConfig, SandboxPool  # noqa: E402
 from flywheel.env.task import JUST_DO_IT, Task  # noqa: E402
@@ -33,7 +34,15 @@ from flywheel.live.store import LiveStore  # noqa: E402
 from flywheel.model.chat import IM_END  # noqa: E402
 from flywheel.model.engine import Generation, SamplingParams  # noqa: E402
 from flywheel.model.tokenizer import load_tokenizer  # noqa: E402
-from flywheel.sim.users import TESTS_FAIL, Population, UserProfile, plan_sessions, run_population  # noqa: E402
+from flywheel.sim.users import (  # noqa: E402
+    TESTS_FAIL,
+    WORK_ALONE,
+    Population,
+    UserProfile,
+    plan_sessions,
+    release_due,
+    run_population,
+)
 
 REWARDS = RewardConfig()
 
@@ -221,6 +230,46 @@ def test_users_keep_good_edits_revert_bad_ones_and_answer_questions_by_need(regi
     assert all(rewards[c].parts["invalid_call_penalty"] == 2 * REWARDS.invalid_tool_call
                for c in r.completion_ids)
     assert (stats.persisted, stats.reverted, stats.edits, stats.tests_passed) == (1, 1, 2, 1)
+
+
+def test_background_agents_work_alone_and_their_outcome_arrives_hours_later(registry_root, pool, tmp_path):
+    good, wrong = generate("bugfix", "train", 2, seed=5)
+    idle = generate("implement", "train", 1, seed=5)[0]
+    answers = {good.instruction: fix(good), idle.instruction: "What exactly should I do?" + IM_END,
+               wrong.instruction: "Done." + calls(("edit_file", {"path": "notes.txt", "old": "", "new": "todo\n"}),
+                                                  ("finish", {})) + IM_END}
+    tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
+    engine = TaskScriptedEngine(tokenizer, answers)
+    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
+                        LiveStore(config.store_path))
+    hours = 3600.0
+    population = Population(concurrency=3, max_tokens=512, profiles=[UserProfile(
+        name="agent", kind="background", patience=4, org_id="acme", outcome_delay_s=(2 * hours, 5 * hours))])
+    tasks, deferred = [good, wrong, idle], []
+    with server, serve_in_thread(server) as running:
+        stats = run_population(running.url, "admin-key", population, len(tasks), pool, tasks=tasks,
+                               deferred=deferred)
+        assert server.store.count_events() == 0 and len(deferred) == 3  # nothing reported while the agent ran
+        with EventClient(running.url, "events-key") as client:
+            assert release_due(deferred, client, time.time()) == 0  # due hours from now
+            assert release_due(deferred, client, time.time() + 6 * hours) == 3 and not deferred
+            assert client.flush(timeout_s=60)
+        completions, events, _ = distill(server.store)
+    results = {r.task_id: r for r in stats.session_results}
+    assert {e.type for e in events} == {EventType.OUTCOME}
+    assert results[good.id].outcome in ("merged", "ci_green") and results[good.id].tests_passed
+    assert (results[wrong.id].outcome, results[idle.id].outcome) == ("reverted", "abandoned")
+    assert len(results[idle.id].completion_ids) == 4 and results[idle.id].questions == 4
+    assert WORK_ALONE in engine.prompts[idle.instruction][1]
+    assert all(c.session_kind == "background" and c.org_id == "acme" for c in completions)
+    for r in results.values():
+        (event,) = [e for e in events if e.session_id == r.session_id]
+        assert event.payload["outcome"] == r.outcome and event.time == r.outcome_at
+        assert 2 * hours <= event.time - max(c.created_at for c in completions if c.session_id == r.session_id)
+    rewards = {x.completion_id: x for x in RewardDistiller(REWARDS).distill(completions, events,
+                                                                           now=time.time() + 6 * hours)}
+    assert {rewards[c].parts.get("outcome_reverted") for c in results[wrong.id].completion_ids} == {-1.0}
 
 
 def test_a_population_is_planned_from_its_seed():

@@ -16,8 +16,8 @@ import pytest
 
 from flywheel.live.records import Completion, Event, EventType
 from flywheel.live.store import LIVE_SCHEMA, SCHEMA, Ingest, LiveStore
+from flywheel.model.registry import REGISTRY_SCHEMA, Registry
 from flywheel.model.registry import SCHEMA as REGISTRY_V1
-from flywheel.model.registry import Registry
 from flywheel.store.database import Schema, SchemaError, connect_url, ensure_schema, parse_url, schema_version
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,22 +71,24 @@ def test_an_old_registry_index_is_adopted(tmp_path):
     with Registry(tmp_path) as registry:
         assert registry.list() == []
     assert sqlite3.connect(tmp_path / "registry.sqlite").execute(
-        "SELECT name, version FROM flywheel_schema").fetchall() == [("registry", 1)]
+        "SELECT name, version FROM flywheel_schema").fetchall() == [("registry", REGISTRY_SCHEMA.latest)]
 
 
 def test_an_older_postgresql_store_is_refused_until_migrated(pg_url):
     db = connect_url(pg_url)
     ensure_schema(db, Schema("live", "completions", LIVE_SCHEMA.migrations[:1]), migrate=True)  # an older flywheel
     db.close()
-    with pytest.raises(SchemaError, match=r"at schema version 1; this flywheel needs 2.*flywheel store migrate"):
+    latest = LIVE_SCHEMA.latest
+    with pytest.raises(SchemaError, match=rf"at schema version 1; this flywheel needs {latest}.*store migrate"):
         LiveStore(pg_url)
     done = flywheel("store", "migrate", pg_url)
     assert done.returncode == 0, done.stderr
-    assert "live: schema v1 -> v2 (applied v2)" in done.stdout
+    applied = ", ".join(f"v{v}" for v in range(2, latest + 1))
+    assert f"live: schema v1 -> v{latest} (applied {applied})" in done.stdout
     with LiveStore(pg_url) as store:
         store.add_completion(completion("c1"))
     again = flywheel("store", "migrate", pg_url)
-    assert "live: schema v2 -> v2 (already current)" in again.stdout
+    assert f"live: schema v{latest} -> v{latest} (already current)" in again.stdout
 
 
 def test_a_store_newer_than_this_flywheel_is_refused(store_url):
@@ -96,7 +98,7 @@ def test_a_store_newer_than_this_flywheel_is_refused(store_url):
         db.execute("UPDATE flywheel_schema SET version = 99 WHERE name = 'live'")
     assert schema_version(db, LIVE_SCHEMA) == 99
     db.close()
-    with pytest.raises(SchemaError, match="newer than this flywheel's 2: upgrade flywheel"):
+    with pytest.raises(SchemaError, match=f"newer than this flywheel's {LIVE_SCHEMA.latest}: upgrade flywheel"):
         LiveStore(store_url)
     bad = flywheel("store", "migrate", store_url)
     assert bad.returncode == 2 and "newer than this flywheel" in bad.stderr

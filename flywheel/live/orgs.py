@@ -1,0 +1,240 @@
+"""Per-organization specialization: a LoRA adapter per organization with enough traffic, on the
+shared production base, trained on that organization's own on-policy data.
+
+    orgs = orgs_with_traffic(completions, rewards, version=production, min_completions=cfg.min_completions)
+    adapter, metrics = train_org_adapter(base_model, batch, learner_config, cfg)        # peft LoRA
+    checkpoint = register_adapter(registry, adapter, tokenizer, base=production, org_id="acme")
+    decision = gate_decision(org_run, general_run)       # the org's battery AND the general one
+
+Why an adapter and not a full copy: every organization shares the production base, so an adapter
+of rank r on the attention projections is a few hundred KB per organization (the base is the same
+file for all), trains on little data without forgetting the general distribution as much, and can
+be dropped (rolled back) without touching anyone else's model.
+
+What an organization's traffic is: completions whose `org_id` (the API key's, flywheel/live/server.py)
+names it. "Enough traffic": `min_completions` trainable on-policy completions of the version its
+requests are served by (the base, or its deployed adapter) in the cycle's window. Organizations
+below it are served by the base and trained with everyone else's traffic.
+
+The gate. An adapter must pass two batteries, each with the gate's paired non-inferiority checks
+(flywheel/live/gate.py): the organization's own eval tasks (its conventions) and the general
+battery. It passes only when neither shows a significant regression (`gate_decision`): an adapter
+that learnt the house style by forgetting how to fix bugs is rejected.
+
+Registry. An adapter is a Registry version like any checkpoint (`register_adapter`): its folder
+holds peft's adapter_model.safetensors + adapter_config.json and the tokenizer, and flywheel.json
+records `base` (the base version it applies on) and `org_id`. `parent` is the organization's previous
+adapter, or the base for its first. Aliases per organization: `production-<org>` and
+`candidate-<org>` (`org_alias`), so promotion and rollback of one organization move only its own.
+`load_adapted(registry, version)` loads the base and applies the adapter (peft), and `merged(...)`
+folds it into plain weights for an engine.
+
+Serving several adapters without reloading the base: `adapter_view(base, adapter)` is a plain
+model (any engine runs it, the lean decoder included) whose every tensor the adapter does not
+touch IS the base's tensor (same storage), and whose adapted projections hold base + the LoRA
+delta, merged once. That is the "merged-weights cache per adapter, base shared" design, chosen over
+per-request adapter selection inside the engine's batch: the engine's batched decode and its lean
+decoder stay as they are (no per-row adapter matmuls), and an adapter costs the memory of its
+adapted projections only (on the tiny model, the attention projections: experts and embeddings,
+most of an MoE's weights, are shared). Its cost: one engine (a batch of its own) per served adapter.
+
+Routing (flywheel/live/server.py): `LiveServer.set_org_deployment(org, Deployment(production=a1,
+candidate=a2, candidate_fraction=f))` gives the organization a Router of its own over adapter
+versions, loaded by `adapter_loader` on the tensors of the base the main Router serves; its requests
+(the key's org) go there, A/B split by session within that organization's traffic; `None` rolls
+the organization back to the shared deployment. Everyone else is untouched.
+
+Not covered here (see docs/ARCHITECTURE.md): the live cycle driving this per organization
+(gather its traffic, train, gate on both batteries, deploy, A/B, decide) end to end.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from flywheel.live.batch import OnPolicyBatch
+from flywheel.live.deploy import PINNED
+from flywheel.live.gate import GateRun
+from flywheel.live.records import Completion
+from flywheel.live.rewards import Reward
+from flywheel.model.engine import EngineConfig, LocalEngine
+from flywheel.model.registry import METADATA_FILE, Checkpoint, Registry
+from flywheel.rl.learner import Learner, LearnerConfig
+
+_ORG = re.compile(r"[a-z0-9_-]{1,40}")
+
+
+class OrgAdapterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # Trainable on-policy completions of an organization per cycle before it gets (or retrains) its
+    # adapter. Lower specializes smaller customers sooner, on noisier batches.
+    min_completions: int = Field(64, ge=2)
+    # LoRA rank and scale: rank 8 on the attention projections of the tiny model is 0.5% of its
+    # weights. Higher ranks fit an organization's conventions more closely and forget more.
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      min_length=1)
+
+
+def check_org_id(org_id: str) -> str:
+    """An organization id that can name aliases and folders: [a-z0-9_-]{1,40}."""
+    if not _ORG.fullmatch(org_id):
+        raise ValueError(f"organization id {org_id!r} must match [a-z0-9_-]{{1,40}} to have its own adapter; "
+                         "use e.g. its slug")
+    return org_id
+
+
+def org_alias(alias: str, org_id: str) -> str:
+    """The Registry alias of one organization's `production` / `candidate` adapter."""
+    return f"{alias}-{check_org_id(org_id)}"
+
+
+def orgs_with_traffic(completions: Sequence[Completion], rewards: dict[str, Reward], version: int,
+                      min_completions: int) -> dict[str, list[Completion]]:
+    """Organizations with at least `min_completions` trainable user-routed completions of `version`,
+    and those completions (in the order given). Completions without an org are nobody's."""
+    by_org: dict[str, list[Completion]] = {}
+    for c in completions:
+        r = rewards.get(c.id)
+        if c.org_id and c.version == version and c.arm != PINNED and r is not None and r.trainable:
+            by_org.setdefault(c.org_id, []).append(c)
+    return {org: cs for org, cs in sorted(by_org.items()) if len(cs) >= min_completions}
+
+
+def lora_model(base: PreTrainedModel, config: OrgAdapterConfig) -> Any:
+    """`base` (a copy: the shared base stays untouched) with a fresh LoRA adapter; only it trains."""
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415  (peft imports torch and accelerate)
+
+    lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+                      target_modules=list(config.target_modules), bias="none")
+    return get_peft_model(copy.deepcopy(base), lora)
+
+
+def train_org_adapter(base: PreTrainedModel, batch: OnPolicyBatch, learner_config: LearnerConfig,
+                      config: OrgAdapterConfig, adapter: Any = None) -> tuple[Any, dict[str, float]]:
+    """One cycle's update of an organization's adapter on its on-policy batch: the same Learner step
+    as the shared model's, with only the LoRA weights trainable. `adapter`: its current adapter
+    (a PeftModel) to continue, else a fresh one on `base`."""
+    model = adapter if adapter is not None else lora_model(base, config)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if trainable == 0:
+        raise ValueError("the adapter has no trainable weights; check target_modules names modules of the model")
+    # The Learner scores through the HF model's own parts (base_model + lm_head); peft injected the
+    # LoRA layers into that very model, so it trains the adapter through it.
+    learner = Learner(model.get_base_model().train(), learner_config)
+    metrics = learner.train_step(batch.trajectories, batch.advantages())
+    return model.eval(), {**{k: float(v) for k, v in metrics.items()}, "trainable_params": float(trainable)}
+
+
+def register_adapter(registry: Registry, adapter: Any, tokenizer: PreTrainedTokenizerBase, base: int, org_id: str,
+                     parent: int | None = None, metrics: dict[str, float] | None = None, aliases: Sequence[str] = (),
+                     note: str = "") -> Checkpoint:
+    """Register `adapter` (a PeftModel on version `base`) as the next Registry version (module docstring)."""
+    check_org_id(org_id)
+    base_checkpoint = registry.get(base)
+    if base_checkpoint.base is not None:
+        raise ValueError(f"v{base} is itself an adapter (of v{base_checkpoint.base}); adapters apply on a full "
+                         "checkpoint: pass its base")
+    return registry.register(adapter, tokenizer, parent=base if parent is None else parent, metrics=metrics,
+                             aliases=aliases, note=note or f"adapter of {org_id} on v{base}",
+                             base=base, org_id=org_id)
+
+
+def load_adapted(registry: Registry, version: int | str) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The adapter version's base with the adapter applied (a PeftModel), and its tokenizer."""
+    from peft import PeftModel  # noqa: PLC0415
+
+    checkpoint = registry.get(version)
+    if checkpoint.base is None:
+        raise ValueError(f"v{checkpoint.version} is a full checkpoint, not an adapter; load it with Registry.load")
+    base, tokenizer = registry.load(checkpoint.base)
+    return PeftModel.from_pretrained(base, str(checkpoint.path), is_trainable=False).eval(), tokenizer
+
+
+def merged(adapter: Any) -> PreTrainedModel:
+    """Plain weights with the adapter folded in (a copy), for an engine or the gate."""
+    return copy.deepcopy(adapter).merge_and_unload().eval()
+
+
+def adapter_view(base: PreTrainedModel, adapter: Any) -> PreTrainedModel:
+    """`base` with `adapter` merged into the modules it adapts, sharing every other tensor with
+    `base` (module docstring). `base` is not changed; the view's shared tensors must not be trained."""
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415
+
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in adapter.named_modules():
+        if isinstance(module, LoraLayer) and module.active_adapters:
+            with torch.no_grad():
+                delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
+            deltas[name.removeprefix("base_model.model.") + ".weight"] = delta
+    params = dict(base.named_parameters())
+    missing = sorted(set(deltas) - set(params))
+    if missing:
+        raise ValueError(f"the adapter adapts {missing[:3]}, which {type(base).__name__} lacks; pass the base it "
+                         "was trained on")
+    # deepcopy with a memo: every tensor named in it is taken as is (shared), the rest is copied.
+    memo: dict[int, Any] = {id(t): t for n, t in params.items() if n not in deltas}
+    memo |= {id(b): b for _, b in base.named_buffers()}
+    view = copy.deepcopy(base, memo)
+    with torch.no_grad():
+        for name, delta in deltas.items():
+            view.get_parameter(name).data = params[name].data + delta.to(params[name].dtype)
+    return view.eval()
+
+
+def adapter_loader(registry: Registry, served_base: Callable[[int], PreTrainedModel | None],
+                   engine_config: EngineConfig) -> Callable[[int], tuple[LocalEngine, PreTrainedTokenizerBase]]:
+    """An EngineLoader for adapter versions: each is an `adapter_view` on its base's weights as
+    `served_base(base)` holds them (the main Router's engine), or loaded once here if none is served."""
+    bases: dict[int, PreTrainedModel] = {}
+
+    def load(version: int) -> tuple[LocalEngine, PreTrainedTokenizerBase]:
+        checkpoint = registry.get(version)
+        if checkpoint.base is None:
+            raise ValueError(f"v{version} is a full checkpoint; an organization's deployment names adapter versions "
+                             "(or set it to None to serve the organization the shared deployment)")
+        base = served_base(checkpoint.base)
+        if base is None:
+            base = bases.get(checkpoint.base) or bases.setdefault(checkpoint.base, registry.load(checkpoint.base)[0])
+        adapter, tokenizer = load_adapted(registry, version)
+        return LocalEngine(adapter_view(base, adapter), engine_config, version=version), tokenizer
+
+    return load
+
+
+def adapter_metadata(path: Path) -> dict[str, Any]:
+    return json.loads((path / METADATA_FILE).read_text())
+
+
+class OrgGateDecision(BaseModel):
+    passed: bool
+    org: dict[str, bool]  # check -> passed, on the organization's battery
+    general: dict[str, bool]  # check -> passed, on the general battery
+    reason: str
+
+
+def gate_decision(org_run: GateRun, general_run: GateRun) -> OrgGateDecision:
+    """Pass only if neither battery shows a significant regression (module docstring)."""
+    failed = [f"{where}: {name}: {run.decision.checks[name].reason}"
+              for where, run in (("org battery", org_run), ("general battery", general_run))
+              for name in run.decision.failed]
+    return OrgGateDecision(passed=not failed, org={n: r.passed for n, r in org_run.decision.checks.items()},
+                           general={n: r.passed for n, r in general_run.decision.checks.items()},
+                           reason="; ".join(failed) or "no regression on the organization's battery or the general one")
+
+
+def traffic_by_org(completions: Sequence[Completion]) -> dict[str, int]:
+    """Completions per organization ("" = none), for reports."""
+    return dict(Counter(c.org_id for c in completions))
