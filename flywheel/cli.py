@@ -11,6 +11,8 @@
     flywheel serve        [--config configs/serve.toml] [--set port=8001]
     flywheel live         [--config configs/live.toml] [--set cycles=3]
     flywheel scenario     drop_invalid|edits_only [--set cycles=4]
+    flywheel env build    pytest==9.2.0 [-r requirements.lock] [--cache DIR]
+    flywheel env list     [--cache DIR]
 
 Subcommands are added as stages land; each reads a typed config (TOML + `--set` overrides).
 """
@@ -246,6 +248,23 @@ def cmd_store(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- dependency environments (flywheel/env/environments.py) ----
+def cmd_env(args: argparse.Namespace) -> int:
+    from flywheel.env import environments  # noqa: PLC0415 (only this subcommand needs it)
+
+    cache = Path(args.cache) if args.cache else None
+    if args.action == "list":
+        for env in environments.built_environments(cache):
+            print(f"{env.path.name}  {env.path}  {' '.join(env.spec.requirements)}")
+        return 0
+    lines = list(args.requirements)
+    for lock in args.lock_files:
+        lines += environments.EnvSpec.from_lock_file(Path(lock)).requirements
+    env = environments.build(environments.EnvSpec(requirements=tuple(lines)), cache)
+    print(f"environment {env.path.name}: {env.path}")
+    return 0
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
     """`--config FILE` and repeated `--set key.sub=value`, for commands that read a typed config."""
     parser.add_argument("--config", default=None, help=f"a TOML file, e.g. {example}")
@@ -323,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     scenario.add_argument("name", help="a scenario: configs/scenario_NAME.toml (drop_invalid, edits_only)")
     add_config_arguments(scenario, "configs/scenario_drop_invalid.toml (default: from NAME)")
     scenario.set_defaults(func=cmd_scenario)
+
+    env = sub.add_parser("env", help="build and list dependency environments (read-only, bound into jails)")
+    env.add_argument("action", choices=["build", "list"])
+    env.add_argument("requirements", nargs="*", help="with `build`: pip requirement lines, e.g. pytest==9.2.0")
+    env.add_argument("-r", dest="lock_files", action="append", default=[], help="a lock / requirements file")
+    env.add_argument("--cache", help="the environment cache (default: $FLYWHEEL_ENV_CACHE or /var/cache/flywheel/envs)")
+    env.set_defaults(func=cmd_env)
     return parser
 
 

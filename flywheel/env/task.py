@@ -52,6 +52,17 @@ class Task(BaseModel):
     test_command: str
     metadata: TaskMetadata
     reference_edits: tuple[Edit, ...] = ()
+    # Real-repository tasks (flywheel/env/repos.py): the pip requirement lines of the dependency
+    # environment bound at /env (environments.EnvSpec; empty: the standard library only), and the
+    # pytest node ids that grade it with SWE-bench semantics: FAIL_TO_PASS must pass after the fix,
+    # PASS_TO_PASS must keep passing. With either set, grading runs pytest (grading.py).
+    environment: tuple[str, ...] = ()
+    fail_to_pass: tuple[str, ...] = ()
+    pass_to_pass: tuple[str, ...] = ()
+
+    @property
+    def graded_by_pytest(self) -> bool:
+        return bool(self.fail_to_pass or self.pass_to_pass)
 
     def answer_question(self, question: str) -> str:
         """The user's reply when the agent asks something instead of acting.
@@ -73,7 +84,10 @@ class Task(BaseModel):
         files = self.files
         if RUNNER_FILE in files:
             files = {**files, RUNNER_FILE: keyed_runner_text()}
-        body = json.dumps([self.family, self.instruction, files, self.hidden_tests], sort_keys=True)
+        fields: list = [self.family, self.instruction, files, self.hidden_tests]
+        if self.graded_by_pytest or self.environment:  # absent from the keys of the generated families
+            fields += [self.environment, self.fail_to_pass, self.pass_to_pass]
+        body = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     def visible_test_paths(self) -> list[str]:

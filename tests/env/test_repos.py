@@ -1,0 +1,119 @@
+"""Real repositories as environments: a dependency environment bound into the jail, and a real
+package's own pytest suite graded inside the sandbox exactly as pytest counts it outside.
+
+The package is toolz 1.0.0 (its sdist from PyPI, 180 tests); the environment is pytest 9.2.0 built
+once into the environment cache. Both are downloaded on first use (cached in the git-ignored
+.cache/pypi and the environment cache); where the index cannot be reached the tests skip, and fail
+under FLYWHEEL_CI=1.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from flywheel.env.environments import EnvironmentMissing, EnvSpec, build, locate
+from flywheel.env.grading import grade
+from flywheel.env.repos import PYTEST_ENV, fetch_sdist, pytest_outside, sdist_files
+from flywheel.env.sandbox import Sandbox, SandboxConfig, Snapshot
+from flywheel.env.task import Task, TaskMetadata
+
+ROOT = Path(__file__).parents[2]
+BROKEN_FIRST = ("def first(seq):\n", "def first(seq):\n    return None\n")
+
+
+def _needs_index(what: str, exc: Exception):
+    if os.environ.get("FLYWHEEL_CI"):
+        raise exc
+    pytest.skip(f"{what} needs the package index: {exc}")
+
+
+@pytest.fixture(scope="session")
+def pytest_env():
+    try:
+        return build(PYTEST_ENV, progress=lambda _line: None)
+    except RuntimeError as exc:
+        _needs_index("building the pytest environment", exc)
+
+
+@pytest.fixture(scope="session")
+def toolz_files() -> dict[str, str]:
+    try:
+        return sdist_files(fetch_sdist("toolz", "1.0.0", ROOT / ".cache" / "pypi"))
+    except RuntimeError as exc:
+        _needs_index("the toolz sdist", exc)
+
+
+@pytest.fixture(scope="session")
+def toolz_outside(toolz_files, pytest_env) -> dict[str, str]:
+    return pytest_outside(toolz_files, pytest_env, ["toolz/tests"])
+
+
+def toolz_task(files: dict[str, str], ids) -> Task:
+    return Task(id="repo/toolz", family="repo", split="train", instruction="keep toolz's tests passing",
+                files=files, hidden_tests={}, test_command="python -m pytest -q toolz/tests",
+                metadata=TaskMetadata(difficulty=2), environment=PYTEST_ENV.requirements, pass_to_pass=tuple(ids))
+
+
+def broken(files: dict[str, str]) -> dict[str, str]:
+    text = files["toolz/itertoolz.py"]
+    assert text.count(BROKEN_FIRST[0]) == 1
+    return {**files, "toolz/itertoolz.py": text.replace(*BROKEN_FIRST)}
+
+
+def test_spec_key_ignores_order_and_names_the_build_command(tmp_path):
+    a = EnvSpec(requirements=("pytest==9.2.0", "toolz==1.0.0"))
+    assert a.key() == EnvSpec(requirements=("toolz==1.0.0", "pytest==9.2.0", "pytest==9.2.0", "# c")).key()
+    assert a.key() != EnvSpec(requirements=("pytest==9.1.0", "toolz==1.0.0")).key()
+    with pytest.raises(EnvironmentMissing, match="flywheel env build 'pytest==9.2.0' 'toolz==1.0.0'"):
+        locate(a, tmp_path)
+    with pytest.raises(ValueError, match="at least one requirement"):
+        EnvSpec(requirements=())
+
+
+def test_environment_is_bound_read_only_with_precompiled_bytecode(pytest_env, toolz_files):
+    config = SandboxConfig(wall_time_s=30, cpu_time_s=30)
+    with Sandbox.create({"a.py": "x = 1\n"}, config, environment=pytest_env.path) as box:
+        run = box.run("python -c 'import pytest; print(pytest.__version__, pytest.__file__)'")
+        assert run.output.split() == ["9.2.0", "/env/site/pytest/__init__.py"], run.render()
+        assert box.run("touch /env/site/planted").exit_code != 0
+        assert box.run("ls -A /workspace").output.split() == ["a.py"]  # nothing of the env in the workspace
+        # -v logs each module's source of code: pytest's own modules come from its .pyc files.
+        verbose = box.run("python -v -c 'import _pytest.python' 2>&1").output
+        assert "code object from '/env/site/_pytest/__pycache__/python.cpython" in verbose
+    with Sandbox.create({"a.py": "x = 1\n"}, config) as bare:  # no environment: the standard library only
+        assert "No module named pytest" in bare.run("python -m pytest").output
+
+
+def test_toolz_suite_in_the_sandbox_equals_pytest_outside(pytest_env, toolz_files, toolz_outside):
+    assert list(toolz_outside.values()).count("passed") == len(toolz_outside) == 180
+    task = toolz_task(toolz_files, toolz_outside)
+    clean = grade(task, Snapshot.of_files(toolz_files))
+    assert (clean.passed, clean.failed, clean.all_passed) == (180, 0, True), clean.log
+    assert clean.parts["pass_to_pass"] == pytest.approx(0.5) and clean.reward == pytest.approx(1.0)
+
+    bad_files = broken(toolz_files)
+    outside = pytest_outside(bad_files, pytest_env, ["toolz/tests"])
+    failing_outside = sorted(t for t, o in outside.items() if o != "passed")
+    inside = grade(task, Snapshot.of_files(bad_files))
+    assert sorted(t for t, ok in inside.tests.items() if not ok) == failing_outside
+    assert "toolz/tests/test_itertoolz.py::test_first" in failing_outside
+    assert inside.failed == len(failing_outside) > 0 and not inside.all_passed
+
+
+def test_a_conftest_rewriting_reports_cannot_forge_a_pass(toolz_files, toolz_outside):
+    """A planted conftest.py turns every report into a pass (pytest itself then prints "180 passed"):
+    the grader drops it, and its own call wrapper would not have believed it anyway."""
+    forged = broken(toolz_files)
+    forged["toolz/tests/conftest.py"] = (
+        "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+        "    out = yield\n    out.get_result().outcome = 'passed'\n")
+    forged["toolz/tests/test_itertoolz.py"] = forged["toolz/tests/test_itertoolz.py"] + "\nprint('180 passed')\n"
+    result = grade(toolz_task(toolz_files, toolz_outside), Snapshot.of_files(forged))
+    assert not result.tests["toolz/tests/test_itertoolz.py::test_first"]
+    assert result.failed > 0 and not result.all_passed
+    # The same conftest as part of the task itself (restored, not dropped): the call wrapper decides.
+    own = grade(toolz_task(forged, toolz_outside), Snapshot.of_files(forged))
+    assert sorted(t for t, ok in own.tests.items() if not ok) == sorted(t for t, ok in result.tests.items() if not ok)
