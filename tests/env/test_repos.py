@@ -15,10 +15,14 @@ from pathlib import Path
 import pytest
 
 from flywheel.env.environments import EnvironmentMissing, EnvSpec, build, locate
+from flywheel.env.families import mined
+from flywheel.env.families.workspace import file_edits
 from flywheel.env.grading import grade
+from flywheel.env.mutations import KINDS, mutations
 from flywheel.env.repos import PYTEST_ENV, fetch_sdist, pytest_outside, sdist_files
 from flywheel.env.sandbox import Sandbox, SandboxConfig, Snapshot
 from flywheel.env.task import Task, TaskMetadata
+from flywheel.sim.expert import ScriptedExpert, run_policy
 
 ROOT = Path(__file__).parents[2]
 BROKEN_FIRST = ("def first(seq):\n", "def first(seq):\n    return None\n")
@@ -117,3 +121,65 @@ def test_a_conftest_rewriting_reports_cannot_forge_a_pass(toolz_files, toolz_out
     # The same conftest as part of the task itself (restored, not dropped): the call wrapper decides.
     own = grade(toolz_task(forged, toolz_outside), Snapshot.of_files(forged))
     assert sorted(t for t, ok in own.tests.items() if not ok) == sorted(t for t, ok in result.tests.items() if not ok)
+
+
+# ---- the mined family: AST mutations of real packages, validated by their own tests ------------
+
+def test_every_mutation_undoes_in_one_edit(toolz_files):
+    source = toolz_files["toolz/itertoolz.py"]
+    found = mutations(source, "toolz/itertoolz.py")
+    assert len(found) > 200 and {m.kind for m in found} >= set(KINDS) - {"wrong_default"}
+    assert found == mutations(source, "toolz/itertoolz.py")  # deterministic
+    for m in found:
+        broken = m.apply(source)
+        compile(broken, m.path, "exec")  # every mutant still imports
+        assert broken != source and m.undo(broken) == source
+        edits = file_edits(m.path, broken, source)
+        assert len(edits) == 1 and broken.replace(edits[0].old, edits[0].new) == source
+
+
+@pytest.fixture(scope="module")
+def mined_catalogue(tmp_path_factory, pytest_env, toolz_files):
+    cache = tmp_path_factory.mktemp("mined")
+    mined.build_catalogue(3, packages=["toolz"], cache=cache, progress=lambda _line: None, limit_tried=12)
+    return cache
+
+
+def test_mined_tasks_fail_before_and_pass_after_their_fix_in_the_sandbox(mined_catalogue, toolz_files):
+    bugs = mined.catalogue(mined_catalogue)
+    assert 1 <= len(bugs) <= 3
+    for bug in bugs:
+        task = mined.to_task(bug, toolz_files)
+        assert task.split == mined.split_of(f"toolz/{bug.module}", mined.EVAL_FRACTION)
+        assert bug.fail_to_pass[0] in task.instruction and bug.mutation.new not in task.instruction
+        before = grade(task, Snapshot.of_files(task.files))
+        assert not any(before.tests[t] for t in task.fail_to_pass), bug.mutation.describe()
+        assert all(before.tests[t] for t in task.pass_to_pass)
+        assert before.parts["fail_to_pass"] == 0 and before.parts["pass_to_pass"] > 0
+        fixed = apply_edits(task.files, task.reference_edits)
+        assert fixed[bug.module] == toolz_files[bug.module]
+        after = grade(task, Snapshot.of_files(fixed))
+        assert after.all_passed and after.reward == pytest.approx(1.0), after.log
+    # The same catalogue draws the same tasks for a seed, and ids regenerate them.
+    split = bugs[0].split()
+    drawn = mined.generate(split, 1, seed=4, cache=mined_catalogue)
+    assert drawn == mined.generate(split, 1, seed=4, cache=mined_catalogue)
+    assert mined.get(drawn[0].id, cache=mined_catalogue) == drawn[0]
+
+
+def test_scripted_expert_solves_a_mined_task_end_to_end(mined_catalogue, toolz_files):
+    task = mined.to_task(mined.catalogue(mined_catalogue)[0], toolz_files)
+    episode = run_policy(task, ScriptedExpert(seed=0).play(task))
+    assert episode.finished and episode.final is not None
+    test_runs = [r.content for _, obs in episode.turns if isinstance(obs, list) for r in obs
+                 if "passed" in r.content]
+    assert test_runs and "failed" not in test_runs[-1], test_runs
+    assert grade(task, episode.final).all_passed
+
+
+def apply_edits(files: dict[str, str], edits) -> dict[str, str]:
+    out = dict(files)
+    for e in edits:
+        assert out[e.path].count(e.old) == 1
+        out[e.path] = out[e.path].replace(e.old, e.new)
+    return out
