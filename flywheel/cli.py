@@ -3,6 +3,7 @@
     flywheel tasks list   --family bugfix --split train [--n 10] [--difficulty 1]
     flywheel tasks show   bugfix/train/s0/d1/0
     flywheel tasks export --family implement --split eval --n 50 --out tasks.jsonl
+    flywheel tasks build  --family mined --per-package 150   (then list / show / export --family mined)
     flywheel demo         [--config configs/demo.toml] [--set train.time_budget_s=60]
     flywheel bootstrap    [--config configs/bootstrap.toml] [--set sft.epochs=1]
     flywheel eval         --checkpoint production --split eval --json
@@ -37,6 +38,16 @@ def _short(text: str, width: int) -> str:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
+    if args.action == "build":  # the mined family's catalogue: validate mutants once (families/mined.py)
+        from flywheel.env.families import mined  # noqa: PLC0415
+
+        if args.family != mined.FAMILY:
+            raise ValueError(f"only the mined family is built ahead; the others are generated (got {args.family!r})")
+        path = mined.build_catalogue(args.per_package, workers=args.workers)
+        bugs = mined.catalogue()
+        print(f"{len(bugs)} validated mined tasks in {path} "
+              f"({sum(b.split() == 'eval' for b in bugs)} eval)")
+        return 0
     if args.action == "show":
         task = get_task(args.task_id)
         print(f"# {task.id}  (family {task.family}, split {task.split}, difficulty {task.metadata.difficulty})")
@@ -44,6 +55,11 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         if task.metadata.ambiguous:
             print(f"\n## clarification (given only when asked)\n{task.metadata.clarification}")
         print(f"\n## test command\n{task.test_command}")
+        if task.graded_by_pytest:  # a real repository: its files are too many to print
+            print(f"\n## environment\n{' '.join(task.environment)}\n\n## workspace\n{len(task.files)} files")
+            print(f"\n## FAIL_TO_PASS ({len(task.fail_to_pass)})\n" + "\n".join(task.fail_to_pass))
+            print(f"\n## PASS_TO_PASS\n{len(task.pass_to_pass)} tests")
+            return 0
         for title, files in (("workspace", task.files), ("hidden tests", task.hidden_tests)):
             for path, text in sorted(files.items()):
                 if path == "run_tests.py":
@@ -284,14 +300,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     tasks = sub.add_parser("tasks", help="look at the task families")
-    tasks.add_argument("action", choices=["list", "show", "export"])
+    tasks.add_argument("action", choices=["list", "show", "export", "build"])
     tasks.add_argument("task_id", nargs="?", help="with `show`: the task id, as `list` prints it")
-    tasks.add_argument("--family", default="bugfix", help=f"one of {', '.join(FAMILIES)}, humaneval")
+    tasks.add_argument("--family", default="bugfix", help=f"one of {', '.join(FAMILIES)}, humaneval, mined")
     tasks.add_argument("--split", default="train", choices=SPLITS)
     tasks.add_argument("--n", type=int, default=10)
     tasks.add_argument("--seed", type=int, default=0)
     tasks.add_argument("--difficulty", type=int, choices=[1, 2, 3])
     tasks.add_argument("--out", default="tasks.jsonl", help="with `export`: the JSONL file to write")
+    tasks.add_argument("--per-package", type=int, default=150, help="with `build`: validated mutants per package")
+    tasks.add_argument("--workers", type=int, default=2, help="with `build`: mutants validated at once")
     tasks.set_defaults(func=cmd_tasks)
 
     add_config_command(sub, "demo", "run the main job on the embedded default", cmd_demo)

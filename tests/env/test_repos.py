@@ -9,7 +9,9 @@ under FLYWHEEL_CI=1.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,8 +21,10 @@ from flywheel.env.families import mined
 from flywheel.env.families.workspace import file_edits
 from flywheel.env.grading import grade
 from flywheel.env.mutations import KINDS, mutations
-from flywheel.env.repos import PYTEST_ENV, fetch_sdist, pytest_outside, sdist_files
+from flywheel.env.repos import PYTEST_ENV, fetch_sdist, pytest_outside, sdist_files, write_tree
 from flywheel.env.sandbox import Sandbox, SandboxConfig, Snapshot
+from flywheel.env.semantic import EmbeddingCache, SemanticIndex
+from flywheel.env.swebench import apply_patch, instance_task, read_instances, task_instance, write_instances
 from flywheel.env.task import Task, TaskMetadata
 from flywheel.sim.expert import ScriptedExpert, run_policy
 
@@ -183,3 +187,72 @@ def apply_edits(files: dict[str, str], edits) -> dict[str, str]:
         assert out[e.path].count(e.old) == 1
         out[e.path] = out[e.path].replace(e.old, e.new)
     return out
+
+
+# ---- SWE-bench instances in and out ------------------------------------------------------------
+
+def _git(repo: Path, *args: str) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "PATH": os.environ["PATH"], "HOME": str(repo)}
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, env=env).stdout
+
+
+def test_swebench_instance_from_a_git_repository_hides_the_future(tmp_path, pytest_env):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    test_zero = "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n"
+    write_tree(repo, {"calc/__init__.py": "def add(a, b):\n    return a - b\n", "calc/tests/test_calc.py": test_zero})
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "base")
+    base = _git(repo, "rev-parse", "HEAD").strip()
+    (repo / "calc/__init__.py").write_text("def add(a, b):\n    return a + b  # FIXED-IN-THE-FUTURE\n")
+    test_patch_text = "\n\ndef test_two():\n    assert add(1, 1) == 2\n"
+    (repo / "calc/tests/test_calc.py").write_text((repo / "calc/tests/test_calc.py").read_text() + test_patch_text)
+    patch = _git(repo, "diff", "--", "calc/__init__.py")
+    test_patch = _git(repo, "diff", "--", "calc/tests")
+    _git(repo, "commit", "-qam", "fix add")
+    line = json.dumps({"instance_id": "calc-1", "repo": "local/calc", "base_commit": base, "problem_statement":
+                       "add(1, 1) is not 2", "patch": patch, "test_patch": test_patch,
+                       "FAIL_TO_PASS": json.dumps(["calc/tests/test_calc.py::test_two"]),
+                       "PASS_TO_PASS": ["calc/tests/test_calc.py::test_zero"], "version": "0.1"})
+    (tmp_path / "in.jsonl").write_text(line + "\n")
+    [instance] = read_instances(tmp_path / "in.jsonl")
+    task = instance_task(instance, repo)
+    assert not any(".git" in p.split("/") for p in task.files)
+    assert "FIXED-IN-THE-FUTURE" not in json.dumps(task.files) and "test_two" not in json.dumps(task.files)
+    with Sandbox.create(task.files, environment=pytest_env.path) as box:
+        assert box.run("git log").exit_code != 0  # no history in the workspace at all
+    before = grade(task, Snapshot.of_files(task.files))
+    assert before.tests == {"calc/tests/test_calc.py::test_two": False, "calc/tests/test_calc.py::test_zero": True}
+    assert before.parts["fail_to_pass"] == 0 and before.parts["pass_to_pass"] == pytest.approx(0.25)
+    fixed = apply_edits(task.files, task.reference_edits)
+    assert grade(task, Snapshot.of_files(fixed)).all_passed
+    # Out again: the instance's patch and test patch reproduce the fix and the tests.
+    out = task_instance(task)
+    assert write_instances(tmp_path / "out.jsonl", [out]) == 1
+    [back] = read_instances(tmp_path / "out.jsonl")
+    assert apply_patch(task.files, back.patch) == fixed
+    test_file = "calc/tests/test_calc.py"
+    assert apply_patch(task.files, back.test_patch)[test_file] == task.hidden_tests[test_file]
+    assert (back.FAIL_TO_PASS, back.PASS_TO_PASS) == (list(task.fail_to_pass), list(task.pass_to_pass))
+
+
+# ---- semantic search at repository scale: embeddings cached by content ------------------------
+
+def test_semantic_index_embeds_an_identical_file_once_across_sandboxes(tmp_path, toolz_files):
+    cache = EmbeddingCache(tmp_path / "embeddings")
+    modules = ("toolz/itertoolz.py", "toolz/recipes.py", "toolz/dicttoolz.py", "toolz/utils.py")
+    files = {p: toolz_files[p] for p in modules}
+    with Sandbox.create(files) as first, Sandbox.create(files) as second:
+        cold = SemanticIndex(first.workspace, cache)
+        hits = cold.search("split a sequence into groups of n items", top_k=3)
+        assert any("partition" in h.text for h in hits) and cache.hits == 0 and cache.misses > 0
+        misses = cache.misses
+        warm = SemanticIndex(second.workspace, cache)  # another sandbox, the same files: no embedding
+        assert [(h.path, h.start_line) for h in warm.search("split a sequence into groups of n items", top_k=3)] \
+            == [(h.path, h.start_line) for h in hits]
+        assert cache.misses == misses and cache.hits == warm.embedded_files == 4
+        second.write_text("toolz/recipes.py", second.read_text("toolz/recipes.py") + "\n# edited\n")
+        warm.search("anything")
+        assert cache.misses == misses + 1  # the edit re-embeds its one file
