@@ -72,7 +72,12 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("w") as f:
             for task in tasks:
-                f.write(task.model_dump_json() + "\n")
+                if args.format == "swebench":  # real-repository tasks as SWE-bench instances
+                    from flywheel.env.swebench import task_instance  # noqa: PLC0415
+
+                    f.write(task_instance(task).model_dump_json() + "\n")
+                else:
+                    f.write(task.model_dump_json() + "\n")
         print(f"wrote {len(tasks)} tasks to {out}")
         return 0
     print(f"{'id':<34} {'diff':>4} {'amb':>3}  instruction")
@@ -308,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--seed", type=int, default=0)
     tasks.add_argument("--difficulty", type=int, choices=[1, 2, 3])
     tasks.add_argument("--out", default="tasks.jsonl", help="with `export`: the JSONL file to write")
+    tasks.add_argument("--format", choices=["flywheel", "swebench"], default="flywheel",
+                       help="with `export`: Task records, or SWE-bench instances (real-repository tasks)")
     tasks.add_argument("--per-package", type=int, default=150, help="with `build`: validated mutants per package")
     tasks.add_argument("--workers", type=int, default=2, help="with `build`: mutants validated at once")
     tasks.set_defaults(func=cmd_tasks)

@@ -24,6 +24,15 @@ The supervisor writes the outcomes to a descriptor of an unlinked host file (not
 output, which anything in the jail can write), and the verdict here counts them against the test
 names computed here from the hidden tests: a test that is missing, skipped, never reached or
 reported only in the output is a failure. tests/env/test_grading_forgery.py tries the forgeries.
+
+Real-repository tasks (`Task.graded_by_pytest`: FAIL_TO_PASS / PASS_TO_PASS node ids) are graded
+the same way by the supervisor's pytest mode, in a jail with the task's dependency environment
+bound, over the test files their ids name; the task's conftest.py and pytest config files replace
+the agent's (`PYTEST_CONTROL_FILES`). Their reward parts split `pass_frac` in two:
+  `fail_to_pass`           pass_frac_weight x the FAIL_TO_PASS tests passed / all graded tests
+  `pass_to_pass`           pass_frac_weight x the PASS_TO_PASS tests passed / all graded tests
+and `all_passed_bonus` is SWE-bench's "resolved". tests/env/test_repos.py checks the counts
+against pytest run outside the sandbox.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ hidden: the standard library only) read-only, and a private, size-capped `/tmp` 
 that vanish when the command ends. Nothing else of the host is visible: no home directories, no
 project source, no other workspaces, no hidden tests.
 
+A dependency environment (`environments.py`), when the sandbox has one, is bound read-only at
+`/env`, with `/env/site` on PYTHONPATH and `/env/site/bin` on PATH: shared by every sandbox of a
+repository, writable by none, and outside the workspace the tools walk.
+
 What it protects against (each has a test in tests/env/test_sandbox.py):
 - network use: the jail has its own network namespace with no interfaces; nothing, not even the
   host's loopback, is reachable.

@@ -5,6 +5,8 @@ tens of milliseconds. Test files are `test_*.py` modules with `test_*` functions
 
     python3 run_tests.py tests                                          # the agent: a readable summary
     exec python3 -I -S run_tests.py --report-fd 3 tests_hidden/test_x.py # the grader (grading.py)
+    exec python3 -I -S run_tests.py --report-fd 3 --pytest /env/site -- toolz/tests/test_x.py
+                                     # the grader on a real repository: its pytest suite (below)
 
 The agent's mode imports each test file and prints what failed. The grader's mode is built so that
 the code under test can neither write nor impersonate the verdict:
@@ -45,13 +47,18 @@ the tests that check it):
 - deliberate work-arounds of the audit hook, which is CPython's monitoring, not a sandbox (a
   path object that names another file each time it is asked slips past the /proc check).
 The first two would take running the assertions in a process apart from the code they check.
+In the pytest mode (real repositories) also: ctypes is allowed (real libraries load it), so code
+that reads its own process's memory can find a token; and a conftest.py that replaces what a test
+item runs (`item.runtest`) passes it, unless the task's own conftest.py files are what the grader
+restores (it does: grading.py).
 
 Both modes append the workspace to the end of `sys.path`, so a workspace file named like a
 standard module (`json.py`) cannot shadow the runner's own imports. In the grader's mode a test
 is a plain top-level `def test_*`: a decorated one is not the function its code defines and fails.
 Measured with `bench/sandbox.py` (grading): within about 1.1x of one plain in-process run of the
 same hidden tests in a fresh sandbox; the nonce-line design it replaced was about 1.0x.
-This file must keep to the standard library: it is copied into workspaces verbatim.
+This file must keep to the standard library: it is copied into workspaces verbatim (pytest is
+imported only in the pytest mode's child, from the task's environment).
 """
 
 import json

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import json
 import random
+import subprocess
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,8 @@ from flywheel.env.repos import PYTEST_ENV, fetch_sdist, pytest_outside, sdist_fi
 from flywheel.env.task import Edit, Split, Task, TaskMetadata, is_test_path, split_of
 
 FAMILY = "mined"
+# A release's suite takes 1-3 s here; a mutant still running after this is hung, not slow.
+VALIDATION_TIMEOUT_S = 30.0
 EVAL_FRACTION = 0.25  # of modules; a package has few, so a little above the generated families' 0.2
 
 
@@ -138,7 +141,10 @@ def validate(package: Package, files: dict[str, str], baseline: dict[str, str], 
              env) -> MinedBug | None:
     """The bug a mutant makes, or None when the package's tests do not tell it from the release."""
     mutated = {**files, mutation.path: mutation.apply(files[mutation.path])}
-    outcomes = pytest_outside(mutated, env, list(package.tests), timeout_s=120)
+    try:
+        outcomes = pytest_outside(mutated, env, list(package.tests), timeout_s=VALIDATION_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None  # a mutant that hangs the suite (a loop that never ends) makes a task graded by timeouts
     passing = sorted(t for t, o in baseline.items() if o == "passed")
     broken = [t for t in passing if outcomes.get(t) != "passed"]
     if not broken or len(broken) == len(passing):
