@@ -353,7 +353,9 @@ def run_pytest(site_dir, args, tokens_r, echo_w, workspace):
     import site
 
     site.addsitedir(site_dir)  # its .pth files, as PYTHONPATH plus site would not: installed packages need them
-    import pytest
+    import importlib
+
+    pytest = importlib.import_module("pytest")  # the task's environment's pytest, no dependency of flywheel
 
     TokenReporter.pytest_runtest_call = pytest.hookimpl(wrapper=True, trylast=True)(TokenReporter.call_wrapper)
     pytest.main(["--rootdir", workspace, "-p", "no:cacheprovider", "-q", *args], plugins=[reporter])
