@@ -142,18 +142,22 @@ with open(out, "w") as f:
 
 
 def pytest_outside(files: Mapping[str, str | bytes], env: BuiltEnv, args: Sequence[str],
-                   timeout_s: float = 300.0) -> dict[str, str]:
+                   timeout_s: float = 300.0, cpu_limit_s: int | None = None) -> dict[str, str]:
     """Per-test outcomes of pytest over `files` on the host, with `env`'s packages only:
-    {nodeid: "passed" | "failed" | "skipped"}."""
+    {nodeid: "passed" | "failed" | "skipped"}. `cpu_limit_s` (RLIMIT_CPU) stops a run that hangs
+    in a loop whatever the host's load, where a wall-clock limit would also stop slow ones."""
     with tempfile.TemporaryDirectory(prefix="flywheel-pytest-") as tmp:
         root = Path(tmp) / "workspace"
         write_tree(root, files)
         out = Path(tmp) / "outcomes.json"
         env_vars = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONDONTWRITEBYTECODE": "1",
                     "LANG": "C.UTF-8", "HOME": tmp}
+        argv = [base_python(), "-S", "-c", _OUTSIDE, str(root), str(env.site), str(out),
+                "--rootdir", str(root), "-p", "no:cacheprovider", "-q", *args]
+        if cpu_limit_s is not None:  # set by the shell, not preexec_fn: validation runs in threads
+            argv = ["/bin/sh", "-c", f'ulimit -t {int(cpu_limit_s)} && exec "$0" "$@"', *argv]
         run = subprocess.run(
-            [base_python(), "-S", "-c", _OUTSIDE, str(root), str(env.site), str(out),
-             "--rootdir", str(root), "-p", "no:cacheprovider", "-q", *args],
+            argv,
             cwd=root, env=env_vars, capture_output=True, text=True, timeout=timeout_s, check=False)
         if not out.is_file():
             raise RuntimeError(f"pytest wrote no outcomes (exit {run.returncode}):\n{run.stdout[-2000:]}"
