@@ -3,6 +3,7 @@
     flywheel tasks list   --family bugfix --split train [--n 10] [--difficulty 1]
     flywheel tasks show   bugfix/train/s0/d1/0
     flywheel tasks export --family implement --split eval --n 50 --out tasks.jsonl
+    flywheel tasks build  --family mined --per-package 150   (then list / show / export --family mined)
     flywheel demo         [--config configs/demo.toml] [--set train.time_budget_s=60]
     flywheel bootstrap    [--config configs/bootstrap.toml] [--set sft.epochs=1]
     flywheel eval         --checkpoint production --split eval --json
@@ -11,6 +12,8 @@
     flywheel serve        [--config configs/serve.toml] [--set port=8001]
     flywheel live         [--config configs/live.toml] [--set cycles=3]
     flywheel scenario     drop_invalid|edits_only [--set cycles=4]
+    flywheel env build    pytest==9.2.0 [-r requirements.lock] [--cache DIR]
+    flywheel env list     [--cache DIR]
 
 Subcommands are added as stages land; each reads a typed config (TOML + `--set` overrides).
 """
@@ -35,6 +38,16 @@ def _short(text: str, width: int) -> str:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
+    if args.action == "build":  # the mined family's catalogue: validate mutants once (families/mined.py)
+        from flywheel.env.families import mined  # noqa: PLC0415
+
+        if args.family != mined.FAMILY:
+            raise ValueError(f"only the mined family is built ahead; the others are generated (got {args.family!r})")
+        path = mined.build_catalogue(args.per_package, workers=args.workers)
+        bugs = mined.catalogue()
+        print(f"{len(bugs)} validated mined tasks in {path} "
+              f"({sum(b.split() == 'eval' for b in bugs)} eval)")
+        return 0
     if args.action == "show":
         task = get_task(args.task_id)
         print(f"# {task.id}  (family {task.family}, split {task.split}, difficulty {task.metadata.difficulty})")
@@ -42,6 +55,11 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         if task.metadata.ambiguous:
             print(f"\n## clarification (given only when asked)\n{task.metadata.clarification}")
         print(f"\n## test command\n{task.test_command}")
+        if task.graded_by_pytest:  # a real repository: its files are too many to print
+            print(f"\n## environment\n{' '.join(task.environment)}\n\n## workspace\n{len(task.files)} files")
+            print(f"\n## FAIL_TO_PASS ({len(task.fail_to_pass)})\n" + "\n".join(task.fail_to_pass))
+            print(f"\n## PASS_TO_PASS\n{len(task.pass_to_pass)} tests")
+            return 0
         for title, files in (("workspace", task.files), ("hidden tests", task.hidden_tests)):
             for path, text in sorted(files.items()):
                 if path == "run_tests.py":
@@ -54,7 +72,12 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("w") as f:
             for task in tasks:
-                f.write(task.model_dump_json() + "\n")
+                if args.format == "swebench":  # real-repository tasks as SWE-bench instances
+                    from flywheel.env.swebench import task_instance  # noqa: PLC0415
+
+                    f.write(task_instance(task).model_dump_json() + "\n")
+                else:
+                    f.write(task.model_dump_json() + "\n")
         print(f"wrote {len(tasks)} tasks to {out}")
         return 0
     print(f"{'id':<34} {'diff':>4} {'amb':>3}  instruction")
@@ -246,6 +269,23 @@ def cmd_store(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- dependency environments (flywheel/env/environments.py) ----
+def cmd_env(args: argparse.Namespace) -> int:
+    from flywheel.env import environments  # noqa: PLC0415 (only this subcommand needs it)
+
+    cache = Path(args.cache) if args.cache else None
+    if args.action == "list":
+        for env in environments.built_environments(cache):
+            print(f"{env.path.name}  {env.path}  {' '.join(env.spec.requirements)}")
+        return 0
+    lines = list(args.requirements)
+    for lock in args.lock_files:
+        lines += environments.EnvSpec.from_lock_file(Path(lock)).requirements
+    env = environments.build(environments.EnvSpec(requirements=tuple(lines)), cache)
+    print(f"environment {env.path.name}: {env.path}")
+    return 0
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
     """`--config FILE` and repeated `--set key.sub=value`, for commands that read a typed config."""
     parser.add_argument("--config", default=None, help=f"a TOML file, e.g. {example}")
@@ -265,14 +305,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     tasks = sub.add_parser("tasks", help="look at the task families")
-    tasks.add_argument("action", choices=["list", "show", "export"])
+    tasks.add_argument("action", choices=["list", "show", "export", "build"])
     tasks.add_argument("task_id", nargs="?", help="with `show`: the task id, as `list` prints it")
-    tasks.add_argument("--family", default="bugfix", help=f"one of {', '.join(FAMILIES)}, humaneval")
+    tasks.add_argument("--family", default="bugfix", help=f"one of {', '.join(FAMILIES)}, humaneval, mined")
     tasks.add_argument("--split", default="train", choices=SPLITS)
     tasks.add_argument("--n", type=int, default=10)
     tasks.add_argument("--seed", type=int, default=0)
     tasks.add_argument("--difficulty", type=int, choices=[1, 2, 3])
     tasks.add_argument("--out", default="tasks.jsonl", help="with `export`: the JSONL file to write")
+    tasks.add_argument("--format", choices=["flywheel", "swebench"], default="flywheel",
+                       help="with `export`: Task records, or SWE-bench instances (real-repository tasks)")
+    tasks.add_argument("--per-package", type=int, default=150, help="with `build`: validated mutants per package")
+    tasks.add_argument("--workers", type=int, default=2, help="with `build`: mutants validated at once")
     tasks.set_defaults(func=cmd_tasks)
 
     add_config_command(sub, "demo", "run the main job on the embedded default", cmd_demo)
@@ -323,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
     scenario.add_argument("name", help="a scenario: configs/scenario_NAME.toml (drop_invalid, edits_only)")
     add_config_arguments(scenario, "configs/scenario_drop_invalid.toml (default: from NAME)")
     scenario.set_defaults(func=cmd_scenario)
+
+    env = sub.add_parser("env", help="build and list dependency environments (read-only, bound into jails)")
+    env.add_argument("action", choices=["build", "list"])
+    env.add_argument("requirements", nargs="*", help="with `build`: pip requirement lines, e.g. pytest==9.2.0")
+    env.add_argument("-r", dest="lock_files", action="append", default=[], help="a lock / requirements file")
+    env.add_argument("--cache", help="the environment cache (default: $FLYWHEEL_ENV_CACHE or /var/cache/flywheel/envs)")
+    env.set_defaults(func=cmd_env)
     return parser
 
 

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
 from flywheel.agent.trajectory import INVALID_CALL_PENALTY, Status, Trajectory
+from flywheel.env.environments import task_environment
 from flywheel.env.grading import GradeConfig, grade
 from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import SandboxError
@@ -174,7 +175,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
             workspace={p: base64.b64encode(d).decode() for p, d in snap.files.items()},
         ))
 
-    box = pool.acquire(files)
+    box = pool.acquire(files, environment=task_environment(task))
     try:
         with Toolbox(box, config.tools) as tools:
             while turns < config.max_turns:

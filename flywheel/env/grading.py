@@ -24,6 +24,15 @@ The supervisor writes the outcomes to a descriptor of an unlinked host file (not
 output, which anything in the jail can write), and the verdict here counts them against the test
 names computed here from the hidden tests: a test that is missing, skipped, never reached or
 reported only in the output is a failure. tests/env/test_grading_forgery.py tries the forgeries.
+
+Real-repository tasks (`Task.graded_by_pytest`: FAIL_TO_PASS / PASS_TO_PASS node ids) are graded
+the same way by the supervisor's pytest mode, in a jail with the task's dependency environment
+bound, over the test files their ids name; the task's conftest.py and pytest config files replace
+the agent's (`PYTEST_CONTROL_FILES`). Their reward parts split `pass_frac` in two:
+  `fail_to_pass`           pass_frac_weight x the FAIL_TO_PASS tests passed / all graded tests
+  `pass_to_pass`           pass_frac_weight x the PASS_TO_PASS tests passed / all graded tests
+and `all_passed_bonus` is SWE-bench's "resolved". tests/env/test_repos.py checks the counts
+against pytest run outside the sandbox.
 """
 
 from __future__ import annotations
@@ -35,13 +44,20 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from flywheel.env.environments import task_environment
 from flywheel.env.outcome import TestOutcome
-from flywheel.env.sandbox import Sandbox, SandboxConfig, Snapshot
+from flywheel.env.sandbox import ENV_MOUNT, Sandbox, SandboxConfig, Snapshot
 from flywheel.env.task import Task
 from flywheel.env.testrun import defined_tests
 
 RUNNER_PATH = "run_tests.py"
+# Where a real-repository task's grading workspace gets the runner: a repository may have its own
+# run_tests.py, and pytest collects neither name.
+PYTEST_RUNNER_PATH = ".flywheel_grader.py"
 HIDDEN_DIR = "tests_hidden"
+# Files that change how pytest collects, runs or reports (hooks, plugins, addopts): a pytest-graded
+# task grades with the task's own copies, and any the agent added are dropped.
+PYTEST_CONTROL_FILES = frozenset({"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml"})
 RUNNER_SOURCE = (Path(__file__).parent / "testrun.py").read_text()
 
 
@@ -70,13 +86,19 @@ class Grade(BaseModel):
 def grading_files(task: Task, final: Snapshot) -> dict[str, bytes]:
     """The files of the grading workspace: the final one, pristine runner, the hidden tests."""
     files = {p: b for p, b in final.files.items() if not p.startswith(HIDDEN_DIR + "/")}
-    files[RUNNER_PATH] = RUNNER_SOURCE.encode()
+    if task.graded_by_pytest:  # what decides how pytest runs and reports is the task's, not the agent's
+        files = {p: b for p, b in files.items() if p.rsplit("/", 1)[-1] not in PYTEST_CONTROL_FILES}
+        files.update({p: t.encode() for p, t in task.files.items() if p.rsplit("/", 1)[-1] in PYTEST_CONTROL_FILES})
+    files[PYTEST_RUNNER_PATH if task.graded_by_pytest else RUNNER_PATH] = RUNNER_SOURCE.encode()
     files.update({p: t.encode() for p, t in task.hidden_tests.items()})
     return files
 
 
 def hidden_test_ids(task: Task) -> list[str]:
-    """`path::name` of every hidden test, computed from the task, never from the graded run."""
+    """`path::name` of every hidden test, computed from the task, never from the graded run (a
+    pytest-graded task: its FAIL_TO_PASS then PASS_TO_PASS node ids)."""
+    if task.graded_by_pytest:
+        return list(dict.fromkeys(task.fail_to_pass + task.pass_to_pass))
     return [
         f"{path}::{name}"
         for path, source in sorted(task.hidden_tests.items())
@@ -93,13 +115,22 @@ def parse_report(data: bytes) -> dict[str, bool] | None:
     return tests if isinstance(tests, dict) else None
 
 
+def pytest_files(task: Task) -> list[str]:
+    """The test files holding the task's node ids (`path::name[param]` -> path), in order."""
+    return list(dict.fromkeys(test.split("::", 1)[0] for test in hidden_test_ids(task)))
+
+
 def run_hidden_tests(box: Sandbox, task: Task, timeout_s: float):
     """(command result, reported outcomes or None) of the hidden tests in `box`."""
-    paths = " ".join(shlex.quote(p) for p in sorted(task.hidden_tests))
     with tempfile.TemporaryFile() as report:  # unlinked: nothing in the jail can open it by name
         fd = report.fileno()
-        run = box.run(f"exec python3 -I -S {RUNNER_PATH} --report-fd {fd} {paths}", timeout_s=timeout_s,
-                      pass_fds=(fd,))
+        if task.graded_by_pytest:
+            paths = " ".join(shlex.quote(p) for p in pytest_files(task))
+            command = f"exec python3 -I -S {PYTEST_RUNNER_PATH} --report-fd {fd} --pytest {ENV_MOUNT}/site -- {paths}"
+        else:
+            paths = " ".join(shlex.quote(p) for p in sorted(task.hidden_tests))
+            command = f"exec python3 -I -S {RUNNER_PATH} --report-fd {fd} {paths}"
+        run = box.run(command, timeout_s=timeout_s, pass_fds=(fd,))
         report.seek(0)
         data = report.read()
     return run, None if run.timed_out else parse_report(data)
@@ -118,7 +149,8 @@ def visible_tests_modified(task: Task, final: Snapshot) -> bool:
 def grade(task: Task, final: Snapshot, config: GradeConfig | None = None,
           sandbox_config: SandboxConfig | None = None) -> Grade:
     config = config or GradeConfig()
-    with Sandbox.create(grading_files(task, final), sandbox_config) as box:
+    environment = task_environment(task)
+    with Sandbox.create(grading_files(task, final), sandbox_config, environment=environment) as box:
         run, reported = run_hidden_tests(box, task, config.timeout_s)
     ids = hidden_test_ids(task)
     tests = {test: reported.get(test) is True for test in ids} if reported is not None else {}
@@ -130,9 +162,15 @@ def grade(task: Task, final: Snapshot, config: GradeConfig | None = None,
     modified = float(visible_tests_modified(task, final))
     reward = config.pass_frac_weight * frac + config.all_passed_weight * all_passed
     reward -= config.visible_tests_penalty * modified
-    parts = {"pass_frac": config.pass_frac_weight * frac,
-             "all_passed_bonus": config.all_passed_weight * all_passed,
-             "visible_tests_penalty": -config.visible_tests_penalty * modified}
+    if task.graded_by_pytest:  # SWE-bench: the part each kind of test earned, summing to pass_frac's
+        f2p = sum(tests.get(t, False) for t in task.fail_to_pass)
+        p2p = sum(tests.get(t, False) for t in ids if t not in set(task.fail_to_pass))
+        parts = {"fail_to_pass": config.pass_frac_weight * f2p / total if total else 0.0,
+                 "pass_to_pass": config.pass_frac_weight * p2p / total if total else 0.0}
+    else:
+        parts = {"pass_frac": config.pass_frac_weight * frac}
+    parts |= {"all_passed_bonus": config.all_passed_weight * all_passed,
+              "visible_tests_penalty": -config.visible_tests_penalty * modified}
     return Grade(
         reward=reward,
         parts=parts,

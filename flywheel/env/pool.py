@@ -23,10 +23,11 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flywheel.env.sandbox import Sandbox, SandboxConfig, reap_orphans
+from flywheel.env.sandbox import Sandbox, SandboxConfig, check_environment, reap_orphans
 
 
 class PoolConfig(BaseModel):
@@ -60,9 +61,13 @@ class SandboxPool:
         self._refill_warm()
 
     def acquire(
-        self, files: Mapping[str, str | bytes] | None = None, timeout_s: float | None = None
+        self, files: Mapping[str, str | bytes] | None = None, timeout_s: float | None = None,
+        environment: Path | None = None,
     ) -> Sandbox:
-        """A sandbox holding exactly `files`; waits in FIFO order while `max_active` are out."""
+        """A sandbox holding exactly `files`, with `environment` (a built dependency prefix) bound
+        into its commands; waits in FIFO order while `max_active` are out."""
+        if environment is not None:
+            check_environment(environment)
         asked = time.monotonic()
         deadline = None if timeout_s is None else asked + timeout_s
         ticket = object()
@@ -105,6 +110,7 @@ class SandboxPool:
                 created = 0
                 if files:
                     sandbox.load(files)
+            sandbox.environment = environment
         except BaseException:
             if warm is not None:
                 warm.close()

@@ -7,6 +7,10 @@ hidden: the standard library only) read-only, and a private, size-capped `/tmp` 
 that vanish when the command ends. Nothing else of the host is visible: no home directories, no
 project source, no other workspaces, no hidden tests.
 
+A dependency environment (`environments.py`), when the sandbox has one, is bound read-only at
+`/env`, with `/env/site` on PYTHONPATH and `/env/site/bin` on PATH: shared by every sandbox of a
+repository, writable by none, and outside the workspace the tools walk.
+
 What it protects against (each has a test in tests/env/test_sandbox.py):
 - network use: the jail has its own network namespace with no interfaces; nothing, not even the
   host's loopback, is reachable.
@@ -96,6 +100,7 @@ ROOT_ENV = "FLYWHEEL_SANDBOX_ROOT"
 DEFAULT_ROOT = Path("/tmp/flywheel-sandboxes")
 # Name of the read-only bind of the interpreter prefix kept under the root dir (see `_interpreter_source`).
 INTERPRETER_DIR = ".python"
+ENV_MOUNT = "/env"  # where a dependency environment appears (flywheel/env/environments.py, JAIL_PREFIX)
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
 _READ_CHUNK = 1 << 16
@@ -198,6 +203,9 @@ class Sandbox:
         # Use `Sandbox.create`; this only records an already prepared workspace.
         self.workspace = workspace
         self.config = config
+        # A built dependency environment (flywheel/env/environments.py) bound read-only at /env into
+        # every later command; None: the standard library only. A pool sets it per acquire.
+        self.environment: Path | None = None
         self._mounted = mounted
         self._initial = Snapshot.of_files({})
         self._running: set[subprocess.Popen[bytes]] = set()  # commands in flight, for close()
@@ -211,9 +219,12 @@ class Sandbox:
 
     @classmethod
     def create(
-        cls, files: Mapping[str, str | bytes] | None = None, config: SandboxConfig | None = None
+        cls, files: Mapping[str, str | bytes] | None = None, config: SandboxConfig | None = None,
+        environment: Path | None = None,
     ) -> Sandbox:
         config = config or SandboxConfig()
+        if environment is not None:
+            check_environment(environment)
         _host_tools()  # fail before making anything when bwrap or setpriv is missing
         root = config.resolved_root()
         _prepare_root(root, os.getpid())
@@ -230,6 +241,7 @@ class Sandbox:
                     raise SandboxError(f"cannot mount a tmpfs workspace at {workspace}: {exc}") from exc
                 os.chown(workspace, SANDBOX_UID, SANDBOX_UID)  # root without CAP_SYS_ADMIN: plain dir
         sandbox = cls(workspace, config, mounted)
+        sandbox.environment = environment
         if files:
             try:
                 sandbox.load(files)
@@ -422,6 +434,15 @@ class Sandbox:
             scratch_args = ["--size", tmp_bytes, "--tmpfs", "/dev/shm", "--size", tmp_bytes, "--tmpfs", "/tmp"]
         else:
             scratch_args = ["--bind", str(scratch / "shm"), "/dev/shm", "--bind", str(scratch / "tmp"), "/tmp"]
+        env_args: list[str] = []
+        env_vars: list[str] = []
+        env_bin = ""
+        if self.environment is not None:
+            # Its packages on PYTHONPATH (not -I runs: the grader's supervisor adds them itself in its
+            # children) and its console scripts on PATH, so `python -m pytest` and `pytest` both work.
+            env_args = ["--ro-bind", str(self.environment), ENV_MOUNT]
+            env_vars = ["--setenv", "PYTHONPATH", f"{ENV_MOUNT}/site"]
+            env_bin = f"{ENV_MOUNT}/site/bin:"
         argv = [
             bwrap,
             "--unshare-all",
@@ -447,11 +468,13 @@ class Sandbox:
             "--dev", "/dev",
             *scratch_args,
             "--bind", str(self.workspace), WORKSPACE,
+            *env_args,
             "--remount-ro",  # the jail's own root, /etc included; the mounts above stay as they are
             "/",
             "--chdir", WORKSPACE,
             "--clearenv",
-            "--setenv", "PATH", f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin",
+            *env_vars,
+            "--setenv", "PATH", f"{env_bin}{prefix}/bin:/usr/local/bin:/usr/bin:/bin",
             "--setenv", "HOME", WORKSPACE,
             "--setenv", "TMPDIR", "/tmp",
             "--setenv", "LANG", "C.UTF-8",
@@ -933,6 +956,17 @@ def _hidden_site_packages(prefix: str) -> tuple[str, ...]:
     for path in sorted({os.path.realpath(p) for p in site.getsitepackages([prefix]) if os.path.isdir(p)}):
         args += ["--size", "4096", "--tmpfs", path, "--remount-ro", path]
     return tuple(args)
+
+
+def check_environment(path: Path) -> None:
+    """Refuse an environment the jail could not bind, before any command fails obscurely."""
+    if not path.is_dir() or not (path / "site").is_dir():
+        raise SandboxError(f"environment {path} is not a built prefix (no site/ in it); "
+                           "build it with `flywheel env build ...`")
+    if _is_root() and not _traversable_by_others(str(path)):
+        raise SandboxError(f"environment {path} lies below a folder the sandbox user cannot pass through "
+                           "(bwrap binds it as uid 65534); build it under a world-traversable cache "
+                           "(the default /var/cache/flywheel/envs, or set FLYWHEEL_ENV_CACHE)")
 
 
 def _traversable_by_others(path: str) -> bool:

@@ -8,8 +8,10 @@ sees (`hidden_tests`, copied in only for grading) and the command that runs test
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from importlib import resources
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,6 +52,17 @@ class Task(BaseModel):
     test_command: str
     metadata: TaskMetadata
     reference_edits: tuple[Edit, ...] = ()
+    # Real-repository tasks (flywheel/env/repos.py): the pip requirement lines of the dependency
+    # environment bound at /env (environments.EnvSpec; empty: the standard library only), and the
+    # pytest node ids that grade it with SWE-bench semantics: FAIL_TO_PASS must pass after the fix,
+    # PASS_TO_PASS must keep passing. With either set, grading runs pytest (grading.py).
+    environment: tuple[str, ...] = ()
+    fail_to_pass: tuple[str, ...] = ()
+    pass_to_pass: tuple[str, ...] = ()
+
+    @property
+    def graded_by_pytest(self) -> bool:
+        return bool(self.fail_to_pass or self.pass_to_pass)
 
     def answer_question(self, question: str) -> str:
         """The user's reply when the agent asks something instead of acting.
@@ -63,12 +76,32 @@ class Task(BaseModel):
         return JUST_DO_IT
 
     def content_key(self) -> str:
-        """A hash of what makes the task a distinct problem (not its id or split)."""
-        body = json.dumps([self.family, self.instruction, self.files, self.hidden_tests], sort_keys=True)
+        """A hash of what makes the task a distinct problem (not its id, split or test runner).
+
+        The shipped runner (`run_tests.py`, testrun.py verbatim) is no part of the problem: it is
+        hashed as the frozen text in `keyed_runner.txt` whatever its current text, so the runner can
+        change without redrawing any task (tests/env/test_tasks.py pins keys measured before)."""
+        files = self.files
+        if RUNNER_FILE in files:
+            files = {**files, RUNNER_FILE: keyed_runner_text()}
+        fields: list = [self.family, self.instruction, files, self.hidden_tests]
+        if self.graded_by_pytest or self.environment:  # absent from the keys of the generated families
+            fields += [self.environment, self.fail_to_pass, self.pass_to_pass]
+        body = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     def visible_test_paths(self) -> list[str]:
         return sorted(p for p in self.files if is_test_path(p))
+
+
+RUNNER_FILE = "run_tests.py"  # the workspace's copy of testrun.py
+
+
+@functools.cache
+def keyed_runner_text() -> str:
+    """testrun.py as it was when task keys were first drawn (never edit `keyed_runner.txt`: every
+    generated task's content key, and so its split and its place in a draw, hashes this text)."""
+    return resources.files("flywheel.env").joinpath("keyed_runner.txt").read_text()
 
 
 def is_test_path(path: str) -> bool:

@@ -5,6 +5,8 @@ tens of milliseconds. Test files are `test_*.py` modules with `test_*` functions
 
     python3 run_tests.py tests                                          # the agent: a readable summary
     exec python3 -I -S run_tests.py --report-fd 3 tests_hidden/test_x.py # the grader (grading.py)
+    exec python3 -I -S run_tests.py --report-fd 3 --pytest /env/site -- toolz/tests/test_x.py
+                                     # the grader on a real repository: its pytest suite (below)
 
 The agent's mode imports each test file and prints what failed. The grader's mode is built so that
 the code under test can neither write nor impersonate the verdict:
@@ -45,13 +47,18 @@ the tests that check it):
 - deliberate work-arounds of the audit hook, which is CPython's monitoring, not a sandbox (a
   path object that names another file each time it is asked slips past the /proc check).
 The first two would take running the assertions in a process apart from the code they check.
+In the pytest mode (real repositories) also: ctypes is allowed (real libraries load it), so code
+that reads its own process's memory can find a token; and a conftest.py that replaces what a test
+item runs (`item.runtest`) passes it, unless the task's own conftest.py files are what the grader
+restores (it does: grading.py).
 
 Both modes append the workspace to the end of `sys.path`, so a workspace file named like a
 standard module (`json.py`) cannot shadow the runner's own imports. In the grader's mode a test
 is a plain top-level `def test_*`: a decorated one is not the function its code defines and fails.
 Measured with `bench/sandbox.py` (grading): within about 1.1x of one plain in-process run of the
 same hidden tests in a fresh sandbox; the nonce-line design it replaced was about 1.0x.
-This file must keep to the standard library: it is copied into workspaces verbatim.
+This file must keep to the standard library: it is copied into workspaces verbatim (pytest is
+imported only in the pytest mode's child, from the task's environment).
 """
 
 import json
@@ -233,7 +240,152 @@ def refuse_tampering(event, args, realpath=os.path.realpath, fsdecode=os.fsdecod
         raise error(f"{event} is not allowed while the hidden tests run")
 
 
+# ---- the grader's pytest mode: a repository's own suite (real-repository tasks) ----------------
+#
+#     exec python3 -I -S run_tests.py --report-fd 3 --pytest /env/site -- toolz/tests/test_x.py ...
+#
+# The same supervisor, one child: it puts the workspace and the environment's packages on sys.path
+# the way `python -m pytest` in the workspace would (PYTHONPATH=/env/site), and runs pytest.main
+# in-process with `TokenReporter` as a plugin object (a class of this file, already in the child's
+# memory: nothing is imported to make the report). For each test whose setup, call and teardown all
+# passed, the reporter reads the one outstanding token from its pipe and writes back "token nodeid";
+# the supervisor accepts a line only with the outstanding token, then issues the next (made after
+# the fork, like every token). The report holds the node ids proven to pass; the grader counts them
+# against the ids the task names (FAIL_TO_PASS, PASS_TO_PASS), so a test that is missing, skipped,
+# xfailed or never collected fails. Same audit hook as the file mode; same limits (docstring).
+
+
+class TokenReporter:
+    """pytest plugin of a grading child: proves each passing test with the supervisor's token.
+
+    Whether a test's call raised is observed by the innermost wrapper of `pytest_runtest_call`
+    (trylast: it sits directly around pytest's own call of the test), so a conftest.py hook that
+    rewrites reports cannot turn a failure into a pass; reports can only add failures (setup,
+    teardown). The grader also restores the task's conftest.py and pytest config files."""
+
+    def __init__(self, tokens_r, echo_w):
+        self.tokens_r, self.echo_w = tokens_r, echo_w
+        self.read, self.write, self.length = os.read, os.write, len
+        self.failed = set()
+        self.called = set()
+
+    def call_wrapper(self, item):
+        """`pytest_runtest_call`, made a trylast wrapper by `run_pytest` once pytest is imported."""
+        result = yield  # raises what the test raised
+        self.called.add(item.nodeid)
+        return result
+
+    def pytest_runtest_logreport(self, report):
+        if report.outcome != "passed":
+            self.failed.add(report.nodeid)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        del location
+        if nodeid not in self.called or nodeid in self.failed:
+            return
+        token = b""
+        while self.length(token) < 2 * TOKEN_BYTES:
+            chunk = self.read(self.tokens_r, 2 * TOKEN_BYTES - self.length(token))
+            if not chunk:
+                return
+            token += chunk
+        self.write(self.echo_w, token + b" " + nodeid.encode("utf-8", "replace") + b"\n")
+
+
+def supervise_pytest(report_fd, site_dir, args):
+    """The grader's pytest mode: one child runs pytest over `args`; write {"tests": {nodeid: True}}."""
+    make_undumpable()
+    workspace = os.getcwd()
+    tokens_r, tokens_w = os.pipe()
+    echo_r, echo_w = os.pipe()
+    leave = os._exit
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(report_fd)
+            os.close(tokens_w)
+            os.close(echo_r)
+            run_pytest(site_dir, args, tokens_r, echo_w, workspace)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()  # into the run's log: the report only counts tokens
+        finally:
+            leave(0)
+    os.close(tokens_r)
+    os.close(echo_w)
+    passed = {}
+    token = os.urandom(TOKEN_BYTES).hex().encode()
+    pending = bytearray()
+    alive = True
+    try:
+        os.write(tokens_w, token)
+    except BrokenPipeError:
+        alive = False
+    while chunk := os.read(echo_r, 1 << 16):
+        pending += chunk
+        while b"\n" in pending:
+            line, _, rest = bytes(pending).partition(b"\n")
+            pending = bytearray(rest)
+            if line[: 2 * TOKEN_BYTES] != token or line[2 * TOKEN_BYTES : 2 * TOKEN_BYTES + 1] != b" ":
+                continue
+            passed[line[2 * TOKEN_BYTES + 1 :].decode("utf-8", "replace")] = True
+            token = os.urandom(TOKEN_BYTES).hex().encode()
+            if alive:
+                try:
+                    os.write(tokens_w, token)
+                except BrokenPipeError:
+                    alive = False
+    os.close(tokens_w)
+    os.close(echo_r)
+    os.waitpid(pid, 0)
+    record = json.dumps({"tests": passed}).encode()
+    while record:
+        record = record[os.write(report_fd, record) :]
+    return 0
+
+
+def run_pytest(site_dir, args, tokens_r, echo_w, workspace):
+    """In the child: the import path of `python -m pytest` in the workspace, the hook, then pytest."""
+    reporter = TokenReporter(tokens_r, echo_w)  # binds what it calls before workspace code runs
+    sys.addaudithook(refuse_tracing)
+    sys.path[:0] = [workspace, site_dir]
+    import site
+
+    site.addsitedir(site_dir)  # its .pth files, as PYTHONPATH plus site would not: installed packages need them
+    import importlib
+
+    pytest = importlib.import_module("pytest")  # the task's environment's pytest, no dependency of flywheel
+
+    TokenReporter.pytest_runtest_call = pytest.hookimpl(wrapper=True, trylast=True)(TokenReporter.call_wrapper)
+    pytest.main(["--rootdir", workspace, "-p", "no:cacheprovider", "-q", *args], plugins=[reporter])
+    sys.stdout.flush()  # os._exit follows: pytest's summary would be lost from the log
+
+
+DOCTEST_FILE = os.path.join(os.path.dirname(os.__file__), "doctest.py")  # the stdlib's, read before any workspace code
+
+
+def refuse_tracing(event, args, realpath=os.path.realpath, fsdecode=os.fsdecode, in_proc=is_process_entry,
+                   error=RuntimeError, frame=sys._getframe, doctest_file=DOCTEST_FILE):
+    """Audit hook of a pytest grading child: the file mode's hook less what real libraries do at
+    import (namedtuple sets `__defaults__`, many load ctypes). Tracers and /proc/<pid> stay refused,
+    except the stdlib doctest's own `sys.settrace` (it saves and restores the tracer around every
+    example). ctypes, allowed, can read the process's memory, and code compiled under doctest's file
+    name passes the tracer check: there a forged result takes deliberate work, not a guess."""
+    if event == "sys.settrace" and frame(1).f_code.co_filename == doctest_file:
+        return
+    if (
+        event in ("sys.settrace", "sys.setprofile")
+        or (event == "object.__setattr__" and args[1] == "__code__")
+        or (event == "open" and args[0].__class__ is not int and in_proc(realpath(fsdecode(args[0]))))
+    ):
+        raise error(f"{event} is not allowed while the hidden tests run")
+
+
 def main(argv):
+    if argv[:1] == ["--report-fd"] and argv[2:3] == ["--pytest"]:
+        rest = argv[4:]
+        return supervise_pytest(int(argv[1]), argv[3], rest[1:] if rest[:1] == ["--"] else rest)
     if argv[:1] == ["--report-fd"]:
         return supervise(int(argv[1]), argv[2:])
     targets = argv or ["tests"]

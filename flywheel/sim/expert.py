@@ -19,6 +19,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.env.environments import task_environment
 from flywheel.env.families.functions import PACKAGES
 from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import Sandbox, Snapshot
@@ -138,7 +139,9 @@ class ExpertEpisode:
 def run_policy(task: Task, policy: Policy, pool: SandboxPool | None = None, max_turns: int = 12) -> ExpertEpisode:
     """Drive a scripted policy against a real sandbox until it calls `finish` or runs out of turns."""
     episode = ExpertEpisode(task)
-    box = pool.acquire(task.files) if pool else Sandbox.create(task.files)
+    environment = task_environment(task)
+    box = (pool.acquire(task.files, environment=environment) if pool
+           else Sandbox.create(task.files, environment=environment))
     try:
         with Toolbox(box) as tools:
             observation: Observation | None = None

@@ -8,6 +8,7 @@ stays well under a minute.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -247,3 +248,28 @@ def test_humaneval_generate_and_get():
     assert get_task("humaneval/HumanEval_0").files["solution.py"].startswith("from typing import List")
     with pytest.raises(ValueError, match="HumanEval"):
         get_task("humaneval/HumanEval_999")
+
+
+# Draws measured before the runner left the content key (ids and keys of seed 3, 12 tasks per family and
+# split): editing flywheel/env/testrun.py must never move them.
+PINNED_DRAWS = {
+    ("bugfix", "train"): "310ab3ea0274bbcf", ("bugfix", "eval"): "086d004de6b0ec67",
+    ("implement", "train"): "9a31b0c5d281c213", ("implement", "eval"): "9345bdbc531b3e3a",
+    ("crossfile", "train"): "5f5e8184fab37255", ("crossfile", "eval"): "82b52f954ac274c2",
+    ("ambiguous", "train"): "414813380fa87a5d", ("ambiguous", "eval"): "2990871119d8e060",
+}
+
+
+@pytest.mark.parametrize(("family", "split"), sorted(PINNED_DRAWS))
+def test_draw_of_a_seed_is_pinned(family, split):
+    tasks = generate(family, split, 12, seed=3)
+    digest = hashlib.sha256(" ".join(f"{t.id}:{t.content_key()}" for t in tasks).encode()).hexdigest()[:16]
+    assert digest == PINNED_DRAWS[(family, split)]
+
+
+def test_runner_text_is_no_part_of_the_content_key():
+    task = generate("bugfix", "train", 1, seed=3)[0]
+    edited = task.model_copy(update={"files": {**task.files, "run_tests.py": "# another runner\n"}})
+    other = task.model_copy(update={"files": {**task.files, "solution.py": "x = 1\n"}})
+    assert edited.content_key() == task.content_key()
+    assert other.content_key() != task.content_key()

@@ -21,13 +21,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator, Sequence
 
-from flywheel.env.families import ambiguous, bugfix, crossfile, humaneval, implement
+from flywheel.env.families import ambiguous, bugfix, crossfile, humaneval, implement, mined
 from flywheel.env.families.humaneval import all_humaneval_tasks
 from flywheel.env.families.workspace import Draft, TaskRef, to_task
 from flywheel.env.task import SPLITS, Split, Task, split_of
 
 FAMILIES: tuple[str, ...] = ("bugfix", "implement", "crossfile", "ambiguous")
-KNOWN_FAMILIES: tuple[str, ...] = FAMILIES + ("humaneval",)
+KNOWN_FAMILIES: tuple[str, ...] = FAMILIES + ("humaneval", "mined")  # mined: real packages (families/mined.py)
 DIFFICULTIES: tuple[int, ...] = (1, 2, 3)
 HELD_OUT_SEED = 1  # the candidate stream of the held-out set; a run's own seed never moves it
 
@@ -79,6 +79,8 @@ def generate(family: str, split: Split, n: int, seed: int = 0, difficulty: int |
     _check(split, difficulty)
     if family == "humaneval":
         return humaneval.generate(split, n, seed)
+    if family == mined.FAMILY:
+        return mined.generate(split, n, seed)
     builder(family)  # fail fast on an unknown family
     levels = DIFFICULTIES if difficulty is None else (difficulty,)
     limit = 50 * n + 200
@@ -116,6 +118,8 @@ def get_task(task_id: str) -> Task:
     """Regenerate a task from its id."""
     if task_id.startswith("humaneval/"):
         return humaneval.get(task_id)
+    if task_id.startswith(mined.FAMILY + "/"):
+        return mined.get(task_id)
     ref = TaskRef.parse(task_id)
     builder(ref.family)
     if ref.difficulty not in DIFFICULTIES:
