@@ -236,3 +236,35 @@ def test_the_endpoint_refuses_a_wrong_key_and_an_unknown_episode(task, tokenizer
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "episode_not_found"
     assert ran.json() == {"output": "hi\n", "exit_code": 0, "timed_out": False}
     assert result.trajectories == [] and result.commands == 1
+
+
+def test_the_embedded_model_calls_its_own_tool_for_a_declared_alias_and_names_unknown_tools(task, pool):
+    import httpx  # noqa: PLC0415
+
+    embedded = train_tokenizer([initial_prompt(task, with_tools=False)] * 10 + corpus(), vocab_size=600,
+                               tools_in_prompt=False)
+    turns = [call("run_command", command="echo aliased > out.txt") + IM_END, call("read_file", path="a.py") + IM_END]
+    engine = ScriptedEngine(embedded, turns)
+    server = HarnessServer(engine, embedded, pool)
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {
+        "command": {"type": "string"}}}}}, {"type": "function", "function": {"name": "browse"}}]
+    with server.serve():
+        episode = server.start(task)
+        auth = {"authorization": f"Bearer {episode.key}"}
+        messages = [{"role": "user", "content": "Fix it."}]
+        first = httpx.post(f"{episode.url}/v1/chat/completions", headers=auth,
+                           json={"model": "flywheel", "messages": messages, "tools": tools}).json()
+        (bash,) = first["choices"][0]["message"]["tool_calls"]
+        second = httpx.post(f"{episode.url}/v1/chat/completions", headers=auth, json={
+            "model": "flywheel", "tools": tools, "messages": [*messages, first["choices"][0]["message"],
+                                                              {"role": "tool", "content": "ok", "tool_call_id": "x"}]})
+        result = server.finish(episode.id)
+    # The model's own `run_command` comes back as the declared `bash`, with its arguments; the schemas
+    # never entered the prompt (the model was trained without them).
+    assert bash["function"] == {"name": "bash", "arguments": '{"command": "echo aliased > out.txt"}'}
+    assert "browse" not in embedded.decode(engine.prompts[0])
+    assert first["flywheel"]["unknown_tools"] == ["browse"]
+    (undeclared,) = second.json()["choices"][0]["message"]["tool_calls"]
+    assert "not among the tools this request declares" in undeclared["error"]
+    (traj,) = result.trajectories
+    assert result.breaks == 0 and traj.turns == 2 and traj.invalid_tool_calls == 1 and len(traj.broken_turns) == 1
