@@ -12,6 +12,8 @@
     POST /v1/admin/deployment/sync [admin]  re-read the Registry's aliases (after `flywheel registry promote`)
     GET  /dashboard            [dashboard]  HTML: flywheel.report's views, live; polls GET /dashboard/data
     GET  /dashboard/data       [dashboard]  {"html": the page's sections, "data": build_report_data's dict}
+    GET  /metrics              [dashboard]  Prometheus text format (flywheel/live/metrics.py): requests, latency
+                                            histograms, tokens, per-arm counts, engine in-flight, events
     GET  /health                            no key needed
     GET  /openapi.json                      the OpenAPI document of all of the above (tests fuzz every operation)
 
@@ -99,6 +101,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.env.toolspec import ToolCall
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
+from flywheel.live.metrics import MeasuredRequests, ServerMetrics
 from flywheel.live.monitors import Monitor, MonitorConfig, monitor_window
 from flywheel.live.records import BACKGROUND, INTERACTIVE, Completion, CompletionToolCall, Event, storable
 from flywheel.live.rewards import RewardConfig, RewardDistiller
@@ -573,6 +576,7 @@ class LiveServer:
         self._stop = threading.Event()
         self._follower = threading.Thread(target=self._follow_deployments, name="deployment-follower", daemon=True)
         self._follower.start()
+        self.metrics = ServerMetrics()  # GET /metrics (flywheel/live/metrics.py)
         self.app = create_app(self)
 
     @classmethod
@@ -795,12 +799,16 @@ class LiveServer:
             params = self._sampling(req, len(prompt_ids), lease.tokenizer)
             encoder.remember(fresh)  # only now: a refused request leaves nothing in the cache
             engine_started = time.perf_counter()
+            in_flight = self.metrics.in_flight.labels(f"v{lease.version}")
+            in_flight.inc()
             try:
                 generation = await asyncio.wrap_future(lease.engine.submit(prompt_ids, params))
             except EngineError as exc:  # the engine's loop died or it was closed: not the request's fault
                 log.error("engine for v%d failed: %s", lease.version, exc)
                 raise ApiError(503, f"the engine serving v{lease.version} failed ({exc}); retry later",
                                "server_error", "engine_failed") from None
+            finally:
+                in_flight.dec()
             engine_ms = (time.perf_counter() - engine_started) * 1000
         finally:
             router.release(lease)
@@ -830,6 +838,7 @@ class LiveServer:
             await run_in_threadpool(self.store.add_completion, completion)
         except ValueError as exc:  # a value the checks before generation missed: refused, nothing stored
             raise ApiError(400, str(exc)) from None
+        self.metrics.completion(lease.version, lease.arm, len(prompt_ids), len(generation.token_ids), engine_ms / 1000)
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = [_openai_call(c) for c in calls]
@@ -886,6 +895,7 @@ class LiveServer:
             else:
                 rejected.append({"index": i, "id": event.id, "reason": reason})
         rejected.sort(key=lambda r: r["index"])
+        self.metrics.ingested(len(accepted), len(duplicate), len(rejected))
         return {"accepted": accepted, "duplicate": duplicate, "rejected": rejected}
 
     def _pinned_version(self, model: str) -> int | None:
@@ -1096,6 +1106,9 @@ def create_app(server: LiveServer) -> FastAPI:
         return ApiError(400, f"invalid request: {exc.errors()[:3]}").response()
 
     app.add_middleware(_BugsAsJson)
+    # Outermost, so a bug's 500 is counted too; paths known once every route below is declared.
+    known_paths: set[str] = set()
+    app.add_middleware(MeasuredRequests, metrics=server.metrics, paths=known_paths)
 
     @app.get("/health", response_model=None, responses=_json_reply(Health))
     async def health() -> dict[str, str]:
@@ -1121,6 +1134,15 @@ def create_app(server: LiveServer) -> FastAPI:
             reply["data"] = data
         return Response(json.dumps(reply, allow_nan=False), media_type="application/json",
                         headers={"cache-control": "no-store"})
+
+    @app.get("/metrics", response_model=None, openapi_extra={"parameters": [_KEY_PARAMETER]},
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+                        401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
+    async def metrics(request: Request) -> Response:
+        # Prometheus scrapes with a bearer token (`authorization.credentials`), a key with the
+        # dashboard or admin scope: the counts say how much traffic each version gets.
+        server.authorize_dashboard(request)
+        return Response(server.metrics.exposition(), media_type=server.metrics.content_type)
 
     @app.get("/v1/models", response_model=None, responses=_json_reply(ModelList, 401, 403))
     async def models(request: Request) -> dict[str, Any]:
@@ -1178,6 +1200,7 @@ def create_app(server: LiveServer) -> FastAPI:
             raise ApiError(409, str(exc), code="registry_unusable") from None
         return {"deployment": deployment.model_dump(), "served_versions": server.router.served_versions()}
 
+    known_paths.update(route.path for route in app.routes)
     return app
 
 
