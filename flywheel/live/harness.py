@@ -228,6 +228,7 @@ class ServedCompletion:
     content: str
     tool_calls: list[dict[str, Any]]
     engine_ms: float
+    received_s: float  # time.perf_counter() when the request arrived (bench/live.py's per-turn figures)
 
 
 @dataclass
@@ -352,6 +353,7 @@ class HarnessServer:
         return episode
 
     async def complete(self, episode: HarnessEpisode, body: bytes) -> Response:
+        received = time.perf_counter()
         req = _parse_chat(body)
         if req.tool_choice == "none":
             raise ApiError(400, "tool_choice 'none' is not supported on a harness episode: the episode's tools are the "
@@ -395,7 +397,7 @@ class HarnessServer:
             id=completion_id, segment=segment_index, prompt_ids=list(prompt_ids),
             completion_ids=list(generation.token_ids), logprobs=list(generation.logprobs),
             versions=list(generation.versions), finish_reason=generation.finish_reason, content=content,
-            tool_calls=message.get("tool_calls", []), engine_ms=engine_ms)
+            tool_calls=message.get("tool_calls", []), engine_ms=engine_ms, received_s=received)
         episode.completions.append(served)
         finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(generation.token_ids),
