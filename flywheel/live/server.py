@@ -59,7 +59,7 @@ is the completion's id: the id clients put in their events. Responses also carry
 (version, arm, session_id) that strict clients ignore.
 
 Departures from OpenAI's API, each refused with a 400 that says so rather than silently ignored:
-`n` > 1, `stop` sequences (the model ends its turn with <|im_end|>), `top_logprobs` > 0 (the engine
+`n` > 1, `top_logprobs` > 0 (the engine
 returns the sampled token's logprob only), frequency / presence penalties and `logit_bias` (the
 sampled tokens' logprobs must be the model's, for the Learner), `response_format` other than text,
 images. `seed` gives the request its own random stream: the same seed and request sample the same
@@ -69,7 +69,9 @@ so the Completion's prompt ids end with it and only the model's own tokens are t
 Streaming is real: the engine hands each token to the server as it samples it
 (`SamplingParams.on_token`), and each becomes a content chunk (text before a tool call's markup;
 the calls follow as tool_call deltas once parsed); the completion is stored before the last chunk,
-which carries `flywheel.ttft_ms`, the time from the request to its first token. A tool call the
+which carries `flywheel.ttft_ms`, the time from the request to its first token. `stop` sequences
+cut the answer where one first appears in the sampled text (`_Call._stopped`): the Completion keeps
+the shortest prefix of sampled tokens that holds it, and the text ends before it. A tool call the
 model wrote badly is still returned in `tool_calls` (name "?" when it
 could not be read) with an extra `error` field, and recorded as invalid: a client answers it with
 the error, as the episode runner does, and nothing is dropped.
@@ -375,11 +377,11 @@ class ChatRequest(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop(cls, stop: str | list[str] | None) -> None:
-        if stop:
-            raise ValueError("stop sequences are not supported: the model ends its turn with <|im_end|>; leave stop "
-                             "unset")
-        return None
+    def _stop(cls, stop: str | list[str] | None) -> list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if stops is not None and (len(stops) > 4 or not all(0 < len(x) <= 200 for x in stops)):
+            raise ValueError("stop takes at most 4 sequences of 1 to 200 characters each")
+        return stops or None
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
@@ -1152,10 +1154,34 @@ class _Call:
         return {"id": self.id, "created": int(self.created), "model": self.req.model,
                 "system_fingerprint": f"flywheel-v{self.lease.version}", "flywheel": served}
 
+    def _stopped(self, generation: Any) -> tuple[Any, str]:
+        """(the generation, its text), both cut at the first `stop` sequence in the sampled text.
+
+        The engine knows only stop tokens, so it may sample past a stop string; the record keeps the
+        shortest prefix of sampled tokens whose text holds the sequence (exactly those tokens, their
+        logprobs and versions: what comes after was never served), and the text ends before it."""
+        tokenizer = self.lease.tokenizer
+        text = tokenizer.decode(generation.token_ids, skip_special_tokens=False)
+        hits = [(i, len(x)) for x in self.req.stop or [] if (i := text.find(x)) >= 0]
+        if not hits:
+            return generation, text
+        at, length = min(hits)
+        lo, hi = 1, len(generation.token_ids)  # the fewest tokens whose text reaches past the sequence
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(tokenizer.decode(generation.token_ids[:mid], skip_special_tokens=False)) >= at + length:
+                hi = mid
+            else:
+                lo = mid + 1
+        cut = dataclasses.replace(generation, token_ids=generation.token_ids[:lo], logprobs=generation.logprobs[:lo],
+                                  versions=generation.versions[:lo], finish_reason="stop")
+        return cut, text[:at]
+
     async def finish(self, generation: Any) -> dict[str, Any]:
         """Parse the answer, commit its Completion, and return the chat.completion payload."""
         req, lease, server = self.req, self.lease, self.server
-        answer = self.forced + lease.tokenizer.decode(generation.token_ids, skip_special_tokens=False)
+        generation, text = self._stopped(generation)
+        answer = self.forced + text
         if req.tool_choice == "none":  # no tool call, whatever the model wrote: its text is the answer
             content, calls = answer.removesuffix(IM_END), []
         else:
@@ -1215,6 +1241,9 @@ class _Call:
             pending.append(item)
             text = self.forced + tokenizer.decode(ids, skip_special_tokens=False)
             visible = text.removesuffix(IM_END)
+            if self.req.stop:  # nothing past a stop sequence, nor what may yet become one
+                hits = [i for x in self.req.stop if (i := visible.find(x)) >= 0]
+                visible = visible[:min(hits)] if hits else visible[:len(visible) - max(map(len, self.req.stop)) + 1]
             if self.req.tool_choice != "none":  # what follows a call's opening is the call, not content
                 visible = visible.split(TOOL_CALL_OPEN, 1)[0].rstrip("\n")
             if len(visible) > len(sent) and visible.startswith(sent) and "\ufffd" not in visible[len(sent):]:

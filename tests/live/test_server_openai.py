@@ -73,7 +73,8 @@ def test_the_same_seed_and_request_give_the_same_answer(live):
 
 
 @pytest.mark.parametrize("body", [{"frequency_penalty": 0.5}, {"presence_penalty": -1}, {"logit_bias": {"3": 5}},
-                                  {"top_logprobs": 3, "logprobs": True}, {"n": 2}, {"stop": ["\n"]}])
+                                  {"top_logprobs": 3, "logprobs": True}, {"n": 2},
+                                  {"stop": ["a", "b", "c", "d", "e"]}])
 def test_unsupported_knobs_are_refused_with_a_400_that_names_them(live, body):
     _, http = live
     response = chat(http, **body)
@@ -148,3 +149,30 @@ def test_the_embedded_default_names_the_declared_tools_it_does_not_know(tmp_path
         known = chat(http, tools=tool_schemas(["read_file"])).json()
     assert unknown["flywheel"]["unknown_tools"] == ["browse"] and "unknown_tools" not in known["flywheel"]
     assert "browse" not in tokenizer.decode(engine.prompts[0])  # its schemas never reach this model's prompt
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_sequences_cut_the_answer_and_the_record_keeps_the_tokens_that_reached_them(tmp_path, stream):
+    tokenizer = train_tokenizer([SYSTEM_PROMPT, "Fix the failing test. STOP"] * 4, vocab_size=300)
+    answer = tokenizer("Fixed the test. STOP then more words" + IM_END, add_special_tokens=False)["input_ids"]
+    engine = ScriptedEngine(answer)
+    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
+                        LiveStore(config.store_path))
+    with server, serve_in_thread(server) as running, httpx.Client(base_url=running.url, headers=AUTH) as http:
+        if stream:
+            with http.stream("POST", "/v1/chat/completions", json={"model": "flywheel", "messages": MESSAGES,
+                                                                   "stop": ["STOP", "zzz"], "stream": True}) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            cid = chunks[0]["id"]
+            content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            reply = chat(http, stop="STOP").json()
+            cid, content, finish = reply["id"], reply["choices"][0]["message"]["content"], reply["choices"][0][
+                "finish_reason"]
+        stored = server.store.completion(cid)
+    assert content == stored.content == "Fixed the test. " and finish == "stop"
+    kept = stored.completion_ids
+    assert kept == answer[:len(kept)] and len(kept) < len(answer) and stored.logprobs == [-0.25] * len(kept)
+    assert "STOP" in tokenizer.decode(kept) and "STOP" not in tokenizer.decode(kept[:-1])
