@@ -59,13 +59,15 @@ is the completion's id: the id clients put in their events. Responses also carry
 (version, arm, session_id) that strict clients ignore.
 
 Departures from OpenAI's API, each refused with a 400 that says so rather than silently ignored:
-`n` > 1, `top_logprobs` > 0 (the engine
-returns the sampled token's logprob only), frequency / presence penalties and `logit_bias` (the
-sampled tokens' logprobs must be the model's, for the Learner), `response_format` other than text,
-images. `seed` gives the request its own random stream: the same seed and request sample the same
-tokens. `tool_choice` "required" or a named function starts the assistant turn with the call's
-opening (`<tool_call>` and, when named, `{"name": ..., "arguments": `), written as prompt tokens,
-so the Completion's prompt ids end with it and only the model's own tokens are trained on.
+`n` > 1 with streaming, `top_logprobs` > 0 (the engine returns the sampled token's logprob only),
+frequency / presence penalties and `logit_bias` (the sampled tokens' logprobs must be the model's,
+for the Learner), `response_format` other than text, images. `seed` gives the request its own
+random stream: the same seed and request sample the same tokens. `n` > 1 (up to 16, a GRPO group
+in one request) samples each choice as its own engine request (seeded `seed + i`) and stores one
+Completion per choice: the response's `id` is the first one's, and each choice names its own in
+`completion_id`. `tool_choice` "required" or a named function starts the assistant turn with the
+call's opening (`<tool_call>` and, when named, `{"name": ..., "arguments": `), written as prompt
+tokens, so the Completion's prompt ids end with it and only the model's own tokens are trained on.
 Streaming is real: the engine hands each token to the server as it samples it
 (`SamplingParams.on_token`), and each becomes a content chunk (text before a tool call's markup;
 the calls follow as tool_call deltas once parsed); the completion is stored before the last chunk,
@@ -130,6 +132,7 @@ Scope = Literal["inference", "events", "admin", "dashboard"]
 SCOPES: tuple[Scope, ...] = ("inference", "events", "admin", "dashboard")
 DASHBOARD_SCOPES = frozenset({"dashboard", "admin"})
 _MAX_ID_CHARS = 200
+_MAX_CHOICES = 16  # choices of one chat request (n); each is an engine request of its own
 _MAX_VERSION = 10**9 - 1
 _VERSION_NAME = re.compile(r"v(\d{1,9})")  # 9 digits: int() and SQLite take it
 _HEADER_SAFE_ID = re.compile(rf"[!-~]{{1,{_MAX_ID_CHARS}}}")
@@ -355,7 +358,7 @@ class ChatRequest(BaseModel):
     logit_bias: dict[str, Any] | None = None
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
-    n: int | None = Field(default=1, ge=1, le=1)
+    n: int | None = Field(default=1, ge=1, le=_MAX_CHOICES)  # n > 1: a GRPO group in one request
     stop: str | list[str] | None = None
     response_format: dict[str, Any] | None = None
     user: str | None = Field(default=None, max_length=_MAX_ID_CHARS)
@@ -467,6 +470,7 @@ class _Choice(BaseModel):
     message: _ReplyMessage
     logprobs: _Logprobs | None
     finish_reason: Literal["stop", "length", "tool_calls"]
+    completion_id: str | None = None  # n > 1: this choice's Completion (the id its feedback events name)
 
 
 class _Usage(BaseModel):
@@ -861,6 +865,10 @@ class LiveServer:
     async def complete(self, request: Request, body: bytes) -> Response:
         started, created = time.perf_counter(), time.time()
         req = _parse_chat(body)
+        n = req.n or 1
+        if n > 1 and req.stream:
+            raise ApiError(400, "n > 1 is not supported with stream; send n requests, or leave stream unset",
+                           param="n")
         session_id, user_id, meta = _identity(req, request)
         org_id = self._request_org(request, meta)
         session_kind = meta.pop("session_kind", INTERACTIVE)
@@ -924,11 +932,34 @@ class LiveServer:
             if tokens is not None:
                 return StreamingResponse(call.stream(tokens), media_type="text/event-stream",
                                          headers=call.headers())
-            generation = await call.generation()
+            calls = [call]
+            for i in range(1, n):  # the rest of the group: the same session, so the same arm and version
+                try:
+                    extra = router.checkout(session_id, pinned)
+                except NotServed as exc:
+                    raise ApiError(503, f"{exc}; the deployment is changing, retry", "server_error") from None
+                seeded = params if req.seed is None else dataclasses.replace(params, seed=(req.seed + i) % 2**63)
+                in_flight.inc()
+                try:
+                    future = asyncio.wrap_future(extra.engine.submit(prompt_ids, seeded))
+                except EngineError as exc:
+                    in_flight.dec()
+                    router.release(extra)
+                    raise self._engine_failed(extra.version, exc) from None
+                calls.append(_Call(self, req, extra, session_id, user_id, meta, prompt_ids, seeded, forced, started,
+                                   created, engine_started, in_flight, future, router, org_id, session_kind))
+            generations = [await c.generation() for c in calls]
         finally:
             if not released:
                 router.release(lease)
-        payload = await call.finish(generation)
+        payloads = [await c.finish(g) for c, g in zip(calls, generations, strict=True)]
+        payload = payloads[0]
+        if n > 1:  # one response, one Completion per choice (each its own id for feedback)
+            payload["choices"] = [{**p["choices"][0], "index": i, "completion_id": p["id"]}
+                                  for i, p in enumerate(payloads)]
+            completion_tokens = sum(p["usage"]["completion_tokens"] for p in payloads)
+            payload["usage"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                                "total_tokens": len(prompt_ids) + completion_tokens}
         return Response(json.dumps(payload), media_type="application/json", headers=call.headers())
 
     async def complete_text(self, request: Request, body: bytes) -> Response:

@@ -319,7 +319,7 @@ def test_bad_requests_get_4xx_json_never_500(live):
         (chat, json.dumps({**ok, "messages": [{"role": "user"}]}), 400),
         (chat, json.dumps({**ok, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
          400),
-        (chat, json.dumps({**ok, "temperature": 5}), 400), (chat, json.dumps({**ok, "n": 2}), 400),
+        (chat, json.dumps({**ok, "temperature": 5}), 400), (chat, json.dumps({**ok, "n": 17}), 400),
         (chat, json.dumps({**ok, "stop": ["a", "b", "c", "d", "e"]}), 400),
         (chat, json.dumps({**ok, "logit_bias": {"5": 10}}), 400),
         (chat, json.dumps({**ok, "tools": [{"type": "function"}]}), 400),

@@ -73,13 +73,13 @@ def test_the_same_seed_and_request_give_the_same_answer(live):
 
 
 @pytest.mark.parametrize("body", [{"frequency_penalty": 0.5}, {"presence_penalty": -1}, {"logit_bias": {"3": 5}},
-                                  {"top_logprobs": 3, "logprobs": True}, {"n": 2},
+                                  {"top_logprobs": 3, "logprobs": True}, {"n": 17}, {"n": 2, "stream": True},
                                   {"stop": ["a", "b", "c", "d", "e"]}])
 def test_unsupported_knobs_are_refused_with_a_400_that_names_them(live, body):
     _, http = live
     response = chat(http, **body)
     assert response.status_code == 400
-    (name,) = body.keys() - {"logprobs"}
+    (name,) = body.keys() - {"logprobs", "stream"}
     assert name in response.json()["error"]["message"]
 
 
@@ -176,3 +176,17 @@ def test_stop_sequences_cut_the_answer_and_the_record_keeps_the_tokens_that_reac
     kept = stored.completion_ids
     assert kept == answer[:len(kept)] and len(kept) < len(answer) and stored.logprobs == [-0.25] * len(kept)
     assert "STOP" in tokenizer.decode(kept) and "STOP" not in tokenizer.decode(kept[:-1])
+
+
+def test_n_choices_are_a_group_each_stored_as_its_own_completion(live):
+    server, http = live
+    reply = chat(http, n=4, max_tokens=12, temperature=1.0, seed=5).json()
+    again = chat(http, n=4, max_tokens=12, temperature=1.0, seed=5).json()
+    choices = reply["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3] and reply["id"] == choices[0]["completion_id"]
+    stored = [server.store.completion(c["completion_id"]) for c in choices]
+    assert [s.content for s in stored] == [c["message"]["content"] for c in choices]
+    assert len({s.id for s in stored}) == 4 and {s.session_id for s in stored} == {reply["flywheel"]["session_id"]}
+    assert reply["usage"]["completion_tokens"] == sum(len(s.completion_ids) for s in stored)
+    assert len({tuple(s.completion_ids) for s in stored}) > 1  # seed + i: the group's samples differ
+    assert [c["message"]["content"] for c in again["choices"]] == [c["message"]["content"] for c in choices]
