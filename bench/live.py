@@ -4,6 +4,7 @@ the raw database; completions committed per second per backend; the server's ove
     python bench/live.py                        # full run (~2-3 min on 2 idle cores, plus the servers' starts)
     python bench/live.py --events 50000         # quicker
     python bench/live.py --only events --backends postgresql --replicas 2
+    python bench/live.py --only harness         # one part: events, overhead, streaming or harness
 
 Prints one JSON object on stdout; progress goes to stderr.
 
@@ -23,6 +24,18 @@ SDK client, timed until both have flushed). The PostgreSQL baseline inserts the 
 through psycopg with the store's statement (one unnest INSERT per batch, synchronous_commit on).
 Completions: `completions_per_s` is LiveStore.add_completion on the backend (one commit per
 completion, completions_synchronous NORMAL as served), with 1 and 2 writers (threads, one store each).
+
+Streaming: the same request answered whole and streamed, alternating (a LiveServer in this process,
+the default-size model, `--stream-tokens` tokens at T=1 with a seed): `ttft_ms` is the client's
+time to the first content chunk, `inter_token_ms` the gaps between content chunks, against the
+whole answer's time (the baseline: without streaming the first byte arrives with the last token).
+
+Harness: one bugfix task played by the built-in runner and by mini-swe-agent through the harness
+endpoint (flywheel/live/harness.py), both with the same scripted answers (`--harness-turns` test
+runs, then the end), so the engine costs nothing and the figures are the loops' own:
+`harness_overhead_per_turn_ms` is the harness's request-to-request time per turn (the command
+through sandbox_exec, HTTP, litellm, the agent) less the built-in runner's time per turn;
+`harness_startup_s` the harness process's start until its first request.
 
 Overhead: a LiveServer in this process; each sample is one completion through HTTP (keep-alive,
 the body the openai client sends) and one straight `submit` to the very engine the server uses,
@@ -287,6 +300,110 @@ def bench_overhead(registry_root: Path, run_dir: Path, requests: int, max_tokens
             "prompt_tokens_mean": round(sum(len(encoder.encode(c, tool_schemas())) for c in chats) / len(chats))}
 
 
+def bench_streaming(registry_root: Path, run_dir: Path, requests: int, max_tokens: int, threads: int) -> dict:
+    """Time to first token and inter-token latency of streamed answers, against the same request
+    answered whole (the baseline: without streaming the first byte comes with the last token)."""
+    torch.set_num_threads(threads)
+    config = ServeConfig(registry_root=registry_root, run_dir=run_dir, keys=KEYS, candidate_fraction=0.0,
+                         threads=threads, default_max_tokens=max_tokens)
+    server = LiveServer.from_config(config)
+    chats = conversations(2)
+    ttft, server_ttft, gaps, whole = [], [], [], []
+    with serve_in_thread(server) as running, httpx.Client(base_url=running.url, timeout=120,
+                                                           headers={"authorization": "Bearer bench-key"}) as http:
+        log(f"streaming: {requests} streamed and {requests} whole answers of {max_tokens} tokens ...")
+        for i in range(requests + 2):  # the first 2 warm up
+            body = {"model": "flywheel", "messages": chats[i % len(chats)], "max_tokens": max_tokens,
+                    "temperature": 1.0, "seed": i}
+            t0 = time.perf_counter()
+            http.post("/v1/chat/completions", json=body).raise_for_status()
+            w = (time.perf_counter() - t0) * 1000
+            arrivals, last = [], None
+            t0 = time.perf_counter()
+            with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        arrivals.append((time.perf_counter() - t0) * 1000)
+                    last = chunk
+            if i >= 2 and arrivals:
+                whole.append(w)
+                ttft.append(arrivals[0])
+                server_ttft.append(last["flywheel"]["ttft_ms"])
+                gaps += [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    server.close()
+    return {"ttft_ms_p50": percentiles(ttft)[0], "ttft_ms_p99": percentiles(ttft)[1],
+            "server_ttft_ms_p50": percentiles(server_ttft)[0],
+            "inter_token_ms_p50": percentiles(gaps)[0] if gaps else None,
+            "inter_token_ms_p99": percentiles(gaps)[1] if gaps else None,
+            "baseline_whole_answer_ms_p50": percentiles(whole)[0],
+            "ttft_share_of_whole_answer": round(percentiles(ttft)[0] / percentiles(whole)[0], 3),
+            "requests": requests, "max_tokens": max_tokens}
+
+
+class _Scripted:
+    """An Engine answering each turn with the next scripted text: both runners get the same tokens at
+    no model cost, so the difference is the loop's own (HTTP, the harness, its command wrapper)."""
+
+    def __init__(self, tokenizer, turns: list[str]):
+        self.tokenizer, self.turns, self.version = tokenizer, list(turns), 0
+
+    def submit(self, prompt_ids, params):
+        from concurrent.futures import Future  # noqa: PLC0415
+
+        from flywheel.model.engine import Generation  # noqa: PLC0415
+
+        ids = self.tokenizer(self.turns.pop(0), add_special_tokens=False)["input_ids"]
+        future = Future()
+        future.set_result(Generation(ids, [-0.5] * len(ids), [0] * len(ids), "stop"))
+        return future
+
+
+def bench_harness(turns: int) -> dict:
+    """A harness episode (mini-swe-agent through the per-episode endpoint) against the built-in
+    runner on the same task with the same scripted answers: `turns` commands, then the end."""
+    from flywheel.agent.episode import EpisodeConfig, initial_prompt, run_episode  # noqa: PLC0415
+    from flywheel.env.pool import PoolConfig, SandboxPool  # noqa: PLC0415
+    from flywheel.live.harness import HarnessConfig, HarnessServer, run_harness_episode  # noqa: PLC0415
+
+    task = generate("bugfix", "train", 1, seed=5, difficulty=1)[0]
+
+    def call(name: str, **arguments) -> str:
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>{IM_END}'
+
+    command = call("run_command", command=task.test_command)
+    tokenizer = train_tokenizer([initial_prompt(task, with_tools=False), command] * 8, vocab_size=800,
+                                tools_in_prompt=False)
+    with SandboxPool(PoolConfig(max_active=2, warm=1)) as pool:
+        log(f"harness: the built-in runner, {turns} commands then finish ...")
+        t0 = time.perf_counter()
+        builtin = run_episode(task, _Scripted(tokenizer, [command] * turns + [call("finish", summary="done")]),
+                              tokenizer, pool, EpisodeConfig(max_turns=turns + 1, max_tokens=16384))
+        builtin_s = time.perf_counter() - t0
+        log(f"harness: mini-swe-agent through the harness endpoint, {turns} commands then submit ...")
+        engine = _Scripted(tokenizer, [command] * turns + [call("run_command",
+                                                                command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")])
+        server = HarnessServer(engine, tokenizer, pool, HarnessConfig(max_tokens=16384, max_turns=turns + 2))
+        with server.serve(), tempfile.TemporaryDirectory(prefix="flywheel-bench-harness-") as work:
+            started = time.perf_counter()
+            result = run_harness_episode(server, task, Path(work), step_limit=turns + 2)
+            harness_s = time.perf_counter() - started
+    if result.harness_exit_code != 0 or result.breaks or result.commands != turns + 1:
+        raise RuntimeError(f"the harness episode did not run as scripted: {result.harness_output[-1500:]}")
+    arrivals = [c["received_s"] for c in result.completions]
+    per_turn = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)  # request to request: command, HTTP, agent
+    builtin_per_turn = (builtin.timings["total_s"] - builtin.timings["grade_s"]) / builtin.turns
+    return {"harness_per_turn_ms": round(per_turn * 1000, 1), "builtin_per_turn_ms": round(builtin_per_turn * 1000, 1),
+            "harness_overhead_per_turn_ms": round((per_turn - builtin_per_turn) * 1000, 1),
+            # the harness process's start (interpreter, litellm) until its first request
+            "harness_startup_s": round(arrivals[0] - started, 2),
+            "harness_episode_s": round(harness_s, 2), "builtin_episode_s": round(builtin_s, 2),
+            "harness_exec_s": round(result.timings["exec_s"], 3),
+            "builtin_tools_s": round(builtin.timings["tools_s"], 3), "turns": turns}
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -317,10 +434,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (the server's event loop needs the other core)")
-    parser.add_argument("--only", choices=["events", "overhead"], help="run one half")
+    parser.add_argument("--only", choices=["events", "overhead", "streaming", "harness"], help="run one part")
     parser.add_argument("--backends", default="sqlite,postgresql", help="comma-separated: sqlite, postgresql")
     parser.add_argument("--replicas", default="1,2", help="comma-separated replica counts to measure ingestion with")
     parser.add_argument("--completions", type=int, default=2000, help="completions per backend for completions_per_s")
+    parser.add_argument("--stream-requests", type=int, default=20, help="streamed answers for TTFT / inter-token")
+    parser.add_argument("--stream-tokens", type=int, default=32)
+    parser.add_argument("--harness-turns", type=int, default=6, help="commands of the harness-vs-built-in episode")
     args = parser.parse_args()
     args.replicas = [int(r) for r in args.replicas.split(",")]
     backends = args.backends.split(",")
@@ -331,7 +451,9 @@ def main() -> None:
         build_registry(root / "registry", conversations(6))
         events: dict = {}
         overhead: dict = {}
-        if args.only != "overhead":
+        streaming: dict = {}
+        harness: dict = {}
+        if args.only in (None, "events"):
             cluster = None
             pg_url = os.environ.get("FLYWHEEL_PG_URL")
             if "postgresql" in backends and not pg_url:
@@ -344,15 +466,20 @@ def main() -> None:
             finally:
                 if cluster is not None:
                     cluster.stop()
-        if args.only != "events":
+        if args.only in (None, "overhead"):
             overhead = bench_overhead(root / "registry", root / "overhead", args.requests, args.max_tokens,
                                       args.threads)
+        if args.only in (None, "streaming"):
+            streaming = bench_streaming(root / "registry", root / "streaming", args.stream_requests,
+                                        args.stream_tokens, args.threads)
+        if args.only in (None, "harness"):
+            harness = bench_harness(args.harness_turns)
     headline = {f"{backend}_events_per_s_{r}_replica{'s' if r > 1 else ''}": result["replicas"][str(r)]["events_per_s"]
                 for backend, result in events.items() for r in args.replicas}
     report = {**headline, **{f"{b}_completions_per_s": r["completions_per_s"]["1"] for b, r in events.items()},
               "target_events_per_s": 20000,
               **{k: overhead[k] for k in ("server_overhead_ms_p50", "server_overhead_ms_p99") if k in overhead},
-              "events": events, "overhead": overhead,
+              "events": events, "overhead": overhead, "streaming": streaming, "harness": harness,
               "settings": {"synchronous": "FULL", "threads": args.threads, "cpus": os.cpu_count(),
                            "load_average": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__},
               "total_s": round(time.perf_counter() - t0, 1)}

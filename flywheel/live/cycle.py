@@ -86,6 +86,7 @@ from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.registry import Registry
 from flywheel.report import render_cycle
 from flywheel.rl.learner import Learner, LearnerConfig
+from flywheel.rl.tracking import Tracker, TrackingConfig
 from flywheel.store.files import write_atomic
 
 if TYPE_CHECKING:
@@ -188,6 +189,9 @@ class LiveConfig(BaseModel):
     monitor_lookback_s: float | None = Field(86400.0, gt=0)  # completions monitored; None: all
     engine: EngineConfig = Field(default_factory=EngineConfig)
     pool: PoolConfig = Field(default_factory=lambda: PoolConfig(max_active=16, warm=2))
+    # Each cycle's report figures to TensorBoard, W&B, MLflow (flywheel/rl/tracking.py), one tracked
+    # run per cycle, stepped by cycle number; all off by default.
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -704,6 +708,12 @@ class LiveCycle:
         write_atomic(folder / "report.json", report.model_dump_json(indent=2, by_alias=True))
         write_atomic(folder / "report.html", render_cycle(report.model_dump(mode="json", by_alias=True),
                                                        title=f"flywheel cycle {state.cycle}: {state.decision}"))
+        if self.config.tracking.enabled:
+            tracking = self.config.tracking
+            name = f"{tracking.run_name or self.config.run_dir.resolve().name}-cycle-{state.cycle:04d}"
+            params = self.config.model_dump(mode="json", exclude={"admin_key"})
+            with Tracker(tracking.model_copy(update={"run_name": name}), self.config.run_dir, params) as tracker:
+                tracker.log(report.model_dump(mode="json", by_alias=True), state.cycle)
         return report
 
 

@@ -5,13 +5,18 @@
     POST /v1/chat/completions  [inference] ──Router: session ──> arm, version ──> that version's Engine
                                             ──> parse tool calls ──> LiveStore.add_completion
                                             ──> response (id = completion id)
+    POST /v1/completions       [inference]  a raw prompt, text or token ids; the sampled ids come back
+                                            (`flywheel.prompt_token_ids`, `flywheel.token_ids`): token in, token out
     GET  /v1/models            [inference]  the routed name and every served version
+    GET  /v1/models/{id}       [inference]  one of them, or 404
     POST /v1/events            [events]     a batch; per event accepted | duplicate | rejected (reason);
                                             200 only after commit
     GET|POST /v1/admin/deployment [admin]   read or change production / candidate / candidate_fraction
     POST /v1/admin/deployment/sync [admin]  re-read the Registry's aliases (after `flywheel registry promote`)
     GET  /dashboard            [dashboard]  HTML: flywheel.report's views, live; polls GET /dashboard/data
     GET  /dashboard/data       [dashboard]  {"html": the page's sections, "data": build_report_data's dict}
+    GET  /metrics              [dashboard]  Prometheus text format (flywheel/live/metrics.py): requests, latency
+                                            histograms, tokens, per-arm counts, engine in-flight, events
     GET  /health                            no key needed
     GET  /openapi.json                      the OpenAPI document of all of the above (tests fuzz every operation)
 
@@ -54,12 +59,22 @@ is the completion's id: the id clients put in their events. Responses also carry
 (version, arm, session_id) that strict clients ignore.
 
 Departures from OpenAI's API, each refused with a 400 that says so rather than silently ignored:
-`n` > 1, `stop` sequences (the model ends its turn with <|im_end|>), `tool_choice` other than
-"auto"/"none", `response_format` other than text, images. `top_logprobs` lists are empty (the engine
-returns the sampled token's logprob only). Other sampling knobs (penalties, seed) are ignored.
-Streaming sends server-sent events in OpenAI's chunk format, but the chunks are cut from the whole
-answer: the Engine protocol has no per-token callback, so the first byte arrives when the last token
-is generated. A tool call the model wrote badly is still returned in `tool_calls` (name "?" when it
+`n` > 1 with streaming, `top_logprobs` > 0 (the engine returns the sampled token's logprob only),
+frequency / presence penalties and `logit_bias` (the sampled tokens' logprobs must be the model's,
+for the Learner), `response_format` other than text, images. `seed` gives the request its own
+random stream: the same seed and request sample the same tokens. `n` > 1 (up to 16, a GRPO group
+in one request) samples each choice as its own engine request (seeded `seed + i`) and stores one
+Completion per choice: the response's `id` is the first one's, and each choice names its own in
+`completion_id`. `tool_choice` "required" or a named function starts the assistant turn with the
+call's opening (`<tool_call>` and, when named, `{"name": ..., "arguments": `), written as prompt
+tokens, so the Completion's prompt ids end with it and only the model's own tokens are trained on.
+Streaming is real: the engine hands each token to the server as it samples it
+(`SamplingParams.on_token`), and each becomes a content chunk (text before a tool call's markup;
+the calls follow as tool_call deltas once parsed); the completion is stored before the last chunk,
+which carries `flywheel.ttft_ms`, the time from the request to its first token. `stop` sequences
+cut the answer where one first appears in the sampled text (`_Call._stopped`): the Completion keeps
+the shortest prefix of sampled tokens that holds it, and the text ends before it. A tool call the
+model wrote badly is still returned in `tool_calls` (name "?" when it
 could not be read) with an extra `error` field, and recorded as invalid: a client answers it with
 the error, as the episode runner does, and nothing is dropped.
 
@@ -77,6 +92,7 @@ requests that are served.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -97,13 +113,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flywheel.env.toolspec import ToolCall
+from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
+from flywheel.live.metrics import MeasuredRequests, ServerMetrics
 from flywheel.live.monitors import Monitor, MonitorConfig, monitor_window
 from flywheel.live.records import BACKGROUND, INTERACTIVE, Completion, CompletionToolCall, Event, storable
 from flywheel.live.rewards import RewardConfig, RewardDistiller
 from flywheel.live.store import Ingest, LiveStore
-from flywheel.model.chat import IM_END, parse_assistant, tools_in_prompt
+from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, parse_assistant, tools_in_prompt
 from flywheel.model.conversation import ConversationEncoder, PromptTooLong
 from flywheel.model.engine import EngineConfig, EngineError, LocalEngine, SamplingParams
 from flywheel.model.registry import CANDIDATE, Registry
@@ -115,6 +132,7 @@ Scope = Literal["inference", "events", "admin", "dashboard"]
 SCOPES: tuple[Scope, ...] = ("inference", "events", "admin", "dashboard")
 DASHBOARD_SCOPES = frozenset({"dashboard", "admin"})
 _MAX_ID_CHARS = 200
+_MAX_CHOICES = 16  # choices of one chat request (n); each is an engine request of its own
 _MAX_VERSION = 10**9 - 1
 _VERSION_NAME = re.compile(r"v(\d{1,9})")  # 9 digits: int() and SQLite take it
 _HEADER_SAFE_ID = re.compile(rf"[!-~]{{1,{_MAX_ID_CHARS}}}")
@@ -312,22 +330,35 @@ class _ToolSpec(BaseModel):
     function: _FunctionSpec
 
 
+class _NamedFunction(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class _NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: _NamedFunction
+
+
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # other OpenAI fields (penalties, seed, ...) are accepted and ignored
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     # Kept as sent, so the system prompt renders them byte for byte as the client wrote them.
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | _NamedToolChoice | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=0)  # the engine returns the sampled token's only
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # same seed and request: the same answer
+    frequency_penalty: float | None = None  # refused unless 0 (below)
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
-    n: int | None = Field(default=1, ge=1, le=1)
+    n: int | None = Field(default=1, ge=1, le=_MAX_CHOICES)  # n > 1: a GRPO group in one request
     stop: str | list[str] | None = None
     response_format: dict[str, Any] | None = None
     user: str | None = Field(default=None, max_length=_MAX_ID_CHARS)
@@ -349,11 +380,27 @@ class ChatRequest(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop(cls, stop: str | list[str] | None) -> None:
-        if stop:
-            raise ValueError("stop sequences are not supported: the model ends its turn with <|im_end|>; leave stop "
-                             "unset")
-        return None
+    def _stop(cls, stop: str | list[str] | None) -> list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if stops is not None and (len(stops) > 4 or not all(0 < len(x) <= 200 for x in stops)):
+            raise ValueError("stop takes at most 4 sequences of 1 to 200 characters each")
+        return stops or None
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError("frequency and presence penalties are not supported (the engine samples from the "
+                             "model's distribution, which the Learner's logprobs must match); leave them unset or 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value:
+            raise ValueError("logit_bias is not supported (the sampled tokens' logprobs must be the model's); "
+                             "leave it unset")
+        return value
 
     @field_validator("response_format")
     @classmethod
@@ -423,6 +470,7 @@ class _Choice(BaseModel):
     message: _ReplyMessage
     logprobs: _Logprobs | None
     finish_reason: Literal["stop", "length", "tool_calls"]
+    completion_id: str | None = None  # n > 1: this choice's Completion (the id its feedback events name)
 
 
 class _Usage(BaseModel):
@@ -436,6 +484,10 @@ class _Served(BaseModel):
     arm: str
     session_id: str
     engine_ms: float
+    ttft_ms: float | None = None  # streamed: from the request to its first token
+    # Declared tools a model trained on flywheel's own (no `tools_in_prompt`) does not know: it never
+    # saw their schemas and will not call them.
+    unknown_tools: list[str] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -459,6 +511,56 @@ class _ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[_ModelCard]
+
+
+class TextCompletionRequest(BaseModel):
+    """POST /v1/completions: a raw prompt, as text or as token ids (token in, token out for RL
+    frameworks). Not chat-templated: the prompt is exactly the tokens the engine sees."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    prompt: str | list[int] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    logprobs: int | None = Field(default=None, ge=0, le=1)  # 1: the sampled token's logprob (no alternatives)
+    n: int | None = Field(default=1, ge=1, le=1)
+    stream: Literal[False] | None = False
+    echo: Literal[False] | None = False
+    user: str | None = Field(default=None, max_length=_MAX_ID_CHARS)
+    metadata: dict[str, Any] | None = None
+    session_id: str | None = Field(default=None, json_schema_extra={"pattern": rf"^[!-~]{{1,{_MAX_ID_CHARS}}}$"})
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, prompt: str | list[int]) -> str | list[int]:
+        if isinstance(prompt, list) and any(not 0 <= t < 2**31 for t in prompt):
+            raise ValueError("prompt token ids must be non-negative integers below 2**31")
+        return prompt
+
+
+class _TextChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: Literal["stop", "length"]
+
+
+class _ServedTokens(_Served):
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+
+
+class TextCompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[_TextChoice]
+    usage: _Usage
+    flywheel: _ServedTokens
 
 
 class _Rejected(BaseModel):
@@ -526,7 +628,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
                                   "served policy versions, and the endpoint users' reactions come back to. Errors are "
                                   '{"error": {"message", "type", "code", "param"}}.')
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    for model in (ChatRequest, EventBatch, Deployment):
+    for model in (ChatRequest, TextCompletionRequest, EventBatch, Deployment):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -573,6 +675,7 @@ class LiveServer:
         self._stop = threading.Event()
         self._follower = threading.Thread(target=self._follow_deployments, name="deployment-follower", daemon=True)
         self._follower.start()
+        self.metrics = ServerMetrics()  # GET /metrics (flywheel/live/metrics.py)
         self.app = create_app(self)
 
     @classmethod
@@ -762,6 +865,10 @@ class LiveServer:
     async def complete(self, request: Request, body: bytes) -> Response:
         started, created = time.perf_counter(), time.time()
         req = _parse_chat(body)
+        n = req.n or 1
+        if n > 1 and req.stream:
+            raise ApiError(400, "n > 1 is not supported with stream; send n requests, or leave stream unset",
+                           param="n")
         session_id, user_id, meta = _identity(req, request)
         org_id = self._request_org(request, meta)
         session_kind = meta.pop("session_kind", INTERACTIVE)
@@ -777,8 +884,10 @@ class LiveServer:
                 raise ApiError(404, f"{exc}; ask for {self.config.model_name!r} to be routed", code="model_not_found",
                                param="model") from None
             raise ApiError(503, f"{exc}; the deployment is changing, retry", "server_error") from None
+        released = False
         try:
             tools = req.tools if req.tools and req.tool_choice != "none" else None
+            forced = _forced_call(req, tools)
             encoder = self._encoders.get(lease.version)
             if encoder is None:
                 served = set(self.router.served_versions())  # retired versions' caches go with them
@@ -792,62 +901,149 @@ class LiveServer:
                     tools if tools_in_prompt(lease.tokenizer) else None, self.config.max_context_tokens - max_tokens)
             except PromptTooLong as exc:
                 raise self._too_long(f"at least {exc.at_least}", max_tokens) from None
+            # tool_choice "required" or a named function: the assistant turn starts with the call's
+            # opening, written by the template (prompt tokens, never trained on), and the model goes on.
+            prompt_ids = prompt_ids + (encoder.text(forced) if forced else [])
             params = self._sampling(req, len(prompt_ids), lease.tokenizer)
             encoder.remember(fresh)  # only now: a refused request leaves nothing in the cache
+            tokens: asyncio.Queue[tuple[int, float] | None] | None = None
+            if req.stream:  # real streaming: each token reaches the client as the engine samples it
+                tokens = asyncio.Queue()
+                loop = asyncio.get_running_loop()
+
+                def on_token(token_id: int, logprob: float) -> None:
+                    try:
+                        loop.call_soon_threadsafe(tokens.put_nowait, (token_id, logprob))
+                    except RuntimeError:  # the server's loop closed under a request: nobody reads it
+                        pass
+
+                params = dataclasses.replace(params, on_token=on_token)
+            engine_started = time.perf_counter()
+            in_flight = self.metrics.in_flight.labels(f"v{lease.version}")
+            in_flight.inc()
+            try:
+                future = asyncio.wrap_future(lease.engine.submit(prompt_ids, params))
+            except EngineError as exc:  # the engine's loop died or it was closed: not the request's fault
+                in_flight.dec()
+                raise self._engine_failed(lease.version, exc) from None
+            call = _Call(self, req, lease, session_id, user_id, meta, prompt_ids, params, forced, started, created,
+                         engine_started, in_flight, future, router, org_id, session_kind)
+            released = True  # from here the call gives the lease back when the engine is done with it
+            if tokens is not None:
+                return StreamingResponse(call.stream(tokens), media_type="text/event-stream",
+                                         headers=call.headers())
+            calls = [call]
+            for i in range(1, n):  # the rest of the group: the same session, so the same arm and version
+                try:
+                    extra = router.checkout(session_id, pinned)
+                except NotServed as exc:
+                    raise ApiError(503, f"{exc}; the deployment is changing, retry", "server_error") from None
+                seeded = params if req.seed is None else dataclasses.replace(params, seed=(req.seed + i) % 2**63)
+                in_flight.inc()
+                try:
+                    future = asyncio.wrap_future(extra.engine.submit(prompt_ids, seeded))
+                except EngineError as exc:
+                    in_flight.dec()
+                    router.release(extra)
+                    raise self._engine_failed(extra.version, exc) from None
+                calls.append(_Call(self, req, extra, session_id, user_id, meta, prompt_ids, seeded, forced, started,
+                                   created, engine_started, in_flight, future, router, org_id, session_kind))
+            generations = [await c.generation() for c in calls]
+        finally:
+            if not released:
+                router.release(lease)
+        payloads = [await c.finish(g) for c, g in zip(calls, generations, strict=True)]
+        payload = payloads[0]
+        if n > 1:  # one response, one Completion per choice (each its own id for feedback)
+            payload["choices"] = [{**p["choices"][0], "index": i, "completion_id": p["id"]}
+                                  for i, p in enumerate(payloads)]
+            completion_tokens = sum(p["usage"]["completion_tokens"] for p in payloads)
+            payload["usage"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                                "total_tokens": len(prompt_ids) + completion_tokens}
+        return Response(json.dumps(payload), media_type="application/json", headers=call.headers())
+
+    async def complete_text(self, request: Request, body: bytes) -> Response:
+        """POST /v1/completions: the prompt's tokens as given (or the text's), the engine's tokens back."""
+        started, created = time.perf_counter(), time.time()
+        try:
+            req = TextCompletionRequest.model_validate_json(body)
+        except ValidationError as exc:
+            raise ApiError(400, f"invalid completion request: {_errors(exc)}") from None
+        session_id, user_id, meta = _identity(req, request)
+        pinned = self._pinned_version(req.model)
+        try:
+            lease = self.router.checkout(session_id, pinned)
+        except NotServed as exc:
+            status = 404 if pinned is not None else 503
+            raise ApiError(status, f"{exc}; retry, or ask for {self.config.model_name!r}", code="model_not_found"
+                           if pinned is not None else None, param="model") from None
+        try:
+            tokenizer = lease.tokenizer
+            if isinstance(req.prompt, str):
+                prompt_ids = await run_in_threadpool(
+                    lambda: tokenizer(req.prompt, add_special_tokens=False)["input_ids"])
+            else:
+                prompt_ids = list(req.prompt)
+            vocab = len(tokenizer)
+            if not prompt_ids or max(prompt_ids) >= vocab:
+                raise ApiError(400, f"the prompt is empty or holds a token id outside this model's vocabulary of "
+                               f"{vocab}; encode it with the served tokenizer", param="prompt")
+            max_tokens = req.max_tokens or self.config.default_max_tokens
+            if max_tokens > self.config.max_tokens_limit:
+                raise ApiError(400, f"max_tokens {max_tokens} exceeds this server's limit "
+                               f"{self.config.max_tokens_limit}", param="max_tokens")
+            if len(prompt_ids) + max_tokens > self.config.max_context_tokens:
+                raise self._too_long(str(len(prompt_ids)), max_tokens)
+            params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                                    top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens,
+                                    stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),), seed=req.seed)
             engine_started = time.perf_counter()
             try:
                 generation = await asyncio.wrap_future(lease.engine.submit(prompt_ids, params))
-            except EngineError as exc:  # the engine's loop died or it was closed: not the request's fault
-                log.error("engine for v%d failed: %s", lease.version, exc)
-                raise ApiError(503, f"the engine serving v{lease.version} failed ({exc}); retry later",
-                               "server_error", "engine_failed") from None
+            except EngineError as exc:
+                raise self._engine_failed(lease.version, exc) from None
             engine_ms = (time.perf_counter() - engine_started) * 1000
         finally:
-            router.release(lease)
+            self.router.release(lease)
         if generation.finish_reason == "aborted" or set(generation.versions) != {lease.version}:
-            raise ApiError(503, f"v{lease.version} stopped or changed weights mid-answer (it was retired); retry",
-                           "server_error", "engine_aborted")
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        answer = lease.tokenizer.decode(generation.token_ids, skip_special_tokens=False)
-        if req.tool_choice == "none":  # no tool call, whatever the model wrote: its text is the answer
-            content, calls = answer.removesuffix(IM_END), []
-        else:
-            schemas = {t["function"]["name"]: t for t in tools or []}
-            content, calls = parse_assistant(answer, call_id_prefix=f"call_{completion_id[9:21]}", schemas=schemas)
-            calls = [_storable_call(c) for c in calls]
-        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
+            raise ApiError(503, f"v{lease.version} stopped or changed weights mid-answer; retry", "server_error",
+                           "engine_aborted")
+        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        text = tokenizer.decode(generation.token_ids, skip_special_tokens=False)
+        finish = "length" if generation.finish_reason == "length" else "stop"
         completion = Completion(
-            id=completion_id, session_id=session_id, user_id=user_id, version=lease.version,
-            prompt_ids=prompt_ids, completion_ids=generation.token_ids, logprobs=generation.logprobs,
-            latency_ms=(time.perf_counter() - started) * 1000,
-            tool_calls=[CompletionToolCall(name=c.name, arguments=c.arguments, valid=c.valid, error=c.error or "")
-                        for c in calls],
-            content=content, finish_reason=finish, arm=lease.arm, created_at=created, request_meta=meta,
-            temperature=params.temperature, top_p=params.top_p, org_id=org_id, session_kind=session_kind,
-        )
-        # Committed before the response exists: a client can never hold an id the store lacks.
+            id=completion_id, session_id=session_id, user_id=user_id, version=lease.version, prompt_ids=prompt_ids,
+            completion_ids=generation.token_ids, logprobs=generation.logprobs,
+            latency_ms=(time.perf_counter() - started) * 1000, content=text.removesuffix(IM_END),
+            finish_reason=finish, arm=lease.arm, created_at=created, request_meta={**meta, "endpoint": "completions"},
+            temperature=params.temperature, top_p=params.top_p)
         try:
             await run_in_threadpool(self.store.add_completion, completion)
-        except ValueError as exc:  # a value the checks before generation missed: refused, nothing stored
+        except ValueError as exc:
             raise ApiError(400, str(exc)) from None
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-        if calls:
-            message["tool_calls"] = [_openai_call(c) for c in calls]
-        logprobs = _logprobs(generation.token_ids, generation.logprobs, lease.tokenizer) if req.logprobs else None
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(generation.token_ids),
-                 "total_tokens": len(prompt_ids) + len(generation.token_ids)}
-        head = {"id": completion_id, "created": int(created), "model": req.model,
-                "system_fingerprint": f"flywheel-v{lease.version}",
-                "flywheel": {"version": lease.version, "arm": lease.arm, "session_id": session_id,
-                             "engine_ms": round(engine_ms, 3)}}
-        headers = {"x-session-id": session_id, "x-flywheel-version": str(lease.version)}
-        if req.stream:
-            include_usage = bool((req.stream_options or {}).get("include_usage"))
-            chunks = _stream_chunks(head, message, finish, logprobs, usage if include_usage else None)
-            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-        payload = {**head, "object": "chat.completion", "usage": usage,
-                   "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}]}
-        return Response(json.dumps(payload), media_type="application/json", headers=headers)
+        self.metrics.completion(lease.version, lease.arm, len(prompt_ids), len(generation.token_ids), engine_ms / 1000)
+        logprobs = None
+        if req.logprobs:
+            pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in generation.token_ids]
+            offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+            logprobs = {"tokens": pieces, "token_logprobs": generation.logprobs, "top_logprobs": None,
+                        "text_offset": offsets}
+        payload = {
+            "id": completion_id, "object": "text_completion", "created": int(created), "model": req.model,
+            "system_fingerprint": f"flywheel-v{lease.version}",
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(generation.token_ids),
+                      "total_tokens": len(prompt_ids) + len(generation.token_ids)},
+            "flywheel": {"version": lease.version, "arm": lease.arm, "session_id": session_id,
+                         "engine_ms": round(engine_ms, 3), "prompt_token_ids": prompt_ids,
+                         "token_ids": generation.token_ids}}
+        return Response(json.dumps(payload), media_type="application/json",
+                        headers={"x-session-id": session_id, "x-flywheel-version": str(lease.version)})
+
+    def _engine_failed(self, version: int, exc: Exception) -> ApiError:
+        log.error("engine for v%d failed: %s", version, exc)
+        return ApiError(503, f"the engine serving v{version} failed ({exc}); retry later", "server_error",
+                        "engine_failed")
 
     def ingest(self, body: bytes, org_id: str | None = None) -> dict[str, Any]:
         """Parse a batch, check each event, store the good ones in one transaction, say what became of each.
@@ -886,6 +1082,7 @@ class LiveServer:
             else:
                 rejected.append({"index": i, "id": event.id, "reason": reason})
         rejected.sort(key=lambda r: r["index"])
+        self.metrics.ingested(len(accepted), len(duplicate), len(rejected))
         return {"accepted": accepted, "duplicate": duplicate, "rejected": rejected}
 
     def _pinned_version(self, model: str) -> int | None:
@@ -916,7 +1113,192 @@ class LiveServer:
             raise self._too_long(str(prompt_len), max_tokens)
         temperature = 1.0 if req.temperature is None else req.temperature
         return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                              max_tokens=max_tokens, stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),))
+                              max_tokens=max_tokens, stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),),
+                              seed=req.seed)
+
+
+def _forced_call(req: ChatRequest, tools: list[dict[str, Any]] | None) -> str:
+    """The opening of the assistant turn that `tool_choice` forces ("" for auto and none)."""
+    choice = req.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return ""
+    if not tools:
+        raise ApiError(400, "tool_choice asks for a tool call but the request declares no tools; add `tools` or "
+                       "leave tool_choice unset", param="tool_choice")
+    if choice == "required":
+        return f"{TOOL_CALL_OPEN}\n"
+    names = [t["function"]["name"] for t in tools]
+    if choice.function.name not in names:
+        raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the declared tools "
+                       f"({', '.join(names)})", param="tool_choice")
+    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(choice.function.name)}, "arguments": '
+
+
+class _Call:
+    """One chat completion after its request was checked and handed to the engine: the engine's
+    answer, parsed, stored and shaped as OpenAI's response (whole, or streamed token by token)."""
+
+    def __init__(self, server: LiveServer, req: ChatRequest, lease: Any, session_id: str, user_id: str,
+                 meta: dict[str, Any], prompt_ids: list[int], params: SamplingParams, forced: str, started: float,
+                 created: float, engine_started: float, in_flight: Any, future: asyncio.Future[Any],
+                 router: Any = None, org_id: str = "", session_kind: str = INTERACTIVE):
+        self.server, self.req, self.lease = server, req, lease
+        self.session_id, self.user_id, self.meta = session_id, user_id, meta
+        self.prompt_ids, self.params, self.forced = prompt_ids, params, forced
+        self.started, self.created, self.engine_started = started, created, engine_started
+        self.future = future
+        self.org_id, self.session_kind = org_id, session_kind
+        router = router or server.router  # an organization's own Router leased it, when it has one
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.first_token_s: float | None = None
+        self.engine_ms = 0.0
+
+        def done(_: Any) -> None:  # the engine is done with it, whatever became of the client
+            self.engine_ms = (time.perf_counter() - engine_started) * 1000
+            in_flight.dec()
+            router.release(lease)
+
+        future.add_done_callback(done)
+
+    def headers(self) -> dict[str, str]:
+        return {"x-session-id": self.session_id, "x-flywheel-version": str(self.lease.version)}
+
+    async def generation(self) -> Any:
+        try:
+            generation = await self.future
+        except EngineError as exc:  # the engine's loop died or it was closed: not the request's fault
+            raise self.server._engine_failed(self.lease.version, exc) from None
+        if generation.finish_reason == "aborted" or set(generation.versions) != {self.lease.version}:
+            raise ApiError(503, f"v{self.lease.version} stopped or changed weights mid-answer (it was retired); retry",
+                           "server_error", "engine_aborted")
+        return generation
+
+    def _head(self) -> dict[str, Any]:
+        served = {"version": self.lease.version, "arm": self.lease.arm, "session_id": self.session_id,
+                  "engine_ms": round(self.engine_ms, 3)}
+        if self.first_token_s is not None:
+            served["ttft_ms"] = round((self.first_token_s - self.started) * 1000, 3)
+        if self.req.tools and not tools_in_prompt(self.lease.tokenizer):
+            unknown = sorted({t["function"]["name"] for t in self.req.tools} - TOOL_SCHEMAS.keys())
+            if unknown:
+                served["unknown_tools"] = unknown
+        return {"id": self.id, "created": int(self.created), "model": self.req.model,
+                "system_fingerprint": f"flywheel-v{self.lease.version}", "flywheel": served}
+
+    def _stopped(self, generation: Any) -> tuple[Any, str]:
+        """(the generation, its text), both cut at the first `stop` sequence in the sampled text.
+
+        The engine knows only stop tokens, so it may sample past a stop string; the record keeps the
+        shortest prefix of sampled tokens whose text holds the sequence (exactly those tokens, their
+        logprobs and versions: what comes after was never served), and the text ends before it."""
+        tokenizer = self.lease.tokenizer
+        text = tokenizer.decode(generation.token_ids, skip_special_tokens=False)
+        hits = [(i, len(x)) for x in self.req.stop or [] if (i := text.find(x)) >= 0]
+        if not hits:
+            return generation, text
+        at, length = min(hits)
+        lo, hi = 1, len(generation.token_ids)  # the fewest tokens whose text reaches past the sequence
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(tokenizer.decode(generation.token_ids[:mid], skip_special_tokens=False)) >= at + length:
+                hi = mid
+            else:
+                lo = mid + 1
+        cut = dataclasses.replace(generation, token_ids=generation.token_ids[:lo], logprobs=generation.logprobs[:lo],
+                                  versions=generation.versions[:lo], finish_reason="stop")
+        return cut, text[:at]
+
+    async def finish(self, generation: Any) -> dict[str, Any]:
+        """Parse the answer, commit its Completion, and return the chat.completion payload."""
+        req, lease, server = self.req, self.lease, self.server
+        generation, text = self._stopped(generation)
+        answer = self.forced + text
+        if req.tool_choice == "none":  # no tool call, whatever the model wrote: its text is the answer
+            content, calls = answer.removesuffix(IM_END), []
+        else:
+            schemas = {t["function"]["name"]: t for t in req.tools or []}
+            content, calls = parse_assistant(answer, call_id_prefix=f"call_{self.id[9:21]}", schemas=schemas)
+            calls = [_storable_call(c) for c in calls]
+        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
+        completion = Completion(
+            id=self.id, session_id=self.session_id, user_id=self.user_id, version=lease.version,
+            prompt_ids=self.prompt_ids, completion_ids=generation.token_ids, logprobs=generation.logprobs,
+            latency_ms=(time.perf_counter() - self.started) * 1000,
+            tool_calls=[CompletionToolCall(name=c.name, arguments=c.arguments, valid=c.valid, error=c.error or "")
+                        for c in calls],
+            content=content, finish_reason=finish, arm=lease.arm, created_at=self.created, request_meta=self.meta,
+            temperature=self.params.temperature, top_p=self.params.top_p, org_id=self.org_id,
+            session_kind=self.session_kind,
+        )
+        # Committed before the response exists: a client can never hold an id the store lacks.
+        try:
+            await run_in_threadpool(server.store.add_completion, completion)
+        except ValueError as exc:  # a value the checks before generation missed: refused, nothing stored
+            raise ApiError(400, str(exc)) from None
+        server.metrics.completion(lease.version, lease.arm, len(self.prompt_ids), len(generation.token_ids),
+                                  self.engine_ms / 1000)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = [_openai_call(c) for c in calls]
+        logprobs = _logprobs(generation.token_ids, generation.logprobs, lease.tokenizer) if req.logprobs else None
+        usage = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(generation.token_ids),
+                 "total_tokens": len(self.prompt_ids) + len(generation.token_ids)}
+        return {**self._head(), "object": "chat.completion", "usage": usage,
+                "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}]}
+
+    async def stream(self, tokens: asyncio.Queue[tuple[int, float] | None]) -> Any:
+        """Server-sent chunks: the content as its tokens are sampled (cut before a tool call's
+        markup), then the calls, the finish reason (with `flywheel.ttft_ms`), usage, [DONE]."""
+        self.future.add_done_callback(lambda _: tokens.put_nowait(None))
+        base = {**self._head(), "object": "chat.completion.chunk"}
+
+        tokenizer, ids, sent = self.lease.tokenizer, [], ""
+        pending: list[tuple[int, float]] = []  # sampled since the last chunk: their logprobs go with the next
+
+        def event(delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] | None = None) -> bytes:
+            lp = None
+            if self.req.logprobs and pending:
+                lp = _logprobs([t for t, _ in pending], [v for _, v in pending], tokenizer)
+                pending.clear()
+            chunk = {**base, **(extra or {}), "choices": [{"index": 0, "delta": delta, "logprobs": lp,
+                                                           "finish_reason": finish}]}
+            return f"data: {json.dumps(chunk)}\n\n".encode()
+
+        yield event({"role": "assistant", "content": ""})
+        while (item := await tokens.get()) is not None:
+            if self.first_token_s is None:
+                self.first_token_s = time.perf_counter()
+            ids.append(item[0])
+            pending.append(item)
+            text = self.forced + tokenizer.decode(ids, skip_special_tokens=False)
+            visible = text.removesuffix(IM_END)
+            if self.req.stop:  # nothing past a stop sequence, nor what may yet become one
+                hits = [i for x in self.req.stop if (i := visible.find(x)) >= 0]
+                visible = visible[:min(hits)] if hits else visible[:len(visible) - max(map(len, self.req.stop)) + 1]
+            if self.req.tool_choice != "none":  # what follows a call's opening is the call, not content
+                visible = visible.split(TOOL_CALL_OPEN, 1)[0].rstrip("\n")
+            if len(visible) > len(sent) and visible.startswith(sent) and "\ufffd" not in visible[len(sent):]:
+                yield event({"content": visible[len(sent):]})
+                sent = visible
+        try:
+            payload = await self.finish(await self.generation())
+        except ApiError as exc:  # headers are sent: the error goes in the stream, as OpenAI's does
+            error = {"error": {"message": exc.message, "type": exc.type, "code": exc.code}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+            return
+        choice = payload["choices"][0]
+        message = choice["message"]
+        content = message["content"] or ""
+        if content != sent and content.startswith(sent):
+            yield event({"content": content[len(sent):]})
+        for i, call in enumerate(message.get("tool_calls") or []):
+            yield event({"tool_calls": [{"index": i, **call}]})
+        final = {**self._head()}
+        yield event({}, choice["finish_reason"], {"flywheel": final["flywheel"]})
+        if (self.req.stream_options or {}).get("include_usage"):
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': payload['usage']})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
 
 
 def _parse_chat(body: bytes) -> ChatRequest:
@@ -926,7 +1308,7 @@ def _parse_chat(body: bytes) -> ChatRequest:
         raise ApiError(400, f"invalid chat completion request: {_errors(exc)}") from None
 
 
-def _identity(req: ChatRequest, request: Request) -> tuple[str, str, dict[str, Any]]:
+def _identity(req: ChatRequest | TextCompletionRequest, request: Request) -> tuple[str, str, dict[str, Any]]:
     """(session id, user id, request_meta) from the headers, body fields and metadata, in that order."""
     meta = dict(req.metadata or {})
     session_id = request.headers.get("x-session-id") or req.session_id or meta.pop("session_id", None)
@@ -1096,6 +1478,9 @@ def create_app(server: LiveServer) -> FastAPI:
         return ApiError(400, f"invalid request: {exc.errors()[:3]}").response()
 
     app.add_middleware(_BugsAsJson)
+    # Outermost, so a bug's 500 is counted too; paths known once every route below is declared.
+    known_paths: set[str] = set()
+    app.add_middleware(MeasuredRequests, metrics=server.metrics, paths=known_paths)
 
     @app.get("/health", response_model=None, responses=_json_reply(Health))
     async def health() -> dict[str, str]:
@@ -1122,12 +1507,36 @@ def create_app(server: LiveServer) -> FastAPI:
         return Response(json.dumps(reply, allow_nan=False), media_type="application/json",
                         headers={"cache-control": "no-store"})
 
+    @app.get("/metrics", response_model=None, openapi_extra={"parameters": [_KEY_PARAMETER]},
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+                        401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
+    async def metrics(request: Request) -> Response:
+        # Prometheus scrapes with a bearer token (`authorization.credentials`), a key with the
+        # dashboard or admin scope: the counts say how much traffic each version gets.
+        server.authorize_dashboard(request)
+        return Response(server.metrics.exposition(), media_type=server.metrics.content_type)
+
     @app.get("/v1/models", response_model=None, responses=_json_reply(ModelList, 401, 403))
     async def models(request: Request) -> dict[str, Any]:
         server.authorize(request, "inference")
         names = [server.config.model_name] + [f"v{v}" for v in server.router.served_versions()]
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "flywheel"}
                                            for n in names]}
+
+    @app.get("/v1/models/{model_id}", response_model=None, responses=_json_reply(_ModelCard, 401, 403, 404))
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        server.authorize(request, "inference")
+        names = [server.config.model_name] + [f"v{v}" for v in server.router.served_versions()]
+        if model_id not in names:
+            raise ApiError(404, f"model {model_id[:80]!r} is not served; GET /v1/models lists {', '.join(names)}",
+                           code="model_not_found", param="model")
+        return {"id": model_id, "object": "model", "created": 0, "owned_by": "flywheel"}
+
+    @app.post("/v1/completions", response_model=None, openapi_extra=_json_body(TextCompletionRequest),
+              responses=_json_reply(TextCompletionResponse, 400, 401, 403, 404, 413, 503))
+    async def completions(request: Request) -> Response:
+        server.authorize(request, "inference")
+        return await server.complete_text(request, await _read_body(request, limit))
 
     @app.post("/v1/chat/completions", response_model=None, openapi_extra=_json_body(ChatRequest),
               responses=_json_reply(ChatCompletionResponse, 400, 401, 403, 404, 413, 503, stream=True))
@@ -1178,6 +1587,7 @@ def create_app(server: LiveServer) -> FastAPI:
             raise ApiError(409, str(exc), code="registry_unusable") from None
         return {"deployment": deployment.model_dump(), "served_versions": server.router.served_versions()}
 
+    known_paths.update(route.path for route in app.routes)
     return app
 
 

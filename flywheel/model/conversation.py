@@ -138,6 +138,18 @@ class ConversationEncoder:
     def tool_reply(self, contents: Sequence[str]) -> list[int]:
         return self._encode_pieces(tool_reply_pieces(contents))
 
+    def continuation(self, messages: Sequence[dict[str, Any]], closed: bool = True) -> list[int]:
+        """What follows a generated turn when a client sends `messages` after it: the newline the
+        template puts after <|im_end|> (or, for a turn cut at its token cap, `closed=False`, the
+        <|im_end|> too), the messages' turns, then the next assistant header. The harness endpoint
+        (flywheel/live/harness.py) appends these to the tokens it served instead of re-rendering
+        the conversation; for one user message or one run of tool results they are `user_reply`'s
+        and `tool_reply`'s ids."""
+        head = "\n" if closed else f"{IM_END}\n"
+        pieces = [(head, False)] + [p for turn in turn_pieces(messages, None, add_generation_prompt=True)
+                                    for p in turn]
+        return self._encode_pieces(pieces)
+
     def conversation(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]:
         """(tokens, loss mask) of a demonstration, segment by segment as the episode runner appends them.
 

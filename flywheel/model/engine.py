@@ -52,7 +52,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -80,6 +80,14 @@ class SamplingParams:
     # (ties in arrival order). An RL rollout gives older groups lower numbers: the learner waits on
     # the oldest groups, so the engine finishes those before it starts on newer ones.
     priority: int = 0
+    # The request's own random stream: the same seed, prompt and parameters sample the same tokens
+    # (at batch 1; in a batch the logits of a row can differ in their last bits with its neighbours).
+    # None: the engine's shared stream.
+    seed: int | None = None
+    # Called from the engine's loop with (token id, logprob) as each token is sampled (the live
+    # server's streaming). It must return at once and never raise; in-process engines only (a
+    # ProcessEngine cannot send a function to its child).
+    on_token: Callable[[int, float], None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -201,6 +209,11 @@ class _Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt) :]
+
+    @cached_property
+    def generator(self) -> torch.Generator | None:
+        """The request's own random stream (`SamplingParams.seed`), made on first use."""
+        return None if self.params.seed is None else torch.Generator().manual_seed(self.params.seed)
 
     @cached_property
     def prompt_key(self) -> tuple[int, ...]:
@@ -645,10 +658,17 @@ class LocalEngine:
         temperatures = [s.params.temperature for s in seqs]
         top_ps = [s.params.top_p for s in seqs]
         choice, logp = sample_tokens(logits, temperatures, top_ps, self._generator)
-        for s, tok, lp in zip(seqs, choice.tolist(), logp.tolist(), strict=True):
+        choices, logps = choice.tolist(), logp.tolist()
+        for i, s in enumerate(seqs):
+            if s.generator is not None:  # a seeded request draws from its own stream, row by row
+                own, own_lp = sample_tokens(logits[i : i + 1], temperatures[i : i + 1], top_ps[i : i + 1], s.generator)
+                choices[i], logps[i] = own.item(), own_lp.item()
+        for s, tok, lp in zip(seqs, choices, logps, strict=True):
             s.tokens.append(tok)
             s.logprobs.append(lp)
             s.versions.append(self._version)
+            if s.params.on_token is not None:
+                s.params.on_token(tok, lp)
         self._retire()
 
     def _retire(self) -> None:

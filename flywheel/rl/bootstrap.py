@@ -34,6 +34,7 @@ from flywheel.model.factory import ModelConfig, build_model, parameter_count
 from flywheel.model.registry import Checkpoint, Registry
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.sft import SFTConfig, train_sft
+from flywheel.rl.tracking import Tracker, TrackingConfig, eval_table
 
 
 class BootstrapConfig(BaseModel):
@@ -66,6 +67,8 @@ class BootstrapConfig(BaseModel):
     # (`chat.tools_in_prompt`): shorter sequences, twice the SFT steps, and copying learnt sooner.
     tools_in_prompt: bool = False
     model: ModelConfig = Field(default_factory=ModelConfig)
+    # The SFT and eval summary to TensorBoard, W&B, MLflow (flywheel/rl/tracking.py); all off by default.
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     # A fixed number of steps: about 7 minutes on 2 cores. Context loss and copy weight: the policy
     # must copy paths and names from its context; see `bench/sft.py` for the held-out losses each
     # setting reaches.
@@ -113,6 +116,9 @@ def bootstrap(config: BootstrapConfig, demonstrations: Sequence[list[dict[str, A
     metrics.update({"eval_pass_rate": report["pass_rate"], "eval_valid_tool_call_rate": report["valid_tool_call_rate"],
                     "bootstrap_seconds": time.perf_counter() - start})
     (config.run_dir / "eval.json").write_text(json.dumps(report, indent=2))
+    with Tracker(config.tracking, config.run_dir, params=config.model_dump(mode="json")) as tracker:
+        tracker.log({**metrics, "eval": report}, 0)
+        tracker.table("eval", eval_table(report), 0)
     registry = Registry(config.registry_root)
     checkpoint = registry.register(model, tokenizer, parent=None, metrics=metrics, aliases=["production"],
                                    note="bootstrap: SFT on scripted demonstrations")

@@ -52,6 +52,7 @@ from flywheel.rl.cluster import ClusterConfig, LearnerLost, start_cluster
 from flywheel.rl.learner import Learner, LearnerConfig
 from flywheel.rl.orchestrator import Batch, Orchestrator, OrchestratorConfig
 from flywheel.rl.run_folder import RunFolder
+from flywheel.rl.tracking import Tracker, TrackingConfig, eval_table
 
 
 class TrainConfig(BaseModel):
@@ -77,6 +78,8 @@ class TrainConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # local (default) or Ray actors across nodes
+    # Copies of metrics.jsonl / eval.jsonl to TensorBoard, W&B, MLflow (flywheel/rl/tracking.py); all off by default.
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
     def _sampling_matches_learning(self) -> TrainConfig:
@@ -226,12 +229,15 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
                **report}
         evals.append(row)
         run.append("eval.jsonl", row)
+        tracker.log({"eval": report}, step)
+        tracker.table("eval", eval_table(report), step)
         log(f"eval at step {step} (policy {learner.version}): pass rate {report['pass_rate']:.3f} "
             f"[{report['pass_rate_ci'][0]:.2f}, {report['pass_rate_ci'][1]:.2f}], "
             f"valid tool calls {report['valid_tool_call_rate']:.2f}, failed {report['failed_tool_call_rate']:.2f}")
 
     # cluster.backend: the Learner, the Engine and the episodes here, or as Ray actors (flywheel/rl/cluster.py)
-    with start_cluster(config.cluster, log) as cluster, \
+    with Tracker(config.tracking, config.run_dir, params=config.model_dump(mode="json")) as tracker, \
+            start_cluster(config.cluster, log) as cluster, \
             cluster.learner(learner_model, config.learner, threads=config.threads) as learner, \
             cluster.engine(engine_model, tokenizer, config.engine, config.pool, version=learner.version) as engine, \
             SandboxPool(config.pool) as pool, \
@@ -250,7 +256,9 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
             if config.time_budget_s is not None and time.perf_counter() - start > config.time_budget_s:
                 log(f"time budget of {config.time_budget_s:.0f} s reached at step {orchestrator.step}")
                 break
-            log(step_line(learning_step(orch_config, orchestrator, learner, engine, run)))
+            step_metrics = learning_step(orch_config, orchestrator, learner, engine, run)
+            tracker.log(step_metrics, step_metrics["step"])
+            log(step_line(step_metrics))
             if fleet := cluster.stats():  # Ray: live sandboxes, queue wait, creation rate per node
                 run.append("fleet.jsonl", {"step": orchestrator.step, **fleet})
             if (config.eval_every and orchestrator.step % config.eval_every == 0

@@ -71,6 +71,9 @@ max_tokens_per_turn = 16
 
 [learner]
 lr = 0.03
+
+[tracking]
+tensorboard = true
 ''')
     assert main(["train", "--config", str(config)]) == 0
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -89,6 +92,14 @@ lr = 0.03
         assert trained.version == 2 and trained.parent == 1 and trained.metrics["train_steps"] == 10
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 10] and [e["policy_version"] for e in evals] == [0, 10]
+    # The tracker got a copy of the same rows (flywheel/rl/tracking.py; read back from its event files).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415
+
+    events = EventAccumulator(str(tmp_path / "run" / "tracking" / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("reward_mean")] == [
+        (s["step"], round(s["reward_mean"], 5)) for s in steps]
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("eval/pass_rate")] == [
+        (e["step"], round(e["pass_rate"], 5)) for e in evals]
 
 
 def test_a_start_report_from_the_caller_is_the_eval_at_step_0_and_the_lift_is_paired(tmp_path):

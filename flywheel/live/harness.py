@@ -1,0 +1,557 @@
+"""Harness rollouts: any agent program that speaks the OpenAI chat API plays a flywheel episode.
+
+    HarnessServer(engine, tokenizer, pool)          one app, many episodes, on loopback
+      start(task) ──> HarnessEpisode: a sandbox holding the task's files, an id and a key
+                      base URL  http://HOST:PORT/episodes/ID/v1     (the key: `Authorization: Bearer KEY`)
+      harness ──POST …/v1/chat/completions──> TokenLedger: match the messages to the tokens served
+                                              ──> Engine (exact ids, logprobs, versions) ──> answer
+      harness ──POST …/exec (via sandbox_exec)──> Sandbox.run in that episode's jail
+      finish(id) ──> grade the workspace with the hidden tests ──> HarnessResult: one Trajectory
+                     per segment, the completions served, the count of history breaks
+
+    run_harness_episode(server, task, command)      start, run the harness program, finish
+
+Token fidelity (`TokenLedger`). A harness resends the whole conversation every turn. The ledger
+keeps, per segment, the token ids the engine saw and produced and the messages they stand for
+(the last request's messages plus the assistant message served for it). When a request's messages
+begin with exactly those, only the new messages (tool results, a user turn) are tokenized
+(`ConversationEncoder.continuation`) and appended after the served tokens: the engine is prompted
+with, and the trajectory records, the tokens it sampled, never a re-tokenization of them. When the
+harness rewrote its history (dropped or edited a message, reformatted a tool result, truncated or
+summarised), the request starts a new segment from the rendered prompt, and the break is counted
+(`HarnessResult.breaks`, with the index of the first message that differs). An assistant message
+matches what was served by role, text and its calls' names and parsed arguments (call ids, JSON
+spacing and `null` vs `""` content are a client's serialisation, not a rewrite).
+
+The model and the declared tools. A model that reads tool schemas (`tools_in_prompt`) gets the
+client's tools rendered in its prompt and its calls validated against them. The embedded default
+was trained on flywheel's own tools without schemas in the prompt: its calls are validated against
+those, `HarnessConfig.tool_aliases` maps a declared tool to the flywheel tool that does the same
+(mini-swe-agent's `bash` is `run_command`: same `command` argument), and a call of a flywheel tool
+the client did not declare comes back invalid with the reason; each response names the declared
+tools the model does not know (`flywheel.unknown_tools`). The tokens recorded are the model's own.
+
+Departures from the built-in runner (flywheel/agent/episode.py): a segment is a Trajectory of its
+own that carries the episode's reward (a rewritten history gives one episode several training
+sequences); partial rollouts (an `EpisodeState` to resume) and the Orchestrator's staleness bound
+are not wired for harness episodes yet; weight swaps happen inside the Engine as they do for any
+request, and every token keeps the version that sampled it. This module lives in `live/` with the
+server whose request schema and error shape it shares, so `rl/` cannot drive it yet.
+
+What it does not protect against: the harness program itself runs on the host, as the user who
+started it (only the commands it sends through `exec` run in the jail); a harness that runs
+commands some other way than through the episode's endpoint is not contained by flywheel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shlex
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flywheel.agent.trajectory import INVALID_CALL_PENALTY, Status, Trajectory
+from flywheel.env.grading import GradeConfig, grade
+from flywheel.env.pool import SandboxPool
+from flywheel.env.sandbox import Sandbox, SandboxError
+from flywheel.env.task import Task
+from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
+from flywheel.live.server import ApiError, _errors, _openai_call, _parse_chat, _read_body, _stream_chunks
+from flywheel.model.chat import IM_END, parse_assistant, tools_in_prompt
+from flywheel.model.conversation import ConversationEncoder
+from flywheel.model.engine import Engine, EngineError, Generation, SamplingParams
+
+
+class HarnessConfig(BaseModel):
+    """One harness episode's limits and how the embedded model's tools meet the client's."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_turns: int = Field(default=16, ge=1)  # completions per episode; more get 400 (the harness then stops)
+    max_tokens: int = Field(default=4096, ge=16)  # a segment's whole sequence, prompt included
+    max_tokens_per_turn: int = Field(default=256, ge=1)  # when the request names no max_tokens
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # when the request names none
+    exec_timeout_s: float = Field(default=10.0, gt=0)  # per command, unless the harness asks for less
+    harness_timeout_s: float = Field(default=600.0, gt=0)  # the whole program; past it: killed, truncated
+    invalid_call_penalty: float = 0.1  # per invalid call, as in the built-in runner
+    max_invalid_penalty: float = 0.5
+    # A tool the client declares -> the flywheel tool the embedded model calls for it (same arguments).
+    tool_aliases: dict[str, str] = Field(default_factory=lambda: {"bash": "run_command"})
+    grade: GradeConfig = GradeConfig()
+
+
+# ---- token fidelity
+
+
+def _canonical(message: dict[str, Any]) -> tuple[Any, ...]:
+    """What decides whether two messages render to the same turn: role, text, calls (name, arguments)."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        args = call["function"]["arguments"]
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass  # kept as the string: it matches only the same string
+        calls.append((call["function"]["name"], json.dumps(args, sort_keys=True)))
+    return message["role"], message.get("content") or "", tuple(calls)
+
+
+@dataclass
+class Segment:
+    """Tokens of one unbroken stretch of an episode, as the engine saw and produced them."""
+
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    messages: list[tuple[Any, ...]] = field(default_factory=list)  # canonical messages the tokens stand for
+    closed: bool = True  # the last generated turn ended with <|im_end|>
+    turns: int = 0
+    tool_calls: int = 0
+    invalid_tool_calls: int = 0
+    asked_question: bool = False
+    broken_turns: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def context(self, ids: list[int]) -> None:
+        self.tokens += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+
+@dataclass
+class Break:
+    """A request whose messages do not extend the segment's: where they first differ, and how."""
+
+    turn: int  # the episode's completion count when it happened
+    at_message: int  # index of the first message that differs (or the length of the shorter list)
+    kind: str  # "rewritten" (a message differs) or "truncated" (fewer messages than were served)
+
+
+@dataclass
+class Plan:
+    """A request's prompt before it is served (TokenLedger.prompt); `record` commits it."""
+
+    segment: Segment
+    new_context: list[int]
+    prompt_ids: list[int]
+    broke: Break | None
+
+
+class TokenLedger:
+    """An episode's segments: matches each request's messages to the tokens already served."""
+
+    def __init__(self, encoder: ConversationEncoder):
+        self.encoder = encoder
+        self.segments: list[Segment] = []
+        self.breaks: list[Break] = []
+        self.turns = 0
+
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Plan:
+        """How this request's prompt is made: the segment it extends (or a new one), the context ids
+        to append, the whole prompt, and the break it makes. Nothing changes until `record`."""
+        canonical = [_canonical(m) for m in messages]
+        current = self.segments[-1] if self.segments else None
+        broke = None
+        if current is not None:
+            known = current.messages
+            same = next((i for i, (a, b) in enumerate(zip(known, canonical, strict=False)) if a != b),
+                        min(len(known), len(canonical)))
+            if same == len(known) and len(canonical) > len(known):
+                new = self.encoder.continuation(messages[len(known):], closed=current.closed)
+                return Plan(current, new, current.tokens + new, None)
+            broke = Break(turn=self.turns, at_message=same, kind="truncated" if same == len(canonical) else "rewritten")
+        ids = self.encoder.encode(messages, tools)
+        return Plan(Segment(prompt_len=len(ids)), ids, ids, broke)
+
+    def record(self, plan: Plan, generation: Generation, messages: list[dict[str, Any]], served: dict[str, Any],
+               calls: list[ToolCall]) -> int:
+        """Append the request's new context and the generated turn (starting the plan's segment and
+        counting its break if it makes one); the segment now stands for `messages` plus the `served`
+        assistant message. Returns the segment's index."""
+        segment = plan.segment
+        if not self.segments or segment is not self.segments[-1]:
+            self.segments.append(segment)
+        if plan.broke is not None:
+            self.breaks.append(plan.broke)
+        segment.context(plan.new_context)
+        start = len(segment.tokens)
+        segment.tokens += generation.token_ids
+        segment.mask += [1] * len(generation.token_ids)
+        segment.logprobs += generation.logprobs
+        segment.versions += generation.versions
+        segment.closed = generation.finish_reason == "stop"
+        segment.messages = [_canonical(m) for m in messages] + [_canonical(served)]
+        segment.turns += 1
+        self.turns += 1
+        segment.tool_calls += len(calls)
+        invalid = sum(not c.valid for c in calls)
+        segment.invalid_tool_calls += invalid
+        if invalid and len(segment.tokens) > start:
+            segment.broken_turns.append((start, len(segment.tokens), invalid))
+        if not calls:
+            segment.asked_question = True
+        return len(self.segments) - 1
+
+
+# ---- episodes and the endpoint
+
+
+@dataclass
+class ServedCompletion:
+    """One completion the endpoint served: exactly what the engine saw and sampled."""
+
+    id: str
+    segment: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    content: str
+    tool_calls: list[dict[str, Any]]
+    engine_ms: float
+    received_s: float  # time.perf_counter() when the request arrived (bench/live.py's per-turn figures)
+
+
+@dataclass
+class HarnessEpisode:
+    id: str
+    key: str
+    task: Task
+    sandbox: Sandbox
+    ledger: TokenLedger
+    started: float
+    completions: list[ServedCompletion] = field(default_factory=list)
+    commands: int = 0
+    exec_s: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request of an episode at a time
+    url: str = ""  # http://HOST:PORT/episodes/ID, once the server runs
+
+
+class HarnessResult(BaseModel):
+    """What a finished harness episode yields: a Trajectory per segment and what it took."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    episode_id: str
+    trajectories: list[Trajectory]
+    completions: list[dict[str, Any]]
+    breaks: int
+    break_details: list[dict[str, Any]]
+    commands: int
+    timings: dict[str, float]
+    harness_exit_code: int | None = None
+    harness_output: str = ""
+
+
+class _ExecRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    command: str = Field(max_length=1 << 20)
+    shell: str = Field(default="sh", pattern=r"^(sh|bash)$")
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
+class HarnessServer:
+    """The per-episode OpenAI endpoints and exec endpoints over one Engine and one SandboxPool."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, pool: SandboxPool, config: HarnessConfig | None = None,
+                 model_name: str = "flywheel"):
+        self.engine, self.tokenizer, self.pool = engine, tokenizer, pool
+        self.config = config or HarnessConfig()
+        self.model_name = model_name
+        self.encoder = ConversationEncoder(tokenizer)
+        self.reads_tools = tools_in_prompt(tokenizer)
+        self.episodes: dict[str, HarnessEpisode] = {}
+        self._lock = threading.Lock()
+        self._stop = (tokenizer.convert_tokens_to_ids(IM_END),)
+        self.app = self._create_app()
+        self.base_url = ""  # set by `serve`
+
+    # ---- episode lifecycle
+
+    def start(self, task: Task) -> HarnessEpisode:
+        """A fresh episode of `task`: a sandbox holding its files, an id for the URL, a key."""
+        sandbox = self.pool.acquire(task.files)
+        episode = HarnessEpisode(id=uuid.uuid4().hex[:16], key=secrets.token_urlsafe(24), task=task, sandbox=sandbox,
+                                 ledger=TokenLedger(self.encoder), started=time.perf_counter())
+        episode.url = f"{self.base_url}/episodes/{episode.id}"
+        with self._lock:
+            self.episodes[episode.id] = episode
+        return episode
+
+    def finish(self, episode_id: str, status: Status = Status.FINISHED, error: str = "") -> HarnessResult:
+        """Grade the episode's workspace, release its sandbox, build a Trajectory per segment."""
+        with self._lock:
+            episode = self.episodes.pop(episode_id)
+        timings = {"total_s": time.perf_counter() - episode.started, "exec_s": episode.exec_s,
+                   "generate_s": sum(c.engine_ms for c in episode.completions) / 1000, "grade_s": 0.0}
+        try:
+            final = episode.sandbox.snapshot()
+        except SandboxError as exc:
+            final, status, error = None, Status.SANDBOX_ERROR, str(exc)
+        finally:
+            self.pool.release(episode.sandbox)
+        parts: dict[str, float] = {}
+        outcome = None
+        if final is not None:
+            t0 = time.perf_counter()
+            graded = grade(episode.task, final, self.config.grade)
+            timings["grade_s"] = time.perf_counter() - t0
+            parts.update(graded.parts)
+            outcome = graded.outcome
+        segments = episode.ledger.segments
+        n_invalid = sum(s.invalid_tool_calls for s in segments)
+        penalty = min(self.config.max_invalid_penalty, self.config.invalid_call_penalty * n_invalid)
+        parts[INVALID_CALL_PENALTY] = -penalty
+        reward = sum(v for k, v in parts.items() if k != INVALID_CALL_PENALTY) - penalty
+        trajectories = [Trajectory(
+            task_id=episode.task.id, family=episode.task.family, tokens=s.tokens, loss_mask=s.mask,
+            logprobs=s.logprobs, versions=s.versions, prompt_len=s.prompt_len, status=status, reward=reward,
+            reward_parts=dict(parts), turns=s.turns, tool_calls=s.tool_calls, invalid_tool_calls=s.invalid_tool_calls,
+            asked_question=s.asked_question, broken_turns=s.broken_turns, outcome=outcome, timings=timings,
+            group_id=f"harness-{episode.id}", error=error) for s in segments]
+        return HarnessResult(
+            episode_id=episode.id, trajectories=trajectories,
+            completions=[c.__dict__ for c in episode.completions], breaks=len(episode.ledger.breaks),
+            break_details=[b.__dict__ for b in episode.ledger.breaks], commands=episode.commands, timings=timings)
+
+    def close(self) -> None:
+        with self._lock:
+            episodes, self.episodes = list(self.episodes.values()), {}
+        for episode in episodes:
+            self.pool.release(episode.sandbox)
+
+    # ---- the endpoints
+
+    def _episode(self, episode_id: str, request: Request) -> HarnessEpisode:
+        episode = self.episodes.get(episode_id)
+        if episode is None:
+            raise ApiError(404, f"no running harness episode {episode_id!r}; start one with HarnessServer.start",
+                           code="episode_not_found")
+        kind, _, key = request.headers.get("authorization", "").partition(" ")
+        if kind.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), episode.key.encode()):
+            raise ApiError(401, "this episode's key is missing or wrong: send `Authorization: Bearer KEY` with the key "
+                           "HarnessServer.start gave", "authentication_error", "invalid_api_key")
+        return episode
+
+    async def complete(self, episode: HarnessEpisode, body: bytes) -> Response:
+        received = time.perf_counter()
+        req = _parse_chat(body)
+        if req.tool_choice == "none":
+            raise ApiError(400, "tool_choice 'none' is not supported on a harness episode: the episode's tools are the "
+                           "model's; leave tool_choice unset or 'auto'", param="tool_choice")
+        if episode.ledger.turns >= self.config.max_turns:
+            raise ApiError(400, f"this episode has used its {self.config.max_turns} turns (harness max_turns); end "
+                           "the harness", code="turn_budget_exhausted")
+        messages = [m.as_template_message() for m in req.messages]
+        declared = {t["function"]["name"]: t for t in req.tools or []}
+        max_tokens = req.max_completion_tokens or req.max_tokens or self.config.max_tokens_per_turn
+        async with episode.lock:
+            plan = await run_in_threadpool(
+                episode.ledger.prompt, messages, list(declared.values()) if self.reads_tools else None)
+            prompt_ids = plan.prompt_ids
+            budget = self.config.max_tokens - len(prompt_ids)
+            if budget <= 0:
+                raise ApiError(400, f"the episode's context ({len(prompt_ids)} tokens) reached harness max_tokens "
+                               f"({self.config.max_tokens}); end the harness", code="context_length_exceeded")
+            params = SamplingParams(
+                temperature=self.config.temperature if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, max_tokens=min(max_tokens, budget),
+                stop_token_ids=self._stop, session=f"{episode.id}-{id(plan.segment)}")
+            t0 = time.perf_counter()
+            try:
+                generation = await asyncio.wrap_future(self.engine.submit(prompt_ids, params))
+            except EngineError as exc:
+                raise ApiError(503, f"the engine failed ({exc}); retry later", "server_error",
+                               "engine_failed") from None
+            if generation.finish_reason == "aborted":  # nothing recorded: the harness's retry is served anew
+                raise ApiError(503, "the engine aborted this turn (shutting down); retry", "server_error",
+                               "engine_aborted")
+            engine_ms = (time.perf_counter() - t0) * 1000
+            answer = self.tokenizer.decode(generation.token_ids, skip_special_tokens=False)
+            completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+            content, calls, unknown = self._calls(answer, declared, completion_id)
+            message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+            if calls:
+                message["tool_calls"] = [_openai_call(c) for c in calls]
+            segment_index = episode.ledger.record(plan, generation, messages, message, calls)
+        served = ServedCompletion(
+            id=completion_id, segment=segment_index, prompt_ids=list(prompt_ids),
+            completion_ids=list(generation.token_ids), logprobs=list(generation.logprobs),
+            versions=list(generation.versions), finish_reason=generation.finish_reason, content=content,
+            tool_calls=message.get("tool_calls", []), engine_ms=engine_ms, received_s=received)
+        episode.completions.append(served)
+        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(generation.token_ids),
+                 "total_tokens": len(prompt_ids) + len(generation.token_ids)}
+        head = {"id": completion_id, "created": int(time.time()), "model": req.model,
+                "system_fingerprint": f"flywheel-v{generation.versions[-1] if generation.versions else -1}",
+                "flywheel": {"episode": episode.id, "segment": served.segment, "engine_ms": round(engine_ms, 3),
+                             "unknown_tools": unknown, "breaks": len(episode.ledger.breaks)}}
+        if req.stream:
+            from fastapi.responses import StreamingResponse  # noqa: PLC0415  (streaming harnesses only)
+
+            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_stream_chunks(head, message, finish, None, usage if include_usage else None),
+                                     media_type="text/event-stream")
+        payload = {**head, "object": "chat.completion", "usage": usage,
+                   "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}]}
+        return Response(json.dumps(payload), media_type="application/json")
+
+    def _calls(self, answer: str, declared: dict[str, dict[str, Any]], completion_id: str
+               ) -> tuple[str, list[ToolCall], list[str]]:
+        """(content, calls as the client sees them, declared tools the model does not know)."""
+        prefix = f"call_{completion_id[9:21]}"
+        if self.reads_tools:  # the client's schemas were in the prompt: its calls are checked against them
+            content, calls = parse_assistant(answer, call_id_prefix=prefix, schemas=declared)
+            return content, calls, []
+        aliases = {own: client for client, own in self.config.tool_aliases.items() if client in declared}
+        unknown = sorted(n for n in declared if n not in TOOL_SCHEMAS and n not in self.config.tool_aliases)
+        content, own_calls = parse_assistant(answer, call_id_prefix=prefix)
+        calls = []
+        for call in own_calls:
+            if not call.valid:
+                calls.append(call)
+            elif call.name in aliases:
+                calls.append(ToolCall(call.id, aliases[call.name], call.arguments))
+            elif call.name in declared:
+                calls.append(call)
+            else:
+                calls.append(ToolCall(call.id, call.name, call.arguments, error=(
+                    f"tool {call.name!r} is not among the tools this request declares "
+                    f"({', '.join(declared) or 'none'})")))
+        return content, calls, unknown
+
+    def execute(self, episode: HarnessEpisode, body: bytes) -> dict[str, Any]:
+        try:
+            req = _ExecRequest.model_validate_json(body)
+        except ValidationError as exc:
+            raise ApiError(400, f"invalid exec request: {_errors(exc)}") from None
+        exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in req.env.items() if k.isidentifier())
+        command = f"{exports}{req.shell} -c {shlex.quote(req.command)}"
+        timeout = min(req.timeout_s or self.config.exec_timeout_s, self.config.exec_timeout_s)
+        t0 = time.perf_counter()
+        try:
+            result = episode.sandbox.run(command, timeout_s=timeout)
+        except SandboxError as exc:
+            raise ApiError(409, f"the episode's sandbox failed: {exc}", code="sandbox_error") from None
+        episode.exec_s += time.perf_counter() - t0
+        episode.commands += 1
+        return {"output": result.output, "exit_code": result.exit_code, "timed_out": result.timed_out}
+
+    def _create_app(self) -> FastAPI:
+        app = FastAPI(title="flywheel harness", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(ApiError)
+        async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+            return exc.response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            return ApiError(exc.status_code, str(exc.detail)).response()
+
+        @app.exception_handler(RequestValidationError)
+        async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+            return ApiError(400, f"invalid request: {exc.errors()[:3]}").response()
+
+        @app.post("/episodes/{episode_id}/v1/chat/completions")
+        async def chat_completions(episode_id: str, request: Request) -> Response:
+            episode = self._episode(episode_id, request)
+            return await self.complete(episode, await _read_body(request, 4 << 20))
+
+        @app.get("/episodes/{episode_id}/v1/models")
+        async def models(episode_id: str, request: Request) -> dict[str, Any]:
+            self._episode(episode_id, request)
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                "owned_by": "flywheel"}]}
+
+        @app.post("/episodes/{episode_id}/exec")
+        async def execute(episode_id: str, request: Request) -> Response:
+            episode = self._episode(episode_id, request)
+            body = await _read_body(request, 2 << 20)
+            return Response(json.dumps(await run_in_threadpool(self.execute, episode, body)),
+                            media_type="application/json")
+
+        return app
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> Any:
+        """Run the endpoints on a background thread (a `RunningServer`); `base_url` is set from it."""
+        from flywheel.live.server import RunningServer  # noqa: PLC0415
+
+        running = RunningServer(self.app, host, port)
+        self.base_url = running.url
+        return running
+
+
+# ---- mini-swe-agent, configured by its own settings
+
+
+def mini_swe_agent_command(episode: HarnessEpisode, workdir: Path, step_limit: int = 8,
+                           model_name: str = "flywheel") -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) that run mini-swe-agent, unmodified, on `episode`.
+
+    Its model is litellm's OpenAI-compatible client with the episode's base URL and key; its
+    environment is its own `bubblewrap` one with `executable` set to this interpreter and
+    `wrapper_args` to `-m flywheel.live.sandbox_exec`, so every command it runs goes to the
+    episode's sandbox. The default agent (not the interactive one) runs with no terminal."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = {
+        "agent": {"step_limit": step_limit, "cost_limit": 0},
+        "model": {"model_class": "litellm", "model_name": f"openai/{model_name}", "cost_tracking": "ignore_errors",
+                  "model_kwargs": {"api_base": f"{episode.url}/v1", "api_key": episode.key, "drop_params": True}},
+        "environment": {"environment_class": "bubblewrap", "cwd": "/workspace", "executable": sys.executable,
+                        "wrapper_args": ["-m", "flywheel.live.sandbox_exec", "--url", episode.url,
+                                         "--key", episode.key, "--"]},
+    }
+    config_path = workdir / "flywheel.yaml"
+    config_path.write_text(json.dumps(config, indent=2))  # JSON is YAML
+    # mini.yaml: mini-swe-agent's own prompts, as its `mini` command uses them; ours only overrides.
+    argv = [sys.executable, "-m", "minisweagent.run.mini", "-c", "mini.yaml",
+            "-c", str(config_path), "--agent-class", "default", "--exit-immediately", "-t", episode.task.instruction,
+            "-o", str(workdir / "mini.traj.json")]
+    env = {**os.environ, "MSWEA_CONFIGURED": "true", "MSWEA_GLOBAL_CONFIG_DIR": str(workdir / "mswea"),
+           "MSWEA_SILENT_STARTUP": "1", "MSWEA_COST_TRACKING": "ignore_errors",
+           # litellm reads its model price list from disk, not the network; no retries hide an error
+           "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
+                                                     os.environ.get("PYTHONPATH", "")) if p)}
+    return argv, env
+
+
+def run_harness_episode(server: HarnessServer, task: Task, workdir: Path, step_limit: int = 8) -> HarnessResult:
+    """Play `task` with mini-swe-agent as the agent loop: start, run it to its end, grade, build."""
+    episode = server.start(task)
+    argv, env = mini_swe_agent_command(episode, workdir, step_limit)
+    try:
+        proc = subprocess.run(argv, env=env, cwd=workdir, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=server.config.harness_timeout_s)
+        status = Status.FINISHED if proc.returncode == 0 else Status.ABORTED
+        code, output = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+    except subprocess.TimeoutExpired as exc:
+        status, code = Status.TRUNCATED, None
+        output = f"harness killed after {server.config.harness_timeout_s:.0f} s: {str(exc.output or '')[-2000:]}"
+    result = server.finish(episode.id, status, "" if status != Status.ABORTED else output[-500:])
+    result.harness_exit_code, result.harness_output = code, output
+    return result
+
+
+__all__ = ["HarnessConfig", "HarnessEpisode", "HarnessResult", "HarnessServer", "Segment",
+           "TokenLedger", "mini_swe_agent_command", "run_harness_episode"]

@@ -1,0 +1,270 @@
+"""Harness rollouts: mini-swe-agent, unmodified, plays flywheel episodes through the per-episode
+endpoint; its commands run in the episode's real sandbox; the trajectory holds exactly the tokens
+the engine saw and sampled; the Learner trains on it. And the token ledger on its own: an identical
+resend extends one segment, a rewritten history starts a new one and is counted."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import pytest
+import torch
+from tiny_serving import TINY, corpus
+
+from flywheel.agent.episode import initial_prompt
+from flywheel.agent.trajectory import Status
+from flywheel.env.families import generate
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.live.harness import HarnessConfig, HarnessServer, TokenLedger, run_harness_episode
+from flywheel.live.sandbox_exec import parse_bwrap_args
+from flywheel.model.chat import IM_END, SYSTEM_PROMPT
+from flywheel.model.conversation import ConversationEncoder
+from flywheel.model.engine import EngineConfig, Generation, LocalEngine
+from flywheel.model.factory import ModelConfig, build_model
+from flywheel.model.tokenizer import train_tokenizer
+from flywheel.rl.learner import Learner, LearnerConfig
+
+try:
+    import minisweagent  # noqa: F401  (the third-party harness under test: the dev extra installs it)
+
+    HAVE_MINI = True
+except ImportError:
+    HAVE_MINI = False
+needs_mini = pytest.mark.skipif(not HAVE_MINI and os.environ.get("FLYWHEEL_CI") != "1",
+                                reason="mini-swe-agent is not installed: pip install -e '.[dev]'")
+
+
+def call(name: str, **arguments) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def task():
+    return generate("bugfix", "train", 1, seed=5, difficulty=1)[0]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(task):
+    """A tokenizer whose model reads tool schemas (the client's `bash` is rendered in the prompt)."""
+    return train_tokenizer([initial_prompt(task), call("bash", command="ls") + IM_END] * 10 + corpus(), vocab_size=600)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(PoolConfig(max_active=4, warm=0)) as p:
+        yield p
+
+
+class ScriptedEngine:
+    """Answers each turn with the next scripted text, and remembers every prompt it was given."""
+
+    def __init__(self, tokenizer, turns: list[str], version: int = 3):
+        self.tokenizer, self.turns, self.version, self.prompts, self.sampled = tokenizer, list(turns), version, [], []
+
+    def submit(self, prompt_ids, params):
+        from concurrent.futures import Future  # noqa: PLC0415
+
+        self.prompts.append(list(prompt_ids))
+        ids = self.tokenizer(self.turns.pop(0), add_special_tokens=False)["input_ids"][: params.max_tokens]
+        self.sampled.append(ids)
+        future: Future = Future()
+        future.set_result(Generation(ids, [-0.5 - 0.01 * i for i in range(len(ids))], [self.version] * len(ids),
+                                     "stop" if ids and ids[-1] in params.stop_token_ids else "length"))
+        return future
+
+
+# ---- the ledger alone
+
+
+def _served(content: str, calls: list[tuple[str, dict]] = ()) -> dict:
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"id": f"c{i}", "type": "function",
+                                  "function": {"name": n, "arguments": json.dumps(a)}}
+                                 for i, (n, a) in enumerate(calls)]
+    return message
+
+
+def _generate(tokenizer, text: str) -> Generation:
+    ids = tokenizer(text + IM_END, add_special_tokens=False)["input_ids"]
+    return Generation(ids, [-0.1] * len(ids), [0] * len(ids), "stop")
+
+
+def test_identical_resend_extends_one_segment_with_exactly_the_served_tokens(tokenizer):
+    encoder = ConversationEncoder(tokenizer)
+    ledger = TokenLedger(encoder)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Fix it."}]
+    served_ids = []
+    for turn in range(3):
+        plan = ledger.prompt(messages, None)
+        if turn:  # the prompt is the tokens served so far plus only the new tool result
+            assert plan.prompt_ids[: len(ledger.segments[0].tokens)] == ledger.segments[0].tokens
+            assert plan.new_context == encoder.tool_reply([f"output {turn - 1}"])
+        text = call("bash", command=f"ls {turn}")
+        generation = _generate(tokenizer, text)
+        served = _served("", [("bash", {"command": f"ls {turn}"})])
+        ledger.record(plan, generation, messages, served, [])
+        served_ids.append(generation.token_ids)
+        # The harness echoes the answer in its own serialisation (other id, spacing, null content).
+        args = f'{{"command":"ls {turn}"}}'
+        echoed = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "other", "type": "function", "function": {"name": "bash", "arguments": args}}]}
+        messages = [*messages, echoed, {"role": "tool", "content": f"output {turn}", "tool_call_id": "other"}]
+    assert len(ledger.segments) == 1 and ledger.breaks == []
+    segment = ledger.segments[0]
+    generated = [t for t, m in zip(segment.tokens, segment.mask, strict=True) if m]
+    assert generated == [i for ids in served_ids for i in ids]
+    assert segment.prompt_len == len(encoder.encode(messages[:2], None))
+
+
+@pytest.mark.parametrize(("rewrite", "kind", "at"), [
+    (lambda m: [*m[:2], {**m[2], "content": "I looked (summarised)."}, *m[3:]], "rewritten", 2),
+    (lambda m: [{**m[0], "content": "A shorter system prompt."}, *m[1:]], "rewritten", 0),
+    (lambda m: m[:2], "truncated", 2),
+])
+def test_rewritten_history_starts_a_new_segment_and_is_counted(tokenizer, rewrite, kind, at):
+    encoder = ConversationEncoder(tokenizer)
+    ledger = TokenLedger(encoder)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Fix it."}]
+    plan = ledger.prompt(messages, None)
+    ledger.record(plan, _generate(tokenizer, "Looking."), messages, _served("Looking."), [])
+    history = [*messages, {"role": "assistant", "content": "Looking."}, {"role": "user", "content": "go on please"}]
+    plan = ledger.prompt(rewrite(history), None)
+    assert plan.broke is not None and plan.broke.kind == kind and plan.broke.at_message == at
+    assert plan.prompt_ids == encoder.encode(rewrite(history), None)  # rendered afresh, not spliced
+    ledger.record(plan, _generate(tokenizer, "Again."), rewrite(history), _served("Again."), [])
+    assert len(ledger.segments) == 2 and len(ledger.breaks) == 1
+    # The first segment keeps exactly what was served; nothing of it is re-tokenized.
+    assert ledger.segments[0].mask.count(1) == len(_generate(tokenizer, "Looking.").token_ids)
+
+
+def test_sandbox_exec_reads_the_command_and_env_from_bwrap_arguments():
+    args = ["--unshare-user-try", "--ro-bind", "/usr", "/usr", "--tmpfs", "/tmp", "--bind", "/w", "/w", "--chdir",
+            "/w", "--setenv", "PAGER", "cat", "bash", "-c", "ls -la | head"]
+    assert parse_bwrap_args(args) == ("bash", "ls -la | head", {"PAGER": "cat"})
+    with pytest.raises(ValueError, match="bash -c COMMAND"):
+        parse_bwrap_args(["--new-session", "python3", "x.py"])
+
+
+# ---- mini-swe-agent end to end
+
+
+@needs_mini
+def test_mini_swe_agent_solves_a_task_in_the_sandbox_in_one_exact_segment(task, tokenizer, pool, tmp_path):
+    (edit,) = task.reference_edits
+    fixed = task.files[edit.path].replace(edit.old, edit.new)
+    write = f"echo {base64.b64encode(fixed.encode()).decode()} | base64 -d > {edit.path}"
+    turns = ["Looking.\n" + call("bash", command="ls; whoami; pwd") + IM_END, call("bash", command=write) + IM_END,
+             call("bash", command=task.test_command) + IM_END,
+             call("bash", command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT") + IM_END]
+    engine = ScriptedEngine(tokenizer, turns)
+    server = HarnessServer(engine, tokenizer, pool, HarnessConfig(max_tokens_per_turn=2048, max_tokens=16384))
+    with server.serve():
+        result = run_harness_episode(server, task, tmp_path, step_limit=6)
+    assert result.harness_exit_code == 0, result.harness_output
+    # Every command ran in the episode's jail (its workspace is /workspace), and the fix was graded there.
+    observations = [m["content"] for m in json.loads((tmp_path / "mini.traj.json").read_text())["messages"]
+                    if m["role"] == "tool"]
+    assert "/workspace" in observations[0] and "run_tests.py" in observations[0]
+    assert result.commands == 4 and result.breaks == 0
+    (traj,) = result.trajectories
+    assert traj.status == Status.FINISHED and traj.all_passed and traj.reward == pytest.approx(1.0)
+    assert traj.turns == 4 and traj.tool_calls == 4 and traj.invalid_tool_calls == 0
+    # Token in, token out: each prompt the engine saw is the trajectory's prefix, and the generated
+    # tokens are exactly the sampled ones, with their logprobs and version.
+    for prompt in engine.prompts:
+        assert traj.tokens[: len(prompt)] == prompt
+    generated = [(t, lp, v) for t, m, lp, v in zip(traj.tokens, traj.loss_mask, traj.logprobs, traj.versions,
+                                                    strict=True) if m]
+    assert [t for t, _, _ in generated] == [i for ids in engine.sampled for i in ids]
+    assert [lp for _, lp, _ in generated] == [-0.5 - 0.01 * i for ids in engine.sampled for i in range(len(ids))]
+    assert {v for _, _, v in generated} == {3}
+    assert [c["completion_ids"] for c in result.completions] == engine.sampled
+
+
+@needs_mini
+def test_mini_swe_agent_with_the_embedded_model_yields_exact_records_the_learner_trains_on(task, pool, tmp_path):
+    torch.manual_seed(0)
+    embedded = train_tokenizer([initial_prompt(task, with_tools=False)] * 10 + corpus(), vocab_size=600,
+                               tools_in_prompt=False)
+    model = build_model(ModelConfig(**TINY, seed=0), embedded)
+    engine = LocalEngine(model, EngineConfig(), version=0)
+    server = HarnessServer(engine, embedded, pool, HarnessConfig(max_tokens_per_turn=24))
+    try:
+        with server.serve():
+            result = run_harness_episode(server, task, tmp_path, step_limit=3)
+    finally:
+        engine.close()
+    assert result.completions, result.harness_output
+    # The untrained model writes no `bash` call: mini-swe-agent drops each answer and appends a format
+    # error, a rewritten history, so each turn is a segment of its own and every break is counted.
+    assert len(result.trajectories) == result.breaks + 1 == len({c["segment"] for c in result.completions})
+    mini_turns = json.loads((tmp_path / "mini.traj.json").read_text())["messages"]
+    assert not any(m["role"] == "assistant" for m in mini_turns)  # it kept none of the answers
+    assert result.breaks == len(result.completions) - 1 and any(m["role"] == "user" for m in mini_turns[2:])
+    for completion in result.completions:
+        traj = result.trajectories[completion["segment"]]
+        n = len(completion["prompt_ids"])
+        ids = completion["completion_ids"]
+        assert traj.tokens[:n] == completion["prompt_ids"] and traj.tokens[n:n + len(ids)] == ids
+        assert traj.loss_mask[:n] == [0] * n and traj.loss_mask[n:n + len(ids)] == [1] * len(ids)
+        assert traj.logprobs[n:n + len(ids)] == completion["logprobs"] and set(traj.versions[n:n + len(ids)]) == {0}
+    learner = Learner(model, LearnerConfig(threads=1))
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = learner.train_step(result.trajectories, [1.0] * len(result.trajectories))
+    assert metrics["optimizer_steps"] == 1 and metrics["loss_tokens"] == sum(t.generated_tokens
+                                                                            for t in result.trajectories)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_the_endpoint_refuses_a_wrong_key_and_an_unknown_episode(task, tokenizer, pool):
+    import httpx  # noqa: PLC0415
+
+    server = HarnessServer(ScriptedEngine(tokenizer, []), tokenizer, pool)
+    with server.serve():
+        episode = server.start(task)
+        body = {"model": "flywheel", "messages": [{"role": "user", "content": "hi"}]}
+        wrong = httpx.post(f"{episode.url}/v1/chat/completions", json=body, headers={"authorization": "Bearer nope"})
+        missing = httpx.post(f"{server.base_url}/episodes/none/exec", json={"command": "true"},
+                             headers={"authorization": f"Bearer {episode.key}"})
+        ran = httpx.post(f"{episode.url}/exec", json={"command": "echo hi > f.txt; cat f.txt"},
+                         headers={"authorization": f"Bearer {episode.key}"})
+        result = server.finish(episode.id)
+    assert wrong.status_code == 401 and "key" in wrong.json()["error"]["message"]
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "episode_not_found"
+    assert ran.json() == {"output": "hi\n", "exit_code": 0, "timed_out": False}
+    assert result.trajectories == [] and result.commands == 1
+
+
+def test_the_embedded_model_calls_its_own_tool_for_a_declared_alias_and_names_unknown_tools(task, pool):
+    import httpx  # noqa: PLC0415
+
+    embedded = train_tokenizer([initial_prompt(task, with_tools=False)] * 10 + corpus(), vocab_size=600,
+                               tools_in_prompt=False)
+    turns = [call("run_command", command="echo aliased > out.txt") + IM_END, call("read_file", path="a.py") + IM_END]
+    engine = ScriptedEngine(embedded, turns)
+    server = HarnessServer(engine, embedded, pool)
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {
+        "command": {"type": "string"}}}}}, {"type": "function", "function": {"name": "browse"}}]
+    with server.serve():
+        episode = server.start(task)
+        auth = {"authorization": f"Bearer {episode.key}"}
+        messages = [{"role": "user", "content": "Fix it."}]
+        first = httpx.post(f"{episode.url}/v1/chat/completions", headers=auth,
+                           json={"model": "flywheel", "messages": messages, "tools": tools}).json()
+        (bash,) = first["choices"][0]["message"]["tool_calls"]
+        second = httpx.post(f"{episode.url}/v1/chat/completions", headers=auth, json={
+            "model": "flywheel", "tools": tools, "messages": [*messages, first["choices"][0]["message"],
+                                                              {"role": "tool", "content": "ok", "tool_call_id": "x"}]})
+        result = server.finish(episode.id)
+    # The model's own `run_command` comes back as the declared `bash`, with its arguments; the schemas
+    # never entered the prompt (the model was trained without them).
+    assert bash["function"] == {"name": "bash", "arguments": '{"command": "echo aliased > out.txt"}'}
+    assert "browse" not in embedded.decode(engine.prompts[0])
+    assert first["flywheel"]["unknown_tools"] == ["browse"]
+    (undeclared,) = second.json()["choices"][0]["message"]["tool_calls"]
+    assert "not among the tools this request declares" in undeclared["error"]
+    (traj,) = result.trajectories
+    assert result.breaks == 0 and traj.turns == 2 and traj.invalid_tool_calls == 1 and len(traj.broken_turns) == 1

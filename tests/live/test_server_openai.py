@@ -1,0 +1,192 @@
+"""The OpenAI features a harness relies on, over real HTTP against real tiny models: streaming as
+tokens are sampled (time to first token reported), seeds, tool_choice required and named (the
+call's opening is a prompt token, never trained on), /v1/completions with token-id prompts,
+/v1/models/{id}, and a 400 that names each knob that stays unsupported."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from tiny_serving import KEYS, ScriptedEngine
+
+from flywheel.live.deploy import Deployment, Router
+from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.store import LiveStore
+from flywheel.model.chat import IM_END, SYSTEM_PROMPT, TOOL_CALL_OPEN, tool_schemas
+from flywheel.model.conversation import ConversationEncoder
+from flywheel.model.registry import Registry
+from flywheel.model.tokenizer import train_tokenizer
+
+MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Fix the failing test."}]
+AUTH = {"authorization": "Bearer inference-key"}
+
+
+@pytest.fixture(scope="module")
+def live(registry_root, tmp_path_factory):
+    config = ServeConfig(registry_root=registry_root, run_dir=tmp_path_factory.mktemp("live"), keys=KEYS,
+                         candidate_fraction=0.0, threads=1)
+    server = LiveServer.from_config(config)
+    with serve_in_thread(server) as running, httpx.Client(base_url=running.url, headers=AUTH, timeout=60) as http:
+        yield server, http
+    server.close()
+
+
+def chat(http: httpx.Client, **body) -> httpx.Response:
+    return http.post("/v1/chat/completions", json={"model": "flywheel", "messages": MESSAGES, **body})
+
+
+def test_streaming_sends_each_token_as_it_is_sampled_and_reports_time_to_first_token(live):
+    server, http = live
+    arrivals, chunks = [], []
+    with http.stream("POST", "/v1/chat/completions", json={
+            "model": "flywheel", "messages": MESSAGES, "max_tokens": 48, "temperature": 1.0, "seed": 7,
+            "stream": True, "logprobs": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                arrivals.append(time.perf_counter())
+                chunks.append(json.loads(line[6:]))
+    contents = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert len(contents) >= 2, "the answer arrived in one piece, not as it was sampled"
+    final = chunks[-1]
+    assert final["choices"][0]["finish_reason"] in ("stop", "length")
+    info = final["flywheel"]
+    assert 0 < info["ttft_ms"] < (info["ttft_ms"] + info["engine_ms"]) and info["engine_ms"] > 0
+    assert arrivals[-1] - arrivals[0] > 0  # chunks spread over the generation
+    stored = server.store.completion(chunks[0]["id"])
+    assert "".join(c["choices"][0]["delta"]["content"] for c in contents) == stored.content
+    streamed_lps = [t["logprob"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                    for t in c["choices"][0]["logprobs"]["content"]]
+    assert streamed_lps == pytest.approx(stored.logprobs)  # every sampled token's logprob, once
+
+
+def test_the_same_seed_and_request_give_the_same_answer(live):
+    _, http = live
+    answers = [chat(http, max_tokens=24, temperature=1.0, seed=seed).json() for seed in (11, 11, 12)]
+    ids = [a["id"] for a in answers]
+    texts = [a["choices"][0]["message"]["content"] for a in answers]
+    assert len(set(ids)) == 3 and texts[0] == texts[1]
+    assert answers[0]["usage"] == answers[1]["usage"]
+    assert texts[2] != texts[0]  # another seed, another sample (24 tokens at T=1 from an untrained model)
+
+
+@pytest.mark.parametrize("body", [{"frequency_penalty": 0.5}, {"presence_penalty": -1}, {"logit_bias": {"3": 5}},
+                                  {"top_logprobs": 3, "logprobs": True}, {"n": 17}, {"n": 2, "stream": True},
+                                  {"stop": ["a", "b", "c", "d", "e"]}])
+def test_unsupported_knobs_are_refused_with_a_400_that_names_them(live, body):
+    _, http = live
+    response = chat(http, **body)
+    assert response.status_code == 400
+    (name,) = body.keys() - {"logprobs", "stream"}
+    assert name in response.json()["error"]["message"]
+
+
+def test_models_by_id(live):
+    _, http = live
+    assert http.get("/v1/models/flywheel").json()["id"] == "flywheel"
+    assert http.get("/v1/models/v0").json() == {"id": "v0", "object": "model", "created": 0, "owned_by": "flywheel"}
+    missing = http.get("/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_completions_take_token_ids_and_return_the_sampled_ids(live, registry_root):
+    server, http = live
+    with Registry(registry_root) as registry:
+        _, tokenizer = registry.load(0)
+    prompt = ConversationEncoder(tokenizer).encode(MESSAGES, None)
+    reply = http.post("/v1/completions", json={"model": "v0", "prompt": prompt, "max_tokens": 8, "logprobs": 1,
+                                               "temperature": 0.7, "seed": 3}).json()
+    info = reply["flywheel"]
+    assert info["prompt_token_ids"] == prompt and reply["usage"]["completion_tokens"] == len(info["token_ids"])
+    assert reply["choices"][0]["text"] == tokenizer.decode(info["token_ids"], skip_special_tokens=False)
+    stored = server.store.completion(reply["id"])
+    assert stored.prompt_ids == prompt and stored.completion_ids == info["token_ids"]
+    assert stored.logprobs == reply["choices"][0]["logprobs"]["token_logprobs"]
+    text = http.post("/v1/completions", json={"model": "flywheel", "prompt": "def add(a, b):", "max_tokens": 4})
+    assert text.status_code == 200
+    assert text.json()["flywheel"]["prompt_token_ids"] == tokenizer("def add(a, b):", add_special_tokens=False)[
+        "input_ids"]
+    bad = http.post("/v1/completions", json={"model": "flywheel", "prompt": [len(tokenizer) + 5]})
+    assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "read_file"}}])
+def test_tool_choice_required_or_named_opens_the_call_in_the_prompt(tmp_path, registry_root, choice):
+    with Registry(registry_root) as registry:
+        _, tokenizer = registry.load(0)
+    rest = ('{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>' if choice == "required"
+            else '{"path": "a.py"}}\n</tool_call>') + IM_END
+    engine = ScriptedEngine(tokenizer(rest, add_special_tokens=False)["input_ids"])
+    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
+                        LiveStore(config.store_path))
+    with server, serve_in_thread(server) as running, httpx.Client(base_url=running.url, headers=AUTH) as http:
+        reply = chat(http, tools=tool_schemas(), tool_choice=choice).json()
+        no_tools = chat(http, tool_choice=choice)
+        stored = server.store.completion(reply["id"])
+    (call,) = reply["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "read_file" and json.loads(call["function"]["arguments"]) == {"path": "a.py"}
+    assert "error" not in call and reply["choices"][0]["finish_reason"] == "tool_calls"
+    # The forced opening ends the prompt (mask 0 for the Learner); the model's own tokens follow it.
+    opening = tokenizer.decode(stored.prompt_ids, skip_special_tokens=False)
+    assert opening.endswith(f"assistant\n{TOOL_CALL_OPEN}\n" + ("" if choice == "required"
+                                                                else '{"name": "read_file", "arguments": '))
+    assert stored.completion_ids == engine.token_ids and stored.tool_calls[0].valid
+    assert no_tools.status_code == 400 and "declares no tools" in no_tools.json()["error"]["message"]
+
+
+def test_the_embedded_default_names_the_declared_tools_it_does_not_know(tmp_path):
+    tokenizer = train_tokenizer([SYSTEM_PROMPT, "Fix the failing test."] * 4, vocab_size=300, tools_in_prompt=False)
+    engine = ScriptedEngine(tokenizer("Done." + IM_END, add_special_tokens=False)["input_ids"])
+    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
+                        LiveStore(config.store_path))
+    browse = {"type": "function", "function": {"name": "browse", "parameters": {"type": "object", "properties": {}}}}
+    with server, serve_in_thread(server) as running, httpx.Client(base_url=running.url, headers=AUTH) as http:
+        unknown = chat(http, tools=[*tool_schemas(["read_file"]), browse]).json()
+        known = chat(http, tools=tool_schemas(["read_file"])).json()
+    assert unknown["flywheel"]["unknown_tools"] == ["browse"] and "unknown_tools" not in known["flywheel"]
+    assert "browse" not in tokenizer.decode(engine.prompts[0])  # its schemas never reach this model's prompt
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_sequences_cut_the_answer_and_the_record_keeps_the_tokens_that_reached_them(tmp_path, stream):
+    tokenizer = train_tokenizer([SYSTEM_PROMPT, "Fix the failing test. STOP"] * 4, vocab_size=300)
+    answer = tokenizer("Fixed the test. STOP then more words" + IM_END, add_special_tokens=False)["input_ids"]
+    engine = ScriptedEngine(answer)
+    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
+                        LiveStore(config.store_path))
+    with server, serve_in_thread(server) as running, httpx.Client(base_url=running.url, headers=AUTH) as http:
+        if stream:
+            with http.stream("POST", "/v1/chat/completions", json={"model": "flywheel", "messages": MESSAGES,
+                                                                   "stop": ["STOP", "zzz"], "stream": True}) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            cid = chunks[0]["id"]
+            content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            reply = chat(http, stop="STOP").json()
+            cid, content, finish = reply["id"], reply["choices"][0]["message"]["content"], reply["choices"][0][
+                "finish_reason"]
+        stored = server.store.completion(cid)
+    assert content == stored.content == "Fixed the test. " and finish == "stop"
+    kept = stored.completion_ids
+    assert kept == answer[:len(kept)] and len(kept) < len(answer) and stored.logprobs == [-0.25] * len(kept)
+    assert "STOP" in tokenizer.decode(kept) and "STOP" not in tokenizer.decode(kept[:-1])
+
+
+def test_n_choices_are_a_group_each_stored_as_its_own_completion(live):
+    server, http = live
+    reply = chat(http, n=4, max_tokens=12, temperature=1.0, seed=5).json()
+    again = chat(http, n=4, max_tokens=12, temperature=1.0, seed=5).json()
+    choices = reply["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3] and reply["id"] == choices[0]["completion_id"]
+    stored = [server.store.completion(c["completion_id"]) for c in choices]
+    assert [s.content for s in stored] == [c["message"]["content"] for c in choices]
+    assert len({s.id for s in stored}) == 4 and {s.session_id for s in stored} == {reply["flywheel"]["session_id"]}
+    assert reply["usage"]["completion_tokens"] == sum(len(s.completion_ids) for s in stored)
+    assert len({tuple(s.completion_ids) for s in stored}) > 1  # seed + i: the group's samples differ
+    assert [c["message"]["content"] for c in again["choices"]] == [c["message"]["content"] for c in choices]
