@@ -130,6 +130,12 @@ class VLLMEngine:
         self._thread = threading.Thread(target=self._run_loop, name="vllm-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
+        if self.config.urls:
+            # Servers someone else started may hold any weights (a previous run's last update): load
+            # the checkpoint's, so that this engine's `version` names what they serve.
+            folder = serving_folder(self.model_dir, self._weights_dir / f"v{version}")
+            asyncio.run_coroutine_threadsafe(self._update(folder, version, self.config.startup_timeout_s),
+                                             self._loop).result()
 
     # ---- the Engine interface ----
 

@@ -23,8 +23,9 @@ Why these flags (`server_command`):
   start when that much is not free; the KV cache is sized by `VLLM_CPU_KVCACHE_SPACE` (GiB) instead.
 
 vLLM leaves shared-memory files in /dev/shm when its processes are killed (its message queues and
-the engine core's buffers); `stop` removes those created while the server ran that no living
-process still has open or mapped, so another server's files are never touched.
+the engine core's buffers); `stop` removes the ones its process group was seen holding (when it
+became ready, and before it is stopped or killed) once no process holds them, so another program's
+files are never touched.
 """
 
 from __future__ import annotations
@@ -89,11 +90,18 @@ def server_command(python: Path, model_dir: Path, port: int, config: VLLMConfig)
             "--served-model-name", "flywheel", *config.extra_args]
 
 
-def shm_files_in_use() -> set[str]:
-    """/dev/shm paths some process has open or mapped (from /proc; processes we may not read are skipped)."""
+def _group_of(proc: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2])  # field 5: the process group
+    return None
+
+
+def shm_files_in_use(pgid: int | None = None) -> set[str]:
+    """/dev/shm paths some process (of process group `pgid`, if given) has open or mapped (from
+    /proc; processes we may not read are skipped)."""
     used: set[str] = set()
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+        if not proc.name.isdigit() or (pgid is not None and _group_of(proc) != pgid):
             continue
         with contextlib.suppress(OSError):
             for fd in (proc / "fd").iterdir():
@@ -109,19 +117,14 @@ def shm_files_in_use() -> set[str]:
     return used
 
 
-def remove_stale_shm(before: set[str], since: float) -> list[str]:
-    """Remove /dev/shm files not in `before`, made at or after `since`, that nobody holds; returns them."""
-    if not SHM.is_dir():
-        return []
+def remove_stale_shm(candidates: set[str]) -> list[str]:
+    """Remove those of `candidates` (/dev/shm paths a stopped server held) that no process holds now."""
     used = shm_files_in_use()
     removed = []
-    for path in SHM.iterdir():
-        name = str(path)
+    for name in sorted(candidates - used):
         with contextlib.suppress(FileNotFoundError):
-            if name in before or name in used or path.stat().st_mtime < since - 1:
-                continue
-            path.unlink()
-            removed.append(path.name)
+            Path(name).unlink()
+            removed.append(Path(name).name)
     return removed
 
 
@@ -140,7 +143,7 @@ class VLLMServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path) if log_path else self.model_dir.parent / f"vllm-{self.port}.log"
         self.process: subprocess.Popen | None = None
-        self._shm_before: set[str] = set()
+        self._shm: set[str] = set()  # /dev/shm files its processes were seen holding
         self._started_at = 0.0
         self.startup_s = float("nan")
 
@@ -156,7 +159,6 @@ class VLLMServer:
         env.pop("PYTHONPATH", None)  # flywheel's environment must not leak into vLLM's
         if self.config.cpu_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.config.cpu_threads)
-        self._shm_before = {str(p) for p in SHM.iterdir()} if SHM.is_dir() else set()
         self._started_at = time.time()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -174,6 +176,7 @@ class VLLMServer:
                                   f"starting; the end of {self.log_path}:\n{self.log_tail()}")
             if healthy(self.url, 2.0):
                 self._warm_up(deadline)
+                self._note_shm()
                 self.startup_s = time.time() - self._started_at
                 return self
             time.sleep(0.5)
@@ -200,8 +203,16 @@ class VLLMServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def _note_shm(self) -> None:
+        """Remember the /dev/shm files the server's processes hold: `stop` removes them once they are
+        gone. Only these: a file some other program made in the meantime is never touched (removing
+        the semaphores of a vLLM that was starting broke its start)."""
+        if self.process is not None and self.process.poll() is None:
+            self._shm |= shm_files_in_use(self.process.pid)
+
     def kill(self) -> None:
         """SIGKILL the whole process group at once (a crash, as tests make one); `stop` still cleans up."""
+        self._note_shm()
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
@@ -211,6 +222,7 @@ class VLLMServer:
         """Stop the server's process group and remove the shared-memory files it left; returns their names."""
         if self.process is None:
             return []
+        self._note_shm()
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
@@ -222,7 +234,9 @@ class VLLMServer:
                 self.process.wait(timeout=30)
         # The group's other members (engine core, workers) may outlive the leader for a moment.
         _wait_group_gone(self.process.pid, 10.0)
-        return remove_stale_shm(self._shm_before, self._started_at)
+        removed = remove_stale_shm(self._shm)
+        self._shm = set()
+        return removed
 
     def log_tail(self, lines: int = 30) -> str:
         with contextlib.suppress(OSError):
