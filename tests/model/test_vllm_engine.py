@@ -212,14 +212,17 @@ def test_group_and_session_affinity(engine):
 
 def test_a_killed_server_loses_no_request(engine):
     """Runs last: it kills one of the module's servers."""
-    params = SamplingParams(temperature=1.0, max_tokens=200)
+    params = SamplingParams(temperature=1.0, max_tokens=2000)
     futures = [engine.submit(prompt(offset=60 + k), params) for k in range(6)]
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while engine._servers[0].inflight == 0 and time.monotonic() < deadline:  # some run on the doomed server
+        time.sleep(0.05)
+    assert engine._servers[0].inflight > 0, "no request reached server 0"
     engine.kill_server(0)
     start = time.perf_counter()
-    gens = [f.result(timeout=120) for f in futures]
+    gens = [f.result(timeout=300) for f in futures]
     print(f"all requests finished {time.perf_counter() - start:.1f} s after the kill; {engine.stats}")
-    assert all(len(g.token_ids) == 200 and g.finish_reason == "length" for g in gens)
+    assert all(len(g.token_ids) == 2000 and g.finish_reason == "length" for g in gens)
     assert engine.live_servers() == [engine.servers[1]]
     assert engine.stats["server_failures"] == 1 and engine.stats["resubmitted"] >= 1
 
