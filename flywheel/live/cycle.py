@@ -83,6 +83,7 @@ from flywheel.live.rewards import Reward, RewardConfig, RewardDistiller, distill
 from flywheel.live.sessions import GatheredSessions, gather_background
 from flywheel.live.store import LiveStore
 from flywheel.model.engine import EngineConfig, LocalEngine
+from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import Registry
 from flywheel.report import render_cycle
 from flywheel.rl.learner import Learner, LearnerConfig
@@ -537,12 +538,18 @@ class LiveCycle:
         return on_policy_batch(served, [rewards[c.id] for c in served], state.production,
                                self.config.batch.family_key, self.config.learner.temperature)
 
+    def _gate_engine(self, registry: Registry, model, version: int):
+        """A LocalEngine on `model`; with engine.backend = "vllm", vLLM servers of its own on the version's folder."""
+        if self.config.engine.backend == "vllm":
+            return start_engine(None, self.config.engine, version, checkpoint=registry.get(version).path)
+        return LocalEngine(model, self.config.engine, version=version)
+
     def _run_gate(self, state: CycleState, registry: Registry) -> None:
         assert state.candidate is not None
         cand_model, cand_tok = registry.load(state.candidate)
         prod_model, prod_tok = registry.load(state.production)
-        with LocalEngine(cand_model, self.config.engine, version=state.candidate) as cand_engine, \
-                LocalEngine(prod_model, self.config.engine, version=state.production) as prod_engine, \
+        with self._gate_engine(registry, cand_model, state.candidate) as cand_engine, \
+                self._gate_engine(registry, prod_model, state.production) as prod_engine, \
                 SandboxPool(self.config.pool) as pool:
             run = self.gate.run(Contender(cand_engine, cand_tok, state.candidate),
                                 Contender(prod_engine, prod_tok, state.production), pool, self.gate_tasks)

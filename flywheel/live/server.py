@@ -122,7 +122,8 @@ from flywheel.live.rewards import RewardConfig, RewardDistiller
 from flywheel.live.store import Ingest, LiveStore
 from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, parse_assistant, tools_in_prompt
 from flywheel.model.conversation import ConversationEncoder, PromptTooLong
-from flywheel.model.engine import EngineConfig, EngineError, LocalEngine, SamplingParams
+from flywheel.model.engine import Engine, EngineConfig, EngineError, LocalEngine, SamplingParams
+from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import CANDIDATE, Registry
 from flywheel.report import build_report_data, dashboard_page, render_body
 
@@ -1398,10 +1399,13 @@ def open_store(config: ServeConfig) -> LiveStore:
 
 
 def registry_loader(registry: Registry, engine: EngineConfig) -> EngineLoader:
-    """Load a version from the Registry into its own LocalEngine."""
+    """Load a version from the Registry into its own engine: a LocalEngine, or vLLM servers on its
+    checkpoint folder (`engine.backend = "vllm"`)."""
 
-    def load(version: int) -> tuple[LocalEngine, Any]:
+    def load(version: int) -> tuple[Engine, Any]:
         model, tokenizer = registry.load(version)
+        if engine.backend == "vllm":
+            return start_engine(None, engine, version=version, checkpoint=registry.get(version).path), tokenizer
         return LocalEngine(model, engine, version=version), tokenizer
 
     return load

@@ -64,6 +64,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from flywheel.model.decode import LeanDecoder
+from flywheel.model.vllm_server import VLLMConfig
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,11 @@ class EngineConfig(BaseModel):
     # Decode steps through `decode.LeanDecoder` (Qwen3 and Qwen3-MoE models; others always use the
     # `transformers` forward, as prefills do). False: the `transformers` forward for every step.
     lean_decode: bool = True
+    # "local": LocalEngine (or ProcessEngine) in flywheel's own processes. "vllm": vLLM servers over
+    # HTTP (`flywheel.model.vllm_engine.VLLMEngine`, configured by `vllm`); the fields above are
+    # LocalEngine's and do not apply to it.
+    backend: Literal["local", "vllm"] = "local"
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, vocab: int) -> None:

@@ -29,12 +29,14 @@ import pickle
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from flywheel.model.engine import (
+    Engine,
     EngineConfig,
     EngineError,
     Generation,
@@ -247,8 +249,17 @@ class ProcessEngine:
                 future.set_exception(EngineError(reason))
 
 
-def start_engine(model: PreTrainedModel, config: EngineConfig | None = None, version: int = 0
-                 ) -> LocalEngine | ProcessEngine:
-    """The engine `config` asks for: in this process (`LocalEngine`) or its own (`ProcessEngine`)."""
+def start_engine(model: PreTrainedModel | None, config: EngineConfig | None = None, version: int = 0,
+                 checkpoint: str | Path | None = None) -> Engine:
+    """The engine `config` asks for: in this process (`LocalEngine`), its own (`ProcessEngine`), or
+    vLLM servers on the checkpoint folder `checkpoint` (`VLLMEngine`, `backend = "vllm"`; `model` unused)."""
     config = config or EngineConfig()
+    if config.backend == "vllm":
+        if checkpoint is None:
+            raise ValueError("engine.backend = \"vllm\" serves a checkpoint folder: pass checkpoint=")
+        from flywheel.model.vllm_engine import VLLMEngine  # noqa: PLC0415  (httpx and the servers only when asked)
+
+        return VLLMEngine(checkpoint, config.vllm, version)
+    if model is None:
+        raise ValueError("the local engine needs the model")
     return ProcessEngine(model, config, version) if config.separate_process else LocalEngine(model, config, version)

@@ -87,8 +87,9 @@ class LocalCluster:
         return nullcontext(Learner(model.train(), config, version=version))  # threads: the process's own
 
     def engine(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, engine: EngineConfig,
-               pool: PoolConfig, version: int = 0) -> AbstractContextManager[Any]:
-        return start_engine(model, engine, version=version)
+               pool: PoolConfig, version: int = 0, checkpoint: Any = None) -> AbstractContextManager[Any]:
+        # checkpoint: the start checkpoint's folder, which engine.backend = "vllm" serves
+        return start_engine(model, engine, version=version, checkpoint=checkpoint)
 
     def runner(self, engine: Any) -> None:
         return None  # the Orchestrator plays episodes on its own threads

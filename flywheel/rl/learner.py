@@ -97,6 +97,10 @@ class MicroBatch:
     advantages: torch.Tensor  # [batch, seq] float32
     logp_prox: torch.Tensor | None = None  # float32, filled by `proximal_pass`
     logp_ref: torch.Tensor | None = None  # float32, filled by `proximal_pass` when there is a reference model
+    # float, 1 on loss tokens sampled by the weights this step starts from: there the engine's
+    # logprob and the Learner's proximal one score the same weights and tokens, so their difference
+    # is the engine/Learner mismatch (`engine_logprob_mismatch_*`), not policy drift
+    on_policy: torch.Tensor | None = None
 
 
 def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, temperature: float = 1.0,
@@ -158,7 +162,7 @@ Advantage = float | Sequence[float]  # one for every token of a trajectory, or o
 def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[Advantage],
                        masks: Sequence[Sequence[int]],
                        micro_batch_tokens: int, rng: random.Random,
-                       device: torch.device | str = "cpu") -> list[MicroBatch]:
+                       device: torch.device | str = "cpu", version: int | None = None) -> list[MicroBatch]:
     """Pack trajectories so that each micro-batch's padded size (rows x longest) is within the budget.
 
     A trajectory longer than the budget gets a micro-batch of its own: a sequence is never split."""
@@ -170,6 +174,7 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
         mask = torch.zeros((len(rows), width), dtype=torch.float32)
         behaviour = torch.zeros((len(rows), width), dtype=torch.float32)
         adv = torch.zeros((len(rows), width), dtype=torch.float32)
+        on_policy = torch.zeros((len(rows), width), dtype=torch.float32)
         for r, i in enumerate(rows):
             t, n = trajectories[i], len(trajectories[i].tokens)
             ids[r, :n] = torch.tensor(t.tokens)
@@ -177,8 +182,10 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
             mask[r, :n] = torch.tensor(masks[i], dtype=torch.float32)
             behaviour[r, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
             adv[r, :n] = torch.tensor(advantages[i], dtype=torch.float32)  # a number broadcasts over the row
+            if version is not None:
+                on_policy[r, :n] = mask[r, :n] * (torch.tensor(t.versions) == version)
         batches.append(MicroBatch(ids.to(device), attention.to(device), mask.to(device), behaviour.to(device),
-                                  adv.to(device)))
+                                  adv.to(device), on_policy=on_policy.to(device) if version is not None else None))
     return batches
 
 
@@ -226,6 +233,23 @@ def accumulate_gradients(model: PreTrainedModel, batches: Sequence[MicroBatch], 
         total += loss.detach()
         merge_stats(stats, s)
     return total, stats
+
+
+def engine_mismatch(batches: Sequence[MicroBatch]) -> dict[str, float]:
+    """|engine logprob - Learner logprob| over the tokens the step's starting weights sampled
+    (mean and max; NaN when the batch holds none): 0 up to float noise when the engine computes the
+    same distribution as the Learner (same temperature, same weights), whatever the engine is."""
+    total, count, worst = 0.0, 0.0, 0.0
+    for b in batches:
+        if b.on_policy is None or b.logp_prox is None:
+            continue
+        diff = (b.logp_prox - b.logp_behaviour).abs() * b.on_policy  # [batch, seq]
+        total += float(diff.sum())
+        count += float(b.on_policy.sum())
+        worst = max(worst, float(diff.max()))
+    nan = float("nan")
+    return {"engine_logprob_mismatch_mean": total / count if count else nan,
+            "engine_logprob_mismatch_max": worst if count else nan}
 
 
 def merge_stats(into: dict[str, torch.Tensor], stats: Mapping[str, torch.Tensor]) -> None:
@@ -318,7 +342,7 @@ class Learner:
         chunks = [range(j * n // k, (j + 1) * n // k) for j in range(k)]
         minibatches = [make_micro_batches([trajectories[i] for i in c], [advantages[i] for i in c],
                                           [masks[i] for i in c],
-                                          config.micro_batch_tokens, self._rng, device) for c in chunks]
+                                          config.micro_batch_tokens, self._rng, device, self.version) for c in chunks]
 
         was_training = self.model.training
         self.model.train()  # same mode in the proximal and the training pass, so their logprobs agree exactly
@@ -353,6 +377,7 @@ class Learner:
                 grad_norms.append(grad_norm)
                 merge_stats(totals, stats)
         self.model.train(was_training)
+        mismatch = engine_mismatch([b for mbs in minibatches for b in mbs])
         taken = len(losses)
         self.optimizer_steps += taken
         self.skipped_steps += skipped
@@ -394,6 +419,7 @@ class Learner:
             "staleness_max": float(max(staleness)) if staleness else nan,
         }
         metrics.update({f"staleness/{s}": float(c) for s, c in staleness.items()})
+        metrics.update(mismatch)
         return metrics
 
     def lr_at(self, step: int) -> float:

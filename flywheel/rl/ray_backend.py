@@ -517,7 +517,10 @@ class RayCluster:
 
     @contextmanager
     def engine(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, engine: EngineConfig,
-               pool: PoolConfig, version: int = 0) -> Iterator[RayRollouts]:
+               pool: PoolConfig, version: int = 0, checkpoint: Any = None) -> Iterator[RayRollouts]:
+        if engine.backend == "vllm":
+            raise ValueError("engine.backend = \"vllm\" runs with cluster.backend = \"local\" (the rollout workers "
+                             "on Ray build local engines); set cluster.backend = \"local\"")
         rollouts = RayRollouts(self.config, model, tokenizer, engine, pool, version, self.log)
         self._actors.append(rollouts)
         try:

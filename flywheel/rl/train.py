@@ -239,7 +239,8 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
     with Tracker(config.tracking, config.run_dir, params=config.model_dump(mode="json")) as tracker, \
             start_cluster(config.cluster, log) as cluster, \
             cluster.learner(learner_model, config.learner, threads=config.threads) as learner, \
-            cluster.engine(engine_model, tokenizer, config.engine, config.pool, version=learner.version) as engine, \
+            cluster.engine(engine_model, tokenizer, config.engine, config.pool, version=learner.version,
+                           checkpoint=parent.path) as engine, \
             SandboxPool(config.pool) as pool, \
             Orchestrator(orch_config, tasks, engine, tokenizer, pool, config.run_dir,
                          version=lambda: learner.version, runner=cluster.runner(engine)) as orchestrator:

@@ -123,6 +123,24 @@ def test_one_step_per_batch_has_ratio_one_and_on_policy_weight_one(model):
     assert metrics["loss_tokens"] == n
 
 
+def test_engine_logprob_mismatch_is_measured_on_the_tokens_the_current_weights_sampled(model):
+    exact = [trajectory(model, n, seed=n) for n in (14, 21)]
+    metrics = Learner(copy.deepcopy(model), LearnerConfig()).train_step(exact, [1.0, -1.0])
+    assert metrics["engine_logprob_mismatch_max"] < 1e-5
+    # An engine whose logprobs are off by 0.1 on the learner's version; stale tokens (of the version
+    # before, whatever their logprobs) are not counted.
+    off = [trajectory(model, n, seed=n, version=1) for n in (14, 21)]
+    for t in off:
+        t.logprobs = [lp - 0.1 if m else lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True)]
+    stale = trajectory(model, 27, seed=27, version=0)
+    stale.logprobs = [lp - 3.0 if m else lp for lp, m in zip(stale.logprobs, stale.loss_mask, strict=True)]
+    learner = Learner(copy.deepcopy(model), LearnerConfig())
+    learner.version = 1
+    metrics = learner.train_step(off + [stale], [1.0, -1.0, 0.5])
+    assert metrics["engine_logprob_mismatch_mean"] == pytest.approx(0.1, abs=1e-4)
+    assert metrics["engine_logprob_mismatch_max"] == pytest.approx(0.1, abs=1e-4)
+
+
 def test_per_token_advantages_weigh_each_token_and_a_constant_list_is_a_number(tokenizer):
     model = build_model(TINY, tokenizer)
     t = trajectory(model, 20, seed=3)  # generated tokens 5..10 and 14..19

@@ -1,0 +1,494 @@
+"""VLLMEngine: the `Engine` interface over vLLM servers' HTTP API, token ids in and out.
+
+    submit(prompt, params) ──> pick a server ──POST /v1/completions (stream, token-id prompt)──> server k
+        affinity: a session's or an identical    every chunk: token ids + processed logprobs,
+        prompt's server; else least in flight    stamped with the version the stream started under
+                     ^                                   │ server dead / silent ≥ request_timeout_s
+                     └──────── resubmit prompt + tokens so far on another live server <──┘
+
+    update_weights(w, v) ──> write w as an HF folder weights/vN (safetensors)
+                         ──> close the gate: no stream starts; cancel every open stream (the tokens
+                             already received keep their version)
+                         ──> every server: POST /pause?mode=abort, /collective_rpc reload_weights(vN),
+                             /reset_prefix_cache, /resume  (all servers at once)
+                         ──> version = v, open the gate: every unfinished request is resubmitted as
+                             prompt + its tokens so far, max_tokens minus those (a partial rollout)
+
+What unblocks what: a request's coroutine waits on the gate (open unless an update is being
+applied) and on its stream; `update_weights` waits until every live server has reloaded; the
+health loop marks a server dead when its /health fails or its process exits, which cancels its
+streams, and their requests go to another server. With no live server left every waiting request
+fails with `EngineError` (nothing hangs silently).
+
+Logprobs. The servers run with `--logprobs-mode processed_logprobs` (`vllm_server.server_command`):
+the logprob of each sampled token is of the distribution vLLM sampled it from, after temperature
+and top-p, i.e. log_softmax(logits / T) renormalized over the top-p set. With top_p = 1 that is
+exactly what the Learner scores (`flywheel.rl.learner.token_logprobs` at the sampling temperature)
+and what `LocalEngine` records; with top_p < 1 it is larger by -log(mass of the kept set), while
+LocalEngine records the value before top-p. Greedy requests (T = 0) get the logprob at T = 1, as
+LocalEngine's. vLLM's default mode ("raw_logprobs") would give the T = 1 logprob of a token sampled
+at T, which the Learner would read as an off-policy ratio on every token.
+
+Generation stops at `stop_token_ids` (the stop token is part of the output, as LocalEngine's) or at
+`max_tokens`; vLLM's own end-of-sequence stop is off (`ignore_eos`), so both engines stop on the
+same tokens.
+
+Weight updates on CPU go through a checkpoint folder: vLLM's worker reloads its weights in place
+from `weights_path` (`/collective_rpc` with `reload_weights`, a dev route: the servers run with
+VLLM_SERVER_DEV_MODE=1). The folder must be readable by the servers (same machine or a shared
+filesystem). On GPUs vLLM also offers NCCL / CUDA IPC weight transfer (/init_weight_transfer_engine,
+/update_weights); this engine does not use them yet. In-flight requests are aborted at the update and
+resubmitted, not paused in place: the tokens after the update are then all sampled from the new
+weights with a KV cache recomputed under them (LocalEngine's `kv_on_update = "recompute"`), and
+each token keeps the version that produced it.
+
+Load spread: a request goes to the server where its session ran before, or where an identical
+prompt ran (the G episodes of a GRPO group start from one prompt: vLLM's prefix cache then serves
+the group's prefill once), else to the live server with the fewest requests in flight from this
+engine. What it does not do: count other clients' load on shared servers, or move a session when
+its server is overloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from flywheel.model.engine import EngineError, Generation, SamplingParams, check_request
+from flywheel.model.vllm_server import VLLMConfig, VLLMServer, start_servers
+
+_AFFINITY_ENTRIES = 4096  # sessions and prompts remembered for routing (least recently used dropped first)
+
+
+@dataclass(eq=False)  # identity: requests live in a set
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    future: Future[Generation]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    server: _Server | None = None
+    resubmits: int = 0
+
+
+@dataclass(eq=False)
+class _Server:
+    url: str
+    process: VLLMServer | None = None  # None: a server this engine did not start
+    inflight: int = 0
+    dead: str = ""  # why it was taken for dead ("" while it serves)
+    streams: set[asyncio.Task] = field(default_factory=set)
+
+
+class _ServerFailed(Exception):
+    """The server broke (connection, timeout, 5xx): the request goes to another server."""
+
+
+class VLLMEngine:
+    """An Engine over one or more vLLM servers (started here on a checkpoint folder, or given as URLs)."""
+
+    def __init__(self, model_dir: str | Path, config: VLLMConfig | None = None, version: int = 0):
+        self.config = config or VLLMConfig()
+        self.model_dir = Path(model_dir).resolve()
+        model_config = json.loads((self.model_dir / "config.json").read_text())
+        self._vocab = int(model_config.get("vocab_size") or model_config["text_config"]["vocab_size"])
+        self._version = version
+        self._closed = False
+        # update_s: each update_weights call; first_token_s: from the start of an update to the first
+        # token sampled under its weights (the stall a rollout sees)
+        self.stats: dict[str, Any] = {"updates": 0, "update_s": [], "first_token_s": [], "resubmitted": 0,
+                                      "server_failures": 0}
+        self._update_started, self._first_token_pending = 0.0, False
+        self._weights_dir = Path(self.config.weights_dir or tempfile.mkdtemp(prefix="flywheel-vllm-weights-"))
+        self._weights_dir.mkdir(parents=True, exist_ok=True)
+        self._skeleton: torch.nn.Module | None = None  # the model whose save_pretrained writes updates
+        processes = []
+        if not self.config.urls:
+            self.serve_dir = serving_folder(self.model_dir, self._weights_dir / "serve")
+            processes = start_servers(self.serve_dir, self.config, log_dir=self._weights_dir)
+        self._servers = ([_Server(url.rstrip("/")) for url in self.config.urls]
+                         or [_Server(p.url, p) for p in processes])
+        self._sessions: OrderedDict[str, _Server] = OrderedDict()
+        self._prompts: OrderedDict[int, _Server] = OrderedDict()
+        self._requests: set[_Request] = set()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run_loop, name="vllm-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self.config.urls:
+            # Servers someone else started may hold any weights (a previous run's last update): load
+            # the checkpoint's, so that this engine's `version` names what they serve.
+            folder = serving_folder(self.model_dir, self._weights_dir / f"v{version}")
+            asyncio.run_coroutine_threadsafe(self._update(folder, version, self.config.startup_timeout_s),
+                                             self._loop).result()
+
+    # ---- the Engine interface ----
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def servers(self) -> list[str]:
+        return [s.url for s in self._servers]
+
+    def live_servers(self) -> list[str]:
+        return [s.url for s in self._servers if not s.dead]
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]:
+        if self._closed:
+            raise EngineError("engine is closed; build a new one")
+        check_request(prompt_ids, params, self._vocab)
+        if len(prompt_ids) + params.max_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
+                             f"servers' max_model_len {self.config.max_model_len}; raise engine.vllm.max_model_len")
+        req = _Request(list(prompt_ids), params, Future())
+        self._loop.call_soon_threadsafe(self._start, req)
+        return req.future
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        futures = [self.submit(p, params) for p in prompts]
+        return [f.result() for f in futures]
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, timeout_s: float = 60.0) -> None:
+        """Write `weights` as a checkpoint folder, reload every server from it, resume under `version`."""
+        if self._closed:
+            raise EngineError("engine is closed; build a new one")
+        start = time.perf_counter()
+        self._update_started, self._first_token_pending = start, True
+        folder = self._write_weights(weights, version)
+        write_s = time.perf_counter() - start
+        future = asyncio.run_coroutine_threadsafe(self._update(folder, version, timeout_s), self._loop)
+        try:
+            reload_s = future.result(timeout=timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise EngineError(f"weight update to version {version} not applied within {timeout_s} s; "
+                              "the vLLM servers are stuck (see their logs)") from None
+        for old in self._weights_dir.glob("v*"):
+            if old.is_dir() and old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+        self.stats["updates"] += 1
+        self.stats["update_s"].append(time.perf_counter() - start)
+        self.stats["last_update"] = {"write_s": write_s, "reload_s": reload_s,
+                                     "total_s": time.perf_counter() - start}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        for server in self._servers:
+            if server.process is not None:
+                server.process.stop()
+        for folder in self._weights_dir.glob("*v*"):  # the weight folders; the servers' logs stay
+            if folder.is_dir():
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def kill_server(self, index: int) -> None:
+        """SIGKILL server `index` (one this engine started): what a crash looks like, for tests and drills."""
+        process = self._servers[index].process
+        if process is None:
+            raise ValueError(f"server {self._servers[index].url} was not started by this engine; kill it yourself")
+        process.kill()
+
+    # ---- weights ----
+
+    def _write_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> Path:
+        """`weights` (keyed as model.state_dict()) as an HF folder vLLM loads: save_pretrained writes
+        transformers' on-disk layout (MoE experts one tensor each, tied embeddings once), which is
+        what vLLM's loader reads; a state_dict saved as is would hold the fused in-memory layout."""
+        if self._skeleton is None:
+            self._skeleton = _untied_skeleton(self.model_dir)
+        self._skeleton.load_state_dict(_unshared(weights), strict=True, assign=True)
+        folder = self._weights_dir / f"v{version}"
+        tmp = self._weights_dir / f".tmp-v{version}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self._skeleton.save_pretrained(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+        return folder
+
+    # ---- the loop (one thread runs it; everything below runs on it) ----
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._gate = asyncio.Event()
+        self._gate.set()
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        self._http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.config.request_timeout_s))
+        self._health = self._loop.create_task(self._health_loop())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def _start(self, req: _Request) -> None:
+        self._requests.add(req)
+        self._loop.create_task(self._serve(req))
+
+    async def _serve(self, req: _Request) -> None:
+        """Run `req` to its end: resubmitted after an update or a server's death, failed only when no server lives."""
+        try:
+            while True:
+                await self._gate.wait()
+                server = self._pick(req)
+                if server is None:
+                    reasons = "; ".join(f"{s.url}: {s.dead}" for s in self._servers)
+                    raise EngineError(f"no live vLLM server ({reasons}); restart them (`flywheel engine serve`)")
+                if req.server is not None:
+                    req.resubmits += 1
+                    self.stats["resubmitted"] += 1
+                req.server = server
+                stream = self._loop.create_task(self._stream(req, server, self._version))
+                server.streams.add(stream)
+                server.inflight += 1
+                try:
+                    reason = await stream
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():
+                        raise
+                    continue  # aborted for a weight update or because its server died: resubmit
+                except _ServerFailed as exc:
+                    self._mark_dead(server, str(exc))
+                    continue
+                finally:
+                    server.streams.discard(stream)
+                    server.inflight -= 1
+                if reason is not None:
+                    self._finish(req, reason)
+                    return
+        except asyncio.CancelledError:
+            self._finish(req, "aborted")
+            raise
+        except Exception as exc:  # noqa: BLE001 -- the caller's future carries it: a request never hangs
+            if not req.future.done():
+                error = exc if isinstance(exc, EngineError) else EngineError(f"vLLM request failed: {exc!r}")
+                req.future.set_exception(error)
+        finally:
+            self._requests.discard(req)
+
+    async def _stream(self, req: _Request, server: _Server, version: int) -> str | None:
+        """One completion stream; appends tokens as they arrive. Returns the finish reason, or None
+        when vLLM ended it early (an abort on its side) so that the caller resubmits."""
+        done = len(req.tokens)
+        params = req.params
+        body = {"model": "flywheel", "prompt": req.prompt + req.tokens, "max_tokens": params.max_tokens - done,
+                "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0, "stream": True,
+                "return_token_ids": True, "ignore_eos": True, "skip_special_tokens": False,
+                "stop_token_ids": list(params.stop_token_ids)}
+        try:
+            async with self._http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+                if response.status_code >= 500:
+                    raise _ServerFailed(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")[:500]
+                    raise EngineError(f"vLLM refused the request (HTTP {response.status_code}): {text}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    choice = json.loads(data)["choices"][0]
+                    ids = choice.get("token_ids") or []
+                    lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+                    if len(lps) != len(ids):
+                        raise EngineError(f"vLLM sent {len(ids)} token ids with {len(lps)} logprobs; "
+                                          "is the server's --logprobs-mode processed_logprobs?")
+                    req.tokens += ids
+                    req.logprobs += [float(lp) for lp in lps]
+                    req.versions += [version] * len(ids)
+                    if ids and self._first_token_pending and version == self._version and self._gate.is_set():
+                        self._first_token_pending = False
+                        self.stats["first_token_s"].append(time.perf_counter() - self._update_started)
+                    if choice.get("finish_reason") is not None:
+                        return _finish_reason(choice["finish_reason"], req)
+        except (httpx.TransportError, httpx.DecodingError) as exc:
+            raise _ServerFailed(f"{type(exc).__name__}: {exc}") from None
+        if len(req.tokens) >= params.max_tokens:
+            return "length"
+        return None
+
+    def _pick(self, req: _Request) -> _Server | None:
+        live = [s for s in self._servers if not s.dead]
+        if not live:
+            return None
+        session, prompt_key = req.params.session, hash(tuple(req.prompt))
+        chosen = None
+        if session is not None and session in self._sessions and not self._sessions[session].dead:
+            chosen = self._sessions[session]
+        elif not req.tokens and prompt_key in self._prompts and not self._prompts[prompt_key].dead:
+            chosen = self._prompts[prompt_key]
+        if chosen is None:
+            chosen = min(live, key=lambda s: s.inflight)
+        for table, key in ((self._sessions, session), (self._prompts, prompt_key)):
+            if key is not None:
+                table[key] = chosen
+                table.move_to_end(key)
+                while len(table) > _AFFINITY_ENTRIES:
+                    table.popitem(last=False)
+        return chosen
+
+    def _mark_dead(self, server: _Server, reason: str) -> None:
+        if server.dead:
+            return
+        server.dead = reason or "failed"
+        self.stats["server_failures"] += 1
+        for stream in list(server.streams):
+            stream.cancel()  # their requests go to another server
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await asyncio.gather(*(self._check(s) for s in self._servers if not s.dead))
+
+    async def _check(self, server: _Server) -> None:
+        if server.process is not None and not server.process.alive():
+            self._mark_dead(server, f"process exited with {server.process.process.returncode}")
+            return
+        try:
+            response = await self._http.get(f"{server.url}/health", timeout=self.config.request_timeout_s)
+            if response.status_code != 200:
+                self._mark_dead(server, f"/health answered {response.status_code}")
+        except httpx.HTTPError as exc:
+            self._mark_dead(server, f"/health failed: {type(exc).__name__}")
+
+    async def _update(self, folder: Path, version: int, timeout_s: float) -> float:
+        start = time.perf_counter()
+        self._gate.clear()
+        try:
+            for server in self._servers:
+                for stream in list(server.streams):
+                    stream.cancel()
+            live = [s for s in self._servers if not s.dead]
+            if not live:
+                raise EngineError("no live vLLM server to update; restart them")
+            results = await asyncio.gather(*(self._reload(s, folder, timeout_s) for s in live),
+                                           return_exceptions=True)
+            for server, result in zip(live, results, strict=True):
+                if isinstance(result, _ServerFailed):
+                    self._mark_dead(server, f"weight reload failed: {result}")
+                elif isinstance(result, BaseException):
+                    raise result
+            if all(s.dead for s in self._servers):
+                raise EngineError(f"every vLLM server failed to reload the weights of version {version}")
+            self._version = version
+        finally:
+            self._gate.set()
+        return time.perf_counter() - start
+
+    async def _reload(self, server: _Server, folder: Path, timeout_s: float) -> None:
+        calls = [("POST", "/pause", {"params": {"mode": "abort"}}),
+                 ("POST", "/collective_rpc", {"json": {"method": "reload_weights",
+                                                       "kwargs": {"weights_path": str(folder)}}}),
+                 ("POST", "/reset_prefix_cache", {}),
+                 ("POST", "/resume", {})]
+        for method, path, kwargs in calls:
+            for _attempt in range(50):
+                try:
+                    response = await self._http.request(method, server.url + path, timeout=timeout_s, **kwargs)
+                except httpx.HTTPError as exc:
+                    raise _ServerFailed(f"{path}: {type(exc).__name__}: {exc}") from None
+                if response.status_code != 200:
+                    raise _ServerFailed(f"{path} answered {response.status_code}: {response.text[:300]}")
+                # The prefix cache holds KV of the old weights; vLLM refuses to reset it while blocks are
+                # still held (an aborted request not yet freed): retry, and never resume on stale KV.
+                if path != "/reset_prefix_cache" or response.json().get("success"):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise _ServerFailed("/reset_prefix_cache kept failing after the abort: KV of the old weights "
+                                    "may remain; the server is not used again")
+
+    async def _shutdown(self) -> None:
+        self._health.cancel()
+        tasks = [t for t in asyncio.all_tasks(self._loop) if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for req in list(self._requests):
+            self._finish(req, "aborted")
+        await self._http.aclose()
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        if not req.future.done():
+            req.future.set_result(Generation(list(req.tokens), list(req.logprobs), list(req.versions), reason))
+
+
+def _unshared(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` with every tensor that shares storage with an earlier one copied: a tied head is
+    one tensor under two names, and save_pretrained would write it once, under the name vLLM's
+    reload does not read as the head."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in weights.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.detach().clone() if ptr in seen else tensor.detach()
+        seen.add(ptr)
+    return out
+
+
+def _untied_skeleton(model_dir: Path) -> torch.nn.Module:
+    """The checkpoint's architecture on the meta device, with the output head untied from the
+    input embeddings (`serving_folder` says why)."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415  (only when weights move)
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.tie_word_embeddings = False
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def serving_folder(checkpoint: str | Path, out: str | Path) -> Path:
+    """The checkpoint as vLLM servers must load it to take weight updates: the same weights, with a
+    tied output head written out as a tensor of its own (`lm_head.weight`, a copy of the embeddings).
+
+    Why: vLLM's in-place reload (`reload_weights`) never refills a tied head (it logs
+    "ParallelLMHead: Failed to load weights") and keeps the old one, so after an update the
+    logprobs were those of new embeddings under an old head (measured: off by up to 0.55 nats on
+    the tiny test model). Untied, every tensor is in the folder and reloads. The logits are the
+    same: the head equals the embeddings at every version, since the Learner's tied weights give
+    both keys the same tensor. Tokenizer and generation files are copied unchanged."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    shutil.rmtree(out, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    skeleton = _untied_skeleton(checkpoint)
+    skeleton.load_state_dict(_unshared(model.state_dict()), strict=True, assign=True)
+    skeleton.save_pretrained(out)
+    for path in checkpoint.iterdir():
+        if path.is_file() and not path.name.endswith(".safetensors") and path.name != "config.json":
+            shutil.copy2(path, out / path.name)
+    return out
+
+
+def _finish_reason(reason: str, req: _Request) -> str | None:
+    if reason == "stop":
+        return "stop"
+    if reason == "length":
+        return "length"
+    return None  # "abort" (a pause or a restart on the server's side): resubmit what is left
