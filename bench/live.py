@@ -145,7 +145,7 @@ def bench_raw_postgres(url: str, events: list[dict], batch: int) -> float:
         with db.transaction():
             db.insert_new("events", EVENT_COLUMNS, "id", [
                 (e["id"], e["type"], e["session_id"], e["completion_id"], e["time"], time.time(),
-                 json.dumps(e["payload"])) for e in events[start : start + batch]])
+                 json.dumps(e["payload"]), e.get("org_id") or "") for e in events[start : start + batch]])
     elapsed = time.perf_counter() - t0
     db.close()
     return len(events) / elapsed
