@@ -103,19 +103,13 @@ def _cached_bootstrap(registry_root: Path, marker: Path, key: str) -> Checkpoint
     return v0
 
 
-def _step(title: str) -> None:
-    print(f"\n=== {title} ===", flush=True)
-
-
-def run_demo(config: DemoConfig) -> dict[str, Any]:
-    start = time.perf_counter()
+def version_zero(config: DemoConfig) -> Checkpoint:
+    """The demo's start, version 0: the cached bootstrap when `reuse_bootstrap` and its config match
+    (`_cached_bootstrap`), else a fresh bootstrap, cached for the next run unless `cache_refusal`
+    says it passes nothing. Either way everything downstream of version 0 in `run_dir` is cleared.
+    bench/demo_headroom.py measures the same version 0."""
     run = config.run_dir
     registry_root = run / "registry"
-    timings: dict[str, float] = {}
-
-    # 1. bootstrap (cached by its config)
-    _step("1. bootstrap: version 0 from scripted demonstrations")
-    t0 = time.perf_counter()
     key = _bootstrap_key(config.bootstrap)
     marker = run / "bootstrap.key"
     v0 = _cached_bootstrap(registry_root, marker, key) if config.reuse_bootstrap else None
@@ -136,6 +130,23 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             print(f"WARNING: {refusal}; the next run bootstraps again instead of reusing it", flush=True)
         else:
             marker.write_text(key)
+    return v0
+
+
+def _step(title: str) -> None:
+    print(f"\n=== {title} ===", flush=True)
+
+
+def run_demo(config: DemoConfig) -> dict[str, Any]:
+    start = time.perf_counter()
+    run = config.run_dir
+    registry_root = run / "registry"
+    timings: dict[str, float] = {}
+
+    # 1. bootstrap (cached by its config)
+    _step("1. bootstrap: version 0 from scripted demonstrations")
+    t0 = time.perf_counter()
+    v0 = version_zero(config)
     timings["bootstrap_s"] = time.perf_counter() - t0
     start_pass = v0.metrics.get("eval_pass_rate", float("nan"))
 
