@@ -302,10 +302,12 @@ def real_time_outcome(reports: list[Any]) -> str:
             f"detect only changes of those sizes (80% power)")
 
 
-def detectable_change(metric: Any, confidence: float = 0.95, power: float = 0.8) -> float | None:
-    """The smallest true difference between the arms that an A/B of this metric's arm sizes and
-    spread finds significant with probability `power` (normal approximation, each arm's own spread:
-    a rate's sqrt(p (1 - p)), a mean's from its t interval). None without both arms' figures.
+def detectable_change(metric: Any, confidence: float = 0.95, power: float = 0.8,
+                      per_arm: int | None = None) -> float | None:
+    """The smallest true difference between the arms that an A/B of this metric's spread finds
+    significant with probability `power` (normal approximation, each arm's own spread: a rate's
+    sqrt(p (1 - p)), a mean's from its t interval), at the metric's own arm sizes or at `per_arm`
+    answers an arm. None without both arms' figures.
 
     Why it is in the summary: a demo-sized A/B (tens of answers an arm) can only see large changes,
     and a rollback there says as much about the arm size as about the candidate."""
@@ -320,5 +322,5 @@ def detectable_change(metric: Any, confidence: float = 0.95, power: float = 0.8)
             sd = (ci[1] - ci[0]) / 2 * math.sqrt(n) / t_quantile(0.5 + confidence / 2, n - 1)
         else:
             return None
-        spreads.append(sd * sd / n)
+        spreads.append(sd * sd / (per_arm or n))
     return (z_quantile(0.5 + confidence / 2) + z_quantile(power)) * math.sqrt(sum(spreads))

@@ -152,6 +152,7 @@ def test_the_detectable_change_is_what_arms_of_that_size_find_significant_four_t
 
     rate = compare("persistence", [1.0, 0.0] * 20, [1.0, 0.0] * 20, 0.95)
     assert detectable_change(rate) == pytest.approx((1.96 + 0.8416) * (0.25 * 2 / 40) ** 0.5, rel=1e-3)  # 0.313
+    assert detectable_change(rate, per_arm=160) == pytest.approx(detectable_change(rate) / 2)  # 4x the answers
     values = [float(i % 2) for i in range(400)]  # sd 0.5006 (n - 1)
     mean = compare("reward", values, values, 0.95)
     assert detectable_change(mean) == pytest.approx(2.8016 * 0.5006 * (2 / 400) ** 0.5, rel=1e-3)
