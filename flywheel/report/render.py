@@ -180,7 +180,7 @@ def _training_section(runs: Sequence[TrainingRun]) -> str:
     throughput = [Series(r.name, [(s.step, s.tokens_per_s) for s in r.steps], color=colors[r.name]) for r in runs]
     charts = [
         line_chart("Training reward (mean of the episodes each policy sampled)", reward,
-                   x_label=f"{_STEP_AXIS} that sampled them", y_label="reward"),
+                   x_label=f"the policy that sampled them, by {_STEP_AXIS}", y_label="reward"),
         line_chart("Held-out pass rate (95% Wilson band)", held_out, x_label=_STEP_AXIS, y_label="pass rate",
                    y_range=(0, 1)),
         line_chart("Staleness of trained tokens", staleness, x_label="learner step",
