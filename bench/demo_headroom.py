@@ -61,7 +61,8 @@ def log(message: str) -> None:
 def start_checkpoint(config: DemoConfig, registry_root: Path | None, checkpoint: str) -> tuple[Path, Checkpoint]:
     """The checkpoint to measure: `checkpoint` of `registry_root`, else the demo's version 0, read as
     it is when the demo's cache holds it (the previous demo's run folders are left alone), bootstrapped
-    like the demo does otherwise."""
+    like the demo does otherwise (`version_zero`, which clears the run folder's later stages: they
+    belonged to another version 0)."""
     if registry_root is None:
         registry_root, marker = config.run_dir / "registry", config.run_dir / "bootstrap.key"
         if not (marker.is_file() and marker.read_text() == _bootstrap_key(config.bootstrap)):
