@@ -63,12 +63,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flywheel.live.batch import OnPolicyBatch
-from flywheel.live.deploy import PINNED
+from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import GateRun
 from flywheel.live.records import Completion
 from flywheel.live.rewards import Reward
 from flywheel.model.engine import EngineConfig, LocalEngine
-from flywheel.model.registry import METADATA_FILE, Checkpoint, Registry
+from flywheel.model.registry import CANDIDATE, METADATA_FILE, PRODUCTION, Checkpoint, CheckpointNotFound, Registry
 from flywheel.rl.learner import Learner, LearnerConfig
 
 _ORG = re.compile(r"[a-z0-9_-]{1,40}")
@@ -99,6 +99,20 @@ def check_org_id(org_id: str) -> str:
 def org_alias(alias: str, org_id: str) -> str:
     """The Registry alias of one organization's `production` / `candidate` adapter."""
     return f"{alias}-{check_org_id(org_id)}"
+
+
+def sync_org_aliases(registry: Registry, org_id: str, deployment: Deployment | None) -> None:
+    """Point `production-<org>` / `candidate-<org>` at the organization's deployment (the shared
+    `deploy.sync_aliases`, per organization); None removes both: it is served the shared base."""
+    for alias, version in ((PRODUCTION, deployment.production if deployment else None),
+                           (CANDIDATE, deployment.candidate if deployment else None)):
+        if version is not None:
+            registry.set_alias(org_alias(alias, org_id), version)
+            continue
+        try:
+            registry.remove_alias(org_alias(alias, org_id))
+        except CheckpointNotFound:
+            pass  # there was none to remove
 
 
 def orgs_with_traffic(completions: Sequence[Completion], rewards: dict[str, Reward], version: int,
