@@ -77,10 +77,16 @@ from flywheel.live.abtest import ARMS, ABConfig, ABReport, analyze, compare, met
 from flywheel.live.batch import OnPolicyBatch, on_policy_batch
 from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import Contender, Gate, GateConfig, GateRun
-from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorConfig, monitor_window
+from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorConfig
 from flywheel.live.records import BACKGROUND, Completion
 from flywheel.live.rewards import Reward, RewardConfig, RewardDistiller, distill_sessions
-from flywheel.live.sessions import GatheredSessions, gather_background
+from flywheel.live.sessions import (
+    GatheredSessions,
+    SessionMonitor,
+    SessionMonitorConfig,
+    gather_background,
+    watch,
+)
 from flywheel.live.store import LiveStore
 from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.process_engine import start_engine
@@ -183,6 +189,9 @@ class LiveConfig(BaseModel):
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     ab: ABConfig = Field(default_factory=ABConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    # Background sessions as wholes (flywheel/live/sessions.py): length, turns before the first edit,
+    # the outcome mix; their series and alarms join the per-answer monitors' in the report.
+    session_monitor: SessionMonitorConfig = Field(default_factory=SessionMonitorConfig)
     alarms_block_promotion: bool = True  # a critical alarm on the candidate stops its promotion
     # What the monitors compare every version with: "production" (this cycle's) or "first" (the
     # production of the run's first cycle, which also catches a slow drift across promotions).
@@ -360,6 +369,7 @@ class LiveCycle:
         self.distiller = RewardDistiller(config.rewards)
         self.gate = Gate(config.gate)
         self.monitor = Monitor(config.monitor)
+        self.session_monitor = SessionMonitor(config.session_monitor)
         if config.store_url is None and not config.store_path.is_file():
             raise ValueError(f"no live store at {config.store_path}; start `flywheel serve` first (it writes "
                              "run_dir/live.sqlite) or set store_path to its file")
@@ -640,15 +650,12 @@ class LiveCycle:
         return out
 
     def _watch(self, state: CycleState, store: LiveStore) -> None:
-        """Run the monitors over the lookback window; record alarms and which of them block the candidate."""
-        completions, rewards = monitor_window(store, self.distiller, time.time(), self.config.monitor_lookback_s)
-        if not completions:
-            state.monitor = MonitorSummary(baseline_version=None, tests=0, series=[])
-            return
-        baseline = state.first_production if self.config.monitor_baseline == "first" else state.production
-        if baseline not in {c.version for c in completions}:
-            baseline = None  # no traffic of it in the window: each version is compared with its own past
-        report = self.monitor.run(completions, rewards, baseline_version=baseline)
+        """Run the monitors, per answer and per session (`sessions.watch`, the dashboard's too), over
+        the lookback window; record alarms and which of them block the candidate."""
+        wanted = state.first_production if self.config.monitor_baseline == "first" else state.production
+        watched = watch(store, self.distiller, self.monitor, self.session_monitor, time.time(),
+                        self.config.monitor_lookback_s, wanted)
+        report, baseline = watched.report, watched.baseline_version
         state.alarms = report.alarms
         state.blocking_alarms = report.blocking(state.candidate) if state.candidate is not None else []
         state.monitor = MonitorSummary(baseline_version=baseline, tests=report.tests, series=report.series)
