@@ -44,8 +44,9 @@ versions, loaded by `adapter_loader` on the tensors of the base the main Router 
 (the key's org) go there, A/B split by session within that organization's traffic; `None` rolls
 the organization back to the shared deployment. Everyone else is untouched.
 
-Not covered here (see docs/ARCHITECTURE.md): the live cycle driving this per organization
-(gather its traffic, train, gate on both batteries, deploy, A/B, decide) end to end.
+The live cycle drives all of this per organization (flywheel/live/cycle.py, `orgs`): gather its
+traffic, train, gate on both batteries, deploy, A/B, decide. An organization's deployment may name
+a full checkpoint as its production: the base its first adapter is A/B tested against.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from flywheel.live.records import Completion
 from flywheel.live.rewards import Reward
 from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.registry import CANDIDATE, METADATA_FILE, PRODUCTION, Checkpoint, CheckpointNotFound, Registry
+from flywheel.model.tokenizer import load_tokenizer
 from flywheel.rl.learner import Learner, LearnerConfig
 
 _ORG = re.compile(r"[a-z0-9_-]{1,40}")
@@ -166,15 +168,18 @@ def register_adapter(registry: Registry, adapter: Any, tokenizer: PreTrainedToke
                              base=base, org_id=org_id)
 
 
-def load_adapted(registry: Registry, version: int | str) -> tuple[Any, PreTrainedTokenizerBase]:
-    """The adapter version's base with the adapter applied (a PeftModel), and its tokenizer."""
+def load_adapted(registry: Registry, version: int | str,
+                 trainable: bool = False) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The adapter version's base with the adapter applied (a PeftModel), and its tokenizer;
+    `trainable`: its LoRA weights train (a cycle continuing the organization's adapter)."""
     from peft import PeftModel  # noqa: PLC0415
 
     checkpoint = registry.get(version)
     if checkpoint.base is None:
         raise ValueError(f"v{checkpoint.version} is a full checkpoint, not an adapter; load it with Registry.load")
     base, tokenizer = registry.load(checkpoint.base)
-    return PeftModel.from_pretrained(base, str(checkpoint.path), is_trainable=False).eval(), tokenizer
+    model = PeftModel.from_pretrained(base, str(checkpoint.path), is_trainable=trainable)
+    return (model.train() if trainable else model.eval()), tokenizer
 
 
 def merged(adapter: Any) -> PreTrainedModel:
@@ -208,6 +213,12 @@ def adapter_view(base: PreTrainedModel, adapter: Any) -> PreTrainedModel:
     return view.eval()
 
 
+def shared_copy(base: PreTrainedModel) -> PreTrainedModel:
+    """A module of its own (an engine may set attributes on it) whose every tensor IS `base`'s."""
+    memo: dict[int, Any] = {id(t): t for t in [*base.parameters(), *base.buffers()]}
+    return copy.deepcopy(base, memo).eval()
+
+
 def adapter_loader(registry: Registry, served_base: Callable[[int], PreTrainedModel | None],
                    engine_config: EngineConfig) -> Callable[[int], tuple[LocalEngine, PreTrainedTokenizerBase]]:
     """An EngineLoader for adapter versions: each is an `adapter_view` on its base's weights as
@@ -216,12 +227,12 @@ def adapter_loader(registry: Registry, served_base: Callable[[int], PreTrainedMo
 
     def load(version: int) -> tuple[LocalEngine, PreTrainedTokenizerBase]:
         checkpoint = registry.get(version)
-        if checkpoint.base is None:
-            raise ValueError(f"v{version} is a full checkpoint; an organization's deployment names adapter versions "
-                             "(or set it to None to serve the organization the shared deployment)")
-        base = served_base(checkpoint.base)
+        root = checkpoint.base if checkpoint.base is not None else version
+        base = served_base(root)
         if base is None:
-            base = bases.get(checkpoint.base) or bases.setdefault(checkpoint.base, registry.load(checkpoint.base)[0])
+            base = bases.get(root) or bases.setdefault(root, registry.load(root)[0])
+        if checkpoint.base is None:  # the base itself: the production arm of an organization's first A/B test
+            return LocalEngine(shared_copy(base), engine_config, version=version), load_tokenizer(checkpoint.path)
         adapter, tokenizer = load_adapted(registry, version)
         return LocalEngine(adapter_view(base, adapter), engine_config, version=version), tokenizer
 

@@ -773,8 +773,9 @@ class LiveServer:
         A/B split by session within the organization's traffic), or with None the shared deployment
         again (a rollback of the organization alone). Needs a Registry (the adapters live there).
 
-        Every version must be an adapter registered for this organization (ValueError names the one
-        that is not; a version the Registry lacks raises CheckpointNotFound). The Registry's aliases
+        Every version must be an adapter registered for this organization, except that production
+        may be a full checkpoint (its base, for the A/B test of its first adapter) (ValueError names
+        the one that is not; a version the Registry lacks raises CheckpointNotFound). The Registry's aliases
         `production-<org>` / `candidate-<org>` move with it, and the change is written to the store's
         org_deployments, which every replica follows (`follow_org_deployments`)."""
         if self.registry is None:
@@ -784,10 +785,13 @@ class LiveServer:
         check_org_id(org_id)
         for version in sorted(deployment.versions) if deployment is not None else []:
             checkpoint = self.registry.get(version)
+            if checkpoint.base is None and deployment is not None and version == deployment.production:
+                continue  # a base as the production arm: what an organization's first adapter is tested against
             if checkpoint.base is None or checkpoint.org_id != org_id:
                 what = "a full checkpoint" if checkpoint.base is None else f"an adapter of {checkpoint.org_id!r}"
                 raise ValueError(f"v{version} is {what}, not an adapter of {org_id!r}; name that organization's "
-                                 "adapter versions (GET /v1/admin/orgs lists them), or null for the shared deployment")
+                                 "adapter versions (GET /v1/admin/orgs lists them; a full checkpoint only as "
+                                 "production), or null for the shared deployment")
         with self._org_lock:
             self._serve_org(org_id, deployment, note)
             sync_org_aliases(self.registry, org_id, deployment)

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 import torch
-from cycle_world import KEY, POLICY, REPO, live_world, make_registry, start_checkpoint
+from cycle_world import KEY, POLICY, POPULATION, REPO, live_world, make_registry, start_checkpoint
 from test_sessions import policy_sessions
 from tiny_serving import KEYS, stored_completion
 from tiny_serving import make_registry as tiny_registry
@@ -345,3 +345,48 @@ def test_the_cycle_report_and_the_dashboard_show_the_same_session_monitors(tmp_p
     assert ("done_without_edit_rate", 1) in blocking
     assert any(a["metric"] == "done_without_edit_rate" and a["version"] == 1 for a in dashboard["alarms"])
 
+
+
+def test_a_cycle_specializes_an_organization_on_its_own_traffic_and_decides_for_it_alone(tmp_path):
+    """Half the simulated users belong to acme (their requests name it): after the shared model's
+    decision the cycle trains acme's LoRA adapter on acme's on-policy completions only, gates it on
+    acme's battery and the general one, A/B tests it within acme's traffic through the server, and
+    promotes or rolls back acme alone; report.json records it."""
+    start_checkpoint()
+    acme_dev = POPULATION.profiles[0].model_copy(update={"name": "acme-dev", "org_id": "acme"})
+    population = POPULATION.model_copy(update={"profiles": [POPULATION.profiles[0], acme_dev]})
+    with live_world(tmp_path, population=population) as world:
+        config = _cycle_config(
+            tmp_path, world.serve.store_path, world.registry_root,
+            deploy={"candidate_fraction": 0.5, "max_wait_s": 180.0, "poll_s": 0.5, "promote_when": "gate"},
+            orgs={"enabled": True, "adapter": {"min_completions": 6, "rank": 4}, "candidate_fraction": 0.5},
+            ab={"min_per_arm": 6})
+        cycle = LiveCycle(config, ServerControl(world.server), log=lambda m: None, gate_tasks=POLICY.tasks(),
+                          org_gate_tasks={"acme": POLICY.tasks()})
+        (report,) = cycle.run(1)
+        acme_after = world.server.org_deployment("acme")
+        shared_after = world.server.deployment
+        store = world.server.store
+        acme_batch = [c for c in store.completions(version=0, start=report.batch["since"], end=report.batch["cutoff"])
+                      if c.org_id == "acme"]
+    acme = report.orgs["acme"]
+    assert list(report.orgs) == ["acme"] and acme.decision in ("promote", "rollback"), acme.reason
+    assert (acme.served_version, acme.base) == (0, 0) and 6 <= acme.completions <= len(acme_batch)
+    assert acme.train["optimizer_steps"] > 0 and acme.gate.passed, acme.reason
+    assert acme.org_gate.tasks == acme.general_gate.tasks == len(POLICY.tasks())
+    # The A/B test ran within acme's traffic: the base against the adapter, nobody else's answers.
+    assert acme.ab.versions == {"production": [0], "candidate": [acme.candidate]}
+    assert acme.ab.closed["production"] >= 6 and acme.ab.closed["candidate"] >= 6 or acme.ab.decision == "wait"
+    assert acme_after == acme.deployment_after
+    assert acme_after == (Deployment(production=acme.candidate) if acme.decision == "promote" else None)
+    assert shared_after == Deployment(production=report.production_after)  # the shared decision stands
+    with Registry(world.registry_root) as registry:
+        adapter = registry.get(acme.candidate)
+        assert (adapter.base, adapter.org_id, adapter.parent) == (0, "acme", 0)
+        if acme.decision == "promote":
+            assert registry.get("production-acme").version == acme.candidate
+        else:
+            with pytest.raises(CheckpointNotFound):
+                registry.get("production-acme")
+    saved = json.loads((tmp_path / "cycles" / "cycle-0001" / "report.json").read_text())
+    assert saved["orgs"]["acme"]["decision"] == acme.decision and "orgs_s" in report.timings

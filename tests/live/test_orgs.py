@@ -202,7 +202,10 @@ def test_the_server_routes_each_org_to_its_adapters_ab_tests_within_it_and_rolls
         server.set_org_deployment("acme", None)  # rolled back alone
         assert served(acme, "a-1") == (0, "production") and server.org_deployment("acme") is None
         with pytest.raises(ValueError, match="full checkpoint"):
-            server.set_org_deployment("acme", Deployment(production=1))
+            server.set_org_deployment("acme", Deployment(production=a1, candidate=1, candidate_fraction=0.5))
+        # The base against its first adapter, within the organization:
+        server.set_org_deployment("acme", Deployment(production=0, candidate=a1, candidate_fraction=0.5))
+        assert {served(acme, f"first-{i}") for i in range(12)} == {(0, "production"), (a1, "candidate")}
     server.close()
 
 
@@ -235,7 +238,7 @@ def test_admin_endpoints_set_org_deployments_that_every_replica_follows(tmp_path
 
         for body, status, says in [
             ({"deployment": {"production": g1}}, 400, "an adapter of 'globex'"),
-            ({"deployment": {"production": 0}}, 400, "a full checkpoint"),
+            ({"deployment": {"production": a1, "candidate": 1, "candidate_fraction": 0.5}}, 400, "a full checkpoint"),
             ({"deployment": {"production": 999}}, 404, "999"),
             ({"deployment": {"production": a1, "candidate": a1}}, 400, "both production and candidate"),
             ({"deployment": {"production": a1}, "extra": 1}, 400, "extra"),
