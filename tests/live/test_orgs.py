@@ -13,6 +13,7 @@ import torch
 from tiny_serving import KEYS, make_registry
 
 from flywheel.live.batch import on_policy_batch
+from flywheel.live.cycle import HttpControl
 from flywheel.live.deploy import Deployment
 from flywheel.live.gate import GateDecision, GateResult, GateRun
 from flywheel.live.orgs import (
@@ -273,7 +274,11 @@ def test_admin_endpoints_set_org_deployments_that_every_replica_follows(tmp_path
                 versions.add(b.store.completion(reply.id).version)
             assert versions == {a1, a2}  # the A/B split within acme's traffic, on replica b
 
-            assert http.put(url, json={"deployment": {"production": a2}}, headers=admin).status_code == 200
+            # What `flywheel live` uses next to a server: the same endpoints.
+            control = HttpControl(running_a.url, "admin-key")
+            assert control.org_current("acme") == Deployment(**ab) and control.org_current("globex") is None
+            control.apply_org("acme", Deployment(production=a2), "cycle")
+            control.close()
             b_serves({"production": a2, "candidate": None, "candidate_fraction": 0.0})
             r = http.put(url, json={"deployment": None}, headers=admin)
             assert r.status_code == 200 and r.json()["previous"]["production"] == a2
