@@ -13,6 +13,10 @@
                                             200 only after commit
     GET|POST /v1/admin/deployment [admin]   read or change production / candidate / candidate_fraction
     POST /v1/admin/deployment/sync [admin]  re-read the Registry's aliases (after `flywheel registry promote`)
+    GET  /v1/admin/orgs        [admin]      the shared deployment, and each organization's own (adapters)
+    GET|PUT /v1/admin/orgs/{org}/deployment [admin]  read or change one organization's deployment of its
+                                            adapters ({"deployment": null}: back to the shared one); stored in
+                                            the live store's org_deployments, which every replica follows
     GET  /dashboard            [dashboard]  HTML: flywheel.report's views, live; polls GET /dashboard/data
     GET  /dashboard/data       [dashboard]  {"html": the page's sections, "data": build_report_data's dict}
     GET  /metrics              [dashboard]  Prometheus text format (flywheel/live/metrics.py): requests, latency
@@ -116,9 +120,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
 from flywheel.live.metrics import MeasuredRequests, ServerMetrics
-from flywheel.live.monitors import Monitor, MonitorConfig, monitor_window
+from flywheel.live.monitors import Monitor, MonitorConfig
 from flywheel.live.records import BACKGROUND, INTERACTIVE, Completion, CompletionToolCall, Event, storable
 from flywheel.live.rewards import RewardConfig, RewardDistiller
+from flywheel.live.sessions import SessionMonitor, SessionMonitorConfig, watch
 from flywheel.live.store import Ingest, LiveStore
 from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, parse_assistant, tools_in_prompt
 from flywheel.model.conversation import ConversationEncoder, PromptTooLong
@@ -152,6 +157,7 @@ class DashboardConfig(BaseModel):
     # longer shows more history at a cost that grows with the traffic.
     horizon_s: float = Field(default=6 * 3600.0, gt=0)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    session_monitor: SessionMonitorConfig = Field(default_factory=SessionMonitorConfig)  # background sessions
     rewards: RewardConfig = Field(default_factory=RewardConfig)
 
 
@@ -588,6 +594,26 @@ class DeploymentResponse(BaseModel):
     previous: Deployment | None = None
 
 
+class OrgDeploymentRequest(BaseModel):
+    """PUT /v1/admin/orgs/{org}/deployment: the organization's adapters, or null for the shared deployment."""
+
+    model_config = ConfigDict(extra="forbid")
+    deployment: Deployment | None
+
+
+class OrgDeploymentResponse(BaseModel):
+    org_id: str
+    deployment: Deployment | None  # None: served the shared deployment
+    served_versions: list[int]  # the adapters its own Router serves
+    adapters: list[int]  # every adapter the Registry holds for it
+    previous: Deployment | None = None  # PUT only: what it was served before
+
+
+class OrgList(BaseModel):
+    shared: Deployment
+    orgs: list[OrgDeploymentResponse]  # organizations of the [orgs] keys, with a deployment, or with adapters
+
+
 class Health(BaseModel):
     status: Literal["ok"]
 
@@ -665,7 +691,10 @@ class LiveServer:
         # Organizations with adapters deployed: each its own Router over adapter versions
         # (flywheel/live/orgs.py); every other request goes to `router`.
         self._org_routers: dict[str, Router] = {}
-        self._org_lock = threading.Lock()
+        self._org_lock = threading.RLock()
+        # Per organization, the org_deployments row this replica serves (0: none yet, so a restarted
+        # server serves what the store says at its first poll).
+        self._org_seqs: dict[str, int] = {}
         self._encoders: dict[int, ConversationEncoder] = {}  # by version: a checkpoint's tokenizer never changes
         self._dashboard_lock = threading.Lock()
         self._dashboard: tuple[float, dict[str, Any]] | None = None  # (monotonic time computed, data)
@@ -730,6 +759,7 @@ class LiveServer:
         while not self._stop.wait(self.config.deployment_poll_s):
             try:
                 self.follow_deployment()
+                self.follow_org_deployments()
             except Exception:  # noqa: BLE001  (a failed poll is logged and retried; the loop must outlive it)
                 log.exception("following the deployment failed; retrying in %s s", self.config.deployment_poll_s)
 
@@ -741,28 +771,71 @@ class LiveServer:
     def set_org_deployment(self, org_id: str, deployment: Deployment | None, note: str = "") -> None:
         """Serve `org_id` its adapters per `deployment` (versions are adapters of the served base;
         A/B split by session within the organization's traffic), or with None the shared deployment
-        again (a rollback of the organization alone). Needs a Registry (the adapters live there)."""
+        again (a rollback of the organization alone). Needs a Registry (the adapters live there).
+
+        Every version must be an adapter registered for this organization, except that production
+        may be a full checkpoint (its base, for the A/B test of its first adapter) (ValueError names
+        the one that is not; a version the Registry lacks raises CheckpointNotFound). The Registry's aliases
+        `production-<org>` / `candidate-<org>` move with it, and the change is written to the store's
+        org_deployments, which every replica follows (`follow_org_deployments`)."""
         if self.registry is None:
             raise ValueError("this server has no Registry to load adapters from; build it with LiveServer.from_config")
-        from flywheel.live.orgs import adapter_loader, check_org_id  # noqa: PLC0415  (peft loads only when used)
+        from flywheel.live.orgs import check_org_id, sync_org_aliases  # noqa: PLC0415  (peft loads only when used)
 
         check_org_id(org_id)
+        for version in sorted(deployment.versions) if deployment is not None else []:
+            checkpoint = self.registry.get(version)
+            if checkpoint.base is None and deployment is not None and version == deployment.production:
+                continue  # a base as the production arm: what an organization's first adapter is tested against
+            if checkpoint.base is None or checkpoint.org_id != org_id:
+                what = "a full checkpoint" if checkpoint.base is None else f"an adapter of {checkpoint.org_id!r}"
+                raise ValueError(f"v{version} is {what}, not an adapter of {org_id!r}; name that organization's "
+                                 "adapter versions (GET /v1/admin/orgs lists them; a full checkpoint only as "
+                                 "production), or null for the shared deployment")
         with self._org_lock:
-            current = self._org_routers.get(org_id)
-            if deployment is None:
-                if current is not None:
-                    del self._org_routers[org_id]
-                    current.close()
-            elif current is None:
-                def served_base(version: int) -> Any:
-                    try:
-                        return getattr(self.router.engine(version), "model", None)
-                    except NotServed:
-                        return None
-                self._org_routers[org_id] = Router(adapter_loader(self.registry, served_base, self.config.engine),
-                                                   deployment)
-            else:
-                current.deploy(deployment)
+            self._serve_org(org_id, deployment, note)
+            sync_org_aliases(self.registry, org_id, deployment)
+            self._org_seqs[org_id] = self.store.record_org_deployment(
+                org_id, *_deployment_row(deployment), note=note, origin=replica_name(self.config))
+
+    def follow_org_deployments(self) -> list[str]:
+        """Serve each organization's newest row of the store's org_deployments that another replica
+        wrote (or that a restarted server served before); returns the organizations changed."""
+        if self.registry is None:
+            return []  # no adapters to load: organizations are served the shared deployment
+        changed = []
+        for org_id, row in self.store.latest_org_deployments().items():
+            with self._org_lock:
+                if row["seq"] <= self._org_seqs.get(org_id, 0):
+                    continue
+                wanted = None if row["production"] is None else Deployment(
+                    production=row["production"], candidate=row["candidate"], candidate_fraction=row["fraction"])
+                if wanted != self.org_deployment(org_id):  # the writer moved the Registry's aliases already
+                    self._serve_org(org_id, wanted, f"as org deployment #{row['seq']} says ({row['note']})")
+                    changed.append(org_id)
+                self._org_seqs[org_id] = row["seq"]
+        return changed
+
+    def _serve_org(self, org_id: str, deployment: Deployment | None, note: str) -> None:
+        """Route `org_id` per `deployment` (None: the shared deployment); under `_org_lock`."""
+        from flywheel.live.orgs import adapter_loader  # noqa: PLC0415  (peft loads only when used)
+
+        assert self.registry is not None
+        current = self._org_routers.get(org_id)
+        if deployment is None:
+            if current is not None:
+                del self._org_routers[org_id]
+                current.close()
+        elif current is None:
+            def served_base(version: int) -> Any:
+                try:
+                    return getattr(self.router.engine(version), "model", None)
+                except NotServed:
+                    return None
+            self._org_routers[org_id] = Router(adapter_loader(self.registry, served_base, self.config.engine),
+                                               deployment)
+        else:
+            current.deploy(deployment)
         log.info("organization %s: %s (%s)", org_id, deployment or "shared deployment", note)
 
     def sync_from_registry(self, candidate_fraction: float | None = None) -> Deployment:
@@ -830,16 +903,18 @@ class LiveServer:
             if self._dashboard is not None and time.monotonic() - self._dashboard[0] < config.refresh_s:
                 return self._dashboard[1]
             now = time.time()
-            completions, rewards = monitor_window(self.store, RewardDistiller(config.rewards), now, config.horizon_s)
             d = self.deployment
-            baseline = d.production if any(c.version == d.production for c in completions) else None
-            monitors = Monitor(config.monitor).run(completions, rewards, baseline_version=baseline)
+            # The cycle's own window and monitors, per answer and per session (flywheel/live/sessions.py).
+            watched = watch(self.store, RewardDistiller(config.rewards), Monitor(config.monitor),
+                            SessionMonitor(config.session_monitor), now, config.horizon_s, d.production)
+            monitors = watched.report
             live = {"production": f"v{d.production}",
                     "candidate": "none" if d.candidate is None else f"v{d.candidate} ({d.candidate_fraction:.0%} of "
                                                                     "sessions)",
                     "completions": self.store.count_completions(), "events": self.store.count_events()}
             data = build_report_data(config.report_dirs, live=live, title="flywheel dashboard", monitors={
-                "source": f"this server's last {config.horizon_s / 3600:g} h ({len(completions)} completions, "
+                "source": f"this server's last {config.horizon_s / 3600:g} h ({watched.completions} completions, "
+                          f"{watched.sessions} background sessions, "
                           f"{config.monitor.window_s:g} s windows)",
                 "series": monitors.series, "alarms": monitors.alarms})
             self._dashboard = (time.monotonic(), data)
@@ -1387,6 +1462,13 @@ def _resume_fraction(store: LiveStore, registry: Registry, default: float) -> fl
     return last["fraction"] if last["candidate"] == candidate else default
 
 
+def _deployment_row(deployment: Deployment | None) -> tuple[int | None, int | None, float]:
+    """(production, candidate, fraction) as a deployments row holds them; None: (None, None, 0.0)."""
+    if deployment is None:
+        return None, None, 0.0
+    return deployment.production, deployment.candidate, deployment.candidate_fraction
+
+
 def replica_name(config: ServeConfig) -> str:
     """Who this server is, in the deployments history of a store several replicas share."""
     return f"{socket.gethostname()}:{config.port} pid {os.getpid()}"
@@ -1590,6 +1672,64 @@ def create_app(server: LiveServer) -> FastAPI:
         except (KeyError, ValueError) as exc:
             raise ApiError(409, str(exc), code="registry_unusable") from None
         return {"deployment": deployment.model_dump(), "served_versions": server.router.served_versions()}
+
+    # ---- each organization's own deployment of adapters (flywheel/live/orgs.py), admin like the above
+
+    def org_reply(org_id: str, previous: Deployment | None = None) -> dict[str, Any]:
+        router = server._org_routers.get(org_id)
+        adapters = [c.version for c in server.registry.list() if c.org_id == org_id and c.base is not None] \
+            if server.registry is not None else []
+        deployment = server.org_deployment(org_id)
+        return {"org_id": org_id, "deployment": deployment.model_dump() if deployment else None,
+                "served_versions": router.served_versions() if router else [], "adapters": adapters,
+                "previous": previous.model_dump() if previous else None}
+
+    def org_param(org_id: str) -> str:
+        from flywheel.live.orgs import check_org_id  # noqa: PLC0415  (peft loads only when used)
+
+        try:
+            return check_org_id(org_id)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)[:300], code="invalid_org", param="org_id") from None
+
+    @app.get("/v1/admin/orgs", response_model=None, responses=_json_reply(OrgList, 401, 403))
+    async def list_orgs(request: Request) -> dict[str, Any]:
+        server.authorize(request, "admin")
+        orgs = set(server.config.orgs.values()) | set(server._org_routers)
+        if server.registry is not None:
+            orgs |= {c.org_id for c in await run_in_threadpool(server.registry.list) if c.base is not None}
+        replies = [await run_in_threadpool(org_reply, org) for org in sorted(orgs)]
+        return {"shared": server.deployment.model_dump(), "orgs": replies}
+
+    @app.get("/v1/admin/orgs/{org_id}/deployment", response_model=None,
+             responses=_json_reply(OrgDeploymentResponse, 400, 401, 403))
+    async def get_org_deployment(org_id: str, request: Request) -> dict[str, Any]:
+        server.authorize(request, "admin")
+        return await run_in_threadpool(org_reply, org_param(org_id))
+
+    @app.put("/v1/admin/orgs/{org_id}/deployment", response_model=None,
+             openapi_extra=_json_body(OrgDeploymentRequest),
+             responses=_json_reply(OrgDeploymentResponse, 400, 401, 403, 404, 409, 413))
+    async def put_org_deployment(org_id: str, request: Request) -> dict[str, Any]:
+        server.authorize(request, "admin")
+        org = org_param(org_id)
+        try:
+            wanted = OrgDeploymentRequest.model_validate_json(await _read_body(request, limit)).deployment
+        except ValidationError as exc:
+            raise ApiError(400, f"invalid organization deployment: {_errors(exc)}") from None
+        if wanted is not None and max(wanted.versions) > _MAX_VERSION:
+            raise ApiError(404, f"no version above {_MAX_VERSION} exists; name a registered adapter",
+                           code="version_not_found")
+        if server.registry is None:
+            raise ApiError(409, "this server has no Registry to load adapters from", code="registry_unusable")
+        previous = server.org_deployment(org)
+        try:
+            await run_in_threadpool(server.set_org_deployment, org, wanted, "admin endpoint")
+        except KeyError as exc:  # CheckpointNotFound: a version the registry does not hold
+            raise ApiError(404, str(exc)[:300], code="version_not_found") from None
+        except ValueError as exc:  # a full checkpoint, or another organization's adapter
+            raise ApiError(400, str(exc)[:300], code="not_an_org_adapter") from None
+        return await run_in_threadpool(org_reply, org, previous)
 
     known_paths.update(route.path for route in app.routes)
     return app
