@@ -63,7 +63,7 @@ is the completion's id: the id clients put in their events. Responses also carry
 (version, arm, session_id) that strict clients ignore.
 
 Departures from OpenAI's API, each refused with a 400 that says so rather than silently ignored:
-`n` > 1 with streaming, `top_logprobs` > 0 (the engine returns the sampled token's logprob only),
+`top_logprobs` > 0 (the engine returns the sampled token's logprob only),
 frequency / presence penalties and `logit_bias` (the sampled tokens' logprobs must be the model's,
 for the Learner), `response_format` other than text, images. `seed` gives the request its own
 random stream: the same seed and request sample the same tokens. `n` > 1 (up to 16, a GRPO group
@@ -73,8 +73,11 @@ Completion per choice: the response's `id` is the first one's, and each choice n
 call's opening (`<tool_call>` and, when named, `{"name": ..., "arguments": `), written as prompt
 tokens, so the Completion's prompt ids end with it and only the model's own tokens are trained on.
 Streaming is real: the engine hands each token to the server as it samples it
-(`SamplingParams.on_token`), and each becomes a content chunk (text before a tool call's markup;
-the calls follow as tool_call deltas once parsed); the completion is stored before the last chunk,
+(`SamplingParams.on_token`; a `ProcessEngine` relays it from its child), and with `n` > 1 the
+choices' chunks are interleaved as their tokens come, each naming its `index` and its own
+`completion_id` under the response's one `id`, the usage chunk counting them all. Each token
+becomes a content chunk (text before a tool call's markup; the calls follow as tool_call deltas
+once parsed); the completion is stored before the last chunk,
 which carries `flywheel.ttft_ms`, the time from the request to its first token. `stop` sequences
 cut the answer where one first appears in the sampled text (`_Call._stopped`): the Completion keeps
 the shortest prefix of sampled tokens that holds it, and the text ends before it. A tool call the
@@ -127,7 +130,7 @@ from flywheel.live.sessions import SessionMonitor, SessionMonitorConfig, watch
 from flywheel.live.store import Ingest, LiveStore
 from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, parse_assistant, tools_in_prompt
 from flywheel.model.conversation import ConversationEncoder, PromptTooLong
-from flywheel.model.engine import Engine, EngineConfig, EngineError, LocalEngine, SamplingParams
+from flywheel.model.engine import Engine, EngineConfig, EngineError, SamplingParams
 from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import CANDIDATE, Registry
 from flywheel.report import build_report_data, dashboard_page, render_body
@@ -942,9 +945,6 @@ class LiveServer:
         started, created = time.perf_counter(), time.time()
         req = _parse_chat(body)
         n = req.n or 1
-        if n > 1 and req.stream:
-            raise ApiError(400, "n > 1 is not supported with stream; send n requests, or leave stream unset",
-                           param="n")
         session_id, user_id, meta = _identity(req, request)
         org_id = self._request_org(request, meta)
         session_kind = meta.pop("session_kind", INTERACTIVE)
@@ -980,12 +980,17 @@ class LiveServer:
             # tool_choice "required" or a named function: the assistant turn starts with the call's
             # opening, written by the template (prompt tokens, never trained on), and the model goes on.
             prompt_ids = prompt_ids + (encoder.text(forced) if forced else [])
-            params = self._sampling(req, len(prompt_ids), lease.tokenizer)
+            sampling = self._sampling(req, len(prompt_ids), lease.tokenizer)
             encoder.remember(fresh)  # only now: a refused request leaves nothing in the cache
-            tokens: asyncio.Queue[tuple[int, float] | None] | None = None
-            if req.stream:  # real streaming: each token reaches the client as the engine samples it
-                tokens = asyncio.Queue()
-                loop = asyncio.get_running_loop()
+            queues: list[asyncio.Queue[tuple[int, float] | None]] = []  # one per choice, when streamed
+            loop = asyncio.get_running_loop()
+
+            def streamed(p: SamplingParams) -> SamplingParams:
+                """Real streaming: each of the choice's tokens reaches the client as the engine samples it."""
+                if not req.stream:
+                    return p
+                tokens: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
+                queues.append(tokens)
 
                 def on_token(token_id: int, logprob: float) -> None:
                     try:
@@ -993,7 +998,9 @@ class LiveServer:
                     except RuntimeError:  # the server's loop closed under a request: nobody reads it
                         pass
 
-                params = dataclasses.replace(params, on_token=on_token)
+                return dataclasses.replace(p, on_token=on_token)
+
+            params = streamed(sampling)
             engine_started = time.perf_counter()
             in_flight = self.metrics.in_flight.labels(f"v{lease.version}")
             in_flight.inc()
@@ -1005,16 +1012,14 @@ class LiveServer:
             call = _Call(self, req, lease, session_id, user_id, meta, prompt_ids, params, forced, started, created,
                          engine_started, in_flight, future, router, org_id, session_kind)
             released = True  # from here the call gives the lease back when the engine is done with it
-            if tokens is not None:
-                return StreamingResponse(call.stream(tokens), media_type="text/event-stream",
-                                         headers=call.headers())
             calls = [call]
             for i in range(1, n):  # the rest of the group: the same session, so the same arm and version
                 try:
                     extra = router.checkout(session_id, pinned)
                 except NotServed as exc:
                     raise ApiError(503, f"{exc}; the deployment is changing, retry", "server_error") from None
-                seeded = params if req.seed is None else dataclasses.replace(params, seed=(req.seed + i) % 2**63)
+                seeded = streamed(sampling if req.seed is None
+                                  else dataclasses.replace(sampling, seed=(req.seed + i) % 2**63))
                 in_flight.inc()
                 try:
                     future = asyncio.wrap_future(extra.engine.submit(prompt_ids, seeded))
@@ -1024,6 +1029,10 @@ class LiveServer:
                     raise self._engine_failed(extra.version, exc) from None
                 calls.append(_Call(self, req, extra, session_id, user_id, meta, prompt_ids, seeded, forced, started,
                                    created, engine_started, in_flight, future, router, org_id, session_kind))
+            if req.stream:  # the choices' chunks interleaved as their tokens come, each with its index
+                include_usage = bool((req.stream_options or {}).get("include_usage"))
+                return StreamingResponse(_stream_choices(calls, queues, include_usage),
+                                         media_type="text/event-stream", headers=call.headers())
             generations = [await c.generation() for c in calls]
         finally:
             if not released:
@@ -1322,23 +1331,29 @@ class _Call:
         return {**self._head(), "object": "chat.completion", "usage": usage,
                 "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}]}
 
-    async def stream(self, tokens: asyncio.Queue[tuple[int, float] | None]) -> Any:
-        """Server-sent chunks: the content as its tokens are sampled (cut before a tool call's
-        markup), then the calls, the finish reason (with `flywheel.ttft_ms`), usage, [DONE]."""
+    async def stream(self, tokens: asyncio.Queue[tuple[int, float] | None], index: int = 0,
+                     response_id: str | None = None) -> Any:
+        """This choice's chunks (`("chunk", chunk)`): the content as its tokens are sampled (cut
+        before a tool call's markup), then the calls, the finish reason (with `flywheel.ttft_ms`);
+        last `("usage", chunk)`. `response_id`: the id every chunk of an n > 1 response carries
+        (each choice then names its own Completion, `completion_id`)."""
         self.future.add_done_callback(lambda _: tokens.put_nowait(None))
         base = {**self._head(), "object": "chat.completion.chunk"}
+        own = {"index": index}
+        if response_id is not None:
+            base["id"], own["completion_id"] = response_id, self.id
 
         tokenizer, ids, sent = self.lease.tokenizer, [], ""
         pending: list[tuple[int, float]] = []  # sampled since the last chunk: their logprobs go with the next
 
-        def event(delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] | None = None) -> bytes:
+        def event(delta: dict[str, Any], finish: str | None = None,
+                  extra: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
             lp = None
             if self.req.logprobs and pending:
                 lp = _logprobs([t for t, _ in pending], [v for _, v in pending], tokenizer)
                 pending.clear()
-            chunk = {**base, **(extra or {}), "choices": [{"index": 0, "delta": delta, "logprobs": lp,
-                                                           "finish_reason": finish}]}
-            return f"data: {json.dumps(chunk)}\n\n".encode()
+            return "chunk", {**base, **(extra or {}), "choices": [{**own, "delta": delta, "logprobs": lp,
+                                                                   "finish_reason": finish}]}
 
         yield event({"role": "assistant", "content": ""})
         while (item := await tokens.get()) is not None:
@@ -1359,9 +1374,7 @@ class _Call:
         try:
             payload = await self.finish(await self.generation())
         except ApiError as exc:  # headers are sent: the error goes in the stream, as OpenAI's does
-            error = {"error": {"message": exc.message, "type": exc.type, "code": exc.code}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+            yield "chunk", {"error": {"message": exc.message, "type": exc.type, "code": exc.code}}
             return
         choice = payload["choices"][0]
         message = choice["message"]
@@ -1372,9 +1385,52 @@ class _Call:
             yield event({"tool_calls": [{"index": i, **call}]})
         final = {**self._head()}
         yield event({}, choice["finish_reason"], {"flywheel": final["flywheel"]})
-        if (self.req.stream_options or {}).get("include_usage"):
-            yield f"data: {json.dumps({**base, 'choices': [], 'usage': payload['usage']})}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+        yield "usage", {**base, "choices": [], "usage": payload["usage"]}
+
+
+async def _stream_choices(calls: list[_Call], queues: list[asyncio.Queue[tuple[int, float] | None]],
+                          include_usage: bool) -> Any:
+    """Server-sent events of a streamed request: every choice's chunks as its tokens are sampled,
+    interleaved in the order they come (each names its choice's `index`, as OpenAI's do), then the
+    usage of all choices together (when `stream_options.include_usage`), then [DONE]."""
+    merged: asyncio.Queue[tuple[str, dict[str, Any]] | None] = asyncio.Queue()
+    response_id = calls[0].id if len(calls) > 1 else None
+
+    async def pump(index: int, call: _Call, tokens: asyncio.Queue[tuple[int, float] | None]) -> None:
+        try:
+            async for item in call.stream(tokens, index, response_id):
+                await merged.put(item)
+        finally:
+            await merged.put(None)
+
+    pumps = [asyncio.create_task(pump(i, c, q)) for i, (c, q) in enumerate(zip(calls, queues, strict=True))]
+    usage: dict[str, Any] | None = None
+    running = len(pumps)
+    try:
+        while running:
+            item = await merged.get()
+            if item is None:
+                running -= 1
+                continue
+            kind, chunk = item
+            if kind == "usage":  # one usage for the response: the prompt once, every choice's tokens
+                if usage is None:
+                    usage = chunk
+                else:
+                    counts = usage["usage"]
+                    counts["completion_tokens"] += chunk["usage"]["completion_tokens"]
+                    counts["total_tokens"] = counts["prompt_tokens"] + counts["completion_tokens"]
+                continue
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+    finally:
+        for task in pumps:
+            task.cancel()
+    for task in pumps:  # a failure other than the API errors the stream already carries
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+    if include_usage and usage is not None:
+        yield f"data: {json.dumps(usage)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
 
 
 def _parse_chat(body: bytes) -> ChatRequest:
@@ -1481,14 +1537,15 @@ def open_store(config: ServeConfig) -> LiveStore:
 
 
 def registry_loader(registry: Registry, engine: EngineConfig) -> EngineLoader:
-    """Load a version from the Registry into its own engine: a LocalEngine, or vLLM servers on its
-    checkpoint folder (`engine.backend = "vllm"`)."""
+    """Load a version from the Registry into its own engine: a LocalEngine, one in a process of its
+    own (`engine.separate_process`: its decode loop then never waits on the server's GIL, and still
+    streams), or vLLM servers on its checkpoint folder (`engine.backend = "vllm"`)."""
 
     def load(version: int) -> tuple[Engine, Any]:
         model, tokenizer = registry.load(version)
         if engine.backend == "vllm":
             return start_engine(None, engine, version=version, checkpoint=registry.get(version).path), tokenizer
-        return LocalEngine(model, engine, version=version), tokenizer
+        return start_engine(model, engine, version=version), tokenizer
 
     return load
 
