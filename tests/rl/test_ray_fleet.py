@@ -126,10 +126,10 @@ def test_a_pool_actor_killed_alone_its_episodes_resume_from_their_saved_state(cl
         killed.append(name)
 
     watcher = when_inflight(run_dir, 4, kill_a_pool)
-    _, summary = train(run_config(registry_root, run_dir, steps=3, rollout_workers=2), log=lambda _: None)
+    _, summary = train(run_config(registry_root, run_dir, steps=2, rollout_workers=2), log=lambda _: None)
     watcher.join(timeout=60)
-    assert killed and summary["steps"] == 3
-    metrics = check_run(run_dir, 3)  # each step once, each episode recorded once, versions in bound
+    assert killed and summary["steps"] == 2
+    metrics = check_run(run_dir, 2)  # each step once, each episode recorded once, versions in bound
     assert metrics[-1]["failover_episodes"] == 0  # no worker died: the pools did
 
     fleet = rows(run_dir / "fleet.jsonl")
