@@ -3,14 +3,17 @@ as arithmetic, then through the local SandboxPool with real sandboxes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from flywheel.env.fleet import DemandMeter, FleetPolicy, node_capacity, percentile
 from flywheel.env.pool import PoolConfig, SandboxPool
-from flywheel.env.sandbox import SandboxConfig
+from flywheel.env.sandbox import Sandbox, SandboxConfig
 
 GIB = 2**30
 
@@ -78,3 +81,28 @@ def test_local_pool_warm_set_follows_a_burst_then_shrinks(config: SandboxConfig)
         time.sleep(3.1)  # the burst leaves the demand window
         pool.adjust()
         assert pool.stats()["warm"] == 1
+
+
+def test_an_attached_workspace_is_its_owners_and_goes_when_the_owner_dies(config: SandboxConfig):
+    """What the Ray fleet rests on: a worker attaches a workspace that a pool process made; closing
+    the handle leaves it to its owner, and the owner's death (SIGKILL) takes it, jails and all."""
+    code = ("import sys; from pathlib import Path; from flywheel.env.sandbox import Sandbox, SandboxConfig; "
+            "sb = Sandbox.create({'a.txt': 'A'}, SandboxConfig(root_dir=Path(sys.argv[1]))); "
+            "print(sb.workspace, flush=True); sys.stdin.read()")
+    owner = subprocess.Popen([sys.executable, "-c", code, str(config.resolved_root())], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        workspace = Path(owner.stdout.readline().strip())
+        handle = Sandbox.attach(workspace, config)
+        assert handle.run("cat a.txt && echo B > b.txt").output == "A"
+        assert handle.read_text("b.txt") == "B\n"
+        handle.close()
+        assert workspace.is_dir() and (workspace / "a.txt").exists()  # still the owner's
+        owner.kill()
+        owner.wait(10)
+        deadline = time.monotonic() + 20
+        while workspace.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not workspace.exists()  # the owner's watchdog reclaimed it
+    finally:
+        owner.kill()
