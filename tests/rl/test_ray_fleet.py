@@ -81,7 +81,7 @@ def fleet_actors() -> list[str]:
 
 
 def test_each_node_sizes_its_pool_from_its_resources_queues_a_burst_and_grows_then_shrinks_its_warm_set(cluster):
-    pool = PoolConfig(warm=0, max_warm=2, demand_window_s=1.5)
+    pool = PoolConfig(warm=0, max_warm=2, demand_window_s=3.0)
     config = ClusterConfig(backend="ray", sandboxes_per_cpu=4)
     # The raylets share this host, so the test (the driver) can use each node's pool as its worker would.
     on = {k: FleetClient(pool, config, node_id=node) for k, node in cluster.rollout_nodes.items()}
@@ -100,9 +100,9 @@ def test_each_node_sizes_its_pool_from_its_resources_queues_a_burst_and_grows_th
             assert stats["queue_wait_ms_p99"] >= 150  # the last ones waited for two holders before them
             assert stats["created"] >= n and stats["created_per_s_recent"] > 0 and stats["active"] == 0
         # The burst's demand grew node A's warm set (the ticker, with nobody releasing), within the room
-        # left; a second after the demand window it is back to the floor.
+        # left; once the demand window has passed it is back to the floor.
         assert 1 <= a["warm"] <= 2, a
-        time.sleep(2.0)
+        time.sleep(3.5)
         assert on["A"].stats()["warm"] == 0
     finally:
         for fleet in on.values():
