@@ -2,7 +2,7 @@
 
     driver: rl/train.py (the same loop as local)             Ray cluster
     ┌──────────────────────────────────────────┐   placement group, one bundle per worker (SPREAD)
-    │ Orchestrator threads ── RayRollouts ─────┼──> RolloutWorker i: LocalEngine + FleetClient, ≤ episodes_per_worker
+    │ Orchestrator threads ── RayRollouts ─────┼──> RolloutWorker i: LocalEngine + FleetPool, ≤ episodes_per_worker
     │   each episode: a streaming call; every  │<── ("turn", EpisodeState) ... ("done", Trajectory)
     │   turn's state saved to run/inflight/    │
     │ learning_step:                           │   placement group of one bundle
