@@ -252,7 +252,7 @@ def test_semantic_index_embeds_an_identical_file_once_across_sandboxes(tmp_path,
         warm = SemanticIndex(second.workspace, cache)  # another sandbox, the same files: no embedding
         assert [(h.path, h.start_line) for h in warm.search("split a sequence into groups of n items", top_k=3)] \
             == [(h.path, h.start_line) for h in hits]
-        assert cache.misses == misses and cache.hits == warm.embedded_files == 4
+        assert cache.misses == misses and cache.hits == cold.chunk_count() and warm.embedded_files == 4
         second.write_text("toolz/recipes.py", second.read_text("toolz/recipes.py") + "\n# edited\n")
         warm.search("anything")
-        assert cache.misses == misses + 1  # the edit re-embeds its one file
+        assert cache.misses == misses + 1 and warm.embedded_chunks == 1  # the edit re-embeds its one chunk
