@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import sqlite3
 import stat
@@ -48,6 +49,8 @@ MAX_CHUNK_LINES = 80  # a definition longer than this is cut (methods, then wind
 MAX_FILE_BYTES = 256 * 1024  # larger files are data, not code worth embedding
 TEXT_SUFFIXES = {".py", ".md", ".txt", ".toml", ".cfg", ".json", ".yaml", ".yml", ".sh", ".ini", ".rst"}
 EMBED_CACHE_ENV = "FLYWHEEL_EMBED_CACHE"
+# In each file's chunking key: bump the version when the rules of chunk_file change.
+CHUNKER = f"defs-v1-{CHUNK_LINES}-{CHUNK_OVERLAP}-{MAX_CHUNK_LINES}"
 
 
 def load_embedder(name: str = DEFAULT_EMBEDDER) -> Embedder:
@@ -84,31 +87,46 @@ class EmbeddingCache:
             self._db = sqlite3.connect(self.folder / "vectors.sqlite", timeout=60, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("CREATE TABLE IF NOT EXISTS vectors (key TEXT PRIMARY KEY, vector BLOB NOT NULL)")
+            self._db.execute("CREATE TABLE IF NOT EXISTS chunkings (key TEXT PRIMARY KEY, spans TEXT NOT NULL)")
         return self._db
 
+    def _select(self, table: str, keys: list[str]) -> list[tuple[str, object]]:
+        if self.folder is None or not keys:
+            return []
+        rows = []
+        with self._lock:
+            db = self._connection()
+            for start in range(0, len(keys), 500):  # SQLite's limit on bound parameters
+                part = keys[start : start + 500]
+                rows += db.execute(f"SELECT * FROM {table} WHERE key IN ({','.join('?' * len(part))})", part)
+        return rows
+
+    def _insert(self, table: str, rows: list[tuple[str, object]]) -> None:
+        if self.folder is None or not rows:
+            return
+        with self._lock:
+            db = self._connection()
+            with db:  # one transaction: one fsync for the whole batch
+                db.executemany(f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", rows)
+
     def get_many(self, keys: list[str], dim: int) -> dict[str, np.ndarray]:
-        found: dict[str, np.ndarray] = {}
-        if self.folder is not None and keys:
-            with self._lock:
-                db = self._connection()
-                for start in range(0, len(keys), 500):  # SQLite's limit on bound parameters
-                    part = keys[start : start + 500]
-                    query = f"SELECT key, vector FROM vectors WHERE key IN ({','.join('?' * len(part))})"
-                    for key, blob in db.execute(query, part):
-                        if len(blob) == 4 * dim:
-                            found[key] = np.frombuffer(blob, dtype=np.float32)
+        found = {key: np.frombuffer(blob, dtype=np.float32) for key, blob in self._select("vectors", keys)
+                 if len(blob) == 4 * dim}
         self.hits += len(found)
         self.misses += len(set(keys)) - len(found)
         return found
 
     def put_many(self, items: Iterable[tuple[str, np.ndarray]]) -> None:
-        if self.folder is None:
-            return
-        rows = [(key, np.asarray(vector, dtype=np.float32).tobytes()) for key, vector in items]
-        with self._lock:
-            db = self._connection()
-            with db:  # one transaction: one fsync for the whole batch
-                db.executemany("INSERT OR REPLACE INTO vectors VALUES (?, ?)", rows)
+        self._insert("vectors", [(key, np.asarray(vector, dtype=np.float32).tobytes()) for key, vector in items])
+
+    def get_chunkings(self, keys: list[str]) -> dict[str, list[tuple[int, int, str]]]:
+        """Where each file version was cut, by file key: (start_line, end_line, context) a chunk. A
+        warm index reads these instead of parsing the file again (parsing is most of its time)."""
+        return {key: [tuple(span) for span in json.loads(spans)] for key, spans in self._select("chunkings", keys)}
+
+    def put_chunkings(self, items: dict[str, list[Chunk]]) -> None:
+        self._insert("chunkings", [(key, json.dumps([(c.start_line, c.end_line, c.context) for c in chunks]))
+                                   for key, chunks in items.items()])
 
 
 @dataclass(frozen=True)
@@ -255,9 +273,17 @@ class SemanticIndex:
         embedder = self.embedder
         known = {k: v for rel in stale if rel in self._files for k, v in zip(self._files[rel].keys,
                                                                                self._files[rel].vectors, strict=True)}
-        chunks_by_file, keys_by_file, texts = {}, {}, {}
+        sources = {rel: (self.root / rel).read_text(errors="replace") for rel in stale}
+        file_keys = {rel: hashlib.sha256(f"{CHUNKER}\0{rel}\0{text}".encode("utf-8", "replace")).hexdigest()
+                     for rel, text in sources.items()}
+        cut = self.cache.get_chunkings(list(file_keys.values()))
+        chunks_by_file, keys_by_file, texts, new_cuts = {}, {}, {}, {}
         for rel in stale:
-            chunks = chunk_file(rel, (self.root / rel).read_text(errors="replace"))
+            if file_keys[rel] in cut:
+                lines = sources[rel].splitlines()
+                chunks = [Chunk(a, b, "\n".join(lines[a - 1 : b]), context) for a, b, context in cut[file_keys[rel]]]
+            else:
+                chunks = new_cuts[file_keys[rel]] = chunk_file(rel, sources[rel])
             chunks_by_file[rel] = chunks
             keys_by_file[rel] = []
             for chunk in chunks:
@@ -272,6 +298,7 @@ class SemanticIndex:
         vectors = embedder.embed([texts[key] for key in missing])  # [n_missing, dim]
         known.update(zip(missing, vectors, strict=True))
         self.cache.put_many(zip(missing, vectors, strict=True))
+        self.cache.put_chunkings(new_cuts)
         self.embedded_chunks += len(missing)
         for rel in stale:
             self.embedded_files += 1

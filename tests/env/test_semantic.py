@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flywheel.env import semantic
 from flywheel.env.embedders import StaticEmbedder, distill, get_embedder, table_path
 from flywheel.env.sandbox import Sandbox
 from flywheel.env.semantic import EmbeddingCache, SemanticIndex, chunk_file
@@ -91,7 +92,7 @@ def test_static_embedder_finds_by_meaning(static, tmp_path):
         assert not vectors[1].any()  # an empty text has no tokens: a zero vector, which matches nothing
 
 
-def test_vectors_are_cached_per_chunk_and_an_edit_reembeds_only_its_chunk(static, tmp_path):
+def test_vectors_are_cached_per_chunk_and_an_edit_reembeds_only_its_chunk(static, tmp_path, monkeypatch):
     del static
     cache = EmbeddingCache(tmp_path / "cache")
     with Sandbox.create(FILES) as first, Sandbox.create(FILES) as second:
@@ -100,8 +101,11 @@ def test_vectors_are_cached_per_chunk_and_an_edit_reembeds_only_its_chunk(static
         chunks = cold.chunk_count()
         assert cold.embedded_chunks == chunks > len(FILES)
         warm = SemanticIndex(second.workspace, cache)  # another sandbox, the same files: nothing embedded
-        warm.refresh()
+        with monkeypatch.context() as patched:  # nor parsed: where each file was cut is cached too
+            patched.setattr(semantic, "chunk_file", lambda *_: pytest.fail("parsed a cached file again"))
+            warm.refresh()
         assert warm.embedded_chunks == 0 and cache.hits == chunks
+        assert warm._files["geo/shapes.py"].chunks == cold._files["geo/shapes.py"].chunks
         # Edit one method of the class: its chunk alone is new, the module's other chunks are reused.
         second.write_text("geo/shapes.py", MODULE.replace("self.side ** 2", "self.side * self.side"))
         warm.refresh()
