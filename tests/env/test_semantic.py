@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flywheel.cli import main
 from flywheel.env import semantic
 from flywheel.env.embedders import StaticEmbedder, distill, get_embedder, table_path
+from flywheel.env.repos import write_tree
 from flywheel.env.sandbox import Sandbox
 from flywheel.env.semantic import EmbeddingCache, SemanticIndex, chunk_file
 from flywheel.env.tools import Toolbox, ToolConfig
@@ -132,6 +134,7 @@ def test_the_table_is_distilled_once_and_reused(static):
     assert np.array_equal(again.embed(["merge two dicts"]), static.embed(["merge two dicts"]))
 
 
+@pytest.mark.slow  # loading MiniLM: ~10 s idle, ~35 s at load ~20
 def test_minilm_stays_selectable_in_the_tool_config(tmp_path, monkeypatch):
     monkeypatch.setenv("FLYWHEEL_EMBED_CACHE", str(tmp_path / "cache"))
     with Sandbox.create(FILES) as box, Toolbox(box, ToolConfig(search_embedder="minilm")) as tools:
@@ -141,3 +144,17 @@ def test_minilm_stays_selectable_in_the_tool_config(tmp_path, monkeypatch):
         assert tools._index.embedder.name == "all-MiniLM-L6-v2" and tools._index.embedder.dim == 384
     with pytest.raises(ValueError, match="search_embedder"):
         ToolConfig(search_embedder="word2vec")
+
+
+def test_index_build_fills_the_cache_an_episode_then_reads(static, tmp_path, monkeypatch, capsys):
+    del static
+    monkeypatch.setenv("FLYWHEEL_EMBED_CACHE", str(tmp_path / "cache"))
+    write_tree(tmp_path / "repo", FILES)
+    assert main(["index", "build", str(tmp_path / "repo")]) == 0
+    assert f"{len(FILES)} files" in capsys.readouterr().out
+    with Sandbox.create(FILES) as box:  # an episode's sandbox of the same repository: nothing to embed
+        index = SemanticIndex(box.workspace)
+        index.refresh()
+        assert index.embedded_chunks == 0 and index.chunk_count() > len(FILES)
+    assert main(["index", "build", str(tmp_path / "missing")]) == 2  # a clear error, not a traceback
+    assert "neither a folder nor an sdist" in capsys.readouterr().err
