@@ -14,8 +14,10 @@ range. Each chunk is embedded with its path (and its class, for a method) as its
 Embeddings are cached by chunk content: a chunk's vector is stored under the hash of (embedder,
 text) in one SQLite file (`EmbeddingCache`, default `embeddings/` beside the environment cache, or
 $FLYWHEEL_EMBED_CACHE), so an identical chunk is embedded once for every sandbox, episode and
-process that indexes it: 1,000 sandboxes of one repository embed it once. The file grows with every
-distinct chunk indexed (~1 KB a chunk with the static embedder) and may be deleted at any time;
+process that indexes it: 1,000 sandboxes of one repository embed it once. Where each file version
+was cut is stored beside the vectors, so a warm index neither parses nor embeds. The file grows
+with every distinct chunk indexed (~1 KB a chunk with the static embedder) and may be deleted at
+any time;
 `flywheel index build` fills it for a repository before any episode needs it.
 
 The embedder (`flywheel.env.embedders`) is the static one distilled from MiniLM unless the config
