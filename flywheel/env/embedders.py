@@ -9,7 +9,7 @@ first search on a real repository may cost.
 
 The static embedder is Model2Vec's idea (Minishlab, 2024): run MiniLM once per vocabulary token,
 keep the table, and embed a text as the weighted mean of its tokens' rows, a lookup instead of a
-forward pass: toolz indexed ~40x faster, recall@5 0.68 against MiniLM's 0.93 (`bench/repos.py`
+forward pass: toolz indexed ~40x faster, recall@5 0.73 against MiniLM's 0.93 (`bench/repos.py`
 states both). The table is distilled once per machine into a git-ignored cache (`embedders/`
 beside the environment cache, or $FLYWHEEL_EMBEDDER_CACHE), with progress, and read from there by
 every later process; `flywheel index build` makes it outside any episode. Departures from Model2Vec:
@@ -17,8 +17,9 @@ every later process; `flywheel index build` makes it outside any episode. Depart
   that code seldom holds, and skipping them keeps the one-off distillation to ~72 CPU seconds
   (about 40 s on two quiet cores, `bench/repos.py --distill`); a skipped token contributes
   nothing to a text's mean;
-- tokens made only of punctuation and digits get weight 0: `(`, `_`, `,` are most of code's
-  tokens and would pull every chunk's mean to the same point;
+- tokens made only of punctuation and digits, and a short list of stopwords (`self`, `def`, `the`),
+  get weight 0: `(`, `_`, `,` are most of code's tokens and would pull every chunk's mean to the
+  same point;
 - PCA to `STATIC_DIM` dimensions after centring, which removes the direction every token shares
   (Model2Vec also applies PCA; its Zipf weighting needs the vocabulary sorted by frequency, which
   BERT's is not).
@@ -46,6 +47,7 @@ EMBEDDER_CACHE_ENV = "FLYWHEEL_EMBEDDER_CACHE"
 MINILM_DIM = 384
 STATIC_DIM = 256
 STATIC_VERSION = 1  # bump when the distillation changes: the table's file name (and cache keys) carry it
+WEIGHTS_VERSION = 2  # bump when `distilled_tokens`' weights change: the embedder's name (and cache keys) carry it
 DISTILL_BATCH = 512  # tokens per forward pass: [batch, 3] inputs; larger batches gain nothing on 2 cores
 
 
@@ -98,14 +100,22 @@ def _tokenizer():
     return tokenizer
 
 
+# Words in nearly every chunk of Python (keywords, `self`) or of English: weight 0 like punctuation.
+# On toolz's recall@5 by docstring (bench/repos.py) this list took the static embedder from 0.68 to 0.73.
+STOPWORDS = frozenset(
+    "self def return the if in for import none is not and or a of to from else elif class as with be it this that "
+    "an are by on at".split())
+
+
 def distilled_tokens(vocab: dict[str, int]) -> tuple[list[int], np.ndarray]:
-    """The ids distilled (ASCII word pieces, no special or unused tokens) and every id's weight:
-    1 for a piece with a letter in it, else 0 (punctuation, digits, skipped tokens)."""
+    """The ids distilled (ASCII word pieces, no special or unused tokens) and every id's weight in a
+    text's mean: 1 for a piece with a letter in it, 0 for punctuation, digits, stopwords and the
+    tokens not distilled."""
     ids, weights = [], np.zeros(len(vocab), dtype=np.float32)
     for token, i in vocab.items():
         if token.isascii() and not (token.startswith("[") and token.endswith("]")):
             ids.append(i)
-            weights[i] = float(any(c.isalpha() for c in token))
+            weights[i] = float(any(c.isalpha() for c in token) and token not in STOPWORDS)
     return sorted(ids), weights
 
 
@@ -129,7 +139,7 @@ def distill(progress: Callable[[str], None] | None = None) -> Path:
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     tokenizer = _tokenizer()
     vocab = tokenizer.get_vocab()
-    ids, weights = distilled_tokens(vocab)
+    ids, _ = distilled_tokens(vocab)
     model = load_minilm()[0].auto_model.eval()
     cls, sep = vocab["[CLS]"], vocab["[SEP]"]
     rows = np.zeros((len(vocab), MINILM_DIM), dtype=np.float32)
@@ -145,7 +155,7 @@ def distill(progress: Callable[[str], None] | None = None) -> Path:
     table = reduce(rows, ids)
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
-    np.savez(buffer, table=table.astype(np.float16), weights=weights)
+    np.savez(buffer, table=table.astype(np.float16))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     with os.fdopen(fd, "wb") as f:
         f.write(buffer.getvalue())
@@ -173,9 +183,11 @@ class StaticEmbedder:
     def __init__(self, path: Path):
         with np.load(path, allow_pickle=False) as data:
             self.table = data["table"].astype(np.float32)  # [vocab, dim]
-            self.weights = data["weights"]  # [vocab]
-        self.name = f"{path.stem}"
         self.tokenizer = _tokenizer()
+        # Weights are computed here, not stored with the table: changing them needs no distillation,
+        # only a new name (cached vectors are keyed by it).
+        self.weights = distilled_tokens(self.tokenizer.get_vocab())[1]  # [vocab]
+        self.name = f"{path.stem}-weights-v{WEIGHTS_VERSION}"
         # Imported here, not with the module: scipy takes ~1 s to import, which every user of the
         # tools would pay; loading the embedder up front (`load_embedder`) pays it before any search.
         from scipy.sparse import csr_matrix  # noqa: PLC0415

@@ -70,7 +70,7 @@ class ToolConfig(BaseModel):
     list_max_entries: int = 200
     search_top_k: int = 5
     # "static": MiniLM distilled to a table of token vectors: toolz indexed cold ~40x faster than with
-    # "minilm", the transformer itself, at a lower recall@5 (0.68 vs 0.93 on toolz, bench/repos.py).
+    # "minilm", the transformer itself, at a lower recall@5 (0.73 vs 0.93 on toolz, bench/repos.py).
     search_embedder: Literal["static", "minilm"] = "static"
     max_parallel_calls: int = 8  # threads per toolbox; calls beyond this queue in order
     # A missing path's error names up to this many workspace files with the same name (else the

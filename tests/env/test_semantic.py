@@ -89,9 +89,10 @@ def test_static_embedder_finds_by_meaning(static, tmp_path):
                             ("distance between two places on the globe", "geo/distance.py"),
                             ("how much a customer pays with tax", "money/tax.py")):
             assert index.search(query, top_k=1)[0].path == path, query
-        vectors = static.embed(["a", "", "the distance between two cities"])
-        assert vectors.shape == (3, static.dim) and np.allclose(np.linalg.norm(vectors[[0, 2]], axis=1), 1)
-        assert not vectors[1].any()  # an empty text has no tokens: a zero vector, which matches nothing
+        vectors = static.embed(["merge", "", "the distance between two cities", "(self, the) -> 42"])
+        assert vectors.shape == (4, static.dim) and np.allclose(np.linalg.norm(vectors[[0, 2]], axis=1), 1)
+        # No weighted token (empty; only stopwords, punctuation and digits): a zero vector, matching nothing.
+        assert not vectors[1].any() and not vectors[3].any()
 
 
 def test_vectors_are_cached_per_chunk_and_an_edit_reembeds_only_its_chunk(static, tmp_path, monkeypatch):
