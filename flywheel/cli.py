@@ -289,6 +289,32 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_index(args: argparse.Namespace) -> int:
+    """Distil the static embedder (once per machine) and fill the embedding cache with the chunks of
+    each repository given (a folder, or an sdist as tasks unpack it), so no episode embeds them."""
+    import tempfile  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from flywheel.env.repos import sdist_files, write_tree  # noqa: PLC0415
+    from flywheel.env.semantic import SemanticIndex, load_embedder  # noqa: PLC0415
+
+    load_embedder(args.embedder)
+    for source in map(Path, args.paths):
+        with tempfile.TemporaryDirectory(prefix="flywheel-index-") as tmp:
+            root = source
+            if source.is_file():  # an sdist: index the files a task made from it holds, at the same paths
+                root = Path(tmp)
+                write_tree(root, sdist_files(source))
+            elif not source.is_dir():
+                raise ValueError(f"{source} is neither a folder nor an sdist file")
+            index = SemanticIndex(root, embedder=args.embedder)
+            start = time.perf_counter()
+            index.refresh()
+            print(f"{source}: {index.embedded_files} files, {index.chunk_count()} chunks "
+                  f"({index.embedded_chunks} embedded, the rest cached) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     from flywheel.model.registry import Registry  # noqa: PLC0415
     from flywheel.model.vllm_server import (  # noqa: PLC0415
@@ -420,6 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("-r", dest="lock_files", action="append", default=[], help="a lock / requirements file")
     env.add_argument("--cache", help="the environment cache (default: $FLYWHEEL_ENV_CACHE or /var/cache/flywheel/envs)")
     env.set_defaults(func=cmd_env)
+    index = sub.add_parser("index", help="prefill the semantic search cache (and distil the static embedder)")
+    index.add_argument("action", choices=["build"])
+    index.add_argument("paths", nargs="*", help="repository folders or sdists (.tar.gz, .zip) to index")
+    index.add_argument("--embedder", choices=["static", "minilm"], default="static")
+    index.set_defaults(func=cmd_index)
     return parser
 
 

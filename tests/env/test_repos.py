@@ -16,16 +16,21 @@ from pathlib import Path
 
 import pytest
 
+from flywheel.agent.episode import EpisodeConfig, initial_prompt, run_episode
 from flywheel.env.environments import EnvironmentMissing, EnvSpec, build, locate
 from flywheel.env.families import mined
 from flywheel.env.families.workspace import file_edits
 from flywheel.env.grading import grade
 from flywheel.env.mutations import KINDS, mutations
+from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.env.repos import PYTEST_ENV, fetch_sdist, pytest_outside, sdist_files, write_tree
 from flywheel.env.sandbox import Sandbox, SandboxConfig, Snapshot
 from flywheel.env.semantic import EmbeddingCache, SemanticIndex
 from flywheel.env.swebench import apply_patch, instance_task, read_instances, task_instance, write_instances
 from flywheel.env.task import Task, TaskMetadata
+from flywheel.model.engine import EngineConfig, LocalEngine
+from flywheel.model.factory import ModelConfig, build_model
+from flywheel.model.tokenizer import train_tokenizer
 from flywheel.sim.expert import ScriptedExpert, run_policy
 
 ROOT = Path(__file__).parents[2]
@@ -181,6 +186,26 @@ def test_scripted_expert_solves_a_mined_task_end_to_end(mined_catalogue, toolz_f
     assert grade(task, episode.final).all_passed
 
 
+def test_the_policy_plays_a_mined_task_and_its_records_are_right(mined_catalogue, toolz_files):
+    """A real (tiny, untrained) model drives an episode on a mined toolz task through the engine, the
+    tools and the pytest grader: whatever it writes, the trajectory holds every token with its
+    logprob and version, and the reward parts are the SWE-bench ones of the untouched bug."""
+    task = mined.to_task(mined.catalogue(mined_catalogue)[0], toolz_files)
+    tokenizer = train_tokenizer([initial_prompt(task), task.instruction] * 5, vocab_size=600)
+    model = build_model(ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                                    num_experts=4, experts_per_token=2, moe_intermediate_size=64), tokenizer)
+    with SandboxPool(PoolConfig(max_active=2, warm=0)) as pool, LocalEngine(model, EngineConfig(max_batch=2)) as engine:
+        traj = run_episode(task, engine, tokenizer, pool, EpisodeConfig(max_turns=2, max_tokens_per_turn=24))
+    assert traj.task_id == task.id and traj.family == task.family and traj.turns >= 1
+    assert len(traj.tokens) == len(traj.loss_mask) == len(traj.logprobs) == len(traj.versions)
+    assert traj.generated_tokens == sum(traj.loss_mask) > 0
+    assert {v for v, m in zip(traj.versions, traj.loss_mask, strict=True) if m} == {engine.version}
+    # Graded by the repository's own suite: the bug is still there, the other named tests still pass.
+    assert traj.outcome is not None and not traj.outcome.all_passed and not traj.outcome.timed_out
+    assert traj.reward_parts["fail_to_pass"] == 0 and traj.reward_parts["pass_to_pass"] > 0
+    assert traj.reward == pytest.approx(sum(traj.reward_parts.values()))
+
+
 def apply_edits(files: dict[str, str], edits) -> dict[str, str]:
     out = dict(files)
     for e in edits:
@@ -252,7 +277,7 @@ def test_semantic_index_embeds_an_identical_file_once_across_sandboxes(tmp_path,
         warm = SemanticIndex(second.workspace, cache)  # another sandbox, the same files: no embedding
         assert [(h.path, h.start_line) for h in warm.search("split a sequence into groups of n items", top_k=3)] \
             == [(h.path, h.start_line) for h in hits]
-        assert cache.misses == misses and cache.hits == warm.embedded_files == 4
+        assert cache.misses == misses and cache.hits == cold.chunk_count() and warm.embedded_files == 4
         second.write_text("toolz/recipes.py", second.read_text("toolz/recipes.py") + "\n# edited\n")
         warm.search("anything")
-        assert cache.misses == misses + 1  # the edit re-embeds its one file
+        assert cache.misses == misses + 1 and warm.embedded_chunks == 1  # the edit re-embeds its one chunk
