@@ -398,6 +398,8 @@ def empty_micro_batch() -> MicroBatch:
 #     LeaderLearner.weights()  ── broadcast ──>  full_state_dict(): gathered on rank 0 for its engine
 #     LeaderLearner.state()    ── broadcast ──>  save_checkpoint(run/learner/policy-N): every rank its shards
 #     close()                  ── broadcast ("stop") ──>  the followers return
+#     (a call that raised on rank 0 sends no stop: the followers are inside its collectives, and
+#     torchrun ends them when rank 0 exits with the error; a follower's error ends rank 0 the same way)
 #
 # The followers wait in the broadcast while rank 0 collects rollouts and evaluates: that wait is
 # bounded by `DistConfig.timeout_s`. The checkpoint folder must be one filesystem for all ranks
@@ -416,10 +418,17 @@ class LeaderLearner:
     def __init__(self, learner: DistributedLearner, checkpoints: Path):
         self.learner = learner
         self.checkpoints = Path(checkpoints)
+        # A call that raised left the other ranks inside one of its collectives: they cannot take a
+        # "stop" then, so close() sends none and torchrun ends them when this process exits.
+        self.failed = False
 
     def _call(self, name: str, *args: Any) -> Any:
         dist.broadcast_object_list([(name, args)], src=0)
-        return getattr(self.learner, name)(*args)
+        try:
+            return getattr(self.learner, name)(*args)
+        except BaseException:
+            self.failed = True
+            raise
 
     @property
     def version(self) -> int:
@@ -454,7 +463,8 @@ class LeaderLearner:
         self._call("load_checkpoint", state["dcp"])
 
     def close(self) -> None:
-        dist.broadcast_object_list([("stop", ())], src=0)
+        if not self.failed:
+            dist.broadcast_object_list([("stop", ())], src=0)
 
 
 def follow(learner: DistributedLearner) -> None:
