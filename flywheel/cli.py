@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -187,13 +189,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flywheel.rl.train import TrainConfig, train  # noqa: PLC0415
 
     config = load_config(TrainConfig, args.config, args.set)
-    write_resolved(config, config.run_dir)
+    if args.nproc:
+        return launch_distributed_train(config, args)
+    if config.dist is None or int(os.environ.get("RANK", "0")) == 0:  # torchrun's other ranks only follow
+        write_resolved(config, config.run_dir)
     harness = None
     if config.rollout.harness != "builtin":  # an external agent program plays the episodes
         from flywheel.live.harness import harness_runner as harness  # noqa: PLC0415
     _, summary = train(config, harness=harness)
-    print(json.dumps(summary, indent=2))
+    if summary:
+        print(json.dumps(summary, indent=2))
     return 0
+
+
+def launch_distributed_train(config, args: argparse.Namespace) -> int:
+    """`flywheel train --nproc N`: this command again under torchrun, N processes on this machine."""
+    if config.dist is None or config.dist.world != args.nproc:
+        world = "no [dist] table" if config.dist is None else f"dist.dp_replicate x dist.dp_shard = {config.dist.world}"
+        raise ValueError(f"--nproc {args.nproc} but the config has {world}; set e.g. --set dist.dp_shard={args.nproc}")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+               "-m", "flywheel", "train", *(["--config", args.config] if args.config else []),
+               *(f"--set={item}" for item in args.set)]
+    return subprocess.run(command, check=False).returncode
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -411,8 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print the report as JSON")
     ev.set_defaults(func=cmd_eval)
 
-    add_config_command(sub, "train", "simulated RL: async GRPO with partial rollouts from a registered checkpoint",
-                       cmd_train)
+    train = add_config_command(sub, "train", "simulated RL: async GRPO with partial rollouts from a registered "
+                               "checkpoint", cmd_train)
+    train.add_argument("--nproc", type=int, default=None, help="processes for the distributed Learner (torchrun on "
+                       "this machine); dist.dp_replicate x dist.dp_shard must equal it")
 
     add_config_command(sub, "serve", "the OpenAI-compatible server with A/B routing and the events endpoint", cmd_serve)
 

@@ -44,6 +44,7 @@ def allowed_imports(unit: str) -> set[str]:
         "sim": below | {"client", "sim"},  # stands in for the world, drives everything but the commands
         "demo": below | {"client", "sim"},  # the CLI's demo
         "cli": below | {"client", "sim", "demo", "cli"},
+        "__main__": {"cli"},  # `python -m flywheel`: the command, nothing else
     }.get(unit, set())
 
 

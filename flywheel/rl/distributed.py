@@ -16,23 +16,31 @@ The mesh (PyTorch's DeviceMesh) has three dimensions, named as torchtitan names 
     expert parameters                                         E / ep experts per rank (`ExpertParallelMoE`),
         and FSDP2 on [dp_replicate, dp_shard_mod_ep] over the ranks that hold the same experts
 
-One step (`DistributedLearner.train_step`, the single-optimizer-step path of `Learner`):
+One step (`DistributedLearner.train_step` is `Learner.train_step`: minibatches, PPO epochs, the
+KL reference, clipping and the metrics are that code; this class replaces four seams of it):
 
-    every rank gets the whole batch and keeps the contiguous slice `rank` of `world`
-    micro-batches packed as the Learner packs them; the count is made equal on all ranks (max,
-        padded with an empty micro-batch) because every forward is a collective (FSDP all-gathers,
-        EP all-to-alls) that all ranks must enter
-    loss denominator all-reduced: each rank's loss is its tokens' share of the global mean, so the
-        sum of the ranks' gradients is the single-process gradient; FSDP reduces with a divide
-        factor of 1 (a sum), not the default mean
-    grad norm: per mesh (dense, experts), the experts' summed over the EP group; clip as
-        `torch.nn.utils.clip_grad_norm_` does; non-finite -> the step is skipped on every rank
+    micro-batches    every rank gets the whole batch; of each minibatch it keeps the contiguous
+                     slice `rank` of `world`, packed as the Learner packs; the count is made equal
+                     on all ranks (max, padded with an empty micro-batch) because every forward is
+                     a collective (FSDP all-gathers, EP all-to-alls) that all ranks must enter
+    forwards         on the FSDP root (`ScoredPolicy`); the reference model, when kl_coef > 0, is a
+                     whole copy on every rank (a no-grad forward of the rank's own micro-batches)
+    reduce           loss denominators, losses and the metrics' token statistics summed over ranks:
+                     each rank's loss is its tokens' share of the global mean, so the sum of the
+                     ranks' gradients is the single-process gradient; FSDP reduces with a divide
+                     factor of 1 (a sum), not the default mean; a NaN on one rank is in the sum,
+                     so every rank skips that step
+    grad norm        per mesh (dense, experts), the experts' summed over the EP group; clipped as
+                     `torch.nn.utils.clip_grad_norm_` clips
     AdamW on the sharded parameters (DTensors), two parameter groups so no foreach op mixes meshes
 
-Numerics: one step equals the single-process Learner's up to float32 summation order (tested for
-meshes 1, 2x1, 1x2, 2x2, 2x2 with ep 2 and 1x4 with ep 4; tests/rl/test_distributed.py states the
-tolerance). Only ppo_epochs = minibatches = 1 is supported (the Learner's default, where the
-proximal policy is the training forward's own logprobs); kl_coef > 0 (a reference model) is not.
+Numerics: a step equals the single-process Learner's up to float32 summation order (tested for
+meshes 1, 2x1, 1x2, 2x2, 2x2 with ep 2 and 1x4 with ep 4, and with ppo_epochs = minibatches = 2
+and a KL reference; tests/rl/test_distributed.py states the tolerance).
+
+Under `flywheel train` (`TrainConfig.dist`), rank 0 runs the whole loop (Orchestrator, engine,
+sandboxes) with a `LeaderLearner`, which broadcasts each of its calls; the other ranks run
+`follow`, which makes the same call on their own shard, so every rank steps on the same batch.
 
 Checkpoints (`save_checkpoint` / `load_checkpoint`): torch.distributed.checkpoint (DCP), sharded,
 every rank writes its shards. Dense tensors are saved as FSDP's DTensors; an expert tensor (and its
@@ -48,10 +56,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import time
+import shutil
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,7 +68,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -73,13 +81,8 @@ from flywheel.rl.learner import (
     Learner,
     LearnerConfig,
     MicroBatch,
-    make_micro_batches,
-    merge_stats,
-    staleness_histogram,
-    token_logprobs,
+    ScoredPolicy,
 )
-from flywheel.rl.loss import loss_denominator, policy_loss
-from flywheel.rl.training import warmup_factor
 
 
 class DistConfig(BaseModel):
@@ -96,6 +99,10 @@ class DistConfig(BaseModel):
     # native: the weights' dtype (float32 here); mxfp8: torchao's MXFP8 grouped GEMMs (emulated on a CPU)
     expert_precision: ExpertPrecision = "native"
     backend: Literal["gloo", "nccl"] = "gloo"
+    # How long a rank waits in a collective before the run fails. Under `flywheel train` the other
+    # ranks wait in one while rank 0 collects a batch and evaluates; longer = a slow eval does not
+    # kill the run, a hung rank is named later.
+    timeout_s: float = Field(default=7200.0, gt=0)
 
     @model_validator(mode="after")
     def _ep_divides_shard(self) -> DistConfig:
@@ -133,7 +140,7 @@ def init_distributed(config: DistConfig) -> None:
     if "RANK" not in os.environ:
         raise RuntimeError("no torchrun environment (RANK, WORLD_SIZE); launch with `torchrun --nproc-per-node "
                            f"{config.world} -m flywheel.rl.distributed ...`")
-    dist.init_process_group(config.backend)
+    dist.init_process_group(config.backend, timeout=timedelta(seconds=config.timeout_s))
 
 
 def build_mesh(config: DistConfig) -> ParallelMesh:
@@ -148,20 +155,6 @@ def build_mesh(config: DistConfig) -> ParallelMesh:
                                                                                              "dp_shard"))
     return ParallelMesh(world=world, dense=dense,
                         experts=world["dp_replicate", "dp_shard_mod_ep"], ep=world["ep"])
-
-
-class ScoredPolicy(nn.Module):
-    """The FSDP root: its forward is `token_logprobs`, so the root's unshard (embeddings, the tied
-    output head, the final norm) runs around the whole scored forward, which calls
-    `model.base_model` and the head separately."""
-
-    def __init__(self, policy: PreTrainedModel):
-        super().__init__()
-        self.policy = policy
-
-    def forward(self, ids: torch.Tensor, attention: torch.Tensor, scored: torch.Tensor, temperature: float,
-                entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return token_logprobs(self.policy, ids, attention, temperature, entropy=entropy, scored=scored)
 
 
 def parallelize(model: PreTrainedModel, mesh: ParallelMesh, precision: ExpertPrecision = "native") -> ScoredPolicy:
@@ -192,114 +185,75 @@ def _strip(name: str) -> str:
     return name.removeprefix("policy.")
 
 
-class DistributedLearner:
-    """`Learner`'s single-optimizer-step train_step on a sharded model (see the module doc)."""
+class DistributedLearner(Learner):
+    """`Learner` on a sharded model: its train_step (minibatches, PPO epochs, the KL reference,
+    clipping, the metrics) with the forwards on the FSDP root, each rank on its share of every
+    minibatch, and the ranks' shares added up (see the module doc). Every call is collective."""
 
     def __init__(self, model: PreTrainedModel, config: LearnerConfig, dist_config: DistConfig,
-                 mesh: ParallelMesh | None = None, version: int = 0):
-        if config.ppo_epochs != 1 or config.minibatches != 1:
-            raise ValueError("the distributed learner takes one optimizer step per batch; set learner.ppo_epochs=1 "
-                             "and learner.minibatches=1")
-        if config.loss.kl_coef > 0:
-            raise ValueError("the distributed learner has no reference model; set learner.loss.kl_coef=0")
+                 mesh: ParallelMesh | None = None, ref_model: PreTrainedModel | None = None, version: int = 0):
         init_distributed(dist_config)
-        self.config = config
         self.dist_config = dist_config
         self.mesh = mesh or build_mesh(dist_config)
         self.hf_config = model.config
         self.root = parallelize(model, self.mesh, dist_config.expert_precision)
-        self.model = model
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        named = list(self.root.named_parameters())
-        dense = [p for n, p in named if not is_expert(n)]
-        experts = [p for n, p in named if is_expert(n)]
-        self.params = {_strip(n): p for n, p in named}
-        self.optimizer = torch.optim.AdamW([{"params": dense}, {"params": experts}], lr=config.lr,
-                                           betas=config.betas, weight_decay=config.weight_decay)
-        self.version = version
-        self.optimizer_steps = 0
-        self.skipped_steps = 0
-        self._rng = random.Random(config.seed)
+        self.params = {_strip(n): p for n, p in self.root.named_parameters()}
+        # The reference model (kl_coef > 0) stays whole on every rank: a no-grad forward of the rank's
+        # own micro-batches, no collective. At a scale where a copy does not fit, shard it as the policy.
+        super().__init__(model, config, ref_model=ref_model, version=version)
 
-    # ---- one step
+    # ---- the Learner's step, sharded
 
-    loss_mask = Learner.loss_mask  # the `truncated` policy, one place (it reads only self.config)
+    @property
+    def policy(self) -> ScoredPolicy:
+        return self.root
+
+    def _parameter_groups(self) -> Any:
+        named = list(self.root.named_parameters())  # two groups: no foreach op mixes the two meshes
+        return [{"params": [p for n, p in named if not is_expert(n)]},
+                {"params": [p for n, p in named if is_expert(n)]}]
 
     def shard(self, n: int) -> range:
-        """The trajectories of a batch of n this rank trains on: a contiguous slice, like minibatches."""
+        """The trajectories of a minibatch of n this rank trains on: a contiguous slice."""
         return range(self.rank * n // self.world, (self.rank + 1) * n // self.world)
 
-    def train_step(self, trajectories: Sequence[Trajectory], advantages: Sequence[Advantage]) -> dict[str, float]:
-        """Learn from one batch (the same on every rank); returns its metrics, the same on every rank:
-        those of `Learner.train_step` that apply (token statistics summed over ranks), plus
-        moe_load_max_over_mean (the busiest expert's routed rows over the mean, all layers and
-        ranks) and world. `LearnerConfig.threads` is not applied: set OMP_NUM_THREADS per process."""
-        if not trajectories or len(advantages) != len(trajectories):
-            raise ValueError(f"{len(trajectories)} trajectories and {len(advantages)} advantages; give a non-empty "
-                             "batch with one advantage per trajectory")
-        start = time.perf_counter()
-        config = self.config
-        staleness = staleness_histogram(trajectories, self.version)
+    def _micro_batches(self, trajectories: Sequence[Trajectory], advantages: Sequence[Advantage],
+                       masks: Sequence[Sequence[int]], device: torch.device) -> list[MicroBatch]:
         mine = self.shard(len(trajectories))
-        masks = [self.loss_mask(trajectories[i]) for i in mine]
-        batches = make_micro_batches([trajectories[i] for i in mine], [advantages[i] for i in mine], masks,
-                                     config.micro_batch_tokens, self._rng) if len(mine) else []
+        batches = super()._micro_batches([trajectories[i] for i in mine], [advantages[i] for i in mine],
+                                         [masks[i] for i in mine], device)
         count = torch.tensor([len(batches)])
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         while len(batches) < int(count):
             batches.append(empty_micro_batch())  # every forward is a collective: all ranks run as many
+        return batches
 
-        denominator = sum((loss_denominator(b.mask, config.loss) for b in batches), torch.zeros(()))
-        dist.all_reduce(denominator)
-        self.root.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        stats: dict[str, torch.Tensor] = {}
-        load = torch.zeros(self.hf_config.num_experts, dtype=torch.long)
-        for b in batches:
-            logp, ent = self.root(b.ids, b.attention, b.mask, config.temperature, True)
-            b.logp_prox = logp.detach()  # one step per batch: the proximal policy is these weights
-            loss, s = policy_loss(logp, b.logp_prox, b.logp_behaviour, b.advantages, b.mask, config.loss,
-                                  None, denominator)
-            loss.backward()
-            total += loss.detach()
-            merge_stats(stats, s)
-            merge_stats(stats, {"entropy_sum": torch.where(b.mask > 0, ent, 0.0).sum()})
-            load += sum(m.tokens_per_expert for m in self.moe_layers())
-        grad_norm = self.grad_norm()
-        taken = self._clip_and_step(total, grad_norm)
-        summed = torch.stack([total, stats["tokens"], stats["entropy_sum"], stats["is_weight_sum"],
-                              stats["clipped_low"], stats["clipped_high"]])
-        dist.all_reduce(summed)
-        dist.all_reduce(load)
-        elapsed = time.perf_counter() - start
-        loss_tokens = float(summed[1])
-        batch_tokens = sum(len(t.tokens) for t in trajectories)
-        nan = float("nan")
-        stale_tokens = sum(staleness.values())
-        load_f = load.float()
-        metrics = {
-            "loss": float(summed[0]) if taken else nan,
-            "entropy": float(summed[2]) / loss_tokens if loss_tokens else nan,
-            "is_weight_mean": float(summed[3]) / loss_tokens if loss_tokens else nan,
-            "clip_low_frac": float(summed[4]) / loss_tokens if loss_tokens else nan,
-            "clip_high_frac": float(summed[5]) / loss_tokens if loss_tokens else nan,
-            "grad_norm": float(grad_norm),
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "optimizer_steps": float(taken),
-            "skipped_steps": float(1 - taken),
-            "skipped_steps_total": float(self.skipped_steps),
-            "policy_version": float(self.version),
-            "sequences": float(len(trajectories)),
-            "loss_tokens": loss_tokens,
-            "tokens_per_s": batch_tokens / max(elapsed, 1e-9),
-            "seconds": elapsed,
-            "staleness_mean": sum(s * c for s, c in staleness.items()) / stale_tokens if stale_tokens else nan,
-            "moe_load_max_over_mean": float(load_f.max() / load_f.mean()) if load_f.sum() else nan,
-            "world": float(self.world),
-        }
-        return metrics
+    def _reduce(self, value: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
+        out = value.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return out
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        norm = self.grad_norm()
+        if torch.isfinite(norm):  # otherwise the step is skipped and the gradients dropped
+            coef = min(1.0, self.config.grad_clip / (float(norm) + 1e-6))  # clip_grad_norm_'s formula
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def _train_step(self, trajectories: Sequence[Trajectory], advantages: Sequence[Advantage]) -> dict[str, float]:
+        """The Learner's metrics plus moe_load_max_over_mean (the busiest expert's routed rows over
+        the mean, all layers and ranks) and world. `LearnerConfig.threads` is applied per process."""
+        layers = list(self.moe_layers())
+        for m in layers:
+            m.tokens_per_expert.zero_()
+        metrics = super()._train_step(trajectories, advantages)
+        load = self._reduce(torch.stack([m.tokens_per_expert for m in layers]).sum(0).float()) if layers else None
+        balance = float(load.max() / load.mean()) if load is not None and load.sum() else float("nan")
+        return metrics | {"moe_load_max_over_mean": balance, "world": float(self.world)}
 
     def moe_layers(self) -> Iterator[ExpertParallelMoE]:
         return (m for m in self.root.modules() if isinstance(m, ExpertParallelMoE))
@@ -319,26 +273,6 @@ class DistributedLearner:
         if self.mesh.ep_size > 1:
             dist.all_reduce(experts, group=self.mesh.ep.get_group())  # each EP rank holds other experts
         return (dense + experts).sqrt()
-
-    def _clip_and_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> int:
-        finite = torch.isfinite(loss).float()
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # a rank's NaN loss skips the step everywhere
-        if not (bool(finite) and bool(torch.isfinite(grad_norm))):
-            self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            return 0
-        coef = min(1.0, self.config.grad_clip / (float(grad_norm) + 1e-6))  # clip_grad_norm_'s formula
-        for p in self.params.values():
-            if p.grad is not None:
-                p.grad.mul_(coef)
-        lr = self.config.lr * warmup_factor(self.optimizer_steps, self.config.warmup_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer_steps += 1
-        self.version += 1
-        return 1
 
     # ---- weights out
 
@@ -369,8 +303,9 @@ class DistributedLearner:
         rank 0 then calls `engine.update_weights(weights, learner.version)`."""
         return self.full_state_dict()
 
-    def export_hf(self, path: str | Path, tokenizer: Any = None) -> Path | None:
-        """Write the unsharded model as an HF safetensors folder on rank 0 (collective); its path there."""
+    def full_model(self) -> PreTrainedModel | None:
+        """The unsharded model (a new `Qwen3MoeForCausalLM` with the trained weights) on rank 0, None
+        elsewhere (collective): what the Registry registers and `export_hf` writes."""
         state = self.full_state_dict()
         if state is None:
             return None
@@ -378,6 +313,13 @@ class DistributedLearner:
 
         model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
         model.load_state_dict(state, strict=True)
+        return model
+
+    def export_hf(self, path: str | Path, tokenizer: Any = None) -> Path | None:
+        """Write the unsharded model as an HF safetensors folder on rank 0 (collective); its path there."""
+        model = self.full_model()
+        if model is None:
+            return None
         path = Path(path)
         model.save_pretrained(path)
         if tokenizer is not None:
@@ -446,6 +388,121 @@ def empty_micro_batch() -> MicroBatch:
     zeros = torch.zeros((1, 2))
     return MicroBatch(ids=torch.zeros((1, 2), dtype=torch.long), attention=torch.ones((1, 2), dtype=torch.long),
                       mask=zeros, logp_behaviour=zeros.clone(), advantages=zeros.clone())
+
+
+# ---- under `flywheel train`: rank 0 drives the loop, the other ranks follow its Learner calls
+#
+#   rank 0: train.py's loop (Orchestrator, engine, sandboxes, run folder)      ranks 1..N-1: `follow`
+#     LeaderLearner.train_step(batch) ── broadcast ("train_step", batch) ──>  learner.train_step(batch)
+#       then its own shard's train_step; all ranks meet in the step's collectives (FSDP, EP, sums)
+#     LeaderLearner.weights()  ── broadcast ──>  full_state_dict(): gathered on rank 0 for its engine
+#     LeaderLearner.state()    ── broadcast ──>  save_checkpoint(run/learner/policy-N): every rank its shards
+#     close()                  ── broadcast ("stop") ──>  the followers return
+#     (a call that raised on rank 0 sends no stop: the followers are inside its collectives, and
+#     torchrun ends them when rank 0 exits with the error; a follower's error ends rank 0 the same way)
+#
+# The followers wait in the broadcast while rank 0 collects rollouts and evaluates: that wait is
+# bounded by `DistConfig.timeout_s`. The checkpoint folder must be one filesystem for all ranks
+# (one node under torchrun --standalone; a shared filesystem across nodes).
+
+FOLLOWED = frozenset({"train_step", "weights", "save_checkpoint", "load_checkpoint", "full_model"})
+
+
+class LeaderLearner:
+    """Rank 0's Learner under `flywheel train`: each call is broadcast to the other ranks (`follow`),
+    then made on rank 0's shard. It offers what the training loop uses of a `Learner` (train_step,
+    weights, state, load_state, version, model); state() is a DCP checkpoint of every rank's shards
+    under `checkpoints`, named in the small dict the run folder saves with the Orchestrator's
+    progress, so a run killed at any point resumes from the last one written in full, under any mesh."""
+
+    def __init__(self, learner: DistributedLearner, checkpoints: Path):
+        self.learner = learner
+        self.checkpoints = Path(checkpoints)
+        # A call that raised left the other ranks inside one of its collectives: they cannot take a
+        # "stop" then, so close() sends none and torchrun ends them when this process exits.
+        self.failed = False
+
+    def _call(self, name: str, *args: Any) -> Any:
+        dist.broadcast_object_list([(name, args)], src=0)
+        try:
+            return getattr(self.learner, name)(*args)
+        except BaseException:
+            self.failed = True
+            raise
+
+    @property
+    def version(self) -> int:
+        return self.learner.version
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The trained model, unsharded, for the Registry (collective: the followers gather with it)."""
+        return self._call("full_model")
+
+    def train_step(self, trajectories: Sequence[Trajectory], advantages: Sequence[Advantage]) -> dict[str, float]:
+        return self._call("train_step", list(trajectories), list(advantages))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self._call("weights")
+
+    def state(self) -> dict[str, Any]:
+        folder = self.checkpoints / f"policy-{self.learner.version:06d}"
+        shutil.rmtree(folder, ignore_errors=True)  # one a killed run wrote and never pointed to
+        self._call("save_checkpoint", str(folder))
+        # The run folder still points at the previous checkpoint until this one is recorded: keep both.
+        older = sorted(p for p in self.checkpoints.glob("policy-*") if p.name < folder.name)
+        for stale in older[:-1]:
+            shutil.rmtree(stale, ignore_errors=True)
+        return {"dcp": str(folder), "version": self.learner.version,
+                "mesh": self.learner.dist_config.model_dump(include={"dp_replicate", "dp_shard", "ep"})}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if "dcp" not in state:
+            raise ValueError("the run folder holds a single-process Learner's state (learner.pt with weights), "
+                             "not a distributed checkpoint; resume it without [dist], or give a new run_dir")
+        self._call("load_checkpoint", state["dcp"])
+
+    def close(self) -> None:
+        if not self.failed:
+            dist.broadcast_object_list([("stop", ())], src=0)
+
+
+def follow(learner: DistributedLearner) -> None:
+    """Ranks > 0 under `flywheel train`: make each call rank 0's `LeaderLearner` broadcasts, until stop."""
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0)
+        name, args = message[0]
+        if name == "stop":
+            return
+        if name not in FOLLOWED:
+            raise ValueError(f"rank 0 asked for {name!r}; a follower makes only {sorted(FOLLOWED)}")
+        getattr(learner, name)(*args)
+
+
+@contextmanager
+def leading(model: PreTrainedModel, start: int, config: LearnerConfig, dist_config: DistConfig,
+            checkpoints: Path) -> Iterator[LeaderLearner]:
+    """Rank 0's side of `flywheel train`: tells the followers the start checkpoint (Registry version
+    `start`), shards `model` with them, and stops them on exit."""
+    dist.broadcast_object_list([start], src=0)
+    learner = LeaderLearner(DistributedLearner(model.train(), config, dist_config), checkpoints)
+    try:
+        yield learner
+    finally:
+        learner.close()
+
+
+def follow_training(registry_root: Path, config: LearnerConfig, dist_config: DistConfig) -> None:
+    """The other ranks' side of `flywheel train`: load the start checkpoint rank 0 names, shard it,
+    follow rank 0's calls until it stops."""
+    from flywheel.model.registry import Registry  # noqa: PLC0415  (the command only)
+
+    start: list[Any] = [None]
+    dist.broadcast_object_list(start, src=0)
+    with Registry(registry_root) as registry:
+        model, _ = registry.load(start[0])
+    follow(DistributedLearner(model.train(), config, dist_config))
 
 
 # ---- the command: torchrun --nproc-per-node N -m flywheel.rl.distributed

@@ -24,8 +24,8 @@ e8m0 scale per 32 elements in the forward and in both backward GEMMs. Master wei
 dtype (float32 here); the GEMMs see bfloat16 or MXFP8 copies.
 
 Load-balance statistics: `tokens_per_expert` [E] holds the rows this rank's tokens sent to each
-expert in the last forward (all experts, not only the local ones); the Learner sums them over
-ranks and reports the max/mean load ratio.
+expert (all experts, not only the local ones), summed over forwards until zeroed; the distributed
+Learner zeroes it at each step, sums it over layers and ranks and reports the max/mean load ratio.
 
 What it does not do: no capacity factor or token dropping (every routed row is computed, so the
 output equals the dense block's exactly up to summation order); no auxiliary load-balancing loss
@@ -121,7 +121,7 @@ class ExpertParallelMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         token_of = order // self.top_k  # [tokens * k]: the token each sorted row came from
         counts = torch.bincount(flat, minlength=self.num_experts)  # [experts]
-        self.tokens_per_expert.copy_(counts)
+        self.tokens_per_expert += counts
         rows = x[token_of]  # [tokens * k, hidden]
 
         if self.ep_size == 1:

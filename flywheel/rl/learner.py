@@ -140,6 +140,31 @@ def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.T
         return logp, full(logz.detach() - expected)
 
 
+class ScoredPolicy(torch.nn.Module):
+    """A policy whose forward is `token_logprobs` with the loss mask as `scored`.
+
+    The distributed Learner's FSDP root (`flywheel.rl.distributed`): FSDP unshards a module around
+    its forward, and the scored forward calls `model.base_model` and the output head separately,
+    so the root must be a module whose one forward spans both (the embeddings, the tied head and
+    the final norm are the root's)."""
+
+    def __init__(self, policy: PreTrainedModel):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, ids: torch.Tensor, attention: torch.Tensor, scored: torch.Tensor, temperature: float,
+                entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return token_logprobs(self.policy, ids, attention, temperature, entropy=entropy, scored=scored)
+
+
+def score(policy: PreTrainedModel | ScoredPolicy, b: MicroBatch, temperature: float,
+          entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of a micro-batch's loss tokens, through the ScoredPolicy root when there is one."""
+    if isinstance(policy, ScoredPolicy):
+        return policy(b.ids, b.attention, b.mask, temperature, entropy)
+    return token_logprobs(policy, b.ids, b.attention, temperature, entropy=entropy, scored=b.mask)
+
+
 def staleness_histogram(trajectories: Sequence[Trajectory], version: int) -> dict[int, int]:
     """Generated tokens by staleness: `version` minus the version that generated each token."""
     counts: Counter[int] = Counter()
@@ -190,7 +215,7 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
 
 
 @torch.no_grad()
-def proximal_pass(model: PreTrainedModel, batches: Sequence[MicroBatch], temperature: float,
+def proximal_pass(model: PreTrainedModel | ScoredPolicy, batches: Sequence[MicroBatch], temperature: float,
                   ref_model: PreTrainedModel | None = None, policy: bool = True) -> torch.Tensor:
     """Fill each micro-batch's logp_prox (and logp_ref) under the current weights; returns the
     entropy summed over loss tokens (0-dim tensor). policy=False: logp_ref only (the proximal
@@ -198,15 +223,15 @@ def proximal_pass(model: PreTrainedModel, batches: Sequence[MicroBatch], tempera
     entropy = torch.zeros((), device=batches[0].ids.device) if batches else torch.zeros(())
     for b in batches:
         if policy:
-            b.logp_prox, ent = token_logprobs(model, b.ids, b.attention, temperature, entropy=True, scored=b.mask)
+            b.logp_prox, ent = score(model, b, temperature, entropy=True)
             entropy += torch.where(b.mask > 0, ent, 0.0).sum()
         if ref_model is not None:
             b.logp_ref, _ = token_logprobs(ref_model, b.ids, b.attention, temperature, scored=b.mask)
     return entropy
 
 
-def accumulate_gradients(model: PreTrainedModel, batches: Sequence[MicroBatch], config: LossConfig, temperature: float,
-                         denominator: torch.Tensor,
+def accumulate_gradients(model: PreTrainedModel | ScoredPolicy, batches: Sequence[MicroBatch], config: LossConfig,
+                         temperature: float, denominator: torch.Tensor,
                          proximal_here: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward and backward over the micro-batches of one optimizer step, adding into `.grad`.
 
@@ -223,7 +248,7 @@ def accumulate_gradients(model: PreTrainedModel, batches: Sequence[MicroBatch], 
         if b.logp_prox is None and not proximal_here:
             raise ValueError("micro-batch has no proximal logprobs; run proximal_pass on it before "
                              "accumulate_gradients")
-        logp, ent = token_logprobs(model, b.ids, b.attention, temperature, entropy=proximal_here, scored=b.mask)
+        logp, ent = score(model, b, temperature, entropy=proximal_here)
         if proximal_here:
             b.logp_prox = logp.detach()
             merge_stats(stats, {"entropy_sum": torch.where(b.mask > 0, ent, 0.0).sum()})
@@ -235,18 +260,25 @@ def accumulate_gradients(model: PreTrainedModel, batches: Sequence[MicroBatch], 
     return total, stats
 
 
-def engine_mismatch(batches: Sequence[MicroBatch]) -> dict[str, float]:
-    """|engine logprob - Learner logprob| over the tokens the step's starting weights sampled
-    (mean and max; NaN when the batch holds none): 0 up to float noise when the engine computes the
-    same distribution as the Learner (same temperature, same weights), whatever the engine is."""
-    total, count, worst = 0.0, 0.0, 0.0
+def engine_mismatch(batches: Sequence[MicroBatch]) -> torch.Tensor:
+    """|engine logprob - Learner logprob| over the tokens the step's starting weights sampled, as
+    [sum, tokens, max] (`mismatch_metrics` turns them into the metrics; kept as sums so that ranks
+    can add theirs): 0 up to float noise when the engine computes the same distribution as the
+    Learner (same temperature, same weights), whatever the engine is."""
+    total, count, worst = torch.zeros(()), torch.zeros(()), torch.zeros(())
     for b in batches:
         if b.on_policy is None or b.logp_prox is None:
             continue
         diff = (b.logp_prox - b.logp_behaviour).abs() * b.on_policy  # [batch, seq]
-        total += float(diff.sum())
-        count += float(b.on_policy.sum())
-        worst = max(worst, float(diff.max()))
+        total += diff.sum().cpu()
+        count += b.on_policy.sum().cpu()
+        worst = torch.maximum(worst, diff.max().cpu())
+    return torch.stack([total, count, worst])
+
+
+def mismatch_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """engine_logprob_mismatch_mean / _max from `engine_mismatch`'s sums (NaN when no token counts)."""
+    total, count, worst = (float(x) for x in sums)
     nan = float("nan")
     return {"engine_logprob_mismatch_mean": total / count if count else nan,
             "engine_logprob_mismatch_max": worst if count else nan}
@@ -293,7 +325,7 @@ class Learner:
         self.ref_model = (ref_model.eval().requires_grad_(False) if ref_model is not None and config.loss.kl_coef > 0
                           else None)
         self.version = version
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+        self.optimizer = torch.optim.AdamW(self._parameter_groups(), lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
         self.optimizer_steps = 0
         self.skipped_steps = 0  # steps not taken because the loss or a gradient was not finite
@@ -340,20 +372,19 @@ class Learner:
         device = next(self.model.parameters()).device
         n, k = len(trajectories), min(config.minibatches, len(trajectories))
         chunks = [range(j * n // k, (j + 1) * n // k) for j in range(k)]
-        minibatches = [make_micro_batches([trajectories[i] for i in c], [advantages[i] for i in c],
-                                          [masks[i] for i in c],
-                                          config.micro_batch_tokens, self._rng, device, self.version) for c in chunks]
+        minibatches = [self._micro_batches([trajectories[i] for i in c], [advantages[i] for i in c],
+                                           [masks[i] for i in c], device) for c in chunks]
 
         was_training = self.model.training
         self.model.train()  # same mode in the proximal and the training pass, so their logprobs agree exactly
         # One optimizer step per batch: the proximal policy is the weights that step starts from, so
         # its logprobs are the training forward's own (detached), and the separate pass is skipped.
         fused = config.ppo_epochs == 1 and len(minibatches) == 1
-        entropy = sum((proximal_pass(self.model, mbs, config.temperature, self.ref_model, policy=not fused)
+        entropy = sum((proximal_pass(self.policy, mbs, config.temperature, self.ref_model, policy=not fused)
                        for mbs in minibatches), torch.zeros((), device=device))
         # Denominators stay on device: dividing by them forces no host sync.
-        denominators = [sum((loss_denominator(b.mask, config.loss) for b in mbs), torch.zeros((), device=device))
-                        for mbs in minibatches]
+        denominators = [self._reduce(sum((loss_denominator(b.mask, config.loss) for b in mbs),
+                                         torch.zeros((), device=device))) for mbs in minibatches]
         totals: dict[str, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         grad_norms: list[torch.Tensor] = []
@@ -361,10 +392,11 @@ class Learner:
         for _ in range(config.ppo_epochs):
             for mbs, denominator in zip(minibatches, denominators, strict=True):
                 self.optimizer.zero_grad(set_to_none=True)
-                loss, stats = accumulate_gradients(self.model, mbs, config.loss, config.temperature, denominator,
+                loss, stats = accumulate_gradients(self.policy, mbs, config.loss, config.temperature, denominator,
                                                    proximal_here=fused)
+                loss = self._reduce(loss)  # the whole batch's loss: the same on every rank
                 entropy = entropy + stats.pop("entropy_sum", 0.0)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+                grad_norm = self._clip_grad_norm()
                 if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # the one host sync per step
                     skipped += 1  # before the optimizer touches anything: weights and Adam moments stay as they were
                     self.optimizer.zero_grad(set_to_none=True)
@@ -377,15 +409,27 @@ class Learner:
                 grad_norms.append(grad_norm)
                 merge_stats(totals, stats)
         self.model.train(was_training)
-        mismatch = engine_mismatch([b for mbs in minibatches for b in mbs])
+        flat = [b for mbs in minibatches for b in mbs]
+        sums = engine_mismatch(flat)
+        mismatch = mismatch_metrics(torch.cat([self._reduce(sums[:2]), self._reduce(sums[2:], "max")]))
         taken = len(losses)
         self.optimizer_steps += taken
         self.skipped_steps += skipped
         if taken:
             self.version += 1
         elapsed = time.perf_counter() - start
+        # every rank's share added up (the single-process Learner's reduce is the identity)
+        entropy = self._reduce(torch.as_tensor(entropy, dtype=torch.float32).cpu())
+        loss_tokens = float(self._reduce(sum((b.mask.sum().cpu() for b in flat), torch.zeros(()))))
+        totals = {k: self._reduce(v.cpu(), "max" if k == "is_weight_max" else "sum") for k, v in totals.items()}
+        return self._metrics(trajectories, staleness, totals, losses, grad_norms, entropy, loss_tokens, taken,
+                             skipped, elapsed) | mismatch
 
-        loss_tokens = sum(float(b.mask.sum()) for mbs in minibatches for b in mbs)
+    def _metrics(self, trajectories: Sequence[Trajectory], staleness: dict[int, int], totals: dict[str, torch.Tensor],
+                 losses: list[torch.Tensor], grad_norms: list[torch.Tensor], entropy: torch.Tensor,
+                 loss_tokens: float, taken: int, skipped: int, elapsed: float) -> dict[str, float]:
+        """The step's metrics (`train_step`'s docstring) from the whole batch's totals."""
+        config = self.config
         batch_tokens = sum(len(t.tokens) for t in trajectories)
         stale_tokens = sum(staleness.values())
         nan = float("nan")
@@ -419,8 +463,32 @@ class Learner:
             "staleness_max": float(max(staleness)) if staleness else nan,
         }
         metrics.update({f"staleness/{s}": float(c) for s, c in staleness.items()})
-        metrics.update(mismatch)
         return metrics
+
+    # ---- what the distributed Learner (`flywheel.rl.distributed`) replaces: one process here
+
+    @property
+    def policy(self) -> PreTrainedModel | ScoredPolicy:
+        """What the forwards run: the model here, the FSDP root there."""
+        return self.model
+
+    def _micro_batches(self, trajectories: Sequence[Trajectory], advantages: Sequence[Advantage],
+                       masks: Sequence[Sequence[int]], device: torch.device) -> list[MicroBatch]:
+        """One minibatch's micro-batches (there: of this rank's share of it)."""
+        return make_micro_batches(trajectories, advantages, masks, self.config.micro_batch_tokens, self._rng, device,
+                                  self.version)
+
+    def _parameter_groups(self) -> Any:
+        """What AdamW optimizes (there: dense and expert parameters apart, on their own meshes)."""
+        return self.model.parameters()
+
+    def _reduce(self, value: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
+        """A quantity of this process's share of the batch as the whole batch's (there: over ranks)."""
+        return value
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """Clip the gradients to `grad_clip`; returns the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0 for the first): linear warmup, then constant."""

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.agent.evaluate import evaluate, paired_lift, passed
@@ -51,6 +52,7 @@ from flywheel.model.engine import Engine, EngineConfig
 from flywheel.model.registry import Checkpoint, Registry
 from flywheel.rl.advantages import outcome_tied
 from flywheel.rl.cluster import ClusterConfig, LearnerLost, start_cluster
+from flywheel.rl.distributed import DistConfig, follow_training, init_distributed, leading
 from flywheel.rl.learner import Learner, LearnerConfig
 from flywheel.rl.orchestrator import Batch, EpisodeRunner, Orchestrator, OrchestratorConfig
 from flywheel.rl.run_folder import RunFolder
@@ -98,6 +100,9 @@ class TrainConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # local (default) or Ray actors across nodes
+    # The Learner sharded over the processes of `torchrun -m flywheel train` / `flywheel train --nproc N`
+    # (flywheel/rl/distributed.py): rank 0 runs the loop, every rank trains on its shard. None: one process.
+    dist: DistConfig | None = None
     # Copies of metrics.jsonl / eval.jsonl to TensorBoard, W&B, MLflow (flywheel/rl/tracking.py); all off by default.
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -114,6 +119,9 @@ class TrainConfig(BaseModel):
                              "every "
                              "token would carry a spurious importance weight; set learner.temperature = "
                              "orchestrator.episode.temperature")
+        if self.dist is not None and self.cluster.backend != "local":
+            raise ValueError("dist (the torchrun-sharded Learner) runs with cluster.backend=\"local\": rank 0 "
+                             "plays the episodes; remove [dist] or set cluster.backend=\"local\"")
         return self
 
 
@@ -234,7 +242,16 @@ def train(config: TrainConfig, log: Callable[[str], None] = print,
           start_report: Mapping[str, Any] | None = None,
           harness: HarnessFactory | None = None) -> tuple[Checkpoint | None, dict[str, Any]]:
     """`train_once`, restarted from the run's last checkpoint when a Ray learner actor dies
-    (`cluster.learner_restarts` times): the resume path of a killed local run."""
+    (`cluster.learner_restarts` times): the resume path of a killed local run.
+
+    Under torchrun with `dist` set, ranks > 0 only follow rank 0's Learner calls (flywheel/rl/distributed.py)
+    and return (None, {})."""
+    if config.dist is not None:
+        init_distributed(config.dist)
+        if torch.distributed.get_rank() != 0:
+            torch.set_num_threads(config.threads)
+            follow_training(config.registry_root, config.learner, config.dist)
+            return None, {}
     for restart in range(config.cluster.learner_restarts + 1):
         try:
             return train_once(config, log, start_report, harness)
@@ -243,6 +260,14 @@ def train(config: TrainConfig, log: Callable[[str], None] = print,
                 raise
             log(f"{exc}: restarting from {config.run_dir} ({restart + 1} of {config.cluster.learner_restarts})")
     raise AssertionError("unreachable")
+
+
+def learner_for(config: TrainConfig, cluster: Any, model: Any, start: int) -> AbstractContextManager[Any]:
+    """The Learner: rank 0's `LeaderLearner` over the torchrun ranks when `dist` is set (Registry
+    version `start` is what the other ranks load), else the cluster's."""
+    if config.dist is None:
+        return cluster.learner(model, config.learner, threads=config.threads)
+    return leading(model, start, config.learner, config.dist, config.run_dir / "learner")
 
 
 def train_once(config: TrainConfig, log: Callable[[str], None] = print,
@@ -279,7 +304,7 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
     # cluster.backend: the Learner, the Engine and the episodes here, or as Ray actors (flywheel/rl/cluster.py)
     with Tracker(config.tracking, config.run_dir, params=config.model_dump(mode="json")) as tracker, \
             start_cluster(config.cluster, log) as cluster, \
-            cluster.learner(learner_model, config.learner, threads=config.threads) as learner, \
+            learner_for(config, cluster, learner_model, parent.version) as learner, \
             cluster.engine(engine_model, tokenizer, config.engine, config.pool, version=learner.version,
                            checkpoint=parent.path) as engine, \
             SandboxPool(config.pool) as pool, \

@@ -6,6 +6,7 @@ Each check measures and rank 0 writes OUT_DIR/<check>.json; the test asserts on 
 failure names the mesh and the size of the difference. Checks:
 
     step:<R>x<S>[ep<E>]   one DistributedLearner step vs the single-process Learner on the same batch
+    ppo_step:<mesh>      the same with ppo_epochs = minibatches = 2, a KL reference and narrow clipping
     mxfp8_step:<mesh>    the same with MXFP8 expert GEMMs (against the float32 Learner: close, not equal)
     nan_step:<mesh>      a NaN in one rank's share: the step is skipped on every rank, weights unchanged
     ep_layer:<label>     ExpertParallelMoE vs Qwen3MoeSparseMoeBlock: output, input / router / expert grads
@@ -35,12 +36,17 @@ from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.distributed import DistConfig, DistributedLearner
 from flywheel.rl.expert_parallel import ExpertParallelMoE
 from flywheel.rl.learner import Learner, LearnerConfig, token_logprobs
+from flywheel.rl.loss import LossConfig
 
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, num_experts=8,
                    experts_per_token=2, moe_intermediate_size=32)
 # lr large enough that one step moves the weights well above float32 noise; micro-batches small so
 # ranks run different numbers of them (the padding path)
 LEARNER = LearnerConfig(lr=1e-3, micro_batch_tokens=96)
+# Four optimizer steps per batch against a KL reference, clip ranges narrow enough that the later
+# steps' ratios leave them: the clipped, KL-weighted path of the loss
+PPO = LEARNER.model_copy(update={"ppo_epochs": 2, "minibatches": 2,
+                                 "loss": LossConfig(kl_coef=0.1, clip_low=0.002, clip_high=0.002)})
 
 
 def tokenizer():
@@ -78,9 +84,10 @@ def mesh(spec: str) -> DistConfig:
     return DistConfig(dp_replicate=int(r), dp_shard=int(s), ep=int(e or 1))
 
 
-def reference(tok, steps: int) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+def reference(tok, steps: int, config: LearnerConfig = LEARNER) -> tuple[dict[str, torch.Tensor],
+                                                                          list[dict[str, float]]]:
     model = build_model(TINY, tok)
-    learner = Learner(model, LEARNER)
+    learner = Learner(model, config, ref_model=build_model(TINY, tok) if config.loss.kl_coef else None)
     probe = build_model(TINY, tok)  # batches from the initial weights, as `run_steps` builds them
     metrics = []
     for step in range(steps):
@@ -112,17 +119,22 @@ def metric_diffs(got: dict[str, float], expected: dict[str, float]) -> dict[str,
             "grad_norm_rel_diff": abs(got["grad_norm"] / expected["grad_norm"] - 1)}
 
 
-def check_step(spec: str, tok, precision: str = "native") -> dict[str, float]:
+def check_step(spec: str, tok, precision: str = "native", learner_config: LearnerConfig = LEARNER) -> dict[str, float]:
     start = {k: v.clone() for k, v in build_model(TINY, tok).state_dict().items()}
-    expected, ref_metrics = reference(tok, 1)
+    expected, ref_metrics = reference(tok, 1, learner_config)
     config = mesh(spec).model_copy(update={"expert_precision": precision})
-    learner = DistributedLearner(build_model(TINY, tok), LEARNER, config)
+    ref_model = build_model(TINY, tok) if learner_config.loss.kl_coef else None
+    learner = DistributedLearner(build_model(TINY, tok), learner_config, config, ref_model=ref_model)
     metrics = run_steps(learner, tok, range(1))
     full = learner.full_state_dict()
     if full is None:
         return {}
-    return compare(full, expected, start) | metric_diffs(metrics[0], ref_metrics[0]) | {
-        "moe_load_max_over_mean": metrics[0]["moe_load_max_over_mean"]}
+    got, want = metrics[0], ref_metrics[0]
+    same = ("optimizer_steps", "loss_tokens", "kl", "clip_low_frac", "clip_high_frac", "is_weight_max", "entropy")
+    return compare(full, expected, start) | metric_diffs(got, want) | {
+        "moe_load_max_over_mean": got["moe_load_max_over_mean"], "optimizer_steps": got["optimizer_steps"],
+        "metric_diff": max(abs(got[k] - want[k]) for k in same), "kl": got["kl"],
+        "clip_frac": got["clip_low_frac"] + got["clip_high_frac"]}
 
 
 def check_nan_step(spec: str, tok) -> dict[str, float]:
@@ -238,6 +250,8 @@ def main() -> None:
         name, _, spec = check.partition(":")
         if name == "step":
             result = check_step(spec, tok)
+        elif name == "ppo_step":
+            result = check_step(spec, tok, learner_config=PPO)
         elif name == "nan_step":
             result = check_nan_step(spec, tok)
         elif name == "mxfp8_step":

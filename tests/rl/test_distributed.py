@@ -2,10 +2,12 @@
 single-process Learner for every mesh shape, the expert-parallel layer equals the dense block, a
 DCP checkpoint written by 2 processes resumes under 4 on another mesh and continues, one resumed
 under the same mesh continues bit-exactly, and the exported folder loads in the Registry and in
-`AutoModelForCausalLM`.
+`AutoModelForCausalLM`; several steps per batch with a KL reference equal the Learner's too; and
+`flywheel train` itself runs the real RL loop with the sharded Learner, killed and resumed.
 
-Three torchrun launches (1, 2 and 4 processes) run all checks (tests/rl/dist_worker.py); the
-tests assert on the figures they wrote. About 100 s on 2 shared cores, most of it process start-up.
+Three torchrun launches (1, 2 and 4 processes) run the checks of tests/rl/dist_worker.py; the
+tests assert on the figures they wrote. About 100 s on 2 shared cores, most of it process
+start-up. The `flywheel train` test launches twice more (about 140 s at load 18).
 
 Tolerances (float32): the weights after one AdamW step (lr 1e-3, so each weight moves by up to
 1e-3) agree within 1e-5, 1% of the step; measured 2e-7 (2x1, 1x2) to 2e-6 (2x2); the order in
@@ -20,17 +22,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from flywheel.agent.trajectory import Trajectory
 from flywheel.model.factory import load_pretrained
 from flywheel.model.registry import Registry
 from flywheel.rl.distributed import DistConfig
+from tests.rl.dist_worker import metric_diffs
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +44,12 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHES = {
     1: ["step:1x1"],
-    2: ["step:2x1", "step:1x2", "step:1x2ep2", "ep_layer:2", "save:1x2ep2", "mxfp8_step:1x2ep2", "nan_step:1x2ep2"],
+    2: ["step:2x1", "step:1x2", "step:1x2ep2", "ppo_step:1x2ep2", "ep_layer:2", "save:1x2ep2", "mxfp8_step:1x2ep2",
+        "nan_step:1x2ep2"],
     4: ["step:2x2", "step:2x2ep2", "step:1x4ep4", "ep_layer:4", "resume:2x2ep2", "same_mesh:1x4ep4"],
 }
 WEIGHT_TOL = 1e-5
+ROUTER_TOL = 2e-4  # for routers trained on real episodes: see the killed-and-resumed `flywheel train` test
 
 
 def torchrun(nproc: int, out: Path, checks: list[str]) -> None:
@@ -71,6 +79,18 @@ def test_one_step_equals_the_single_process_learner(results, shape):
     assert r["grad_norm_rel_diff"] < 1e-5, r
     assert r["loss_diff"] < 1e-6, r
     assert r["moe_load_max_over_mean"] >= 1.0
+
+
+def test_several_steps_per_batch_with_a_kl_reference_equal_the_single_process_learner(results):
+    """ppo_epochs = minibatches = 2 (four optimizer steps), kl_coef 0.1 against a reference copy on
+    every rank, clip ranges of 0.002 that the later steps' ratios leave: the Learner's own loss path,
+    so the weights and every token statistic agree (measured 3e-7 and 3e-10)."""
+    r = results[0]["ppo_step_1x2ep2"]
+    assert r["optimizer_steps"] == 4.0
+    assert r["kl"] > 0 and r["clip_frac"] > 0.05, r  # the KL and the clipping were exercised
+    assert r["max_update"] > 2e-3  # four steps of up to 1e-3
+    assert r["max_weight_diff"] < WEIGHT_TOL, r
+    assert r["metric_diff"] < 1e-6 and r["loss_diff"] < 1e-6 and r["grad_norm_rel_diff"] < 1e-5, r
 
 
 def test_mxfp8_experts_under_expert_parallelism_stay_close_to_float32(results):
@@ -142,3 +162,190 @@ def test_exported_folder_loads_in_the_registry_and_transformers(results, tmp_pat
     with torch.no_grad():
         assert torch.allclose(again(ids).logits, model(ids).logits, atol=1e-5)
     shutil.rmtree(out / "hf")
+
+
+# ---- `flywheel train` with the distributed Learner: the real loop, killed and resumed
+
+TRAIN_TOML = '''
+registry_root = "{root}/registry"
+run_dir = "{root}/run"
+families = ["bugfix"]
+train_tasks_per_family = 1
+eval_tasks_per_family = 1
+eval_at_start = false
+threads = 1
+
+[orchestrator]
+group_size = 8
+groups_per_step = 1
+max_staleness = 1
+concurrency = 8
+max_steps = 20
+filter_zero_signal = false
+
+[orchestrator.episode]
+max_turns = 1
+max_tokens_per_turn = 12
+
+[learner]
+lr = 1e-3
+micro_batch_tokens = 256
+
+[dist]
+dp_shard = 2
+ep = 2
+'''
+
+
+START = Path(__file__).with_name("fixtures") / "broken_call_policy"  # `make_start_policy`'s output, 216 KB
+
+
+def make_start_policy(folder: Path = START) -> None:
+    """The start checkpoint (an HF folder, committed: its SFT takes a minute on 2 shared cores):
+    tests/rl/test_train.py's recipe, a BPE vocabulary large enough that the prompt is 741 tokens.
+    After the brief SFT the policy opens an unclosed tool call (a penalty) in many of its episodes,
+    so groups have reward signal and steps move the weights. Regenerate with
+    `python -c "from tests.rl.test_distributed import make_start_policy; make_start_policy()"`."""
+    from flywheel.agent.episode import initial_prompt  # noqa: PLC0415
+    from flywheel.env.families import task_set  # noqa: PLC0415
+    from flywheel.model.chat import IM_END, TOOL_CALL_OPEN  # noqa: PLC0415
+    from flywheel.model.factory import ModelConfig, build_model  # noqa: PLC0415
+    from flywheel.model.tokenizer import train_tokenizer  # noqa: PLC0415
+    from flywheel.rl.sft import SFTConfig, train_sft  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    tasks = task_set(["bugfix"], "train", 1, seed=100, difficulty=1)
+    ramble = "Let me think."
+    tokenizer = train_tokenizer([initial_prompt(t) + TOOL_CALL_OPEN + ramble for t in tasks] * 4, vocab_size=2000)
+    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
+    body = tokenizer(ramble + IM_END, add_special_tokens=False)["input_ids"]
+    examples = []
+    for task in tasks:
+        prompt = tokenizer(initial_prompt(task), add_special_tokens=False)["input_ids"]
+        broken = tokenizer.convert_tokens_to_ids([TOOL_CALL_OPEN]) + body
+        for completion in (broken, broken, body):  # 2:1, as there
+            examples.append((prompt + completion, [0] * len(prompt) + [1] * len(completion)))
+    train_sft(model, examples, SFTConfig(epochs=60, lr=1e-2, warmup_steps=1, batch_tokens=100_000),
+              tokenizer.pad_token_id)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def launch_train(config: Path, nproc: int, *sets: str, cli: bool = False) -> subprocess.Popen:
+    """`torchrun --nproc-per-node N -m flywheel train` (cli: `flywheel train --nproc N`, which spawns it)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    launcher = ([sys.executable, "-m", "flywheel", "train", "--nproc", str(nproc)] if cli else
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                 "-m", "flywheel", "train"])
+    command = [*launcher, "--config", str(config), *(f"--set={s}" for s in sets)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def kill_run(pid: int) -> None:
+    """SIGKILL torchrun and its ranks at once (each rank leads its own session, so killing torchrun's
+    process group would leave them running): no clean exit, no last checkpoint."""
+    def parent(proc: Path) -> int:
+        try:
+            return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return -1
+
+    ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent(p) == pid]
+    for target in [pid, *ranks]:
+        os.kill(target, signal.SIGKILL)
+
+
+def trained_batches(run: Path) -> list[list[Trajectory]]:
+    """The batch of each step, read back from the run folder: the groups `progress.json` says were
+    consumed at policy version s (step s), their episodes from trajectories.jsonl in index order."""
+    consumed = json.loads((run / "state" / "progress.json").read_text())["consumed"]
+    episodes = {}
+    for line in (run / "trajectories.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        episodes[record["episode"]] = Trajectory.model_validate(record["trajectory"])
+    steps = max(consumed.values())
+    batches = []
+    for step in range(1, steps + 1):
+        groups = sorted((g for g, v in consumed.items() if v == step), key=lambda g: int(g[1:]))
+        batches.append([episodes[e] for g in groups for e in sorted((e for e in episodes if e.startswith(f"{g}/")),
+                                                                     key=lambda e: int(e.split("/")[1]))])
+    return batches
+
+
+def test_flywheel_train_distributed_killed_and_resumed_under_another_mesh_equals_one_process(tmp_path):
+    """`torchrun -m flywheel train` on 2 gloo processes (1x2, ep 2): rank 0 plays the episodes in
+    real sandboxes, both ranks train. SIGKILL of the whole run once 2 steps are checkpointed, then
+    a resume under 2x1 for one more step (`flywheel train --nproc 2`, which spawns torchrun). The
+    registered result equals the single-process Learner replaying the same batches (read back from
+    the run folder) from the same start: within 1e-5 per weight (3 AdamW steps of lr 1e-3; float32
+    summation order is the only difference), and each step's loss and grad norm agree (1e-6, 1e-5
+    relative). The router is the exception: its gradients (median 2e-10) are below AdamW's eps
+    (1e-8), where a step moves a weight by lr / eps = 1e5 times its gradient, so summation-order
+    noise of 5e-10 shows as 5e-5 (measured); bounded at ROUTER_TOL, a fifth of one step."""
+    from flywheel.agent.trajectory import Status  # noqa: PLC0415
+    from flywheel.rl.advantages import AdvantageConfig  # noqa: PLC0415
+    from flywheel.rl.learner import Learner, LearnerConfig  # noqa: PLC0415
+
+    start, tokenizer = load_pretrained(START)
+    with Registry(tmp_path / "registry") as registry:
+        registry.register(start, tokenizer, parent=None, aliases=["production"], note="the start policy")
+    config = tmp_path / "train.toml"
+    config.write_text(TRAIN_TOML.format(root=tmp_path))
+    progress = tmp_path / "run" / "state" / "progress.json"
+
+    first = launch_train(config, 2)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and first.poll() is None:
+        if progress.exists() and json.loads(progress.read_text())["step"] >= 2:
+            break
+        time.sleep(0.2)
+    alive = first.poll() is None
+    kill_run(first.pid)
+    output = first.communicate()[0]
+    assert alive, f"the run ended or stalled before its second checkpoint:\n{output[-6000:]}"
+    killed_at = json.loads(progress.read_text())["step"]
+    assert killed_at >= 2
+
+    resumed = launch_train(config, 2, f"orchestrator.max_steps={killed_at + 1}", "dist.dp_replicate=2",
+                           "dist.dp_shard=1", "dist.ep=1", cli=True)
+    output = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, output[-6000:]
+    assert f"resumed {tmp_path / 'run'} at step {killed_at}" in output
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1]["step"] == killed_at + 1 and steps[-1]["world"] == 2.0
+
+    batches = trained_batches(tmp_path / "run")
+    assert len(batches) == killed_at + 1
+    with Registry(tmp_path / "registry") as registry:
+        start, _ = registry.load(0)
+        trained, _ = registry.load(1)
+    before = {k: v.clone() for k, v in start.state_dict().items()}
+    learner = Learner(start.train(), LearnerConfig(lr=1e-3, micro_batch_tokens=256))
+    advantages = AdvantageConfig()
+    replayed = []
+    for batch in batches:
+        given = [a if t.status not in (Status.SANDBOX_ERROR, Status.ABORTED) else 0.0
+                 for a, t in zip(advantages.for_trajectories(batch), batch, strict=True)]
+        replayed.append(learner.train_step(batch, given))
+    recorded = {s["step"]: s for s in steps}  # a step the kill cut short is recorded again by the resume
+    for step, expected_metrics in enumerate(replayed, start=1):
+        diffs = metric_diffs(recorded[step], expected_metrics)
+        assert diffs["loss_diff"] < 1e-6 and diffs["grad_norm_rel_diff"] < 1e-5, (step, diffs)
+    expected, got = start.state_dict(), trained.state_dict()
+    moved = max(float((expected[k] - before[k]).abs().max()) for k in expected)
+    diffs = {k: float((got[k] - expected[k]).abs().max()) for k in expected}
+    router = {k: d for k, d in diffs.items() if k.endswith(".mlp.gate.weight")}
+    assert moved > 5e-4, moved  # the steps had signal: the comparison means something
+    assert max(d for k, d in diffs.items() if k not in router) < WEIGHT_TOL, (diffs, moved)
+    assert max(router.values()) < ROUTER_TOL, (router, moved)
+
+
+def test_nproc_without_a_matching_mesh_says_the_fix(tmp_path, capsys):
+    from flywheel.cli import main  # noqa: PLC0415
+
+    assert main(["train", "--nproc", "2", "--set", f"run_dir={tmp_path}"]) == 2
+    assert "--nproc 2 but the config has no [dist] table; set e.g. --set dist.dp_shard=2" in capsys.readouterr().err
+    assert main(["train", "--nproc", "2", "--set", "dist.dp_shard=4"]) == 2
+    assert "dist.dp_replicate x dist.dp_shard = 4" in capsys.readouterr().err
