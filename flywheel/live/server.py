@@ -63,7 +63,7 @@ is the completion's id: the id clients put in their events. Responses also carry
 (version, arm, session_id) that strict clients ignore.
 
 Departures from OpenAI's API, each refused with a 400 that says so rather than silently ignored:
-`top_logprobs` > 0 (the engine returns the sampled token's logprob only),
+`top_logprobs` > 0 with streaming or without `logprobs`,
 frequency / presence penalties and `logit_bias` (the sampled tokens' logprobs must be the model's,
 for the Learner), `response_format` other than text, images. `seed` gives the request its own
 random stream: the same seed and request sample the same tokens. `n` > 1 (up to 16, a GRPO group
@@ -361,7 +361,8 @@ class ChatRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)  # the engine returns the sampled token's only
+    # with logprobs: the k most likely tokens at each position (not streamed, not /v1/completions yet)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # same seed and request: the same answer
     frequency_penalty: float | None = None  # refused unless 0 (below)
     presence_penalty: float | None = None
@@ -945,6 +946,9 @@ class LiveServer:
         started, created = time.perf_counter(), time.time()
         req = _parse_chat(body)
         n = req.n or 1
+        if req.top_logprobs and (req.stream or not req.logprobs):
+            raise ApiError(400, "top_logprobs > 0 needs logprobs: true and is not supported with stream; set logprobs, "
+                           "or leave stream unset", param="top_logprobs")
         session_id, user_id, meta = _identity(req, request)
         org_id = self._request_org(request, meta)
         session_kind = meta.pop("session_kind", INTERACTIVE)
@@ -1199,7 +1203,7 @@ class LiveServer:
         temperature = 1.0 if req.temperature is None else req.temperature
         return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
                               max_tokens=max_tokens, stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),),
-                              seed=req.seed)
+                              seed=req.seed, top_logprobs=req.top_logprobs or 0)
 
 
 def _forced_call(req: ChatRequest, tools: list[dict[str, Any]] | None) -> str:
@@ -1290,7 +1294,8 @@ class _Call:
             else:
                 lo = mid + 1
         cut = dataclasses.replace(generation, token_ids=generation.token_ids[:lo], logprobs=generation.logprobs[:lo],
-                                  versions=generation.versions[:lo], finish_reason="stop")
+                                  versions=generation.versions[:lo], finish_reason="stop",
+                                  top_logprobs=generation.top_logprobs and generation.top_logprobs[:lo])
         return cut, text[:at]
 
     async def finish(self, generation: Any) -> dict[str, Any]:
@@ -1325,7 +1330,11 @@ class _Call:
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = [_openai_call(c) for c in calls]
-        logprobs = _logprobs(generation.token_ids, generation.logprobs, lease.tokenizer) if req.logprobs else None
+        if req.top_logprobs and generation.top_logprobs is None:
+            raise ApiError(400, f"v{lease.version}'s engine does not return top_logprobs; leave top_logprobs unset",
+                           param="top_logprobs")
+        logprobs = (_logprobs(generation.token_ids, generation.logprobs, lease.tokenizer, generation.top_logprobs)
+                    if req.logprobs else None)
         usage = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(generation.token_ids),
                  "total_tokens": len(self.prompt_ids) + len(generation.token_ids)}
         return {**self._head(), "object": "chat.completion", "usage": usage,
@@ -1478,11 +1487,19 @@ def _openai_call(call: Any) -> dict[str, Any]:
     return out
 
 
-def _logprobs(token_ids: list[int], logprobs: list[float], tokenizer: Any) -> dict[str, Any]:
-    content = []
-    for token_id, logprob in zip(token_ids, logprobs, strict=True):
+def _logprobs(token_ids: list[int], logprobs: list[float], tokenizer: Any,
+              top: list[list[tuple[int, float]]] | None = None) -> dict[str, Any]:
+    """OpenAI's chat `logprobs.content`: each sampled token with its logprob and, when asked, the
+    k most likely tokens at its position (`top`, the engine's, under the same distribution)."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
         token = tokenizer.decode([token_id], skip_special_tokens=False)
-        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    content = []
+    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+        content.append({**entry(token_id, logprob),
+                        "top_logprobs": [entry(t, lp) for t, lp in top[i]] if top is not None else []})
     return {"content": content}
 
 

@@ -89,6 +89,9 @@ class SamplingParams:
     # server's streaming). It must return at once and never raise. A ProcessEngine keeps it in the
     # parent and calls it from its reader thread with each token the child sends.
     on_token: Callable[[int, float], None] | None = field(default=None, compare=False)
+    # Also return, at each sampled position, the k most likely tokens and their logprobs under the
+    # same distribution as the sampled token's (OpenAI's top_logprobs; 0: none, at most 20).
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -97,6 +100,8 @@ class Generation:
     logprobs: list[float]  # of each sampled token, under the weights of its version
     versions: list[int]  # the engine's version (Engine docstring) when each token was produced
     finish_reason: str  # "stop" (a stop token, included in token_ids), "length" or "aborted"
+    # SamplingParams.top_logprobs > 0: per generated token, the (token id, logprob) of the k most likely
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Engine(Protocol):
@@ -163,6 +168,8 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, vocab: int)
         raise ValueError(f"max_tokens must be ≥ 1, got {params.max_tokens}")
     if params.temperature < 0 or not 0 < params.top_p <= 1:
         raise ValueError(f"need temperature ≥ 0 and 0 < top_p ≤ 1, got {params.temperature} and {params.top_p}")
+    if not 0 <= params.top_logprobs <= 20:
+        raise ValueError(f"top_logprobs must be between 0 and 20, got {params.top_logprobs}")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
         bad = next(t for t in prompt_ids if not 0 <= t < vocab)
         raise ValueError(f"prompt token id {bad} is outside the model's vocabulary of {vocab}; "
@@ -211,6 +218,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)  # prompt + generated; the last one is not yet cached
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # params.top_logprobs > 0
 
     @property
     def generated(self) -> list[int]:
@@ -669,6 +677,11 @@ class LocalEngine:
             if s.generator is not None:  # a seeded request draws from its own stream, row by row
                 own, own_lp = sample_tokens(logits[i : i + 1], temperatures[i : i + 1], top_ps[i : i + 1], s.generator)
                 choices[i], logps[i] = own.item(), own_lp.item()
+        for i, s in enumerate(seqs):
+            if s.params.top_logprobs:  # [k] of the row's log_softmax(logits / T), as the sampled logprob
+                t = temperatures[i] or 1.0
+                values, ids = torch.log_softmax(logits[i] / t, dim=-1).topk(s.params.top_logprobs)
+                s.top.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
         for s, tok, lp in zip(seqs, choices, logps, strict=True):
             s.tokens.append(tok)
             s.logprobs.append(lp)
@@ -721,7 +734,8 @@ class LocalEngine:
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         if not seq.future.done():
-            seq.future.set_result(Generation(seq.generated, seq.logprobs, seq.versions, reason))
+            seq.future.set_result(Generation(seq.generated, seq.logprobs, seq.versions, reason,
+                                             seq.top if seq.params.top_logprobs else None))
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence[float],

@@ -75,7 +75,8 @@ def test_the_same_seed_and_request_give_the_same_answer(live):
 
 
 @pytest.mark.parametrize("body", [{"frequency_penalty": 0.5}, {"presence_penalty": -1}, {"logit_bias": {"3": 5}},
-                                  {"top_logprobs": 3, "logprobs": True}, {"n": 17},
+                                  {"top_logprobs": 3, "logprobs": True, "stream": True}, {"top_logprobs": 2},
+                                  {"top_logprobs": 21, "logprobs": True}, {"n": 17},
                                   {"stop": ["a", "b", "c", "d", "e"]}])
 def test_unsupported_knobs_are_refused_with_a_400_that_names_them(live, body):
     _, http = live
@@ -261,3 +262,25 @@ def test_a_model_served_in_its_own_process_streams_tokens_as_they_are_sampled(re
     lps = [t["logprob"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
            for t in c["choices"][0]["logprobs"]["content"]]
     assert lps == pytest.approx(stored.logprobs) and len(lps) == len(stored.completion_ids)
+
+
+def test_top_logprobs_are_the_models_most_likely_tokens_at_each_sampled_position(live, registry_root):
+    import torch  # noqa: PLC0415
+
+    server, http = live
+    reply = chat(http, max_tokens=8, temperature=1.0, seed=4, logprobs=True, top_logprobs=3).json()
+    content = reply["choices"][0]["logprobs"]["content"]
+    stored = server.store.completion(reply["id"])
+    assert [c["logprob"] for c in content] == pytest.approx(stored.logprobs)
+    # The k most likely tokens at each position, as the served model itself scores them (T = 1).
+    with Registry(registry_root) as registry:
+        model, tokenizer = registry.load(0)
+    ids = torch.tensor([stored.prompt_ids + stored.completion_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)  # [seq, vocab]
+    for i, entry in enumerate(content):
+        values, top = logp[len(stored.prompt_ids) - 1 + i].topk(3)
+        assert [t["token"] for t in entry["top_logprobs"]] == [tokenizer.decode([t], skip_special_tokens=False)
+                                                                for t in top.tolist()]
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(values.tolist(), abs=1e-4)
+        assert entry["logprob"] <= entry["top_logprobs"][0]["logprob"] + 1e-6
