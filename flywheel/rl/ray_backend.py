@@ -178,8 +178,8 @@ class RolloutWorker:
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         return self.engine.submit(prompt_ids, params).result()
 
-    def engine_replaced(self, i: int, engine: Any, where: Mapping[str, Any]) -> None:
-        self.engine.engine_replaced(i, engine, where)
+    def engine_ready(self, i: int, engine: Any, where: Mapping[str, Any]) -> None:
+        self.engine.engine_ready(i, engine, where)
 
     def stats(self) -> dict[str, Any]:
         return {"name": self.name, "node_id": self.node_id, "engine_resubmits": self.engine.resubmits,
@@ -335,10 +335,16 @@ class RayRollouts:
         self._counts = {"failover_episodes": 0, "engine_restarts": 0, "workers_replaced": 0}
         self._resubmits: dict[str, int] = {}  # worker actor id -> its engine_resubmits, as last reported
         n = cluster.rollout_workers
+        # engines and workers start together (each imports torch: most of the start-up); the workers
+        # learn where their engines are once those have started
         self.engines = [self._start_engine(i, self._bundle(i)) for i in range(n)]
-        self.engine_where = [self._started(e, f"inference engine {i}") for i, e in enumerate(self.engines)]
+        self.engine_where: list[dict[str, Any]] = [{"name": f"engine-{i}"} for i in range(n)]
         self.workers = [self._start_worker(i, self._bundle(i)) for i in range(n)]
+        self.engine_where = [self._started(e, f"inference engine {i}") for i, e in enumerate(self.engines)]
         self.where = [self._started(w, f"rollout worker {i}") for i, w in enumerate(self.workers)]
+        ray.get([w.engine_ready.remote(i, e, where) for w in self.workers
+                 for i, (e, where) in enumerate(zip(self.engines, self.engine_where, strict=True))],
+                timeout=cluster.start_timeout_s)
         for w in self.where:
             log(f"rollout worker {w['sizing']}")
         self._alive = set(range(n))
@@ -614,7 +620,7 @@ class RayRollouts:
                     self._counts["engine_restarts"] += 1
                     workers = [self.workers[j] for j in sorted(self._alive)]
                     break
-            ray.get([w.engine_replaced.remote(i, engine, where) for w in workers], timeout=self.cluster.actor_timeout_s)
+            ray.get([w.engine_ready.remote(i, engine, where) for w in workers], timeout=self.cluster.actor_timeout_s)
         except Exception as exc:  # noqa: BLE001 - the others serve its workers meanwhile, and the log says so
             self.log(f"inference engine {i} could not be restarted ({type(exc).__name__}: {exc})")
             return
@@ -636,8 +642,10 @@ class RayCluster:
             if config.address:
                 ray.init(address=config.address, log_to_driver=True)
             else:
-                ray.init(num_cpus=config.num_cpus, object_store_memory=config.object_store_mb * 2**20,
-                         include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
+                # "local": a new cluster even where another one runs on this machine (ray.init() would join it)
+                ray.init(address="local", num_cpus=config.num_cpus,
+                         object_store_memory=config.object_store_mb * 2**20, include_dashboard=False,
+                         _node_ip_address="127.0.0.1", log_to_driver=True)
                 self._started = True
         nodes = [n for n in ray.nodes() if n["Alive"]]
         log(f"ray cluster: {len(nodes)} nodes, {ray.cluster_resources().get('CPU', 0):g} CPUs"

@@ -9,7 +9,7 @@
     └────────────────────────────────────────┘               │ update_weights(ref, v): the store's copy │
     driver (RayRollouts): update_weights(ref, v) ───────────>└──────────────────────────────────────────┘
     to every live engine; watches every engine (`alive`, a call that returns only when the actor dies),
-    starts a new one in its place with the latest weights, and hands it to every worker (`engine_replaced`).
+    starts a new one in its place with the latest weights, and hands it to every worker (`engine_ready`).
 
 What waits for what:
 - A request is one streaming call. The worker's RayEngine waits for its next chunk at most
@@ -138,7 +138,7 @@ def start_engine_actor(options: dict[str, Any], name: str, model_class: type, mo
 class RayEngine:
     """What an episode calls of an Engine (submit, close) over the run's EngineActors, for one
     rollout worker: its requests go to its home engine (the one on its node), and while that one is
-    dead, to the live others. The driver replaces dead engines (`engine_replaced`) and sends every
+    dead, to the live others. The driver replaces dead engines (`engine_ready`) and sends every
     weight update to every engine itself, so an engine whose worker is gone keeps up too."""
 
     def __init__(self, engines: Sequence[Any], where: Sequence[Mapping[str, Any]], home: int,
@@ -154,7 +154,8 @@ class RayEngine:
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]:
         return self._threads.submit(self._generate, list(prompt_ids), params)
 
-    def engine_replaced(self, i: int, engine: Any, where: Mapping[str, Any]) -> None:
+    def engine_ready(self, i: int, engine: Any, where: Mapping[str, Any]) -> None:
+        """Engine i has started (at the run's start, or in a dead one's place): where it is, and it serves."""
         with self._cond:
             self._engines[i], self._where[i] = engine, dict(where)
             self._alive.add(i)
