@@ -15,11 +15,12 @@ with usage reporting off, fractional CPU requests and a 100 MB object store per 
    step's end, less one steady step) and whole-run wall time apart; target: Ray within 15% of
    local on steady_s.
 2. scaling: N = 1, 2, 4, 8 simulated nodes (`ray.cluster_utils.Cluster`, one raylet each, 1 CPU of
-   Ray's accounting), one rollout worker per node whose engine is bench/async_rl.py's modeled
-   accelerator (`ReplayEngine`: measured per-step decode costs, bench/costs/h200.json) and whose
-   tools, sandboxes and grading are real; the learner is modeled (`ModeledLearner`, the measured
-   seconds per token). Weak scaling: B = 2 N groups of G = 4 per step, so each node has the same
-   load; time to K steps, episodes per second, and efficiency against N times one node's.
+   Ray's accounting), one rollout worker per node whose engine (the node's engine actor) is
+   bench/async_rl.py's modeled accelerator (`ReplayEngine`: measured per-step decode costs,
+   bench/costs/h200.json) and whose tools, sandboxes and grading are real; the learner is
+   modeled (`ModeledLearner`, the measured seconds per token). Weak scaling: B = 2 N groups of
+   G = 4 per step, so each node has the same load; time to K steps, episodes per second, and
+   efficiency against N times one node's.
    All N nodes share this machine's 2 cores, so the real sandboxes bound it: the figure is the
    backend's overhead at N, not a cluster's throughput.
 3. burst: every node's pool asked for 32 sandboxes at once (more than it holds: they queue);
