@@ -50,12 +50,15 @@ wait, sandboxes created per second.
 What it does not cover:
 - A replacement placed outside the placement group (its node died) has no reserved bundle: it
   takes whatever room a live node has, and waits `start_timeout_s` for it, then the run goes on without.
+- A worker's death is noticed by the calls it fails (its episodes): an idle dead worker is
+  replaced when the next episode is sent to it, which then fails over.
 - The driver (Orchestrator, run folder) is one process: its death is the local run's death (restart
   resumes), and the run folder must be on the driver's disk.
-- Engine requests of the held-out eval go to a worker's engine and fail, not fail over, if it dies.
+- Engine requests of the held-out eval go through a worker: they move to another engine if the
+  engine dies, but fail, not fail over, if the worker dies.
 - Weights travel through the object store, not a collective: fine for the tiny default (8 MB per
   update); a billion-parameter policy wants NCCL broadcast between learner and engines.
-- Workers rebuild the model from the driver's state dict; they do not read the Registry.
+- Engines rebuild the model from the driver's state dict; they do not read the Registry.
 """
 
 from __future__ import annotations
