@@ -29,6 +29,8 @@ Streaming: the same request answered whole and streamed, alternating (a LiveServ
 the default-size model, `--stream-tokens` tokens at T=1 with a seed): `ttft_ms` is the client's
 time to the first content chunk, `inter_token_ms` the gaps between content chunks, against the
 whole answer's time (the baseline: without streaming the first byte arrives with the last token).
+`engine_process`: the same with the model in its own process (`engine.separate_process`), each
+sampled token relayed to the server over the ProcessEngine's pipe.
 
 Harness: one bugfix task played by the built-in runner and by mini-swe-agent through the harness
 endpoint (flywheel/live/harness.py), both with the same scripted answers (`--harness-turns` test
@@ -69,7 +71,7 @@ from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.store import EVENT_COLUMNS, SCHEMA, LiveStore
 from flywheel.model.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
-from flywheel.model.engine import SamplingParams
+from flywheel.model.engine import EngineConfig, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import PRODUCTION, Registry
 from flywheel.model.tokenizer import train_tokenizer
@@ -300,12 +302,15 @@ def bench_overhead(registry_root: Path, run_dir: Path, requests: int, max_tokens
             "prompt_tokens_mean": round(sum(len(encoder.encode(c, tool_schemas())) for c in chats) / len(chats))}
 
 
-def bench_streaming(registry_root: Path, run_dir: Path, requests: int, max_tokens: int, threads: int) -> dict:
+def bench_streaming(registry_root: Path, run_dir: Path, requests: int, max_tokens: int, threads: int,
+                    separate_process: bool = False) -> dict:
     """Time to first token and inter-token latency of streamed answers, against the same request
-    answered whole (the baseline: without streaming the first byte comes with the last token)."""
+    answered whole (the baseline: without streaming the first byte comes with the last token).
+    separate_process: the model decodes in a ProcessEngine, each token relayed over its pipe."""
     torch.set_num_threads(threads)
     config = ServeConfig(registry_root=registry_root, run_dir=run_dir, keys=KEYS, candidate_fraction=0.0,
-                         threads=threads, default_max_tokens=max_tokens)
+                         threads=threads, default_max_tokens=max_tokens,
+                         engine=EngineConfig(separate_process=separate_process, threads=threads))
     server = LiveServer.from_config(config)
     chats = conversations(2)
     ttft, server_ttft, gaps, whole = [], [], [], []
@@ -472,6 +477,10 @@ def main() -> None:
         if args.only in (None, "streaming"):
             streaming = bench_streaming(root / "registry", root / "streaming", args.stream_requests,
                                         args.stream_tokens, args.threads)
+            log("streaming: the same through a model in its own process (ProcessEngine) ...")
+            streaming["engine_process"] = bench_streaming(root / "registry", root / "streaming-process",
+                                                          args.stream_requests, args.stream_tokens, args.threads,
+                                                          separate_process=True)
         if args.only in (None, "harness"):
             harness = bench_harness(args.harness_turns)
     headline = {f"{backend}_events_per_s_{r}_replica{'s' if r > 1 else ''}": result["replicas"][str(r)]["events_per_s"]

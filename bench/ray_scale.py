@@ -27,7 +27,10 @@ with usage reporting off, fractional CPU requests and a 100 MB object store per 
    sandboxes created per second per node, alone and with all nodes at once.
 4. recovery: during a scaling run at the largest N ≤ 4, one node is removed after the first step;
    seconds from the removal to the next completed learner step, against the median step.
-5. memory: what one sandbox costs the host (MemAvailable before and after, /proc/meminfo), held
+5. pool_recovery: the same, but only one node's sandbox pool actor is killed (`ray.kill`; its worker
+   and node live on): the episodes that held its sandboxes resume from their saved state on the
+   node's next pool; seconds to the next step, and how many episodes resumed.
+6. memory: what one sandbox costs the host (MemAvailable before and after, /proc/meminfo), held
    idle with a task's workspace, and running a Python test process (the heaviest thing an
    episode's tools do), over 32 at once; the 100,000-sandbox arithmetic in docs/ARCHITECTURE.md
    rests on it and on the burst's creation rate.
@@ -156,6 +159,7 @@ def scaled_run(n: int, model, tokenizer, tasks, costs: dict, learner_s: float, s
             seconds = time.perf_counter() - t0
             episodes = orch.counts()["episodes"]
             failovers = rollouts.counts()["failover_episodes"]
+            resumed = sum(node["resumed_episodes"] for node in rollouts.stats()["nodes"].values())
             orch.close(wait=False)
     finally:
         rollouts.close()
@@ -163,7 +167,7 @@ def scaled_run(n: int, model, tokenizer, tasks, costs: dict, learner_s: float, s
     # admission) left out; episodes per second over the whole run.
     out = {"nodes": n, "seconds": seconds, "steady_s": ends[-1] - ends[0], "steps": steps, "episodes": episodes,
            "episodes_per_s": episodes / seconds, "step_ends_s": [round(e, 2) for e in ends],
-           "failover_episodes": failovers}
+           "failover_episodes": failovers, "pool_resumed_episodes": resumed}
     if killed_at is not None:
         after = [e for e in ends if e > killed_at]
         gaps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
@@ -207,7 +211,7 @@ def memory(n: int = 32) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default="overhead,scaling,burst,recovery,memory")
+    parser.add_argument("--parts", default="overhead,scaling,burst,recovery,pool_recovery,memory")
     parser.add_argument("--steps", type=int, default=5, help="K: learner steps per run")
     parser.add_argument("--nodes", type=lambda v: [int(k) for k in v.split(",")], default=[1, 2, 4, 8])
     parser.add_argument("--costs", type=Path, default=COSTS)
@@ -222,7 +226,7 @@ def main() -> None:
             result["memory"] = memory()
         if "overhead" in parts:
             result["overhead"] = overhead(args, registry, work)
-        if parts & {"scaling", "burst", "recovery"}:
+        if parts & {"scaling", "burst", "recovery", "pool_recovery"}:
             costs, learner_s = costs_from_file(args.costs, "default")
             tasks = task_set(["bugfix", "implement"], "train", 16, seed=100, difficulty=1)
             cluster = Cluster(initialize_head=True, head_node_args={
@@ -251,6 +255,10 @@ def main() -> None:
                     cluster.wait_for_nodes()
                     if "burst" in parts:
                         result["burst"] = burst(args, model, tokenizer, len(nodes))
+                    if "pool_recovery" in parts:
+                        result["pool_recovery"] = scaled_run(2, model, tokenizer, tasks, costs, learner_s,
+                                                             max(args.steps, 4), pool, kill=kill_a_pool)
+                        log(f"pool recovery: {result['pool_recovery']}")
                     if "recovery" in parts:
                         n = max(k for k in [2, 4] if k <= len(nodes))
 
@@ -267,6 +275,13 @@ def main() -> None:
                 ray.shutdown()
                 cluster.shutdown()
     print(json.dumps(result, indent=2))
+
+
+def kill_a_pool(rollouts: RayRollouts) -> None:
+    """Kill one node's sandbox pool actor alone (flywheel.rl.ray_fleet), not its worker or node."""
+    found = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("sandbox-fleet-")]
+    victim = sorted(found, key=lambda a: a["name"])[0]
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]))
 
 
 def burst(args, model, tokenizer, n: int) -> dict:

@@ -188,7 +188,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config = load_config(TrainConfig, args.config, args.set)
     write_resolved(config, config.run_dir)
-    _, summary = train(config)
+    harness = None
+    if config.rollout.harness != "builtin":  # an external agent program plays the episodes
+        from flywheel.live.harness import harness_runner as harness  # noqa: PLC0415
+    _, summary = train(config, harness=harness)
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import threading
 import time
@@ -26,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flywheel.agent.evaluate import gain_needed
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.live.cycle import LiveConfig, LiveCycle, ServerControl
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
@@ -36,6 +38,7 @@ from flywheel.rl.train import TrainConfig, train
 from flywheel.rl.train import eval_tasks as train_eval_tasks
 from flywheel.sim.expert import bootstrap_demonstrations
 from flywheel.sim.users import Population, run_population
+from flywheel.stats import t_quantile, z_quantile
 
 DEMO_KEY = "demo-local-key"  # the in-process server's only key; it listens on loopback only
 
@@ -103,19 +106,13 @@ def _cached_bootstrap(registry_root: Path, marker: Path, key: str) -> Checkpoint
     return v0
 
 
-def _step(title: str) -> None:
-    print(f"\n=== {title} ===", flush=True)
-
-
-def run_demo(config: DemoConfig) -> dict[str, Any]:
-    start = time.perf_counter()
+def version_zero(config: DemoConfig) -> Checkpoint:
+    """The demo's start, version 0: the cached bootstrap when `reuse_bootstrap` and its config match
+    (`_cached_bootstrap`), else a fresh bootstrap, cached for the next run unless `cache_refusal`
+    says it passes nothing. Either way everything downstream of version 0 in `run_dir` is cleared.
+    bench/demo_headroom.py measures the same version 0."""
     run = config.run_dir
     registry_root = run / "registry"
-    timings: dict[str, float] = {}
-
-    # 1. bootstrap (cached by its config)
-    _step("1. bootstrap: version 0 from scripted demonstrations")
-    t0 = time.perf_counter()
     key = _bootstrap_key(config.bootstrap)
     marker = run / "bootstrap.key"
     v0 = _cached_bootstrap(registry_root, marker, key) if config.reuse_bootstrap else None
@@ -136,6 +133,23 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             print(f"WARNING: {refusal}; the next run bootstraps again instead of reusing it", flush=True)
         else:
             marker.write_text(key)
+    return v0
+
+
+def _step(title: str) -> None:
+    print(f"\n=== {title} ===", flush=True)
+
+
+def run_demo(config: DemoConfig) -> dict[str, Any]:
+    start = time.perf_counter()
+    run = config.run_dir
+    registry_root = run / "registry"
+    timings: dict[str, float] = {}
+
+    # 1. bootstrap (cached by its config)
+    _step("1. bootstrap: version 0 from scripted demonstrations")
+    t0 = time.perf_counter()
+    v0 = version_zero(config)
     timings["bootstrap_s"] = time.perf_counter() - t0
     start_pass = v0.metrics.get("eval_pass_rate", float("nan"))
 
@@ -206,6 +220,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         "report": str(report_path),
         "timings": {**timings, "total_s": time.perf_counter() - start},
     }
+    summary["outcome"] = outcome_line(summary, reports)
     (run / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     print_summary(summary, reports)
     return summary
@@ -221,30 +236,91 @@ def print_summary(summary: dict[str, Any], reports: list[Any]) -> None:
               f"{'' if r.candidate is None else f'v{r.candidate}':>9}  {r.reason}")
     print(f"traffic: {summary['traffic']['sessions']} sessions, {summary['traffic']['completions']} completions")
     print(f"report: {summary['report']}   ({summary['timings']['total_s']:.0f} s in all)")
-    print(outcome_line(summary, reports))
+    print(summary["outcome"])
 
 
 def outcome_line(summary: dict[str, Any], reports: list[Any]) -> str:
     """The summary's last line, for a newcomer: what improved, by how much, with its interval, and
-    where nothing did, what the run showed instead."""
+    where nothing did, what the run showed instead and why (how much the eval or the A/B arms could
+    detect), never a bare "rollback"."""
+    return f"In one line: {simulated_rl_outcome(summary)}; {real_time_outcome(reports)}."
+
+
+def simulated_rl_outcome(summary: dict[str, Any]) -> str:
+    """Simulated RL's held-out change with its paired interval; if it is not significant, how many
+    tasks it would have had to gain on this eval (`gain_needed`)."""
     lift = summary.get("simulated_rl_lift")
-    if lift:
-        sign = "significant" if lift["significant"] else "not significant at 95%"
-        sim = (f"simulated RL moved the held-out pass rate {lift['before']:.3f} -> {lift['after']:.3f} "
-               f"({lift['diff']:+.3f}, 95% CI [{lift['ci'][0]:+.3f}, {lift['ci'][1]:+.3f}] over {lift['tasks']} "
-               f"paired tasks, {lift['gained']} gained / {lift['lost']} lost: {sign})")
-    else:
-        sim = (f"simulated RL: held-out pass rate {summary['pass_rate_bootstrap']:.3f} -> "
-               f"{summary['pass_rate_after_simulated_rl']:.3f} (no paired start eval to give an interval)")
+    if not lift:
+        return (f"simulated RL: held-out pass rate {summary['pass_rate_bootstrap']:.3f} -> "
+                f"{summary['pass_rate_after_simulated_rl']:.3f} (no paired start eval to give an interval)")
+    change = (f"{lift['before']:.3f} -> {lift['after']:.3f} ({lift['diff']:+.3f}, 95% CI [{lift['ci'][0]:+.3f}, "
+              f"{lift['ci'][1]:+.3f}], {lift['gained']} of {lift['tasks']} held-out tasks gained, {lift['lost']} lost)")
+    if lift["significant"]:
+        verb = "raised" if lift["diff"] > 0 else "lowered"
+        return f"simulated RL {verb} the held-out pass rate {change}"
+    needed = gain_needed(lift["lost"], lift["tasks"])
+    why = (f"with {lift['lost']} lost, {lift['tasks']} tasks show a gain only from {needed} gained"
+           if needed is not None else f"{lift['tasks']} tasks cannot show a gain with {lift['lost']} lost")
+    return f"simulated RL left the held-out pass rate within noise, {change}: {why}"
+
+
+def real_time_outcome(reports: list[Any]) -> str:
+    """What the real-time cycles did: the promotion and the metrics that earned it, or why nothing
+    was promoted: the gate's reason, or the last A/B's differences next to the smallest change arms
+    of its size detect (`detectable_change`)."""
     promoted = [r for r in reports if r.decision == "promote"]
     if promoted:
         r = promoted[-1]
         better = [f"{name} {m.diff:+.3f} [{m.ci_low:+.3f}, {m.ci_high:+.3f}]"
                   for name, m in (r.ab.metrics.items() if r.ab else []) if m.verdict == "better"]
-        live = (f"real-time RL promoted v{r.candidate} in cycle {r.cycle}"
+        return (f"real-time RL promoted v{r.candidate} in cycle {r.cycle}"
                 + (f" on {', '.join(better)} (candidate - production, 95% CI)" if better else f": {r.reason}"))
-    elif reports:
-        live = f"real-time RL promoted nothing in {len(reports)} cycle(s); the last: {reports[-1].reason}"
-    else:
-        live = "real-time RL ran no cycle"
-    return f"In one line: {sim}; {live}."
+    if not reports:
+        return "real-time RL ran no cycle"
+    kept = f"real-time RL kept v{reports[0].production} through {len(reports)} cycle(s)"
+    tested = [r for r in reports if r.ab is not None and r.ab.metrics]
+    if not tested:
+        return f"{kept}: no candidate reached an A/B test (last cycle: {reports[-1].decision}, {reports[-1].reason})"
+    r = tested[-1]
+    rejected = sum(c.decision == "rejected" for c in reports)
+    if rejected:
+        kept += f" ({rejected} candidate(s) rejected by the gate)"
+    worse = [f"{name} {m.diff:+.3f} [{m.ci_low:+.3f}, {m.ci_high:+.3f}]" for name, m in r.ab.metrics.items()
+             if m.verdict == "worse"]
+    if worse:
+        return (f"{kept}: the last A/B (cycle {r.cycle}) found the candidate significantly worse on "
+                f"{', '.join(worse)} (candidate - production, 95% CI)")
+    parts = []
+    for name, m in r.ab.metrics.items():
+        if m.diff is None or m.ci_low is None or m.ci_high is None or not (m.n_production and m.n_candidate):
+            continue
+        seen = f"{name} {m.diff:+.3f} [{m.ci_low:+.3f}, {m.ci_high:+.3f}] on {m.n_production}/{m.n_candidate} answers"
+        detectable = detectable_change(m, r.ab.confidence)
+        parts.append(seen + (f" (detectable: ±{detectable:.2f})" if detectable is not None else ""))
+    shown = "; ".join(parts[:2]) if parts else "no metric had answers in both arms"
+    return (f"{kept}: the last A/B (cycle {r.cycle}) found no significant gain, {shown}: arms this small "
+            f"detect only changes of those sizes (80% power)")
+
+
+def detectable_change(metric: Any, confidence: float = 0.95, power: float = 0.8,
+                      per_arm: int | None = None) -> float | None:
+    """The smallest true difference between the arms that an A/B of this metric's spread finds
+    significant with probability `power` (normal approximation, each arm's own spread: a rate's
+    sqrt(p (1 - p)), a mean's from its t interval), at the metric's own arm sizes or at `per_arm`
+    answers an arm. None without both arms' figures.
+
+    Why it is in the summary: a demo-sized A/B (tens of answers an arm) can only see large changes,
+    and a rollback there says as much about the arm size as about the candidate."""
+    spreads = []
+    for value, ci, n in ((metric.production, metric.production_ci, metric.n_production),
+                         (metric.candidate, metric.candidate_ci, metric.n_candidate)):
+        if value is None or not n or n < 2:
+            return None
+        if metric.method == "newcombe":  # a rate: its binomial spread (a rate of 0 or 1 has none yet: 0.5)
+            sd = math.sqrt(value * (1 - value)) or 0.5
+        elif ci is not None:  # a mean: its t interval is mean ± t sd / sqrt(n)
+            sd = (ci[1] - ci[0]) / 2 * math.sqrt(n) / t_quantile(0.5 + confidence / 2, n - 1)
+        else:
+            return None
+        spreads.append(sd * sd / (per_arm or n))
+    return (z_quantile(0.5 + confidence / 2) + z_quantile(power)) * math.sqrt(sum(spreads))

@@ -122,6 +122,16 @@ def paired_lift(before: dict[str, Any], after: dict[str, Any], confidence: float
             "significant": low > 0 or high < 0}
 
 
+def gain_needed(lost: int, tasks: int, confidence: float = 0.95) -> int | None:
+    """The fewest tasks gained that, with `lost` tasks lost of `tasks`, make the paired change of
+    `paired_lift` significant (its interval above 0); None if no number of them would. What an eval
+    of this size can show: on 96 tasks with none lost, 4 gained."""
+    for wins in range(tasks - lost + 1):
+        if paired_proportion_interval(wins, lost, tasks, confidence).low > 0:
+            return wins
+    return None
+
+
 def evaluate(tasks: Sequence[Task], engine: Engine, tokenizer: PreTrainedTokenizerBase, pool: SandboxPool,
              config: EpisodeConfig | None = None, concurrency: int = 32, progress: bool = True,
              samples: int = 1) -> tuple[dict[str, Any], list[Trajectory]]:

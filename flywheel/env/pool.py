@@ -7,7 +7,9 @@
 
 - At most `max_active` sandboxes are out at once; more callers wait in arrival order, and a
   waiter that runs out of time gets a TimeoutError that says how to fix it.
-- `warm` empty workspaces are kept mounted so a burst of acquires only writes files.
+- `warm` empty workspaces are kept mounted so a burst of acquires only writes files; under
+  demand the warm set grows up to `max_warm` and shrinks back when acquires stop
+  (`flywheel.env.fleet`: the policy this pool and the Ray fleet's pool actors share).
   Released sandboxes are destroyed, never reused, so no state leaks from one episode to the next;
   the releasing thread tops the warm set back up.
 - An acquired sandbox held longer than `max_lifetime_s` is reaped (its command killed, workspace
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flywheel.env.fleet import DemandMeter, FleetPolicy, percentile
 from flywheel.env.sandbox import Sandbox, SandboxConfig, check_environment, reap_orphans
 
 
@@ -40,12 +43,21 @@ class PoolConfig(BaseModel):
     # An acquired sandbox older than this is reaped; longer than any sane episode, short enough
     # that a leaked sandbox does not hold its slot for long.
     max_lifetime_s: float = Field(900.0, gt=0)
+    # The warm set grows with the acquire rate up to this many (never past max_active's room) and
+    # shrinks back to `warm` when acquires stop; 0: it stays at `warm`. Higher absorbs larger
+    # bursts at ~2 MB of host memory per idle workspace.
+    max_warm: int = Field(0, ge=0)
+    # The window over which the acquire rate (the demand) and the creation rate are measured.
+    demand_window_s: float = Field(5.0, gt=0)
     sandbox: SandboxConfig = SandboxConfig()
 
 
 class SandboxPool:
     def __init__(self, config: PoolConfig | None = None) -> None:
         self.config = config or PoolConfig()
+        self.policy = FleetPolicy(self.config.max_active, self.config.warm, self.config.max_warm)
+        self._demand = DemandMeter(self.config.demand_window_s)  # acquires asked
+        self._creations = DemandMeter(self.config.demand_window_s)  # sandboxes made
         self._cond = threading.Condition()
         self._queue: deque[object] = deque()  # one ticket per waiting acquire, in arrival order
         self._active: dict[int, tuple[Sandbox, float]] = {}  # id(sandbox) -> (sandbox, acquired at)
@@ -58,7 +70,7 @@ class SandboxPool:
         self._waits_ms: deque[float] = deque(maxlen=10_000)  # asked -> slot granted: the admission queue's wait
         self._peak_active = 0
         self._opened = time.monotonic()
-        self._refill_warm()
+        self.adjust()
 
     def acquire(
         self, files: Mapping[str, str | bytes] | None = None, timeout_s: float | None = None,
@@ -72,15 +84,13 @@ class SandboxPool:
         deadline = None if timeout_s is None else asked + timeout_s
         ticket = object()
         with self._cond:
+            self._demand.observe(asked)
             self._queue.append(ticket)
             try:
                 while True:
                     self._check_open()
                     self._reap_expired()
-                    if (
-                        self._queue[0] is ticket
-                        and len(self._active) + self._starting < self.config.max_active
-                    ):
+                    if self.policy.admits(self._queue[0] is ticket, len(self._active) + self._starting):
                         break
                     wait = self._next_expiry() - time.monotonic()
                     if deadline is not None:
@@ -121,6 +131,8 @@ class SandboxPool:
         with self._cond:
             self._starting -= 1
             self._created += created
+            if created:
+                self._creations.observe(time.monotonic())
             self._active[id(sandbox)] = (sandbox, time.monotonic())
             self._peak_active = max(self._peak_active, len(self._active) + self._starting)
             self._latencies_ms.append((time.monotonic() - granted) * 1000)
@@ -133,7 +145,7 @@ class SandboxPool:
             self._cond.notify_all()
         if entry is not None:
             sandbox.close()
-            self._refill_warm()
+            self.adjust()
 
     @contextmanager
     def sandbox(self, files: Mapping[str, str | bytes] | None = None) -> Iterator[Sandbox]:
@@ -147,17 +159,21 @@ class SandboxPool:
         with self._cond:
             self._reap_expired()
             lat, waits = sorted(self._latencies_ms), sorted(self._waits_ms)
+            now = time.monotonic()
             return {
+                "capacity": self.policy.capacity,
                 "active": len(self._active) + self._starting,
                 "peak_active": self._peak_active,
                 "queued": len(self._queue),
                 "warm": len(self._warm),
                 "created": self._created,
+                "demand_per_s": self._demand.rate(now),
+                "created_per_s_recent": self._creations.rate(now),
                 "reaped": self._reaped,
-                "start_latency_ms_p50": _percentile(lat, 0.50),
-                "start_latency_ms_p99": _percentile(lat, 0.99),
-                "queue_wait_ms_p50": _percentile(waits, 0.50),
-                "queue_wait_ms_p99": _percentile(waits, 0.99),
+                "start_latency_ms_p50": percentile(lat, 0.50),
+                "start_latency_ms_p99": percentile(lat, 0.99),
+                "queue_wait_ms_p50": percentile(waits, 0.50),
+                "queue_wait_ms_p99": percentile(waits, 0.99),
                 "uptime_s": time.monotonic() - self._opened,
             }
 
@@ -171,6 +187,32 @@ class SandboxPool:
             self._cond.notify_all()
         for sb in doomed:
             sb.close()
+
+    def adjust(self) -> None:
+        """Grow or shrink the warm set to the policy's target for the current demand (called without
+        the lock: creating takes a while). Releases call it; the Ray fleet's pool actor also calls it
+        on a timer, so the warm set follows a burst while nobody releases."""
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                target = self._warm_target()
+                extra = self._warm.pop() if len(self._warm) > target else None
+                if extra is None and len(self._warm) == target:
+                    return
+            if extra is not None:
+                extra.close()  # shrink: demand fell, or the room went to acquired sandboxes
+                continue
+            sandbox = Sandbox.create(None, self.config.sandbox)
+            with self._cond:
+                keep = not self._closed and len(self._warm) < self._warm_target()
+                if keep:
+                    self._warm.append(sandbox)
+                    self._created += 1
+                    self._creations.observe(time.monotonic())
+            if not keep:
+                sandbox.close()
+                return
 
     def __enter__(self) -> SandboxPool:
         return self
@@ -200,26 +242,5 @@ class SandboxPool:
             return time.monotonic() + 3600
         return min(t for _, t in self._active.values()) + self.config.max_lifetime_s
 
-    def _refill_warm(self) -> None:
-        """Top the warm set up to `warm` (called without the lock: creating takes a while)."""
-        while True:
-            with self._cond:
-                if self._closed or len(self._warm) >= self.config.warm:
-                    return
-            sandbox = Sandbox.create(None, self.config.sandbox)
-            with self._cond:
-                if self._closed or len(self._warm) >= self.config.warm:
-                    extra = sandbox
-                else:
-                    self._warm.append(sandbox)
-                    self._created += 1
-                    extra = None
-            if extra is not None:
-                extra.close()
-                return
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+    def _warm_target(self) -> int:
+        return self.policy.warm_target(self._demand.rate(time.monotonic()), len(self._active) + self._starting)

@@ -250,6 +250,18 @@ class Sandbox:
                 raise
         return sandbox
 
+    @classmethod
+    def attach(cls, workspace: Path, config: SandboxConfig) -> Sandbox:
+        """A handle on a workspace that another process of this host made and owns (the Ray fleet's
+        pool actor, `flywheel.rl.ray_fleet`): commands and file access as usual, but `close` only
+        ends this handle's commands and scratch mounts; the workspace is the owner's to destroy,
+        and it goes (its jails killed by the owner's watchdog) when the owner dies."""
+        _prepare_root(config.resolved_root(), os.getpid())  # our lease on the interpreter, our watchdog
+        sandbox = cls(workspace, config, mounted=is_mount_point(workspace))
+        sandbox._finalizer.detach()
+        sandbox._finalizer = weakref.finalize(sandbox, _destroy_scratch, sandbox._idle_scratch)
+        return sandbox
+
     # ---- host-side file access ------------------------------------------------------------------
 
     def resolve(self, rel: str) -> Path:
@@ -1290,9 +1302,13 @@ def unmount(target: Path) -> None:
     raise OSError(err, f"umount {target}: {os.strerror(err)}")
 
 
-def _destroy_workspace(workspace: Path, mounted: bool, idle_scratch: list[Path]) -> None:
+def _destroy_scratch(idle_scratch: list[Path]) -> None:
     while idle_scratch:
         _remove_scratch(idle_scratch.pop())
+
+
+def _destroy_workspace(workspace: Path, mounted: bool, idle_scratch: list[Path]) -> None:
+    _destroy_scratch(idle_scratch)
     if mounted:
         unmount(workspace)  # drops the whole tmpfs at once, however many files it holds
         os.rmdir(workspace)

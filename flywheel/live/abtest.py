@@ -36,10 +36,18 @@ numbers do not capture: answers in one session are correlated (sessions are the 
 unit), which makes intervals somewhat too narrow when sessions are long; and deciding again after
 every batch ("peeking") inflates the false-promote rate. `min_per_arm` keeps both in check, it does
 not remove them; decide once, at a planned sample, when the stakes are high.
+
+Floating-point resolution. A difference is only significant when its interval clears 0 by more
+than the rounding error of the means (`_RESOLUTION` times the largest value's magnitude): two arms
+whose every reward is the same constant have means that differ in the last bit (0.1 summed 2 and
+12 times), and Welch's interval of such zero-variance arms is that difference, [4.7e-18, 2.3e-17],
+which without the guard "promotes". Below the resolution a difference is `no_difference`.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +60,9 @@ from flywheel.live.rewards import EDIT_TOOLS, Reward, RewardStatus, made_edit
 from flywheel.stats import mean_interval, newcombe_interval, welch_interval, wilson_interval, z_quantile
 
 ARMS = ("production", "candidate")
+# Relative rounding error allowed for a mean of floats (module docstring): far above fsum's and the
+# division's few ulps, far below any difference a metric could show (1e-13 of a reward's scale).
+_RESOLUTION = 512 * sys.float_info.epsilon
 Metric = Literal["persistence", "dissatisfied", "invalid_calls", "latency", "reward"]
 Verdict = Literal["better", "worse", "no_difference", "insufficient"]
 
@@ -155,7 +166,9 @@ def compare(name: str, production: Sequence[float], candidate: Sequence[float], 
         diff = welch_interval(candidate, production, confidence)
         mp, mc = mean_interval(production, confidence), mean_interval(candidate, confidence)
         arms = {"production": (mp.estimate, (mp.low, mp.high)), "candidate": (mc.estimate, (mc.low, mc.high))}
-    above, below = diff.low > 0, diff.high < 0
+    # An interval inside the means' rounding error says nothing (module docstring).
+    resolution = _RESOLUTION * max((abs(v) for v in (*production, *candidate) if math.isfinite(v)), default=0.0)
+    above, below = diff.low > resolution, diff.high < -resolution
     verdict: Verdict = "no_difference"
     if above or below:
         verdict = "better" if above == spec.higher_is_better else "worse"

@@ -25,8 +25,25 @@
     │             v_c blocks promotion)                                                                  │
     │ apply    the server switching: promote -> production v_c;   the admin call returning               │
     │          roll back -> production v_p alone                                                         │
+    │ orgs     per organization with traffic in the window (orgs.enabled), one after another:          │
+    │          gather its on-policy completions (of its adapter, or the base), train its LoRA adapter,   │
+    │          gate it on its battery AND the general one, A/B within its traffic (orgs.candidate_       │
+    │          fraction; ab.min_per_arm of its answers per arm), promote or roll back it alone           │
     │ report   -  report.json (CycleReport) + report.html                                                │
     └──────────────────────────────────────────────────────────────────────────────────────────────────┘
+
+Organizations (`orgs`, flywheel/live/orgs.py). After the shared model's decision is applied, each
+organization that sent completions in the window [since, cutoff) gets its own small cycle: its
+trainable completions of the version that served it (its deployed adapter, else the base) are its
+on-policy batch; with `orgs.adapter.min_completions` of them its adapter trains (continuing the
+deployed one, or fresh on the base), is registered (base, org), and must pass the gate on both the
+organization's battery (`org_gate_tasks`) and the general one; then it is A/B tested against what
+served the organization, within its traffic only, and promoted (`Deployment(production=adapter)`
+for that organization) or rolled back (its deployment as before). `report.orgs` records each
+organization's decision, with a reason for those skipped (too little traffic, no battery). An
+organization without an adapter is A/B tested against the base it was served (possibly the
+version the shared model just replaced). A cycle killed among its organizations resumes with those
+not yet decided (an adapter it had registered for the interrupted one stays in the Registry, unserved).
 
 With deploy.promote_when = "gate" the A/B stage is skipped and every candidate that passes the gate
 is promoted: continuous deployment, what a loop without live guardrails does. The reward-hacking
@@ -60,6 +77,7 @@ seconds each stage took.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -77,10 +95,25 @@ from flywheel.live.abtest import ARMS, ABConfig, ABReport, analyze, compare, met
 from flywheel.live.batch import OnPolicyBatch, on_policy_batch
 from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import Contender, Gate, GateConfig, GateRun
-from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorConfig, monitor_window
+from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorConfig
+from flywheel.live.orgs import (
+    OrgAdapterConfig,
+    OrgGateDecision,
+    gate_decision,
+    load_adapted,
+    merged,
+    register_adapter,
+    train_org_adapter,
+)
 from flywheel.live.records import BACKGROUND, Completion
 from flywheel.live.rewards import Reward, RewardConfig, RewardDistiller, distill_sessions
-from flywheel.live.sessions import GatheredSessions, gather_background
+from flywheel.live.sessions import (
+    GatheredSessions,
+    SessionMonitor,
+    SessionMonitorConfig,
+    gather_background,
+    watch,
+)
 from flywheel.live.store import LiveStore
 from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.process_engine import start_engine
@@ -153,6 +186,18 @@ class DeployConfig(BaseModel):
     promote_when: Literal["ab", "gate"] = "ab"
 
 
+class OrgLoopConfig(BaseModel):
+    """Per-organization specialization, after the shared model's decision (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    # The LoRA adapter, and how much on-policy traffic of its own an organization needs per cycle.
+    adapter: OrgAdapterConfig = Field(default_factory=OrgAdapterConfig)
+    # Share of the organization's sessions its candidate adapter answers during its A/B test.
+    candidate_fraction: float = Field(0.5, gt=0, lt=1)
+    ab: ABConfig | None = None  # None: the shared A/B test's settings
+
+
 class LiveConfig(BaseModel):
     """`flywheel live`: where the server, its store and the Registry are, and each stage's settings.
 
@@ -182,7 +227,11 @@ class LiveConfig(BaseModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     ab: ABConfig = Field(default_factory=ABConfig)
+    orgs: OrgLoopConfig = Field(default_factory=OrgLoopConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    # Background sessions as wholes (flywheel/live/sessions.py): length, turns before the first edit,
+    # the outcome mix; their series and alarms join the per-answer monitors' in the report.
+    session_monitor: SessionMonitorConfig = Field(default_factory=SessionMonitorConfig)
     alarms_block_promotion: bool = True  # a critical alarm on the candidate stops its promotion
     # What the monitors compare every version with: "production" (this cycle's) or "first" (the
     # production of the run's first cycle, which also catches a slow drift across promotions).
@@ -224,6 +273,10 @@ class DeploymentControl(Protocol):
 
     def apply(self, deployment: Deployment, note: str) -> None: ...
 
+    def org_current(self, org_id: str) -> Deployment | None: ...  # None: served the shared deployment
+
+    def apply_org(self, org_id: str, deployment: Deployment | None, note: str) -> None: ...
+
 
 class ServerControl:
     """A LiveServer in this process (tests, benchmarks, demos)."""
@@ -236,6 +289,12 @@ class ServerControl:
 
     def apply(self, deployment: Deployment, note: str) -> None:
         self.server.set_deployment(deployment, note)
+
+    def org_current(self, org_id: str) -> Deployment | None:
+        return self.server.org_deployment(org_id)
+
+    def apply_org(self, org_id: str, deployment: Deployment | None, note: str) -> None:
+        self.server.set_org_deployment(org_id, deployment, note)
 
 
 class HttpControl:
@@ -256,6 +315,15 @@ class HttpControl:
     def apply(self, deployment: Deployment, note: str) -> None:
         del note  # the admin endpoint records its own note ("admin endpoint")
         self._call("POST", "/v1/admin/deployment", deployment.model_dump_json())
+
+    def org_current(self, org_id: str) -> Deployment | None:
+        found = self._call("GET", f"/v1/admin/orgs/{org_id}/deployment")["deployment"]
+        return None if found is None else Deployment.model_validate(found)
+
+    def apply_org(self, org_id: str, deployment: Deployment | None, note: str) -> None:
+        del note  # recorded as "admin endpoint"
+        body = json.dumps({"deployment": None if deployment is None else deployment.model_dump()})
+        self._call("PUT", f"/v1/admin/orgs/{org_id}/deployment", body)
 
     def close(self) -> None:
         self._http.close()
@@ -286,6 +354,25 @@ class MonitorSummary(BaseModel):
     series: list[MetricPoint]
 
 
+class OrgCycleReport(BaseModel):
+    """One organization's part of a cycle: its adapter trained, gated, A/B tested, decided."""
+
+    org_id: str
+    served_version: int  # what served the organization in the window: its adapter, or the shared base
+    base: int  # the full checkpoint its adapters apply on
+    completions: int  # its trainable on-policy completions in the window
+    candidate: int | None = None  # the adapter trained this cycle
+    batch: dict[str, Any] | None = None
+    train: dict[str, float] | None = None
+    gate: OrgGateDecision | None = None  # both batteries' verdict
+    org_gate: GateRun | None = None  # the organization's battery
+    general_gate: GateRun | None = None  # the general battery
+    ab: ABReport | None = None  # within the organization's traffic
+    decision: Decision
+    reason: str
+    deployment_after: Deployment | None = None  # the organization's own deployment after (None: shared)
+
+
 class CycleState(BaseModel):
     """What a cycle has done so far; written after every stage, so a restart resumes it."""
 
@@ -311,6 +398,7 @@ class CycleState(BaseModel):
     decision: Decision | None = None
     reason: str = ""
     production_after: int | None = None
+    orgs: dict[str, OrgCycleReport] = Field(default_factory=dict)
     timings: dict[str, float] = Field(default_factory=dict)
 
 
@@ -335,6 +423,7 @@ class CycleReport(BaseModel):
     alarms: list[Alarm]
     blocking_alarms: list[Alarm]
     monitor: MonitorSummary | None
+    orgs: dict[str, OrgCycleReport] = Field(default_factory=dict)  # each organization's decision (orgs.enabled)
     timings: dict[str, float]  # seconds per stage, and total_s
 
     model_config = ConfigDict(populate_by_name=True)
@@ -348,8 +437,10 @@ class LiveCycle:
 
     def __init__(self, config: LiveConfig, control: DeploymentControl, log: Callable[[str], None] = print,
                  gate_tasks: Sequence[Task] | None = None, clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, org_gate_tasks: dict[str, Sequence[Task]] | None = None):
         """`gate_tasks` replaces the battery's tasks (a world whose tasks are no procedural family).
+        `org_gate_tasks`: each organization's own battery (its conventions' tasks); an organization
+        without one is not specialized (orgs.enabled).
         `clock` / `sleep` are what gathering reads the time with and waits with: a simulation whose
         store holds hours of timestamps passes its own, so no test sleeps for hours."""
         self.config = config
@@ -357,9 +448,11 @@ class LiveCycle:
         self.control = control
         self.log = log
         self.gate_tasks = list(gate_tasks) if gate_tasks is not None else None
+        self.org_gate_tasks = {org: list(tasks) for org, tasks in (org_gate_tasks or {}).items()}
         self.distiller = RewardDistiller(config.rewards)
         self.gate = Gate(config.gate)
         self.monitor = Monitor(config.monitor)
+        self.session_monitor = SessionMonitor(config.session_monitor)
         if config.store_url is None and not config.store_path.is_file():
             raise ValueError(f"no live store at {config.store_path}; start `flywheel serve` first (it writes "
                              "run_dir/live.sqlite) or set store_path to its file")
@@ -436,6 +529,10 @@ class LiveCycle:
         elif state.stage == "decided":
             with self._timed(state, "apply_s"):
                 self._apply(state, store)
+            if self.config.orgs.enabled and state.cutoff is not None and state.decision != "abandoned":
+                with self._timed(state, "orgs_s"):
+                    self._orgs(state, registry, store)
+            state.stage = "done"
 
     @contextmanager
     def _timed(self, state: CycleState, name: str) -> Iterator[None]:
@@ -617,7 +714,108 @@ class LiveCycle:
             if current.production != after or current.candidate is not None:
                 self.control.apply(Deployment(production=after),
                                    f"cycle {state.cycle}: {state.decision} v{state.candidate}")
-        state.production_after, state.stage = after, "done"
+        state.production_after = after
+
+    # ---- per-organization specialization (orgs.enabled; flywheel/live/orgs.py)
+
+    def _orgs(self, state: CycleState, registry: Registry, store: LiveStore) -> None:
+        """Each organization with traffic in the window, one after another; each result is saved
+        as it is decided, so a resumed cycle does not repeat an organization it finished."""
+        assert state.cutoff is not None
+        orgs = sorted({c.org_id for c in store.completions(start=state.since, end=state.cutoff) if c.org_id})
+        for org in orgs:
+            if org in state.orgs:
+                continue  # decided before a restart
+            result = self._org_cycle(state, org, registry, store)
+            state.orgs[org] = result
+            self._save(state)
+            self.log(f"cycle {state.cycle}: organization {org}: {result.decision} ({result.reason})")
+
+    def _org_cycle(self, state: CycleState, org: str, registry: Registry, store: LiveStore) -> OrgCycleReport:
+        """Gather the organization's on-policy traffic, train its adapter, gate it on its battery and
+        the general one, A/B test it within its traffic, promote or roll back; the organization only."""
+        cfg = self.config.orgs
+        assert state.cutoff is not None
+        before = self.control.org_current(org)
+        served = before.production if before is not None else state.production
+        checkpoint = registry.get(served)
+        base = checkpoint.base if checkpoint.base is not None else served
+        now = self.clock()
+        with store.snapshot():
+            interactive = [c for c in store.completions(version=served, start=state.since, end=state.cutoff,
+                                                        org_id=org) if c.arm != PINNED and c.session_kind != BACKGROUND]
+            rewards = self._distill(store, interactive, now)
+            background = gather_background(store, self.distiller, served, state.since, state.cutoff, now, org_id=org)
+        completions = sorted([*interactive, *background.completions], key=lambda c: (c.created_at, c.id))
+        rewards |= background.rewards
+        batch = on_policy_batch(completions, [rewards[c.id] for c in completions], served,
+                                self.config.batch.family_key, self.config.learner.temperature)
+        result = OrgCycleReport(org_id=org, served_version=served, base=base, completions=len(batch.trajectories),
+                                batch=batch.summary(), decision="skipped", reason="", deployment_after=before)
+        if len(batch.trajectories) < cfg.adapter.min_completions:
+            result.reason = (f"{len(batch.trajectories)} trainable completions of v{served} in the window; "
+                             f"orgs.adapter.min_completions is {cfg.adapter.min_completions}")
+            return result
+        if org not in self.org_gate_tasks:
+            result.reason = f"no eval battery for {org!r}: pass its tasks in org_gate_tasks to specialize it"
+            return result
+
+        # train: its current adapter continues (on-policy: it served the batch), else a fresh one
+        torch.manual_seed(self.config.seed * 100_003 + state.cycle)
+        base_model, tokenizer = registry.load(base)
+        current = load_adapted(registry, served, trainable=True)[0] if checkpoint.base is not None else None
+        adapter, metrics = train_org_adapter(base_model, batch, self.config.learner, cfg.adapter, current)
+        result.train = metrics
+        if metrics["optimizer_steps"] == 0:
+            result.decision, result.reason = "rejected", "the learner took no step (non-finite loss or gradients)"
+            return result
+        candidate = register_adapter(registry, adapter, tokenizer, base=base, org_id=org, parent=served,
+                                     metrics={"live_cycle": float(state.cycle), "train_loss": float(metrics["loss"])},
+                                     note=f"live cycle {state.cycle}: {org} on {len(batch.trajectories)} completions "
+                                          f"of v{served}").version
+        result.candidate = candidate
+
+        # gate: both batteries, each paired against what serves the organization now
+        served_model = merged(load_adapted(registry, served)[0]) if checkpoint.base is not None else base_model
+        with LocalEngine(merged(adapter), self.config.engine, version=candidate) as cand_engine, \
+                LocalEngine(served_model, self.config.engine, version=served) as served_engine, \
+                SandboxPool(self.config.pool) as pool:
+            contenders = (Contender(cand_engine, tokenizer, candidate), Contender(served_engine, tokenizer, served))
+            result.org_gate = self.gate.run(*contenders, pool, self.org_gate_tasks[org])
+            result.general_gate = self.gate.run(*contenders, pool, self.gate_tasks)
+        result.gate = gate_decision(result.org_gate, result.general_gate)
+        if not result.gate.passed:
+            result.decision, result.reason = "rejected", "gate: " + result.gate.reason
+            return result
+
+        # A/B within the organization's traffic, then its own decision
+        self.control.apply_org(org, Deployment(production=served, candidate=candidate,
+                                               candidate_fraction=cfg.candidate_fraction),
+                               f"cycle {state.cycle}: A/B test of {org}'s v{candidate}")
+        deployed_at, versions = time.time(), {served, candidate}
+        ab_config = cfg.ab or self.config.ab
+        while True:
+            now = time.time()
+            with store.snapshot():
+                arms = [c for c in store.completions(start=deployed_at, org_id=org)
+                        if c.version in versions and c.arm in ARMS]
+                arm_rewards = self._distill(store, arms, now)
+            result.ab = analyze(arms, [arm_rewards[c.id] for c in arms], ab_config)
+            if result.ab.decision != "wait" or now > deployed_at + self.config.deploy.max_wait_s:
+                break
+            time.sleep(self.config.deploy.poll_s)
+        if result.ab.decision == "promote":
+            result.decision, result.reason = "promote", f"A/B within {org}: {result.ab.reason}"
+            result.deployment_after = Deployment(production=candidate)
+        else:
+            result.decision = "rollback"
+            result.reason = (f"A/B within {org}: {result.ab.reason}" if result.ab.decision == "rollback" else
+                             f"no A/B decision within deploy.max_wait_s = {self.config.deploy.max_wait_s:.0f} s: "
+                             f"{result.ab.reason}")
+            result.deployment_after = before  # what served it before: its previous adapter, or the shared one
+        self.control.apply_org(org, result.deployment_after, f"cycle {state.cycle}: {result.decision} {org}'s "
+                                                             f"v{candidate}")
+        return result
 
     # ---- what the stages share
 
@@ -640,15 +838,12 @@ class LiveCycle:
         return out
 
     def _watch(self, state: CycleState, store: LiveStore) -> None:
-        """Run the monitors over the lookback window; record alarms and which of them block the candidate."""
-        completions, rewards = monitor_window(store, self.distiller, time.time(), self.config.monitor_lookback_s)
-        if not completions:
-            state.monitor = MonitorSummary(baseline_version=None, tests=0, series=[])
-            return
-        baseline = state.first_production if self.config.monitor_baseline == "first" else state.production
-        if baseline not in {c.version for c in completions}:
-            baseline = None  # no traffic of it in the window: each version is compared with its own past
-        report = self.monitor.run(completions, rewards, baseline_version=baseline)
+        """Run the monitors, per answer and per session (`sessions.watch`, the dashboard's too), over
+        the lookback window; record alarms and which of them block the candidate."""
+        wanted = state.first_production if self.config.monitor_baseline == "first" else state.production
+        watched = watch(store, self.distiller, self.monitor, self.session_monitor, time.time(),
+                        self.config.monitor_lookback_s, wanted)
+        report, baseline = watched.report, watched.baseline_version
         state.alarms = report.alarms
         state.blocking_alarms = report.blocking(state.candidate) if state.candidate is not None else []
         state.monitor = MonitorSummary(baseline_version=baseline, tests=report.tests, series=report.series)
@@ -710,7 +905,7 @@ class LiveCycle:
             production=state.production, candidate=state.candidate, production_after=state.production_after,
             decision=state.decision, reason=state.reason, batch=state.batch, served=state.served, train=state.train,
             gate=state.gate, ab=state.ab, alarms=state.alarms, blocking_alarms=state.blocking_alarms,
-            monitor=state.monitor, timings=state.timings)
+            monitor=state.monitor, orgs=state.orgs, timings=state.timings)
         folder = self._cycle_dir(state.cycle)
         write_atomic(folder / "report.json", report.model_dump_json(indent=2, by_alias=True))
         write_atomic(folder / "report.html", render_cycle(report.model_dump(mode="json", by_alias=True),

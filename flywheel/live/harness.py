@@ -9,7 +9,9 @@
       finish(id) ──> grade the workspace with the hidden tests ──> HarnessResult: one Trajectory
                      per segment, the completions served, the count of history breaks
 
-    run_harness_episode(server, task, command)      start, run the harness program, finish
+    run_harness_episode(server, task, workdir)      start, run the harness program, finish
+    HarnessRunner / harness_runner                  the Orchestrator's runner: `flywheel train`
+                                                    with rollout.harness = "mini-swe-agent"
 
 Token fidelity (`TokenLedger`). A harness resends the whole conversation every turn. The ledger
 keeps, per segment, the token ids the engine saw and produced and the messages they stand for
@@ -32,11 +34,19 @@ the client did not declare comes back invalid with the reason; each response nam
 tools the model does not know (`flywheel.unknown_tools`). The tokens recorded are the model's own.
 
 Departures from the built-in runner (flywheel/agent/episode.py): a segment is a Trajectory of its
-own that carries the episode's reward (a rewritten history gives one episode several training
-sequences); partial rollouts (an `EpisodeState` to resume) and the Orchestrator's staleness bound
-are not wired for harness episodes yet; weight swaps happen inside the Engine as they do for any
-request, and every token keeps the version that sampled it. This module lives in `live/` with the
-server whose request schema and error shape it shares, so `rl/` cannot drive it yet.
+own, and every segment carries the episode's whole reward (below). Weight swaps happen inside the
+Engine as they do for any request, and every token keeps the version that sampled it. A harness
+episode has no resumable state: a killed run plays it again from its start.
+
+How a segment's reward is assigned. The reward grades the workspace the episode left, which every
+segment's commands shaped; no segment can be credited apart from the others (a later segment
+starts where the earlier ones left the files), so each carries the episode's reward and its parts,
+as each token of a built-in episode carries the same advantage. Played directly
+(`run_harness_episode`), an episode with breaks yields several training sequences of one reward.
+Under the Orchestrator (`HarnessRunner`, `flywheel train` with `rollout.harness`) an episode is one
+member of its GRPO group, compared once with its siblings, so it is trained on its last segment
+(the one that reached the graded workspace) and the others are counted as dropped: several
+segments of one reward would weigh that episode several times in its group's baseline.
 
 What it does not protect against: the harness program itself runs on the host, as the user who
 started it (only the commands it sends through `exec` run in the jail); a harness that runs
@@ -55,6 +65,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +78,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flywheel.agent.episode import EpisodeConfig, EpisodeState
 from flywheel.agent.trajectory import INVALID_CALL_PENALTY, Status, Trajectory
 from flywheel.env.grading import GradeConfig, grade
 from flywheel.env.pool import SandboxPool
@@ -93,6 +106,15 @@ class HarnessConfig(BaseModel):
     # A tool the client declares -> the flywheel tool the embedded model calls for it (same arguments).
     tool_aliases: dict[str, str] = Field(default_factory=lambda: {"bash": "run_command"})
     grade: GradeConfig = GradeConfig()
+
+    @classmethod
+    def for_episode(cls, episode: EpisodeConfig) -> HarnessConfig:
+        """The limits the built-in runner plays `episode` with, for a harness episode in the same run:
+        turns, tokens, temperature, the broken-call penalty and the grading are the same."""
+        return cls(max_turns=episode.max_turns, max_tokens=episode.max_tokens,
+                   max_tokens_per_turn=episode.max_tokens_per_turn, temperature=episode.temperature,
+                   invalid_call_penalty=episode.invalid_call_penalty, max_invalid_penalty=episode.max_invalid_penalty,
+                   grade=episode.grade)
 
 
 # ---- token fidelity
@@ -244,6 +266,12 @@ class HarnessEpisode:
     exec_s: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request of an episode at a time
     url: str = ""  # http://HOST:PORT/episodes/ID, once the server runs
+    group_id: str = ""  # the trajectories' GRPO group (default: harness-ID, a group of its own)
+    priority: int = 0  # the engine's admission order (SamplingParams.priority): a rollout's group order
+    # Called after every served turn (the Orchestrator's progress and shutdown check). What it raises
+    # stops the episode: kept in `stopped`, the harness gets a 503, its runner ends the program.
+    on_turn: Callable[[], None] | None = None
+    stopped: BaseException | None = None
 
 
 class HarnessResult(BaseModel):
@@ -287,11 +315,13 @@ class HarnessServer:
 
     # ---- episode lifecycle
 
-    def start(self, task: Task) -> HarnessEpisode:
+    def start(self, task: Task, group_id: str = "", priority: int = 0,
+              on_turn: Callable[[], None] | None = None) -> HarnessEpisode:
         """A fresh episode of `task`: a sandbox holding its files, an id for the URL, a key."""
         sandbox = self.pool.acquire(task.files)
         episode = HarnessEpisode(id=uuid.uuid4().hex[:16], key=secrets.token_urlsafe(24), task=task, sandbox=sandbox,
-                                 ledger=TokenLedger(self.encoder), started=time.perf_counter())
+                                 ledger=TokenLedger(self.encoder), started=time.perf_counter(), group_id=group_id,
+                                 priority=priority, on_turn=on_turn)
         episode.url = f"{self.base_url}/episodes/{episode.id}"
         with self._lock:
             self.episodes[episode.id] = episode
@@ -327,11 +357,18 @@ class HarnessServer:
             logprobs=s.logprobs, versions=s.versions, prompt_len=s.prompt_len, status=status, reward=reward,
             reward_parts=dict(parts), turns=s.turns, tool_calls=s.tool_calls, invalid_tool_calls=s.invalid_tool_calls,
             asked_question=s.asked_question, broken_turns=s.broken_turns, outcome=outcome, timings=timings,
-            group_id=f"harness-{episode.id}", error=error) for s in segments]
+            group_id=episode.group_id or f"harness-{episode.id}", error=error) for s in segments]
         return HarnessResult(
             episode_id=episode.id, trajectories=trajectories,
             completions=[c.__dict__ for c in episode.completions], breaks=len(episode.ledger.breaks),
             break_details=[b.__dict__ for b in episode.ledger.breaks], commands=episode.commands, timings=timings)
+
+    def abandon(self, episode_id: str) -> None:
+        """End an episode without grading it (its run stopped): the sandbox goes back to the pool."""
+        with self._lock:
+            episode = self.episodes.pop(episode_id, None)
+        if episode is not None:
+            self.pool.release(episode.sandbox)
 
     def close(self) -> None:
         with self._lock:
@@ -375,7 +412,7 @@ class HarnessServer:
             params = SamplingParams(
                 temperature=self.config.temperature if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, max_tokens=min(max_tokens, budget),
-                stop_token_ids=self._stop, session=f"{episode.id}-{id(plan.segment)}")
+                stop_token_ids=self._stop, session=f"{episode.id}-{id(plan.segment)}", priority=episode.priority)
             t0 = time.perf_counter()
             try:
                 generation = await asyncio.wrap_future(self.engine.submit(prompt_ids, params))
@@ -399,6 +436,13 @@ class HarnessServer:
             versions=list(generation.versions), finish_reason=generation.finish_reason, content=content,
             tool_calls=message.get("tool_calls", []), engine_ms=engine_ms, received_s=received)
         episode.completions.append(served)
+        if episode.on_turn is not None:
+            try:
+                await run_in_threadpool(episode.on_turn)
+            except BaseException as exc:  # noqa: BLE001 - kept for the episode's runner, which raises it
+                episode.stopped = exc
+                raise ApiError(503, "this episode was stopped (its run is shutting down); end the harness",
+                               "server_error", "episode_stopped") from None
         finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(generation.token_ids),
                  "total_tokens": len(prompt_ids) + len(generation.token_ids)}
@@ -536,22 +580,133 @@ def mini_swe_agent_command(episode: HarnessEpisode, workdir: Path, step_limit: i
     return argv, env
 
 
-def run_harness_episode(server: HarnessServer, task: Task, workdir: Path, step_limit: int = 8) -> HarnessResult:
-    """Play `task` with mini-swe-agent as the agent loop: start, run it to its end, grade, build."""
-    episode = server.start(task)
+def run_harness_episode(server: HarnessServer, task: Task, workdir: Path, step_limit: int = 8, group_id: str = "",
+                        priority: int = 0, on_turn: Callable[[], None] | None = None) -> HarnessResult:
+    """Play `task` with mini-swe-agent as the agent loop: start, run it to its end, grade, build.
+
+    `on_turn` is called after every served turn and about once a second while the program runs;
+    what it raises ends the program (its whole process group), releases the sandbox ungraded and
+    is raised here: how a run that shuts down stops it without waiting for its next turn."""
+    episode = server.start(task, group_id=group_id, priority=priority, on_turn=on_turn)
     argv, env = mini_swe_agent_command(episode, workdir, step_limit)
+    deadline = time.monotonic() + server.config.harness_timeout_s
+    # Its own session, so that stopping it also stops the sandbox_exec commands it has running.
+    proc = subprocess.Popen(argv, env=env, cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output, status = "", Status.FINISHED
     try:
-        proc = subprocess.run(argv, env=env, cwd=workdir, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=server.config.harness_timeout_s)
-        status = Status.FINISHED if proc.returncode == 0 else Status.ABORTED
-        code, output = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
-    except subprocess.TimeoutExpired as exc:
-        status, code = Status.TRUNCATED, None
-        output = f"harness killed after {server.config.harness_timeout_s:.0f} s: {str(exc.output or '')[-2000:]}"
+        while True:
+            try:
+                output, _ = proc.communicate(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if on_turn is not None and episode.stopped is None:
+                    on_turn()
+                if episode.stopped is not None or time.monotonic() > deadline:
+                    os.killpg(proc.pid, 9)
+                    output, _ = proc.communicate()
+                    status = Status.TRUNCATED
+                    break
+    except BaseException:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        server.abandon(episode.id)
+        raise
+    if episode.stopped is not None:
+        server.abandon(episode.id)
+        raise episode.stopped
+    code = proc.returncode if status == Status.FINISHED else None
+    if status == Status.TRUNCATED:
+        output = f"harness killed after {server.config.harness_timeout_s:.0f} s: {output[-2000:]}"
+    elif code != 0:
+        status = Status.ABORTED
+    else:
+        status = _mini_status(workdir / "mini.traj.json")
+    output = output[-4000:]
     result = server.finish(episode.id, status, "" if status != Status.ABORTED else output[-500:])
     result.harness_exit_code, result.harness_output = code, output
     return result
 
 
-__all__ = ["HarnessConfig", "HarnessEpisode", "HarnessResult", "HarnessServer", "Segment",
-           "TokenLedger", "mini_swe_agent_command", "run_harness_episode"]
+# mini-swe-agent's exit statuses (its trajectory's info.exit_status) as the built-in runner's: out of
+# steps or time is a truncation (graded all the same), repeated unparseable answers a tool error.
+_MINI_STATUS = {"LimitsExceeded": Status.TRUNCATED, "TimeExceeded": Status.TRUNCATED,
+                "RepeatedFormatError": Status.TOOL_ERROR}
+
+
+def _mini_status(trajectory: Path) -> Status:
+    try:
+        exit_status = json.loads(trajectory.read_text()).get("info", {}).get("exit_status", "")
+    except (OSError, json.JSONDecodeError):
+        return Status.FINISHED  # exited 0 without its record: nothing says it stopped short
+    return _MINI_STATUS.get(exit_status, Status.FINISHED)
+
+
+class HarnessRunner:
+    """The Orchestrator's `EpisodeRunner` for harness episodes: each episode is a mini-swe-agent
+    program playing against its own endpoint of one `HarnessServer`, scheduled, admitted and
+    staleness-bounded like a built-in episode (flywheel/rl/orchestrator.py).
+
+    - Versions: weight swaps happen inside the Engine between tokens, as for any request; a turn in
+      flight when the Learner steps keeps sampling under the new weights, and every token keeps the
+      version that sampled it (a partial rollout).
+    - One Trajectory per episode, as the Orchestrator's groups compare one reward per member: the
+      episode's last segment (its final turns, carrying the episode's reward). Earlier segments, cut
+      off by a rewritten history, are counted (`harness_dropped_segments`), not trained on.
+    - Turn boundaries: `on_turn` is called at the start, after every served turn and about once a
+      second while the program runs, with no state (None): a harness program cannot be resumed
+      mid-episode, so a killed run plays an unfinished harness episode again from its start. What
+      `on_turn` raises (the Orchestrator's shutdown) ends the program and is raised to the
+      Orchestrator. A program that hangs is bounded by `HarnessConfig.harness_timeout_s` (then
+      truncated and graded), not by the Orchestrator's `episode_timeout_s`, which these calls reset.
+    - Each episode's mini-swe-agent files (its config, its own trajectory) are in `workdir/<group>-<i>`.
+    """
+
+    def __init__(self, server: HarnessServer, workdir: Path):
+        self.server, self.workdir = server, Path(workdir)
+        self._counts = {"harness_episodes": 0, "harness_breaks": 0, "harness_dropped_segments": 0}
+        self._lock = threading.Lock()
+        self._played = 0
+
+    def __call__(self, task: Task, config: EpisodeConfig, group_id: str, resume: EpisodeState | None,
+                 on_turn: Callable[[EpisodeState | None], None], priority: int) -> Trajectory:
+        on_turn(None)  # the episode's first boundary: a run already shutting down starts no program
+        with self._lock:
+            self._played += 1
+            workdir = self.workdir / f"{group_id}-{self._played}"
+        result = run_harness_episode(self.server, task, workdir, step_limit=config.max_turns, group_id=group_id,
+                                     priority=priority, on_turn=lambda: on_turn(None))
+        with self._lock:
+            self._counts["harness_episodes"] += 1
+            self._counts["harness_breaks"] += result.breaks
+            self._counts["harness_dropped_segments"] += max(0, len(result.trajectories) - 1)
+        if result.trajectories:
+            return result.trajectories[-1]
+        # The program ended before asking the model anything: an episode with no tokens, no gradient.
+        error = f"the harness served no turn (exit code {result.harness_exit_code}): {result.harness_output[-300:]}"
+        return Trajectory(task_id=task.id, family=task.family, tokens=[], loss_mask=[], logprobs=[], versions=[],
+                          prompt_len=0, status=Status.ABORTED, reward=0.0, reward_parts={}, turns=0, tool_calls=0,
+                          invalid_tool_calls=0, asked_question=False, group_id=group_id, error=error)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+@contextmanager
+def harness_runner(name: str, engine: Engine, tokenizer: Any, pool: SandboxPool, episode: EpisodeConfig,
+                   workdir: Path) -> Iterator[HarnessRunner]:
+    """A running HarnessServer on loopback over `engine` and `pool` with `episode`'s limits, and its
+    runner for the Orchestrator (`flywheel train` with `rollout.harness = "mini-swe-agent"`)."""
+    if name != "mini-swe-agent":  # the harnesses `RolloutConfig.harness` names (flywheel/rl/train.py)
+        raise ValueError(f"unknown harness {name!r}: flywheel runs mini-swe-agent")
+    server = HarnessServer(engine, tokenizer, pool, HarnessConfig.for_episode(episode))
+    try:
+        with server.serve():
+            yield HarnessRunner(server, workdir)
+    finally:
+        server.close()
+
+
+__all__ = ["HarnessConfig", "HarnessEpisode", "HarnessResult", "HarnessRunner", "HarnessServer",
+           "Segment", "TokenLedger", "harness_runner", "mini_swe_agent_command", "run_harness_episode"]

@@ -44,8 +44,9 @@ versions, loaded by `adapter_loader` on the tensors of the base the main Router 
 (the key's org) go there, A/B split by session within that organization's traffic; `None` rolls
 the organization back to the shared deployment. Everyone else is untouched.
 
-Not covered here (see docs/ARCHITECTURE.md): the live cycle driving this per organization
-(gather its traffic, train, gate on both batteries, deploy, A/B, decide) end to end.
+The live cycle drives all of this per organization (flywheel/live/cycle.py, `orgs`): gather its
+traffic, train, gate on both batteries, deploy, A/B, decide. An organization's deployment may name
+a full checkpoint as its production: the base its first adapter is A/B tested against.
 """
 
 from __future__ import annotations
@@ -63,12 +64,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flywheel.live.batch import OnPolicyBatch
-from flywheel.live.deploy import PINNED
+from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import GateRun
 from flywheel.live.records import Completion
 from flywheel.live.rewards import Reward
 from flywheel.model.engine import EngineConfig, LocalEngine
-from flywheel.model.registry import METADATA_FILE, Checkpoint, Registry
+from flywheel.model.registry import CANDIDATE, METADATA_FILE, PRODUCTION, Checkpoint, CheckpointNotFound, Registry
+from flywheel.model.tokenizer import load_tokenizer
 from flywheel.rl.learner import Learner, LearnerConfig
 
 _ORG = re.compile(r"[a-z0-9_-]{1,40}")
@@ -99,6 +101,20 @@ def check_org_id(org_id: str) -> str:
 def org_alias(alias: str, org_id: str) -> str:
     """The Registry alias of one organization's `production` / `candidate` adapter."""
     return f"{alias}-{check_org_id(org_id)}"
+
+
+def sync_org_aliases(registry: Registry, org_id: str, deployment: Deployment | None) -> None:
+    """Point `production-<org>` / `candidate-<org>` at the organization's deployment (the shared
+    `deploy.sync_aliases`, per organization); None removes both: it is served the shared base."""
+    for alias, version in ((PRODUCTION, deployment.production if deployment else None),
+                           (CANDIDATE, deployment.candidate if deployment else None)):
+        if version is not None:
+            registry.set_alias(org_alias(alias, org_id), version)
+            continue
+        try:
+            registry.remove_alias(org_alias(alias, org_id))
+        except CheckpointNotFound:
+            pass  # there was none to remove
 
 
 def orgs_with_traffic(completions: Sequence[Completion], rewards: dict[str, Reward], version: int,
@@ -152,15 +168,18 @@ def register_adapter(registry: Registry, adapter: Any, tokenizer: PreTrainedToke
                              base=base, org_id=org_id)
 
 
-def load_adapted(registry: Registry, version: int | str) -> tuple[Any, PreTrainedTokenizerBase]:
-    """The adapter version's base with the adapter applied (a PeftModel), and its tokenizer."""
+def load_adapted(registry: Registry, version: int | str,
+                 trainable: bool = False) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The adapter version's base with the adapter applied (a PeftModel), and its tokenizer;
+    `trainable`: its LoRA weights train (a cycle continuing the organization's adapter)."""
     from peft import PeftModel  # noqa: PLC0415
 
     checkpoint = registry.get(version)
     if checkpoint.base is None:
         raise ValueError(f"v{checkpoint.version} is a full checkpoint, not an adapter; load it with Registry.load")
     base, tokenizer = registry.load(checkpoint.base)
-    return PeftModel.from_pretrained(base, str(checkpoint.path), is_trainable=False).eval(), tokenizer
+    model = PeftModel.from_pretrained(base, str(checkpoint.path), is_trainable=trainable)
+    return (model.train() if trainable else model.eval()), tokenizer
 
 
 def merged(adapter: Any) -> PreTrainedModel:
@@ -194,6 +213,12 @@ def adapter_view(base: PreTrainedModel, adapter: Any) -> PreTrainedModel:
     return view.eval()
 
 
+def shared_copy(base: PreTrainedModel) -> PreTrainedModel:
+    """A module of its own (an engine may set attributes on it) whose every tensor IS `base`'s."""
+    memo: dict[int, Any] = {id(t): t for t in [*base.parameters(), *base.buffers()]}
+    return copy.deepcopy(base, memo).eval()
+
+
 def adapter_loader(registry: Registry, served_base: Callable[[int], PreTrainedModel | None],
                    engine_config: EngineConfig) -> Callable[[int], tuple[LocalEngine, PreTrainedTokenizerBase]]:
     """An EngineLoader for adapter versions: each is an `adapter_view` on its base's weights as
@@ -202,12 +227,12 @@ def adapter_loader(registry: Registry, served_base: Callable[[int], PreTrainedMo
 
     def load(version: int) -> tuple[LocalEngine, PreTrainedTokenizerBase]:
         checkpoint = registry.get(version)
-        if checkpoint.base is None:
-            raise ValueError(f"v{version} is a full checkpoint; an organization's deployment names adapter versions "
-                             "(or set it to None to serve the organization the shared deployment)")
-        base = served_base(checkpoint.base)
+        root = checkpoint.base if checkpoint.base is not None else version
+        base = served_base(root)
         if base is None:
-            base = bases.get(checkpoint.base) or bases.setdefault(checkpoint.base, registry.load(checkpoint.base)[0])
+            base = bases.get(root) or bases.setdefault(root, registry.load(root)[0])
+        if checkpoint.base is None:  # the base itself: the production arm of an organization's first A/B test
+            return LocalEngine(shared_copy(base), engine_config, version=version), load_tokenizer(checkpoint.path)
         adapter, tokenizer = load_adapted(registry, version)
         return LocalEngine(adapter_view(base, adapter), engine_config, version=version), tokenizer
 

@@ -13,6 +13,10 @@
                                             200 only after commit
     GET|POST /v1/admin/deployment [admin]   read or change production / candidate / candidate_fraction
     POST /v1/admin/deployment/sync [admin]  re-read the Registry's aliases (after `flywheel registry promote`)
+    GET  /v1/admin/orgs        [admin]      the shared deployment, and each organization's own (adapters)
+    GET|PUT /v1/admin/orgs/{org}/deployment [admin]  read or change one organization's deployment of its
+                                            adapters ({"deployment": null}: back to the shared one); stored in
+                                            the live store's org_deployments, which every replica follows
     GET  /dashboard            [dashboard]  HTML: flywheel.report's views, live; polls GET /dashboard/data
     GET  /dashboard/data       [dashboard]  {"html": the page's sections, "data": build_report_data's dict}
     GET  /metrics              [dashboard]  Prometheus text format (flywheel/live/metrics.py): requests, latency
@@ -59,7 +63,7 @@ is the completion's id: the id clients put in their events. Responses also carry
 (version, arm, session_id) that strict clients ignore.
 
 Departures from OpenAI's API, each refused with a 400 that says so rather than silently ignored:
-`n` > 1 with streaming, `top_logprobs` > 0 (the engine returns the sampled token's logprob only),
+`top_logprobs` > 0 (the engine returns the sampled token's logprob only),
 frequency / presence penalties and `logit_bias` (the sampled tokens' logprobs must be the model's,
 for the Learner), `response_format` other than text, images. `seed` gives the request its own
 random stream: the same seed and request sample the same tokens. `n` > 1 (up to 16, a GRPO group
@@ -69,8 +73,11 @@ Completion per choice: the response's `id` is the first one's, and each choice n
 call's opening (`<tool_call>` and, when named, `{"name": ..., "arguments": `), written as prompt
 tokens, so the Completion's prompt ids end with it and only the model's own tokens are trained on.
 Streaming is real: the engine hands each token to the server as it samples it
-(`SamplingParams.on_token`), and each becomes a content chunk (text before a tool call's markup;
-the calls follow as tool_call deltas once parsed); the completion is stored before the last chunk,
+(`SamplingParams.on_token`; a `ProcessEngine` relays it from its child), and with `n` > 1 the
+choices' chunks are interleaved as their tokens come, each naming its `index` and its own
+`completion_id` under the response's one `id`, the usage chunk counting them all. Each token
+becomes a content chunk (text before a tool call's markup; the calls follow as tool_call deltas
+once parsed); the completion is stored before the last chunk,
 which carries `flywheel.ttft_ms`, the time from the request to its first token. `stop` sequences
 cut the answer where one first appears in the sampled text (`_Call._stopped`): the Completion keeps
 the shortest prefix of sampled tokens that holds it, and the text ends before it. A tool call the
@@ -116,13 +123,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
 from flywheel.live.metrics import MeasuredRequests, ServerMetrics
-from flywheel.live.monitors import Monitor, MonitorConfig, monitor_window
+from flywheel.live.monitors import Monitor, MonitorConfig
 from flywheel.live.records import BACKGROUND, INTERACTIVE, Completion, CompletionToolCall, Event, storable
 from flywheel.live.rewards import RewardConfig, RewardDistiller
+from flywheel.live.sessions import SessionMonitor, SessionMonitorConfig, watch
 from flywheel.live.store import Ingest, LiveStore
 from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, parse_assistant, tools_in_prompt
 from flywheel.model.conversation import ConversationEncoder, PromptTooLong
-from flywheel.model.engine import Engine, EngineConfig, EngineError, LocalEngine, SamplingParams
+from flywheel.model.engine import Engine, EngineConfig, EngineError, SamplingParams
 from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import CANDIDATE, Registry
 from flywheel.report import build_report_data, dashboard_page, render_body
@@ -152,6 +160,7 @@ class DashboardConfig(BaseModel):
     # longer shows more history at a cost that grows with the traffic.
     horizon_s: float = Field(default=6 * 3600.0, gt=0)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    session_monitor: SessionMonitorConfig = Field(default_factory=SessionMonitorConfig)  # background sessions
     rewards: RewardConfig = Field(default_factory=RewardConfig)
 
 
@@ -588,6 +597,26 @@ class DeploymentResponse(BaseModel):
     previous: Deployment | None = None
 
 
+class OrgDeploymentRequest(BaseModel):
+    """PUT /v1/admin/orgs/{org}/deployment: the organization's adapters, or null for the shared deployment."""
+
+    model_config = ConfigDict(extra="forbid")
+    deployment: Deployment | None
+
+
+class OrgDeploymentResponse(BaseModel):
+    org_id: str
+    deployment: Deployment | None  # None: served the shared deployment
+    served_versions: list[int]  # the adapters its own Router serves
+    adapters: list[int]  # every adapter the Registry holds for it
+    previous: Deployment | None = None  # PUT only: what it was served before
+
+
+class OrgList(BaseModel):
+    shared: Deployment
+    orgs: list[OrgDeploymentResponse]  # organizations of the [orgs] keys, with a deployment, or with adapters
+
+
 class Health(BaseModel):
     status: Literal["ok"]
 
@@ -665,7 +694,10 @@ class LiveServer:
         # Organizations with adapters deployed: each its own Router over adapter versions
         # (flywheel/live/orgs.py); every other request goes to `router`.
         self._org_routers: dict[str, Router] = {}
-        self._org_lock = threading.Lock()
+        self._org_lock = threading.RLock()
+        # Per organization, the org_deployments row this replica serves (0: none yet, so a restarted
+        # server serves what the store says at its first poll).
+        self._org_seqs: dict[str, int] = {}
         self._encoders: dict[int, ConversationEncoder] = {}  # by version: a checkpoint's tokenizer never changes
         self._dashboard_lock = threading.Lock()
         self._dashboard: tuple[float, dict[str, Any]] | None = None  # (monotonic time computed, data)
@@ -730,6 +762,7 @@ class LiveServer:
         while not self._stop.wait(self.config.deployment_poll_s):
             try:
                 self.follow_deployment()
+                self.follow_org_deployments()
             except Exception:  # noqa: BLE001  (a failed poll is logged and retried; the loop must outlive it)
                 log.exception("following the deployment failed; retrying in %s s", self.config.deployment_poll_s)
 
@@ -741,28 +774,71 @@ class LiveServer:
     def set_org_deployment(self, org_id: str, deployment: Deployment | None, note: str = "") -> None:
         """Serve `org_id` its adapters per `deployment` (versions are adapters of the served base;
         A/B split by session within the organization's traffic), or with None the shared deployment
-        again (a rollback of the organization alone). Needs a Registry (the adapters live there)."""
+        again (a rollback of the organization alone). Needs a Registry (the adapters live there).
+
+        Every version must be an adapter registered for this organization, except that production
+        may be a full checkpoint (its base, for the A/B test of its first adapter) (ValueError names
+        the one that is not; a version the Registry lacks raises CheckpointNotFound). The Registry's aliases
+        `production-<org>` / `candidate-<org>` move with it, and the change is written to the store's
+        org_deployments, which every replica follows (`follow_org_deployments`)."""
         if self.registry is None:
             raise ValueError("this server has no Registry to load adapters from; build it with LiveServer.from_config")
-        from flywheel.live.orgs import adapter_loader, check_org_id  # noqa: PLC0415  (peft loads only when used)
+        from flywheel.live.orgs import check_org_id, sync_org_aliases  # noqa: PLC0415  (peft loads only when used)
 
         check_org_id(org_id)
+        for version in sorted(deployment.versions) if deployment is not None else []:
+            checkpoint = self.registry.get(version)
+            if checkpoint.base is None and deployment is not None and version == deployment.production:
+                continue  # a base as the production arm: what an organization's first adapter is tested against
+            if checkpoint.base is None or checkpoint.org_id != org_id:
+                what = "a full checkpoint" if checkpoint.base is None else f"an adapter of {checkpoint.org_id!r}"
+                raise ValueError(f"v{version} is {what}, not an adapter of {org_id!r}; name that organization's "
+                                 "adapter versions (GET /v1/admin/orgs lists them; a full checkpoint only as "
+                                 "production), or null for the shared deployment")
         with self._org_lock:
-            current = self._org_routers.get(org_id)
-            if deployment is None:
-                if current is not None:
-                    del self._org_routers[org_id]
-                    current.close()
-            elif current is None:
-                def served_base(version: int) -> Any:
-                    try:
-                        return getattr(self.router.engine(version), "model", None)
-                    except NotServed:
-                        return None
-                self._org_routers[org_id] = Router(adapter_loader(self.registry, served_base, self.config.engine),
-                                                   deployment)
-            else:
-                current.deploy(deployment)
+            self._serve_org(org_id, deployment, note)
+            sync_org_aliases(self.registry, org_id, deployment)
+            self._org_seqs[org_id] = self.store.record_org_deployment(
+                org_id, *_deployment_row(deployment), note=note, origin=replica_name(self.config))
+
+    def follow_org_deployments(self) -> list[str]:
+        """Serve each organization's newest row of the store's org_deployments that another replica
+        wrote (or that a restarted server served before); returns the organizations changed."""
+        if self.registry is None:
+            return []  # no adapters to load: organizations are served the shared deployment
+        changed = []
+        for org_id, row in self.store.latest_org_deployments().items():
+            with self._org_lock:
+                if row["seq"] <= self._org_seqs.get(org_id, 0):
+                    continue
+                wanted = None if row["production"] is None else Deployment(
+                    production=row["production"], candidate=row["candidate"], candidate_fraction=row["fraction"])
+                if wanted != self.org_deployment(org_id):  # the writer moved the Registry's aliases already
+                    self._serve_org(org_id, wanted, f"as org deployment #{row['seq']} says ({row['note']})")
+                    changed.append(org_id)
+                self._org_seqs[org_id] = row["seq"]
+        return changed
+
+    def _serve_org(self, org_id: str, deployment: Deployment | None, note: str) -> None:
+        """Route `org_id` per `deployment` (None: the shared deployment); under `_org_lock`."""
+        from flywheel.live.orgs import adapter_loader  # noqa: PLC0415  (peft loads only when used)
+
+        assert self.registry is not None
+        current = self._org_routers.get(org_id)
+        if deployment is None:
+            if current is not None:
+                del self._org_routers[org_id]
+                current.close()
+        elif current is None:
+            def served_base(version: int) -> Any:
+                try:
+                    return getattr(self.router.engine(version), "model", None)
+                except NotServed:
+                    return None
+            self._org_routers[org_id] = Router(adapter_loader(self.registry, served_base, self.config.engine),
+                                               deployment)
+        else:
+            current.deploy(deployment)
         log.info("organization %s: %s (%s)", org_id, deployment or "shared deployment", note)
 
     def sync_from_registry(self, candidate_fraction: float | None = None) -> Deployment:
@@ -830,16 +906,18 @@ class LiveServer:
             if self._dashboard is not None and time.monotonic() - self._dashboard[0] < config.refresh_s:
                 return self._dashboard[1]
             now = time.time()
-            completions, rewards = monitor_window(self.store, RewardDistiller(config.rewards), now, config.horizon_s)
             d = self.deployment
-            baseline = d.production if any(c.version == d.production for c in completions) else None
-            monitors = Monitor(config.monitor).run(completions, rewards, baseline_version=baseline)
+            # The cycle's own window and monitors, per answer and per session (flywheel/live/sessions.py).
+            watched = watch(self.store, RewardDistiller(config.rewards), Monitor(config.monitor),
+                            SessionMonitor(config.session_monitor), now, config.horizon_s, d.production)
+            monitors = watched.report
             live = {"production": f"v{d.production}",
                     "candidate": "none" if d.candidate is None else f"v{d.candidate} ({d.candidate_fraction:.0%} of "
                                                                     "sessions)",
                     "completions": self.store.count_completions(), "events": self.store.count_events()}
             data = build_report_data(config.report_dirs, live=live, title="flywheel dashboard", monitors={
-                "source": f"this server's last {config.horizon_s / 3600:g} h ({len(completions)} completions, "
+                "source": f"this server's last {config.horizon_s / 3600:g} h ({watched.completions} completions, "
+                          f"{watched.sessions} background sessions, "
                           f"{config.monitor.window_s:g} s windows)",
                 "series": monitors.series, "alarms": monitors.alarms})
             self._dashboard = (time.monotonic(), data)
@@ -867,9 +945,6 @@ class LiveServer:
         started, created = time.perf_counter(), time.time()
         req = _parse_chat(body)
         n = req.n or 1
-        if n > 1 and req.stream:
-            raise ApiError(400, "n > 1 is not supported with stream; send n requests, or leave stream unset",
-                           param="n")
         session_id, user_id, meta = _identity(req, request)
         org_id = self._request_org(request, meta)
         session_kind = meta.pop("session_kind", INTERACTIVE)
@@ -905,12 +980,17 @@ class LiveServer:
             # tool_choice "required" or a named function: the assistant turn starts with the call's
             # opening, written by the template (prompt tokens, never trained on), and the model goes on.
             prompt_ids = prompt_ids + (encoder.text(forced) if forced else [])
-            params = self._sampling(req, len(prompt_ids), lease.tokenizer)
+            sampling = self._sampling(req, len(prompt_ids), lease.tokenizer)
             encoder.remember(fresh)  # only now: a refused request leaves nothing in the cache
-            tokens: asyncio.Queue[tuple[int, float] | None] | None = None
-            if req.stream:  # real streaming: each token reaches the client as the engine samples it
-                tokens = asyncio.Queue()
-                loop = asyncio.get_running_loop()
+            queues: list[asyncio.Queue[tuple[int, float] | None]] = []  # one per choice, when streamed
+            loop = asyncio.get_running_loop()
+
+            def streamed(p: SamplingParams) -> SamplingParams:
+                """Real streaming: each of the choice's tokens reaches the client as the engine samples it."""
+                if not req.stream:
+                    return p
+                tokens: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
+                queues.append(tokens)
 
                 def on_token(token_id: int, logprob: float) -> None:
                     try:
@@ -918,7 +998,9 @@ class LiveServer:
                     except RuntimeError:  # the server's loop closed under a request: nobody reads it
                         pass
 
-                params = dataclasses.replace(params, on_token=on_token)
+                return dataclasses.replace(p, on_token=on_token)
+
+            params = streamed(sampling)
             engine_started = time.perf_counter()
             in_flight = self.metrics.in_flight.labels(f"v{lease.version}")
             in_flight.inc()
@@ -930,16 +1012,14 @@ class LiveServer:
             call = _Call(self, req, lease, session_id, user_id, meta, prompt_ids, params, forced, started, created,
                          engine_started, in_flight, future, router, org_id, session_kind)
             released = True  # from here the call gives the lease back when the engine is done with it
-            if tokens is not None:
-                return StreamingResponse(call.stream(tokens), media_type="text/event-stream",
-                                         headers=call.headers())
             calls = [call]
             for i in range(1, n):  # the rest of the group: the same session, so the same arm and version
                 try:
                     extra = router.checkout(session_id, pinned)
                 except NotServed as exc:
                     raise ApiError(503, f"{exc}; the deployment is changing, retry", "server_error") from None
-                seeded = params if req.seed is None else dataclasses.replace(params, seed=(req.seed + i) % 2**63)
+                seeded = streamed(sampling if req.seed is None
+                                  else dataclasses.replace(sampling, seed=(req.seed + i) % 2**63))
                 in_flight.inc()
                 try:
                     future = asyncio.wrap_future(extra.engine.submit(prompt_ids, seeded))
@@ -949,6 +1029,10 @@ class LiveServer:
                     raise self._engine_failed(extra.version, exc) from None
                 calls.append(_Call(self, req, extra, session_id, user_id, meta, prompt_ids, seeded, forced, started,
                                    created, engine_started, in_flight, future, router, org_id, session_kind))
+            if req.stream:  # the choices' chunks interleaved as their tokens come, each with its index
+                include_usage = bool((req.stream_options or {}).get("include_usage"))
+                return StreamingResponse(_stream_choices(calls, queues, include_usage),
+                                         media_type="text/event-stream", headers=call.headers())
             generations = [await c.generation() for c in calls]
         finally:
             if not released:
@@ -1247,23 +1331,29 @@ class _Call:
         return {**self._head(), "object": "chat.completion", "usage": usage,
                 "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}]}
 
-    async def stream(self, tokens: asyncio.Queue[tuple[int, float] | None]) -> Any:
-        """Server-sent chunks: the content as its tokens are sampled (cut before a tool call's
-        markup), then the calls, the finish reason (with `flywheel.ttft_ms`), usage, [DONE]."""
+    async def stream(self, tokens: asyncio.Queue[tuple[int, float] | None], index: int = 0,
+                     response_id: str | None = None) -> Any:
+        """This choice's chunks (`("chunk", chunk)`): the content as its tokens are sampled (cut
+        before a tool call's markup), then the calls, the finish reason (with `flywheel.ttft_ms`);
+        last `("usage", chunk)`. `response_id`: the id every chunk of an n > 1 response carries
+        (each choice then names its own Completion, `completion_id`)."""
         self.future.add_done_callback(lambda _: tokens.put_nowait(None))
         base = {**self._head(), "object": "chat.completion.chunk"}
+        own = {"index": index}
+        if response_id is not None:
+            base["id"], own["completion_id"] = response_id, self.id
 
         tokenizer, ids, sent = self.lease.tokenizer, [], ""
         pending: list[tuple[int, float]] = []  # sampled since the last chunk: their logprobs go with the next
 
-        def event(delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] | None = None) -> bytes:
+        def event(delta: dict[str, Any], finish: str | None = None,
+                  extra: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
             lp = None
             if self.req.logprobs and pending:
                 lp = _logprobs([t for t, _ in pending], [v for _, v in pending], tokenizer)
                 pending.clear()
-            chunk = {**base, **(extra or {}), "choices": [{"index": 0, "delta": delta, "logprobs": lp,
-                                                           "finish_reason": finish}]}
-            return f"data: {json.dumps(chunk)}\n\n".encode()
+            return "chunk", {**base, **(extra or {}), "choices": [{**own, "delta": delta, "logprobs": lp,
+                                                                   "finish_reason": finish}]}
 
         yield event({"role": "assistant", "content": ""})
         while (item := await tokens.get()) is not None:
@@ -1284,9 +1374,7 @@ class _Call:
         try:
             payload = await self.finish(await self.generation())
         except ApiError as exc:  # headers are sent: the error goes in the stream, as OpenAI's does
-            error = {"error": {"message": exc.message, "type": exc.type, "code": exc.code}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+            yield "chunk", {"error": {"message": exc.message, "type": exc.type, "code": exc.code}}
             return
         choice = payload["choices"][0]
         message = choice["message"]
@@ -1297,9 +1385,52 @@ class _Call:
             yield event({"tool_calls": [{"index": i, **call}]})
         final = {**self._head()}
         yield event({}, choice["finish_reason"], {"flywheel": final["flywheel"]})
-        if (self.req.stream_options or {}).get("include_usage"):
-            yield f"data: {json.dumps({**base, 'choices': [], 'usage': payload['usage']})}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+        yield "usage", {**base, "choices": [], "usage": payload["usage"]}
+
+
+async def _stream_choices(calls: list[_Call], queues: list[asyncio.Queue[tuple[int, float] | None]],
+                          include_usage: bool) -> Any:
+    """Server-sent events of a streamed request: every choice's chunks as its tokens are sampled,
+    interleaved in the order they come (each names its choice's `index`, as OpenAI's do), then the
+    usage of all choices together (when `stream_options.include_usage`), then [DONE]."""
+    merged: asyncio.Queue[tuple[str, dict[str, Any]] | None] = asyncio.Queue()
+    response_id = calls[0].id if len(calls) > 1 else None
+
+    async def pump(index: int, call: _Call, tokens: asyncio.Queue[tuple[int, float] | None]) -> None:
+        try:
+            async for item in call.stream(tokens, index, response_id):
+                await merged.put(item)
+        finally:
+            await merged.put(None)
+
+    pumps = [asyncio.create_task(pump(i, c, q)) for i, (c, q) in enumerate(zip(calls, queues, strict=True))]
+    usage: dict[str, Any] | None = None
+    running = len(pumps)
+    try:
+        while running:
+            item = await merged.get()
+            if item is None:
+                running -= 1
+                continue
+            kind, chunk = item
+            if kind == "usage":  # one usage for the response: the prompt once, every choice's tokens
+                if usage is None:
+                    usage = chunk
+                else:
+                    counts = usage["usage"]
+                    counts["completion_tokens"] += chunk["usage"]["completion_tokens"]
+                    counts["total_tokens"] = counts["prompt_tokens"] + counts["completion_tokens"]
+                continue
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+    finally:
+        for task in pumps:
+            task.cancel()
+    for task in pumps:  # a failure other than the API errors the stream already carries
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+    if include_usage and usage is not None:
+        yield f"data: {json.dumps(usage)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
 
 
 def _parse_chat(body: bytes) -> ChatRequest:
@@ -1387,6 +1518,13 @@ def _resume_fraction(store: LiveStore, registry: Registry, default: float) -> fl
     return last["fraction"] if last["candidate"] == candidate else default
 
 
+def _deployment_row(deployment: Deployment | None) -> tuple[int | None, int | None, float]:
+    """(production, candidate, fraction) as a deployments row holds them; None: (None, None, 0.0)."""
+    if deployment is None:
+        return None, None, 0.0
+    return deployment.production, deployment.candidate, deployment.candidate_fraction
+
+
 def replica_name(config: ServeConfig) -> str:
     """Who this server is, in the deployments history of a store several replicas share."""
     return f"{socket.gethostname()}:{config.port} pid {os.getpid()}"
@@ -1399,14 +1537,15 @@ def open_store(config: ServeConfig) -> LiveStore:
 
 
 def registry_loader(registry: Registry, engine: EngineConfig) -> EngineLoader:
-    """Load a version from the Registry into its own engine: a LocalEngine, or vLLM servers on its
-    checkpoint folder (`engine.backend = "vllm"`)."""
+    """Load a version from the Registry into its own engine: a LocalEngine, one in a process of its
+    own (`engine.separate_process`: its decode loop then never waits on the server's GIL, and still
+    streams), or vLLM servers on its checkpoint folder (`engine.backend = "vllm"`)."""
 
     def load(version: int) -> tuple[Engine, Any]:
         model, tokenizer = registry.load(version)
         if engine.backend == "vllm":
             return start_engine(None, engine, version=version, checkpoint=registry.get(version).path), tokenizer
-        return LocalEngine(model, engine, version=version), tokenizer
+        return start_engine(model, engine, version=version), tokenizer
 
     return load
 
@@ -1590,6 +1729,64 @@ def create_app(server: LiveServer) -> FastAPI:
         except (KeyError, ValueError) as exc:
             raise ApiError(409, str(exc), code="registry_unusable") from None
         return {"deployment": deployment.model_dump(), "served_versions": server.router.served_versions()}
+
+    # ---- each organization's own deployment of adapters (flywheel/live/orgs.py), admin like the above
+
+    def org_reply(org_id: str, previous: Deployment | None = None) -> dict[str, Any]:
+        router = server._org_routers.get(org_id)
+        adapters = [c.version for c in server.registry.list() if c.org_id == org_id and c.base is not None] \
+            if server.registry is not None else []
+        deployment = server.org_deployment(org_id)
+        return {"org_id": org_id, "deployment": deployment.model_dump() if deployment else None,
+                "served_versions": router.served_versions() if router else [], "adapters": adapters,
+                "previous": previous.model_dump() if previous else None}
+
+    def org_param(org_id: str) -> str:
+        from flywheel.live.orgs import check_org_id  # noqa: PLC0415  (peft loads only when used)
+
+        try:
+            return check_org_id(org_id)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)[:300], code="invalid_org", param="org_id") from None
+
+    @app.get("/v1/admin/orgs", response_model=None, responses=_json_reply(OrgList, 401, 403))
+    async def list_orgs(request: Request) -> dict[str, Any]:
+        server.authorize(request, "admin")
+        orgs = set(server.config.orgs.values()) | set(server._org_routers)
+        if server.registry is not None:
+            orgs |= {c.org_id for c in await run_in_threadpool(server.registry.list) if c.base is not None}
+        replies = [await run_in_threadpool(org_reply, org) for org in sorted(orgs)]
+        return {"shared": server.deployment.model_dump(), "orgs": replies}
+
+    @app.get("/v1/admin/orgs/{org_id}/deployment", response_model=None,
+             responses=_json_reply(OrgDeploymentResponse, 400, 401, 403))
+    async def get_org_deployment(org_id: str, request: Request) -> dict[str, Any]:
+        server.authorize(request, "admin")
+        return await run_in_threadpool(org_reply, org_param(org_id))
+
+    @app.put("/v1/admin/orgs/{org_id}/deployment", response_model=None,
+             openapi_extra=_json_body(OrgDeploymentRequest),
+             responses=_json_reply(OrgDeploymentResponse, 400, 401, 403, 404, 409, 413))
+    async def put_org_deployment(org_id: str, request: Request) -> dict[str, Any]:
+        server.authorize(request, "admin")
+        org = org_param(org_id)
+        try:
+            wanted = OrgDeploymentRequest.model_validate_json(await _read_body(request, limit)).deployment
+        except ValidationError as exc:
+            raise ApiError(400, f"invalid organization deployment: {_errors(exc)}") from None
+        if wanted is not None and max(wanted.versions) > _MAX_VERSION:
+            raise ApiError(404, f"no version above {_MAX_VERSION} exists; name a registered adapter",
+                           code="version_not_found")
+        if server.registry is None:
+            raise ApiError(409, "this server has no Registry to load adapters from", code="registry_unusable")
+        previous = server.org_deployment(org)
+        try:
+            await run_in_threadpool(server.set_org_deployment, org, wanted, "admin endpoint")
+        except KeyError as exc:  # CheckpointNotFound: a version the registry does not hold
+            raise ApiError(404, str(exc)[:300], code="version_not_found") from None
+        except ValueError as exc:  # a full checkpoint, or another organization's adapter
+            raise ApiError(400, str(exc)[:300], code="not_an_org_adapter") from None
+        return await run_in_threadpool(org_reply, org, previous)
 
     known_paths.update(route.path for route in app.routes)
     return app

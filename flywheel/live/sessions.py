@@ -4,6 +4,7 @@
     gathered.completions, gathered.left_out         # what a cycle trains on; what it could not, by reason
     summaries = session_summaries(completions, events)
     report = SessionMonitor(SessionMonitorConfig()).run(summaries, baseline_version=production)
+    watched = watch(store, distiller, Monitor(...), SessionMonitor(...), now, lookback_s, baseline)  # both kinds
 
 A background session is a run of completions with `session_kind = "background"` (the client says
 so in the request's metadata) and one session id: the agent reads, edits and runs tests for many
@@ -46,6 +47,11 @@ no outcome attaches (unresolved rate up, sessions longer), and one that declares
 before it did anything a reviewer could reject (done without edit up, sessions shorter). Length
 and turns before the first edit are tested and alarm as warnings either way: a change of
 either is worth a look, but neither is bad in itself.
+
+One window for the cycle and the dashboard (`watch`): the per-answer monitors over `monitor_window`
+and the session monitors over `session_window` (the background sessions that started in the same
+lookback, each with all its completions and events), one report of both kinds of series and alarms.
+The live cycle's report.json and the server's /dashboard both call it, so they cannot disagree.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.live.deploy import PINNED
-from flywheel.live.monitors import Alarm, MetricPoint, MonitorReport, change_p_value
+from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorReport, change_p_value, monitor_window
 from flywheel.live.records import BACKGROUND, Completion, Event, EventType
 from flywheel.live.rewards import EDIT_TOOLS, Reward, RewardDistiller, distill_sessions, made_edit
 from flywheel.live.store import LiveStore
@@ -242,4 +248,51 @@ class SessionMonitor:
                             score=math.copysign(-z_quantile(max(p / 2, 1e-300)), 1.0 if up else -1.0), p_value=p,
                             severity="critical" if critical else "warning", blocks_promotion=critical))
         return MonitorReport(series=series, alarms=alarms, tests=tests)
+
+
+
+# ---- the window the cycle and the dashboard monitor
+
+
+def session_window(store: LiveStore, now: float, lookback_s: float | None, horizon_s: float,
+                   edit_tools: Sequence[str] = EDIT_TOOLS) -> list[SessionSummary]:
+    """The background sessions (user-routed) that started in the last `lookback_s` (None: all),
+    summarized with every completion and event of each, as of `now`."""
+    start = None if lookback_s is None else now - lookback_s
+    sessions = sorted({c.session_id for c in store.completions(start=start)
+                       if c.session_kind == BACKGROUND and c.arm != PINNED})
+    turns = {s: store.completions(session_id=s) for s in sessions}
+    started = [s for s in sessions if start is None or turns[s][0].created_at >= start]
+    return session_summaries([c for s in started for c in turns[s]],
+                             [e for s in started for e in store.events_for_session(s)], now, horizon_s, edit_tools)
+
+
+@dataclass
+class Watched:
+    """What `watch` saw: one report of both monitors, the baseline they compared with (None where
+    the asked one had no traffic in the window: each version is compared with its own earlier
+    windows), and how many answers and background sessions the window held."""
+
+    report: MonitorReport
+    baseline_version: int | None
+    completions: int
+    sessions: int
+
+
+def watch(store: LiveStore, distiller: RewardDistiller, monitor: Monitor, session_monitor: SessionMonitor, now: float,
+          lookback_s: float | None, baseline_version: int | None) -> Watched:
+    """Both monitors over the last `lookback_s` (module docstring), against `baseline_version`."""
+    completions, rewards = monitor_window(store, distiller, now, lookback_s)
+    sessions = session_window(store, now, lookback_s, distiller.config.background.horizon_s,
+                              monitor.config.edit_tools)
+    if baseline_version not in {c.version for c in completions}:
+        baseline_version = None
+    answers = monitor.run(completions, rewards, baseline_version=baseline_version) if completions else MonitorReport(
+        series=[], alarms=[], tests=0)
+    # Sessions are fewer: a baseline with answers but no background session is no session baseline.
+    whole = session_monitor.run(sessions, baseline_version=baseline_version
+                                if any(s.version == baseline_version for s in sessions) else None)
+    report = MonitorReport(series=answers.series + whole.series, alarms=answers.alarms + whole.alarms,
+                           tests=answers.tests + whole.tests)
+    return Watched(report, baseline_version, completions=len(completions), sessions=len(sessions))
 

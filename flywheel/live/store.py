@@ -112,6 +112,19 @@ LIVE_SCHEMA = Schema("live", marker_table="completions", migrations=(
         "ALTER TABLE completions ADD COLUMN org_id TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE events ADD COLUMN org_id TEXT NOT NULL DEFAULT ''",
         "CREATE INDEX IF NOT EXISTS completions_by_org ON completions (org_id, version, created_at)")),
+    # Each organization's own deployment of adapters (flywheel/live/orgs.py), a history like
+    # deployments: replicas follow its newest row per organization. production NULL: the organization
+    # is served the shared deployment again (its rollback).
+    Migration(4, "org_deployments", ("""CREATE TABLE IF NOT EXISTS org_deployments (
+        seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+        org_id     TEXT NOT NULL,
+        production INTEGER,
+        candidate  INTEGER,
+        fraction   REAL NOT NULL,
+        changed_at REAL NOT NULL,
+        note       TEXT NOT NULL DEFAULT '',
+        origin     TEXT NOT NULL DEFAULT ''
+    )""",)),
 ))
 EVENT_COLUMNS = ("id", "type", "session_id", "completion_id", "time", "received_at", "payload", "org_id")
 
@@ -293,6 +306,23 @@ class LiveStore:
         """The last row of the routing history (seq, production, candidate, fraction, changed_at, note, origin)."""
         rows = self._query("SELECT * FROM deployments ORDER BY seq DESC LIMIT 1")
         return dict(rows[0]) if rows else None
+
+    def record_org_deployment(self, org_id: str, production: int | None, candidate: int | None, fraction: float,
+                              note: str = "", origin: str = "") -> int:
+        """Append to an organization's routing history (production None: back to the shared
+        deployment); returns the row's `seq`, which `org_deployments` rows are ordered by."""
+        with self._lock, self._db.transaction(self.synchronous):
+            return self._db.query(
+                "INSERT INTO org_deployments (org_id, production, candidate, fraction, changed_at, note, origin) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING seq",
+                (org_id, production, candidate, fraction, time.time(), note, origin))[0][0]
+
+    def latest_org_deployments(self, after_seq: int = 0) -> dict[str, dict[str, Any]]:
+        """Organization -> the newest row of its routing history, for the organizations whose newest
+        row has seq > `after_seq` (what a replica has not served yet)."""
+        rows = self._query("SELECT * FROM org_deployments WHERE seq IN (SELECT MAX(seq) FROM org_deployments "
+                           "GROUP BY org_id) AND seq > ? ORDER BY org_id", (after_seq,))
+        return {r["org_id"]: dict(r) for r in rows}
 
     @contextmanager
     def snapshot(self) -> Iterator[LiveStore]:

@@ -86,8 +86,8 @@ class SamplingParams:
     # None: the engine's shared stream.
     seed: int | None = None
     # Called from the engine's loop with (token id, logprob) as each token is sampled (the live
-    # server's streaming). It must return at once and never raise; in-process engines only (a
-    # ProcessEngine cannot send a function to its child).
+    # server's streaming). It must return at once and never raise. A ProcessEngine keeps it in the
+    # parent and calls it from its reader thread with each token the child sends.
     on_token: Callable[[int, float], None] | None = field(default=None, compare=False)
 
 

@@ -5,12 +5,17 @@
     Future[Generation] <────── ("done", id, Generation) <── done callback <───────┘
     update_weights(w, v) ──── ("update", id, w, v) ──pipe──> LocalEngine.update_weights
                       <────── ("updated", id, error) <─────┘
-    a reader thread in the parent completes the futures
+    params.on_token <───────── ("token", id, token, logprob) <── on_token, as each is sampled
+    a reader thread in the parent completes the futures and calls the requests' on_token
 
 Why a process: the decode loop of a small model is mostly Python (module calls, the dispatcher),
 so in one process it needs the GIL for most of every step, and shares it with every rollout
 thread (tool calls, tokenizing, saving episode state) and with the learner. In its own interpreter
 it only competes for a core. `bench/async_rl.py --engine-process` measures the difference.
+
+Streaming: a function cannot cross the pipe, so a request's `on_token` stays in the parent and the
+child sends each sampled token as a message of its own, before the request's "done" (one pipe, so
+in order); the reader thread calls `on_token` with it, as the engine's loop would in-process.
 
 Messages are pickled explicitly (`pickle`, not multiprocessing's pickler, which would move the
 learner's tensors into shared memory): a weight update is a copy of the state dict, 8 MB for the
@@ -23,6 +28,7 @@ that starts one must keep its work under `if __name__ == "__main__":`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import multiprocessing
 import pickle
@@ -69,6 +75,12 @@ def _serve(conn: Any, model_class: type, model_config: Any, state: dict[str, tor
         except OSError:  # the parent is gone
             pass
 
+    def token(rid: int, token_id: int, logprob: float) -> None:  # from the engine's loop: never raises
+        try:
+            _send(conn, lock, ("token", rid, token_id, logprob))
+        except OSError:  # the parent is gone
+            pass
+
     def update(uid: int, weights: Mapping[str, torch.Tensor], new_version: int, timeout_s: float) -> None:
         try:
             engine.update_weights(weights, new_version, timeout_s)
@@ -85,7 +97,9 @@ def _serve(conn: Any, model_class: type, model_config: Any, state: dict[str, tor
                 return  # the parent closed the pipe or died
             kind = message[0]
             if kind == "submit":
-                _, rid, prompt, params = message
+                _, rid, prompt, params, stream = message
+                if stream:
+                    params = dataclasses.replace(params, on_token=lambda t, lp, rid=rid: token(rid, t, lp))
                 try:
                     engine.submit(prompt, params).add_done_callback(lambda f, rid=rid: reply(rid, f))
                 except Exception as exc:  # noqa: BLE001 -- the parent checked it; anything left is reported
@@ -111,6 +125,7 @@ class ProcessEngine:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._futures: dict[int, Future[Generation]] = {}
+        self._on_token: dict[int, Any] = {}  # request id -> its params.on_token (streamed requests)
         self._updates: dict[int, Future[None]] = {}
         self._ids = itertools.count()
         self._error: str | None = None
@@ -145,7 +160,10 @@ class ProcessEngine:
             self._check_alive()
             rid = next(self._ids)
             self._futures[rid] = future
-        self._send(("submit", rid, list(prompt_ids), params))
+            if params.on_token is not None:
+                self._on_token[rid] = params.on_token
+        stream = params.on_token is not None
+        self._send(("submit", rid, list(prompt_ids), dataclasses.replace(params, on_token=None), stream))
         return future
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
@@ -223,9 +241,15 @@ class ProcessEngine:
                 self._ready.set()
             elif kind == "closed":
                 self._closed_ack.set()
+            elif kind == "token":
+                with self._lock:
+                    on_token = self._on_token.get(message[1])
+                if on_token is not None:
+                    on_token(message[2], message[3])
             elif kind in ("done", "error"):
                 with self._lock:
                     future = self._futures.pop(message[1], None)
+                    self._on_token.pop(message[1], None)
                 if future is not None and kind == "done":
                     future.set_result(message[2])
                 elif future is not None:
@@ -243,7 +267,7 @@ class ProcessEngine:
             if self._error is None and not self._closed:
                 self._error = reason
             futures, self._futures = list(self._futures.values()) + list(self._updates.values()), {}
-            self._updates = {}
+            self._updates, self._on_token = {}, {}
         for future in futures:
             if not future.done():
                 future.set_exception(EngineError(reason))

@@ -3,8 +3,9 @@
     cycles = read_cycle_records(run_dir, problems)     # cycle-NNNN/report.json, else cycle-NNNN/state.json
 
 Inputs, by source:
-- a simulated-RL run folder (flywheel/rl/train.py): `metrics.jsonl`, one `TrainStep` per line, and
-  `eval.jsonl`, one `EvalPoint` per held-out eval.
+- a simulated-RL run folder (flywheel/rl/train.py): `metrics.jsonl`, one `TrainStep` per line,
+  `eval.jsonl`, one `EvalPoint` per held-out eval (step 0: the start checkpoint's), and once the run
+  has finished, `summary.json`'s paired held-out change (`HeldOutLift`).
 - real-time RL cycles: flywheel/live/cycle.py's own record, `cycle-NNNN/report.json` (its
   `CycleReport`, schema "flywheel.cycle/1") or, while the cycle runs, `cycle-NNNN/state.json` (its
   `CycleState`, the same fields so far plus `stage`). There is no second cycle format: `CycleRecord`
@@ -82,7 +83,7 @@ class TrainStep(_Record):
     train_s: float | None = None
     wait_s: float | None = None
     filtered_groups: int | None = None
-    staleness: dict[int, float] = Field(default_factory=dict)  # versions behind -> generated tokens
+    staleness: dict[int, float] = Field(default_factory=dict)  # learner steps behind -> generated tokens
 
     @model_validator(mode="before")
     @classmethod
@@ -112,10 +113,31 @@ class EvalPoint(_Record):
     per_family: dict[str, FamilyEval] = Field(default_factory=dict)
 
 
+class HeldOutLift(_Record):
+    """summary.json's `lift` (flywheel/agent/evaluate.py `paired_lift`): the held-out pass-rate change
+    from the run's start (step 0) to its end on the same tasks, with its paired 95% interval."""
+
+    before: float | None = None
+    after: float | None = None
+    diff: float | None = None
+    ci: tuple[float, float] | None = None
+    tasks: int | None = None
+    gained: int | None = None  # tasks failed at the start and passed at the end
+    lost: int | None = None
+    significant: bool = False
+
+
 class TrainingRun(BaseModel):
     name: str  # the folder, relative to the report's root
     steps: list[TrainStep] = Field(default_factory=list)
     evals: list[EvalPoint] = Field(default_factory=list)
+    lift: HeldOutLift | None = None  # None: the run has not finished, or had no eval at step 0
+
+    @property
+    def start_eval(self) -> EvalPoint | None:
+        """The held-out eval of the start checkpoint (step 0), or None: the run's first eval may
+        come later (no eval at the start), and it is not the start's figure."""
+        return next((e for e in self.evals if e.step == 0), None)
 
 
 # ---- real-time RL (flywheel/live/cycle.py writes one CycleReport per cycle, a CycleState per stage)
@@ -315,7 +337,20 @@ def read_training_run(folder: Path, name: str, problems: list[str]) -> TrainingR
     metrics, evals = folder / "metrics.jsonl", folder / "eval.jsonl"
     return TrainingRun(name=name,
                        steps=read_jsonl(metrics, TrainStep, problems) if metrics.is_file() else [],
-                       evals=read_jsonl(evals, EvalPoint, problems) if evals.is_file() else [])
+                       evals=read_jsonl(evals, EvalPoint, problems) if evals.is_file() else [],
+                       lift=_read_lift(folder / "summary.json", problems))
+
+
+def _read_lift(path: Path, problems: list[str]) -> HeldOutLift | None:
+    """The `lift` of a finished run's summary.json; None while the run has none (or no start eval)."""
+    if not path.is_file():
+        return None
+    try:
+        lift = json.loads(path.read_text(encoding="utf-8")).get("lift")
+        return HeldOutLift.model_validate(lift) if lift is not None else None
+    except (json.JSONDecodeError, AttributeError, ValidationError) as exc:
+        problems.append(f"{path}: no readable lift ({_short(exc)}); change left out")
+        return None
 
 
 def cycle_files(directory: Path) -> list[Path]:

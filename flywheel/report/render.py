@@ -45,6 +45,9 @@ from flywheel.store.files import write_atomic
 MONITOR_ORDER = ("edit_rate", "clarify_rate_clear", "clarify_rate_ambiguous", "invalid_call_rate",
                  "tests_passed_rate", "response_length", "reward_outcome_corr", "reward_mean")
 _SMALL = 380  # width of the charts shown several to a row
+# Versions are Registry versions (vN) everywhere in the report; inside a simulated-RL run, progress
+# is counted in learner steps, step 0 being the start checkpoint (the Learner's `policy_version`).
+_STEP_AXIS = "learner step (0: the start checkpoint)"
 
 CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 0; color: #222;
@@ -154,7 +157,9 @@ def _training_section(runs: Sequence[TrainingRun]) -> str:
         return _section("Simulated RL", '<p class="empty-note">no data yet: no metrics.jsonl or eval.jsonl found</p>',
                         "training")
     colors = {r.name: PALETTE[i % len(PALETTE)] for i, r in enumerate(runs)}
-    reward = [Series(r.name, [(s.step, s.reward_mean) for s in r.steps], color=colors[r.name]) for r in runs]
+    # Step s trains on episodes that policies before s sampled: drawn at s - 1, the reward lines up
+    # with the held-out eval of the same policy, and the start checkpoint's samples are the first point.
+    reward = [Series(r.name, [(s.step - 1, s.reward_mean) for s in r.steps], color=colors[r.name]) for r in runs]
     held_out = [Series(r.name if len(runs) > 1 else "all families", [(e.step, e.pass_rate) for e in r.evals],
                        band=[(e.step, *(e.pass_rate_ci or (None, None))) for e in r.evals], color=colors[r.name])
                 for r in runs]
@@ -174,26 +179,38 @@ def _training_section(runs: Sequence[TrainingRun]) -> str:
                 histogram[k] += tokens
     throughput = [Series(r.name, [(s.step, s.tokens_per_s) for s in r.steps], color=colors[r.name]) for r in runs]
     charts = [
-        line_chart("Training reward (mean per step)", reward, x_label="step", y_label="reward"),
-        line_chart("Held-out pass rate (95% Wilson band)", held_out, x_label="step", y_label="pass rate",
+        line_chart("Training reward (mean of the episodes each policy sampled)", reward,
+                   x_label=f"the policy that sampled them, by {_STEP_AXIS}", y_label="reward"),
+        line_chart("Held-out pass rate (95% Wilson band)", held_out, x_label=_STEP_AXIS, y_label="pass rate",
                    y_range=(0, 1)),
-        line_chart("Staleness of trained tokens", staleness, x_label="step",
-                   y_label="policy versions behind"),
+        line_chart("Staleness of trained tokens", staleness, x_label="learner step",
+                   y_label="learner steps behind"),
         bar_chart("Trained tokens by staleness", [Bar(str(k), histogram[k], tooltip=f"{histogram[k]:,.0f} tokens "
-                                                  f"{k} policy versions old") for k in sorted(histogram)],
-                  x_label="policy versions behind the learner", y_label="tokens"),
-        line_chart("Learner throughput", throughput, x_label="step", y_label="tokens / s"),
+                                                  f"{k} learner steps old") for k in sorted(histogram)],
+                  x_label="steps behind the learner", y_label="tokens"),
+        line_chart("Learner throughput", throughput, x_label="learner step", y_label="tokens / s"),
     ]
-    rows = []
-    for r in runs:
-        first, last = (r.evals[0], r.evals[-1]) if r.evals else (None, None)
-        policy = str(r.steps[-1].policy_version) if r.steps else "—"
-        rows.append([escape(r.name), str(len(r.steps)), escape(policy),
-                     _interval(first.pass_rate, *(first.pass_rate_ci or (None, None))) if first else "—",
-                     _interval(last.pass_rate, *(last.pass_rate_ci or (None, None))) if last else "—"])
-    table = _table(["run", "steps", "policy version", "held-out pass rate at start", "latest"], rows,
-                   numeric=(1,))
+    table = _table(["run", "learner steps", "held-out pass rate at the start (step 0)", "at the end",
+                    "change (paired, 95% CI)"], [_training_row(r) for r in runs], numeric=(1,))
     return _section("Simulated RL", table + _charts(charts), "training")
+
+
+def _training_row(run: TrainingRun) -> list[str]:
+    """A run's start (its step-0 eval only: a later first eval is not the start's figure), its end and
+    the paired change between them."""
+    start, end = run.start_eval, (run.evals[-1] if run.evals else None)
+    lift = run.lift
+    change = "—"
+    if lift is not None and lift.diff is not None and lift.ci is not None:
+        change = escape(f"{lift.diff:+.3f} [{lift.ci[0]:+.3f}, {lift.ci[1]:+.3f}], {lift.gained} gained / "
+                        f"{lift.lost} lost of {lift.tasks}: "
+                        f"{'significant' if lift.significant else 'not significant'}")
+    return [escape(run.name), str(len(run.steps)),
+            _interval(start.pass_rate, *(start.pass_rate_ci or (None, None))) if start else
+            '<span class="muted">not evaluated at step 0</span>',
+            _interval(end.pass_rate, *(end.pass_rate_ci or (None, None))) + escape(f" (step {end.step})") if end
+            else "—",
+            change]
 
 
 # ---- real-time RL

@@ -31,7 +31,8 @@ What unblocks what:
 What goes in and out is plain: tasks, an Engine and a SandboxPool to run episodes on, a getter of
 the current policy version (the Orchestrator never holds a Learner, so it can run as a Ray actor),
 and optionally a `runner` that plays an episode elsewhere (`flywheel.rl.ray_backend`: on a rollout
-worker actor of a Ray cluster) with `run_episode`'s contract: same task, resume state, `on_turn`
+worker actor of a Ray cluster; `flywheel.live.harness.HarnessRunner`: an external agent program
+against a per-episode OpenAI endpoint) with `run_episode`'s contract: same task, resume state, `on_turn`
 at every turn boundary on this side, one Trajectory back;
 out come `Batch` records (groups of `Trajectory`), in come `consumed(group ids, version)` calls, and
 `progress()` is the dict the loop checkpoints with the learner state and `resume` takes back.
@@ -142,11 +143,14 @@ class OrchestratorConfig(BaseModel):
 class EpisodeRunner(Protocol):
     """Plays one episode as `run_episode` does (with the Orchestrator's engine, tokenizer and pool
     when it runs here); `on_turn` is called in the caller's process at every turn boundary, and an
-    exception it raises stops the episode. May have `counts() -> dict[str, int]` (added to
-    `Orchestrator.counts`)."""
+    exception it raises stops the episode. Its state is what a resumed run continues from; None
+    where the episode cannot be resumed mid-way (an external harness program,
+    `flywheel.live.harness.HarnessRunner`, which also calls it while its program runs, so that a
+    shutdown stops it promptly): a killed run plays it again from its start. May have
+    `counts() -> dict[str, int]` (added to `Orchestrator.counts`)."""
 
     def __call__(self, task: Task, config: EpisodeConfig, group_id: str, resume: EpisodeState | None,
-                 on_turn: Callable[[EpisodeState], None], priority: int) -> Trajectory: ...
+                 on_turn: Callable[[EpisodeState | None], None], priority: int) -> Trajectory: ...
 
 
 class OrchestratorStalled(RuntimeError):
@@ -444,8 +448,9 @@ class Orchestrator:
     def _episode(self, group: _Group, index: int, state: EpisodeState | None) -> None:
         episode_id = f"{group.id}/{index}"
 
-        def saved(s: EpisodeState) -> None:
-            self.run.save_episode_state(episode_id, s)
+        def saved(s: EpisodeState | None) -> None:
+            if s is not None:
+                self.run.save_episode_state(episode_id, s)
             with self._cond:
                 group.running[index] = time.monotonic()
                 if self._closed:

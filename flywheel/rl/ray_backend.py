@@ -42,10 +42,13 @@ Faults:
   (`cluster.learner_restarts` times), the path a killed local run takes: groups consumed after the
   checkpoint are buffered again, in-flight episodes resume from run/inflight/.
 
-Sandbox fleet: each worker's pool (`FleetPool`) sizes itself from the resources Ray reports for its
-node (CPUs and memory; the log says how it chose); when it is full, acquires queue in arrival order
-instead of failing. `RayCluster.stats` reports per node: live and peak sandboxes, admission queue
-wait, sandboxes created per second.
+Sandbox fleet (`flywheel.rl.ray_fleet`): each node's sandboxes belong to one pool actor, sized from
+the resources Ray reports for the node (CPUs and memory; its log says how it chose), growing and
+shrinking its warm set with demand; when it is full, acquires queue in arrival order instead of
+failing. A pool actor that dies alone takes its workspaces with it; the episodes that held one play
+on from their last EpisodeState on the node's next pool (`resumed_episodes`). `RayCluster.stats`
+reports per node: live, peak and warm sandboxes, capacity, admission queue wait (p50, p99),
+sandboxes created per second, resumed episodes.
 
 What it does not cover:
 - A replacement placed outside the placement group (its node died) has no reserved bundle: it
@@ -82,13 +85,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flywheel.agent.episode import EpisodeConfig, EpisodeState, run_episode
 from flywheel.agent.trajectory import Trajectory
-from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.env.pool import PoolConfig
 from flywheel.env.task import Task
 from flywheel.model.engine import EngineConfig, Generation, SamplingParams
 from flywheel.rl.cluster import ClusterConfig, LearnerLost
 from flywheel.rl.learner import Advantage, Learner, LearnerConfig
 from flywheel.rl.ray_engine import DIED as _DIED
 from flywheel.rl.ray_engine import ActorHung, RayEngine, describe, start_engine_actor
+from flywheel.rl.ray_fleet import FleetClient
 
 
 class NoWorkersLeft(RuntimeError):
@@ -98,17 +102,6 @@ class NoWorkersLeft(RuntimeError):
 def ray_env() -> dict[str, str]:
     """The environment every Ray process of a run gets: no usage reporting."""
     return {"RAY_USAGE_STATS_ENABLED": "0"}
-
-
-def pool_size(config: ClusterConfig, pool: PoolConfig, cpus: float, memory_bytes: float) -> tuple[int, str]:
-    """How many sandboxes one node holds at once, and why (for the log)."""
-    by_cpu = int(cpus * config.sandboxes_per_cpu)
-    by_memory = int(memory_bytes * config.sandbox_memory_fraction / (pool.sandbox.disk_mb * 2**20))
-    size = max(1, min(by_cpu, by_memory, pool.max_active))
-    reason = (f"min({cpus:g} CPU × {config.sandboxes_per_cpu:g} = {by_cpu}, {memory_bytes / 2**30:.1f} GiB × "
-              f"{config.sandbox_memory_fraction:g} / {pool.sandbox.disk_mb} MB = {by_memory}, "
-              f"pool.max_active {pool.max_active})")
-    return size, reason
 
 
 class _Stop(Exception):
@@ -126,17 +119,15 @@ class RolloutWorker:
         context = ray.get_runtime_context()
         self.node_id = context.get_node_id()
         node = next(n for n in ray.nodes() if n["NodeID"] == self.node_id)
-        resources = node["Resources"]
-        size, reason = pool_size(cluster, pool, resources.get("CPU", 1.0), resources.get("memory", 2**30))
-        self.pool = SandboxPool(pool.model_copy(update={"max_active": size}))
-        self.sizing = f"{name} on node {self.node_id[:8]} ({node['NodeManagerAddress']}): {size} sandboxes = {reason}"
+        self.pool = FleetClient(pool, cluster)  # this node's sandbox pool actor (flywheel.rl.ray_fleet)
+        self.sizing = f"{name} on node {self.node_id[:8]} ({node['NodeManagerAddress']}): {self.pool.sizing}"
         print(self.sizing, flush=True)  # the sizing is the node's to state, in its own log too
         self._stopped: set[str] = set()
         self._lock = threading.Lock()
 
     def where(self) -> dict[str, Any]:
         return {"name": self.name, "node_id": self.node_id, "pid": os.getpid(), "sizing": self.sizing,
-                "actor_id": ray.get_runtime_context().get_actor_id(), "max_active": self.pool.config.max_active}
+                "actor_id": ray.get_runtime_context().get_actor_id(), "max_active": self.pool.capacity}
 
     def play(self, key: str, task: Task, config: EpisodeConfig, group_id: str, resume: EpisodeState | None,
              priority: int):
@@ -151,8 +142,11 @@ class RolloutWorker:
 
         def episode() -> None:
             try:
-                out.put(("done", run_episode(task, self.engine, self.tokenizer, self.pool, config, group_id=group_id,
-                                             resume=resume, on_turn=on_turn, priority=priority)))
+                out.put(("done", self.pool.play(  # resumed from its last state if the node's pool dies under it
+                    lambda pool, state, turn: run_episode(task, self.engine, self.tokenizer, pool, config,
+                                                          group_id=group_id, resume=state, on_turn=turn,
+                                                          priority=priority),
+                    resume, on_turn, f"episode {task.id} ({group_id})")))
             except _Stop:
                 out.put(("stopped", None))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the generator, so the driver sees it
@@ -197,10 +191,10 @@ class RolloutWorker:
             return time.perf_counter() - asked
 
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(self.pool.config.max_active) as threads:
+        with ThreadPoolExecutor(self.pool.capacity) as threads:
             waits = list(threads.map(lambda _: one(), range(n)))
         seconds = time.perf_counter() - t0
-        return {"sandboxes": n, "max_active": self.pool.config.max_active, "seconds": seconds,
+        return {"sandboxes": n, "max_active": self.pool.capacity, "seconds": seconds,
                 "created_per_s": n / seconds, "slowest_acquire_s": max(waits)}
 
     def close(self) -> None:
@@ -484,7 +478,11 @@ class RayRollouts:
                 continue
             rows[s["node_id"][:8]] = {"worker": s["name"], "live_sandboxes": s["active"], "peak": s["peak_active"],
                                       "queued": s["queued"], "queue_wait_ms_p99": s["queue_wait_ms_p99"],
-                                      "created_per_s": s["created"] / max(s["uptime_s"], 1e-9)}
+                                      "created_per_s": s["created"] / max(s["uptime_s"], 1e-9),
+                                      "capacity": s["capacity"], "warm": s["warm"],
+                                      "queue_wait_ms_p50": s["queue_wait_ms_p50"],
+                                      "created_per_s_recent": s["created_per_s_recent"],
+                                      "resumed_episodes": s["resumed_episodes"]}
         engines = {}
         with self._lock:
             live_engines = [self.engines[i] for i in sorted(self._engines_alive)]

@@ -6,8 +6,9 @@
 
 1. tasks: the training task set; the start checkpoint loaded twice, one copy for the Engine
    (sampling), one for the Learner
-2. rollouts: the Orchestrator runs G episodes per task in sandboxes while the loop learns, and
-   hands over a batch of B complete groups whose staleness is within the bound (`next_batch`)
+2. rollouts: the Orchestrator runs G episodes per task in sandboxes while the loop learns (the
+   built-in loop, or an external harness program: `rollout.harness`), and hands over a batch of
+   B complete groups whose staleness is within the bound (`next_batch`)
 3. advantages: group-relative, zero for episodes the sandbox or an abort spoiled
 4. Learner step: one policy update on the batch (version v -> v + 1)
 5. weights to the Engine, which swaps them in under the in-flight episodes; the Orchestrator is
@@ -35,8 +36,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -50,9 +52,27 @@ from flywheel.model.registry import Checkpoint, Registry
 from flywheel.rl.advantages import outcome_tied
 from flywheel.rl.cluster import ClusterConfig, LearnerLost, start_cluster
 from flywheel.rl.learner import Learner, LearnerConfig
-from flywheel.rl.orchestrator import Batch, Orchestrator, OrchestratorConfig
+from flywheel.rl.orchestrator import Batch, EpisodeRunner, Orchestrator, OrchestratorConfig
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.tracking import Tracker, TrackingConfig, eval_table
+
+
+class RolloutConfig(BaseModel):
+    """Who plays the training episodes. "builtin": flywheel's own loop (flywheel/agent/episode.py).
+    "mini-swe-agent": that third-party harness, unmodified, against a per-episode OpenAI endpoint
+    that records the exact tokens (flywheel/live/harness.py), with the same limits
+    (`orchestrator.episode`), admission, staleness bound and weight swaps. A harness costs a
+    program start per episode (6 s of CPU for litellm's imports, measured) and a process per
+    command; the held-out evals stay the built-in loop's, so they compare with every other run's."""
+
+    model_config = ConfigDict(extra="forbid")
+    harness: Literal["builtin", "mini-swe-agent"] = "builtin"
+
+
+# Builds the runner of harness episodes for `rollout.harness`: (harness name, engine, tokenizer,
+# pool, episode limits, folder for the harness's files) -> a context manager holding the runner.
+# The CLI passes `flywheel.live.harness.harness_runner`; rl/ may not import live/, which serves it.
+HarnessFactory = Callable[..., AbstractContextManager[EpisodeRunner]]
 
 
 class TrainConfig(BaseModel):
@@ -80,9 +100,13 @@ class TrainConfig(BaseModel):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # local (default) or Ray actors across nodes
     # Copies of metrics.jsonl / eval.jsonl to TensorBoard, W&B, MLflow (flywheel/rl/tracking.py); all off by default.
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
     @model_validator(mode="after")
     def _sampling_matches_learning(self) -> TrainConfig:
+        if self.rollout.harness != "builtin" and self.cluster.backend != "local":
+            raise ValueError(f"rollout.harness = {self.rollout.harness!r} runs its programs on this machine: set "
+                             "cluster.backend = 'local' (Ray rollout workers play the built-in loop only)")
         sampled = self.orchestrator.episode.temperature
         if sampled > 0 and self.learner.temperature != sampled:
             raise ValueError(f"episodes sample at temperature {sampled} but the learner scores at "
@@ -193,13 +217,27 @@ def resume(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Lear
     return orchestrator.resume(progress)
 
 
+def episode_runner(config: TrainConfig, cluster: Any, engine: Engine, tokenizer, pool: SandboxPool,
+                   harness: HarnessFactory | None) -> AbstractContextManager[EpisodeRunner | None]:
+    """Who plays the episodes: the cluster's runner (None: the Orchestrator's own threads), or the
+    `rollout.harness` program's, built by `harness`."""
+    if config.rollout.harness == "builtin":
+        return nullcontext(cluster.runner(engine))
+    if harness is None:
+        raise ValueError(f"rollout.harness = {config.rollout.harness!r} needs its runner: run `flywheel train`, or "
+                         "pass harness=flywheel.live.harness.harness_runner to train()")
+    return harness(config.rollout.harness, engine, tokenizer, pool, config.orchestrator.episode,
+                   config.run_dir / "harness")
+
+
 def train(config: TrainConfig, log: Callable[[str], None] = print,
-          start_report: Mapping[str, Any] | None = None) -> tuple[Checkpoint | None, dict[str, Any]]:
+          start_report: Mapping[str, Any] | None = None,
+          harness: HarnessFactory | None = None) -> tuple[Checkpoint | None, dict[str, Any]]:
     """`train_once`, restarted from the run's last checkpoint when a Ray learner actor dies
     (`cluster.learner_restarts` times): the resume path of a killed local run."""
     for restart in range(config.cluster.learner_restarts + 1):
         try:
-            return train_once(config, log, start_report)
+            return train_once(config, log, start_report, harness)
         except LearnerLost as exc:
             if restart == config.cluster.learner_restarts:
                 raise
@@ -208,10 +246,13 @@ def train(config: TrainConfig, log: Callable[[str], None] = print,
 
 
 def train_once(config: TrainConfig, log: Callable[[str], None] = print,
-               start_report: Mapping[str, Any] | None = None) -> tuple[Checkpoint | None, dict[str, Any]]:
+               start_report: Mapping[str, Any] | None = None,
+               harness: HarnessFactory | None = None) -> tuple[Checkpoint | None, dict[str, Any]]:
     """The RL loop (module docstring). `start_report`: the start checkpoint's held-out eval that the
     caller already played on these eval tasks (the demo passes the bootstrap's); it is recorded as the
-    eval at step 0 instead of being played again, so every run's eval.jsonl starts at its start."""
+    eval at step 0 instead of being played again, so every run's eval.jsonl starts at its start.
+    `harness`: what plays `rollout.harness` episodes (`HarnessFactory`); the held-out evals stay
+    the built-in loop's, so they compare with every other run's."""
     torch.set_num_threads(config.threads)
     start = time.perf_counter()
     config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -242,8 +283,9 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
             cluster.engine(engine_model, tokenizer, config.engine, config.pool, version=learner.version,
                            checkpoint=parent.path) as engine, \
             SandboxPool(config.pool) as pool, \
+            episode_runner(config, cluster, engine, tokenizer, pool, harness) as runner, \
             Orchestrator(orch_config, tasks, engine, tokenizer, pool, config.run_dir,
-                         version=lambda: learner.version, runner=cluster.runner(engine)) as orchestrator:
+                         version=lambda: learner.version, runner=runner) as orchestrator:
         if resume(orch_config, orchestrator, learner, engine, run):
             log(f"resumed {config.run_dir} at step {orchestrator.step} (policy {learner.version})")
         elif start_report is not None:

@@ -83,6 +83,7 @@ from flywheel.env.toolspec import ToolCall, validate_arguments
 from flywheel.live.records import EventType
 from flywheel.live.rewards import EDIT_TOOLS
 from flywheel.model.chat import SYSTEM_PROMPT, tool_schemas
+from flywheel.sim.orgs import HouseRules
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,26 @@ class UserProfile(BaseModel):
     # Background: seconds from the session's end to its outcome, uniform in [low, high] (simulated).
     outcome_delay_s: tuple[float, float] = (3600.0, 4 * 3600.0)
     org_id: str = ""  # the organization its requests name in metadata (a keyed deployment sets it by key)
+    # Users of an organization with its own conventions (flywheel/sim/orgs.py): every task they draw
+    # is rewritten into that codebase (`HouseRules.adapt`: its helper, logging call, test layout) and
+    # graded by its rules, and their requests name its org_id. Only bugfix tasks can be adapted, so
+    # such a profile's families are bugfix alone. A fixed workload (`tasks` of run_population) is
+    # taken as given, org id included.
+    house_rules: HouseRules | None = None
+
+    @model_validator(mode="after")
+    def _organization(self) -> UserProfile:
+        if self.house_rules is None:
+            return self
+        if self.org_id not in ("", self.house_rules.org_id):
+            raise ValueError(f"profile {self.name}: org_id {self.org_id!r} differs from its house_rules.org_id "
+                             f"{self.house_rules.org_id!r}; drop org_id (the house rules name the organization)")
+        other = sorted(f for f, w in self.families.items() if w > 0 and f != "bugfix")
+        if other:
+            raise ValueError(f"profile {self.name}: house rules adapt bugfix tasks only, but its families include "
+                             f"{other}; set families = {{bugfix = 1.0}}")
+        self.org_id = self.house_rules.org_id
+        return self
 
     @field_validator("families")
     @classmethod
@@ -485,8 +506,9 @@ class PlannedSession:
 def plan_sessions(population: Population, n_sessions: int, tasks: Sequence[Task] | None = None) -> list[PlannedSession]:
     """Who works on what in each session: a function of the seed only, not of thread timing.
 
-    Session i draws its user, then a family from that user's mix and a task of it; with `tasks`
-    given, session i works on tasks[i % len(tasks)] instead (a fixed workload)."""
+    Session i draws its user, then a family from that user's mix and a task of it (in the user's
+    organization's codebase when its profile has house rules); with `tasks` given, session i works
+    on tasks[i % len(tasks)] instead (a fixed workload)."""
     if n_sessions < 0:
         raise ValueError(f"n_sessions must be >= 0, got {n_sessions}")
     if tasks is not None and not tasks:
@@ -506,6 +528,8 @@ def plan_sessions(population: Population, n_sessions: int, tasks: Sequence[Task]
             families = [f for f, w in profile.families.items() if w > 0]
             family = rng.choices(families, weights=[profile.families[f] for f in families])[0]
             task = rng.choice(workload[family])
+            if profile.house_rules is not None:
+                task = profile.house_rules.adapt(task)  # the same bug, in the organization's codebase
         plan.append(PlannedSession(i, user, profile, task))
     return plan
 

@@ -30,9 +30,10 @@ apply them.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -40,6 +41,7 @@ from typing import Any, Literal, Protocol
 Synchronous = Literal["OFF", "NORMAL", "FULL", "EXTRA"]
 Dialect = Literal["sqlite", "postgresql"]
 VERSION_TABLE = "flywheel_schema"
+_SAVEPOINT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
 class RowRefused(Exception):
@@ -105,6 +107,25 @@ class Database(Protocol):
     def ddl(self, statement: str) -> str: ...
     def advisory_lock(self, name: str) -> None: ...
     def close(self) -> None: ...
+
+
+@contextmanager
+def savepoint(db: Database, name: str) -> Iterator[None]:
+    """A nested transaction inside the caller's: rolled back alone if the block raises, the caller's
+    transaction going on. One text for both engines: SQLite accepts PostgreSQL's `ROLLBACK TO
+    SAVEPOINT` / `RELEASE SAVEPOINT`. Each backend's `savepoint` method is this function."""
+    if not _SAVEPOINT_NAME.fullmatch(name):
+        raise ValueError(f"savepoint name {name!r} must match [a-z_][a-z0-9_]{{0,62}} (it is written into the SQL)")
+    db.execute(f"SAVEPOINT {name}")
+    try:
+        yield
+    except BaseException:
+        # After a refused row PostgreSQL's transaction is aborted; rolling back to the savepoint is
+        # the one statement it still accepts, and it makes the transaction usable again.
+        db.execute(f"ROLLBACK TO SAVEPOINT {name}")
+        db.execute(f"RELEASE SAVEPOINT {name}")
+        raise
+    db.execute(f"RELEASE SAVEPOINT {name}")
 
 
 @dataclass(frozen=True)

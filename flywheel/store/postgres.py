@@ -39,7 +39,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 
-from flywheel.store.database import IntegrityError, RowRefused, Synchronous, mask_password
+from flywheel.store.database import IntegrityError, RowRefused, Synchronous, mask_password, savepoint
 
 _ROW_ERRORS = (psycopg.DataError, UnicodeEncodeError, OverflowError)
 _SYNCHRONOUS_COMMIT = {"OFF": "off", "NORMAL": "off", "FULL": "on", "EXTRA": "on"}
@@ -112,16 +112,7 @@ class PostgresDatabase:
         finally:
             self._rollback()  # nothing was written
 
-    @contextmanager
-    def savepoint(self, name: str) -> Iterator[None]:
-        self._conn.execute(f"SAVEPOINT {name}")
-        try:
-            yield
-        except BaseException:
-            self._conn.execute(f"ROLLBACK TO SAVEPOINT {name}")
-            self._conn.execute(f"RELEASE SAVEPOINT {name}")
-            raise
-        self._conn.execute(f"RELEASE SAVEPOINT {name}")
+    savepoint = savepoint  # flywheel/store/database.py: one text for both engines
 
     def query(self, sql: str, args: Sequence[Any] = ()) -> list[PgRow]:
         with _row_errors():

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from flywheel.store.database import IntegrityError, RowRefused, Synchronous
+from flywheel.store.database import IntegrityError, RowRefused, Synchronous, savepoint
 
 # What one row's values can cause. Not OperationalError (disk full, I/O, locked): that is the
 # database failing, not the row, and callers must fail the whole operation.
@@ -68,17 +68,7 @@ class SqliteDatabase:
         finally:
             self._conn.execute("COMMIT")  # nothing was written: ends the read transaction
 
-    @contextmanager
-    def savepoint(self, name: str) -> Iterator[None]:
-        """A nested transaction inside the caller's: rolled back alone if the block raises."""
-        self._conn.execute(f"SAVEPOINT {name}")
-        try:
-            yield
-        except BaseException:
-            self._conn.execute(f"ROLLBACK TO {name}")
-            self._conn.execute(f"RELEASE {name}")
-            raise
-        self._conn.execute(f"RELEASE {name}")
+    savepoint = savepoint  # flywheel/store/database.py: one text for both engines
 
     def query(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
         with _row_errors():

@@ -69,7 +69,8 @@ class LiveWorld:
 
 
 @contextmanager
-def live_world(root: Path, users: bool = True, candidate_fraction: float = 0.5) -> Iterator[LiveWorld]:
+def live_world(root: Path, users: bool = True, candidate_fraction: float = 0.5,
+               population: Population = POPULATION) -> Iterator[LiveWorld]:
     """v0 served in this process (keys: KEY has every scope), simulated users running while inside."""
     make_registry(root / "registry").close()
     serve = ServeConfig(registry_root=root / "registry", run_dir=root / "live",
@@ -81,7 +82,7 @@ def live_world(root: Path, users: bool = True, candidate_fraction: float = 0.5) 
             if not users:
                 yield LiveWorld(server, running.url, serve.registry_root, serve, None)
                 return
-            with BackgroundUsers(running.url, KEY, POPULATION, POLICY.workload(), pool) as background:
+            with BackgroundUsers(running.url, KEY, population, POLICY.workload(), pool) as background:
                 yield LiveWorld(server, running.url, serve.registry_root, serve, background)
     finally:
         server.close()

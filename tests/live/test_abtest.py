@@ -134,3 +134,33 @@ def test_statistics_match_reference_values(name, got, want):
 def test_fisher_tails_rejects_counts_outside_their_group():
     with pytest.raises(ValueError, match="between 0 and their group's size"):
         fisher_tails(5, 4, 0, 4)
+
+
+@pytest.mark.parametrize("value", [0.1, 0.2, 0.7, -0.35, 0.45, 1 / 3, 1e6 / 7, 0.0])
+def test_identical_constant_arms_never_differ(value):
+    """Both arms' every value the same constant: their means differ in the last bit (0.1 summed 2
+    and 12 times), and Welch's zero-variance interval, e.g. [4.7e-18, 2.3e-17], once promoted."""
+    for n_production in range(2, 30):
+        for n_candidate in range(2, 30):
+            for name in ("reward", "latency"):
+                m = compare(name, [value] * n_production, [value] * n_candidate, 0.95)
+                assert m.verdict == "no_difference", (name, value, n_production, n_candidate, m.ci_low, m.ci_high)
+
+
+def test_a_real_difference_of_constant_arms_still_counts():
+    """The rounding guard hides only rounding: a difference of 1e-9 between constant arms is significant."""
+    assert compare("reward", [0.1] * 2, [0.1 + 1e-9] * 12, 0.95).verdict == "better"
+    assert compare("latency", [0.1] * 2, [0.1 + 1e-9] * 12, 0.95).verdict == "worse"
+
+
+def test_identical_zero_variance_arms_do_not_promote():
+    """Through analyze: every answer on both arms has the same reward (no edits, no feedback), in
+    arm sizes whose float means differ in the last bit; the candidate is rolled back, not promoted."""
+    completions = [Completion(id=f"{arm}-{i}", session_id=f"{arm}-{i}", user_id="u", version=1 if arm == "production"
+                              else 2, prompt_ids=[1], completion_ids=[2], logprobs=[-0.1], latency_ms=1000.0,
+                              arm=arm, created_at=float(i))
+                   for arm, n in (("production", 2), ("candidate", 12)) for i in range(n)]
+    rewards = RewardDistiller().distill(completions, [], NOW)
+    rewards = [r.model_copy(update={"reward": 0.1}) for r in rewards]
+    report = analyze(completions, rewards, ABConfig(min_per_arm=2, success_metrics=["reward"], guardrails=["latency"]))
+    assert report.metrics["reward"].verdict == "no_difference" and report.decision == "rollback", report.reason

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
-from cycle_world import KEY, POLICY, REPO, live_world, make_registry, start_checkpoint
-from tiny_serving import stored_completion
+from cycle_world import KEY, POLICY, POPULATION, REPO, live_world, make_registry, start_checkpoint
+from test_sessions import policy_sessions
+from tiny_serving import KEYS, stored_completion
+from tiny_serving import make_registry as tiny_registry
 
 from flywheel.agent.episode import EpisodeConfig
 from flywheel.config import ConfigError, load_config
@@ -31,6 +35,8 @@ from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import Contender, EvalBattery, Gate, GateConfig, NonInferiorityCheck
 from flywheel.live.records import CompletionToolCall, Event, EventType
 from flywheel.live.rewards import RewardConfig, RewardDistiller, RewardStatus
+from flywheel.live.server import DashboardConfig, LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.sessions import SessionMonitorConfig
 from flywheel.live.store import LiveStore
 from flywheel.model.chat import SYSTEM_PROMPT, tool_schemas
 from flywheel.model.engine import LocalEngine
@@ -291,3 +297,96 @@ def _toml(data: dict, prefix: str = "") -> str:
         name = f"{prefix}.{json.dumps(key)}" if prefix else json.dumps(key)
         lines.append(f"\n[{name}]\n" + _toml(value, name))
     return "\n".join(lines) + "\n"
+
+
+def test_the_cycle_report_and_the_dashboard_show_the_same_session_monitors(tmp_path):
+    """One window for both (`sessions.watch`): a candidate that declares "done" early on hard tasks
+    shows in the cycle's monitor series and in /dashboard's as the same session-level points, and
+    its critical done-without-edit alarm blocks its promotion in the cycle."""
+    hour, start = 3600.0, time.time() - 30 * 3600.0
+    rng = random.Random(0)
+    honest, honest_events = policy_sessions(0, "honest", 60, start, rng)
+    hacked, hacked_events = policy_sessions(1, "early_done", 60, start, rng)
+    tiny_registry(tmp_path / "registry").close()
+    store_path = tmp_path / "live" / "live.sqlite"
+    with LiveStore(store_path) as store:
+        for c in honest + hacked:
+            store.add_completion(c)
+        store.add_events(honest_events + hacked_events)
+    sessions = SessionMonitorConfig(window_s=48 * hour)
+    serve = ServeConfig(registry_root=tmp_path / "registry", run_dir=tmp_path / "live", keys=KEYS, threads=1,
+                        dashboard=DashboardConfig(horizon_s=48 * hour, session_monitor=sessions, refresh_s=0.5))
+    server = LiveServer.from_config(serve)
+    with serve_in_thread(server) as running:
+        r = httpx.get(f"{running.url}/dashboard/data", headers={"authorization": "Bearer admin-key"}, timeout=60)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        config = _cycle_config(tmp_path, store_path, tmp_path / "registry", session_monitor=sessions.model_dump(),
+                               monitor_lookback_s=48 * hour)
+        cycle = LiveCycle(config, ServerControl(server), log=lambda m: None)
+        state = CycleState(cycle=1, trigger="manual", started_at=time.time(), production=0, first_production=0,
+                           since=0.0, events_at_start=0, candidate=1)
+        with LiveStore(store_path) as store:
+            cycle._watch(state, store)
+    server.close()
+
+    def session_points(series) -> set[tuple]:
+        return {(p["metric"], p["version"], p["window_start"], p["n"], round(p["value"], 9)) for p in series
+                if p["metric"] in ("session_length", "turns_before_edit", "positive_outcome_rate",
+                                   "done_without_edit_rate")}
+
+    dashboard = reply["data"]["monitors"]
+    cycle_series = [p.model_dump() for p in state.monitor.series]
+    assert session_points(cycle_series) and session_points(dashboard["series"]) == session_points(cycle_series)
+    assert {p[0] for p in session_points(cycle_series)} == {"session_length", "turns_before_edit",
+                                                            "positive_outcome_rate", "done_without_edit_rate"}
+    assert "120 background sessions" in dashboard["source"]
+    blocking = {(a.metric, a.version) for a in state.blocking_alarms}
+    assert ("done_without_edit_rate", 1) in blocking
+    assert any(a["metric"] == "done_without_edit_rate" and a["version"] == 1 for a in dashboard["alarms"])
+
+
+
+def test_a_cycle_specializes_an_organization_on_its_own_traffic_and_decides_for_it_alone(tmp_path):
+    """Half the simulated users belong to acme (their requests name it): after the shared model's
+    decision the cycle trains acme's LoRA adapter on acme's on-policy completions only, gates it on
+    acme's battery and the general one, A/B tests it within acme's traffic through the server, and
+    promotes or rolls back acme alone; report.json records it."""
+    start_checkpoint()
+    acme_dev = POPULATION.profiles[0].model_copy(update={"name": "acme-dev", "org_id": "acme"})
+    population = POPULATION.model_copy(update={"profiles": [POPULATION.profiles[0], acme_dev]})
+    with live_world(tmp_path, population=population) as world:
+        config = _cycle_config(
+            tmp_path, world.serve.store_path, world.registry_root,
+            deploy={"candidate_fraction": 0.5, "max_wait_s": 180.0, "poll_s": 0.5, "promote_when": "gate"},
+            orgs={"enabled": True, "adapter": {"min_completions": 6, "rank": 4}, "candidate_fraction": 0.5},
+            ab={"min_per_arm": 6})
+        cycle = LiveCycle(config, ServerControl(world.server), log=lambda m: None, gate_tasks=POLICY.tasks(),
+                          org_gate_tasks={"acme": POLICY.tasks()})
+        (report,) = cycle.run(1)
+        acme_after = world.server.org_deployment("acme")
+        shared_after = world.server.deployment
+        store = world.server.store
+        acme_batch = [c for c in store.completions(version=0, start=report.batch["since"], end=report.batch["cutoff"])
+                      if c.org_id == "acme"]
+    acme = report.orgs["acme"]
+    assert list(report.orgs) == ["acme"] and acme.decision in ("promote", "rollback"), acme.reason
+    assert (acme.served_version, acme.base) == (0, 0) and 6 <= acme.completions <= len(acme_batch)
+    assert acme.train["optimizer_steps"] > 0 and acme.gate.passed, acme.reason
+    assert acme.org_gate.tasks == acme.general_gate.tasks == len(POLICY.tasks())
+    # The A/B test ran within acme's traffic: the base against the adapter, nobody else's answers.
+    assert acme.ab.versions == {"production": [0], "candidate": [acme.candidate]}
+    assert acme.ab.closed["production"] >= 6 and acme.ab.closed["candidate"] >= 6 or acme.ab.decision == "wait"
+    assert acme_after == acme.deployment_after
+    assert acme_after == (Deployment(production=acme.candidate) if acme.decision == "promote" else None)
+    assert shared_after == Deployment(production=report.production_after)  # the shared decision stands
+    with Registry(world.registry_root) as registry:
+        adapter = registry.get(acme.candidate)
+        assert (adapter.base, adapter.org_id, adapter.parent) == (0, "acme", 0)
+        if acme.decision == "promote":
+            assert registry.get("production-acme").version == acme.candidate
+        else:
+            with pytest.raises(CheckpointNotFound):
+                registry.get("production-acme")
+    saved = json.loads((tmp_path / "cycles" / "cycle-0001" / "report.json").read_text())
+    assert saved["orgs"]["acme"]["decision"] == acme.decision and "orgs_s" in report.timings

@@ -14,7 +14,7 @@ import torch
 from tiny_serving import TINY, corpus
 
 from flywheel.agent.episode import initial_prompt
-from flywheel.agent.trajectory import Status
+from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.env.families import generate
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.live.harness import HarnessConfig, HarnessServer, TokenLedger, run_harness_episode
@@ -204,6 +204,10 @@ def test_mini_swe_agent_with_the_embedded_model_yields_exact_records_the_learner
     mini_turns = json.loads((tmp_path / "mini.traj.json").read_text())["messages"]
     assert not any(m["role"] == "assistant" for m in mini_turns)  # it kept none of the answers
     assert result.breaks == len(result.completions) - 1 and any(m["role"] == "user" for m in mini_turns[2:])
+    # Three unparseable answers in a row end mini-swe-agent (RepeatedFormatError), as repeated invalid
+    # turns end a built-in episode: its status says so, and the workspace is graded all the same.
+    assert {t.status for t in result.trajectories} == {Status.TOOL_ERROR}
+    assert all(t.outcome is not None for t in result.trajectories)
     for completion in result.completions:
         traj = result.trajectories[completion["segment"]]
         n = len(completion["prompt_ids"])
@@ -268,3 +272,74 @@ def test_the_embedded_model_calls_its_own_tool_for_a_declared_alias_and_names_un
     assert "not among the tools this request declares" in undeclared["error"]
     (traj,) = result.trajectories
     assert result.breaks == 0 and traj.turns == 2 and traj.invalid_tool_calls == 1 and len(traj.broken_turns) == 1
+
+
+# ---- harness episodes in `flywheel train`
+
+
+@needs_mini
+def test_flywheel_train_plays_mini_swe_agent_episodes_under_the_staleness_bound(tmp_path):
+    """`rollout.harness = "mini-swe-agent"`: the Orchestrator admits, bounds and trains harness
+    episodes as it does built-in ones; their records are the exact tokens the engine sampled (the
+    Learner rescores the start policy's tokens to the engine's logprobs), every token keeps the
+    version that sampled it, and the episodes in flight at the end are stopped, not left running."""
+    from flywheel.cli import main  # noqa: PLC0415
+    from flywheel.env.families import task_set  # noqa: PLC0415
+    from flywheel.model.registry import Registry  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    tasks = task_set(["bugfix"], "train", 1, seed=100, difficulty=1)  # what `train` draws (train_tasks)
+    embedded = train_tokenizer([initial_prompt(t, with_tools=False) for t in tasks] * 10 + corpus(), vocab_size=600,
+                               tools_in_prompt=False)
+    with Registry(tmp_path / "registry") as registry:
+        registry.register(build_model(ModelConfig(**TINY, seed=0), embedded), embedded, parent=None,
+                          aliases=["production"])
+    config = tmp_path / "train.toml"
+    config.write_text(f'''
+registry_root = "{tmp_path / 'registry'}"
+run_dir = "{tmp_path / 'run'}"
+families = ["bugfix"]
+train_tasks_per_family = 1
+eval_tasks_per_family = 1
+eval_at_start = false
+threads = 1
+
+[rollout]
+harness = "mini-swe-agent"
+
+[orchestrator]
+group_size = 2
+groups_per_step = 1
+max_staleness = 1
+concurrency = 2
+max_steps = 1
+filter_zero_signal = false
+
+[orchestrator.episode]
+max_turns = 2
+max_tokens_per_turn = 12
+''')
+    assert main(["train", "--config", str(config)]) == 0
+    run = tmp_path / "run"
+    (step,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert step["policy_version"] == 1 and step["episodes_trained"] == 2 and step["harness_episodes"] >= 2
+    # Token in, token out: the Learner scores the start policy's tokens as the engine sampled them.
+    assert step["engine_logprob_mismatch_max"] < 1e-4
+    # Two groups were admitted at policy 0 (max_staleness 1): g1 played on while the Learner stepped.
+    groups = {json.loads(line)["group"]: json.loads(line)["version"]
+              for line in (run / "groups.jsonl").read_text().splitlines()}
+    assert groups["g0"] == groups["g1"] == 0
+    records = [json.loads(line) for line in (run / "trajectories.jsonl").read_text().splitlines()]
+    assert sorted(r["episode"] for r in records if r["episode"].startswith("g0/")) == ["g0/0", "g0/1"]
+    for record in records:
+        traj = Trajectory.model_validate(record["trajectory"])
+        assert traj.group_id == record["episode"].split("/")[0] and traj.generated_tokens > 0
+        versions = [v for v, m in zip(traj.versions, traj.loss_mask, strict=True) if m]
+        assert versions == sorted(versions) and versions[0] >= groups[traj.group_id]  # each keeps its sampler's
+        assert {v for v, m in zip(traj.versions, traj.loss_mask, strict=True) if not m} == {-1}
+        if traj.group_id == "g0":  # trained at step 1: sampled by policy 0 alone; out of its 2 steps
+            assert set(versions) == {0} and traj.status == Status.TRUNCATED and traj.outcome is not None
+    # Each episode's mini-swe-agent kept its own record in the run folder; the run stopped the ones
+    # still playing at its end (none saved a state to resume: a harness program restarts instead).
+    assert len(list((run / "harness").glob("g0-*/mini.traj.json"))) == 2
+    assert not list((run / "inflight").glob("*.json"))

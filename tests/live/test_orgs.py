@@ -4,12 +4,16 @@ organization, loaded back exactly, and gated on two batteries."""
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import openai
 import pytest
 import torch
 from tiny_serving import KEYS, make_registry
 
 from flywheel.live.batch import on_policy_batch
+from flywheel.live.cycle import HttpControl
 from flywheel.live.deploy import Deployment
 from flywheel.live.gate import GateDecision, GateResult, GateRun
 from flywheel.live.orgs import (
@@ -29,7 +33,7 @@ from flywheel.live.rewards import RewardDistiller
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.model.chat import SYSTEM_PROMPT
 from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
-from flywheel.model.registry import PRODUCTION
+from flywheel.model.registry import PRODUCTION, CheckpointNotFound
 from flywheel.rl.learner import LearnerConfig
 
 
@@ -146,23 +150,27 @@ def test_an_adapter_must_pass_both_its_organizations_battery_and_the_general_one
     assert not gate_decision(_run(pass_rate=False), _run(pass_rate=True)).passed
 
 
-def test_the_server_routes_each_org_to_its_adapters_ab_tests_within_it_and_rolls_it_back_alone(tmp_path):
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    registry = make_registry(tmp_path / "registry")
+def random_adapters(registry, org: str, seeds) -> list[int]:
+    """Distinct adapters of `org` on v0, one per seed (LoRA B starts at zero, so it gets random weights)."""
     base, tokenizer = registry.load(0)
-    config = OrgAdapterConfig(rank=4)
     versions = []
-    for seed in (1, 2):  # two distinct adapters: LoRA B starts at zero, so give it weights
-        adapter = lora_model(base, config)
+    for seed in seeds:
+        adapter = lora_model(base, OrgAdapterConfig(rank=4))
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in adapter.named_parameters():
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-        versions.append(register_adapter(registry, adapter, tokenizer, base=0, org_id="acme").version)
+        versions.append(register_adapter(registry, adapter, tokenizer, base=0, org_id=org).version)
+    return versions
+
+
+def test_the_server_routes_each_org_to_its_adapters_ab_tests_within_it_and_rolls_it_back_alone(tmp_path):
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    registry = make_registry(tmp_path / "registry")
+    a1, a2 = random_adapters(registry, "acme", (1, 2))
     registry.close()
-    a1, a2 = versions
     keys = {**KEYS, "acme-key": ["inference", "events"]}
     serve = ServeConfig(registry_root=tmp_path / "registry", run_dir=tmp_path / "live", keys=keys,
                         orgs={"acme-key": "acme"}, threads=1, candidate_fraction=0.0)
@@ -195,5 +203,89 @@ def test_the_server_routes_each_org_to_its_adapters_ab_tests_within_it_and_rolls
         server.set_org_deployment("acme", None)  # rolled back alone
         assert served(acme, "a-1") == (0, "production") and server.org_deployment("acme") is None
         with pytest.raises(ValueError, match="full checkpoint"):
-            server.set_org_deployment("acme", Deployment(production=1))
+            server.set_org_deployment("acme", Deployment(production=a1, candidate=1, candidate_fraction=0.5))
+        # The base against its first adapter, within the organization:
+        server.set_org_deployment("acme", Deployment(production=0, candidate=a1, candidate_fraction=0.5))
+        assert {served(acme, f"first-{i}") for i in range(12)} == {(0, "production"), (a1, "candidate")}
     server.close()
+
+
+def test_admin_endpoints_set_org_deployments_that_every_replica_follows(tmp_path, store_url):
+    """Two servers on one real store (SQLite file, then PostgreSQL), as replicas: an organization's
+    deployment set through one's admin endpoint is validated, moves that organization's Registry
+    aliases, and is served by the other, which also restores it when it starts after the change."""
+    torch.set_num_threads(1)
+    registry = make_registry(tmp_path / "registry")
+    a1, a2 = random_adapters(registry, "acme", (1, 2))
+    (g1,) = random_adapters(registry, "globex", (3,))
+    keys = {**KEYS, "acme-key": ["inference"]}
+
+    def replica(name: str) -> LiveServer:
+        return LiveServer.from_config(ServeConfig(
+            registry_root=tmp_path / "registry", run_dir=tmp_path / name, store_url=store_url, keys=keys,
+            orgs={"acme-key": "acme"}, threads=1, candidate_fraction=0.0, deployment_poll_s=0.1))
+
+    admin = {"authorization": "Bearer admin-key"}
+    url = "/v1/admin/orgs/acme/deployment"
+    ab = {"production": a1, "candidate": a2, "candidate_fraction": 0.5}
+    with replica("a") as a, serve_in_thread(a) as running_a, httpx.Client(base_url=running_a.url, timeout=60) as http:
+        assert http.get("/v1/admin/orgs").status_code == 401
+        assert http.get("/v1/admin/orgs", headers={"authorization": "Bearer inference-key"}).status_code == 403
+        assert http.put(url, json={"deployment": None}, headers={"authorization": "Bearer acme-key"}).status_code == 403
+        listed = http.get("/v1/admin/orgs", headers=admin).json()
+        assert listed["shared"]["production"] == 0
+        assert [(o["org_id"], o["deployment"], o["adapters"]) for o in listed["orgs"]] == [
+            ("acme", None, [a1, a2]), ("globex", None, [g1])]
+
+        for body, status, says in [
+            ({"deployment": {"production": g1}}, 400, "an adapter of 'globex'"),
+            ({"deployment": {"production": a1, "candidate": 1, "candidate_fraction": 0.5}}, 400, "a full checkpoint"),
+            ({"deployment": {"production": 999}}, 404, "999"),
+            ({"deployment": {"production": a1, "candidate": a1}}, 400, "both production and candidate"),
+            ({"deployment": {"production": a1}, "extra": 1}, 400, "extra"),
+            ({}, 400, "deployment"),
+        ]:
+            r = http.put(url, json=body, headers=admin)
+            assert r.status_code == status and says in r.json()["error"]["message"], (body, r.text)
+        r = http.put("/v1/admin/orgs/Acme Corp/deployment", json={"deployment": None}, headers=admin)
+        assert r.status_code == 400 and "organization id" in r.json()["error"]["message"]
+        assert a.org_deployment("acme") is None  # nothing refused changed anything
+
+        r = http.put(url, json={"deployment": ab}, headers=admin)
+        assert r.status_code == 200, r.text
+        assert r.json()["deployment"] == ab and r.json()["previous"] is None and r.json()["served_versions"] == [a1, a2]
+        assert http.get(url, headers=admin).json()["deployment"] == ab
+        assert (registry.get("production-acme").version, registry.get("candidate-acme").version) == (a1, a2)
+
+        # A replica started after the change serves it from the store; later changes it follows.
+        with replica("b") as b, serve_in_thread(b) as running_b:
+            def b_serves(wanted) -> None:
+                deadline = time.monotonic() + 30
+                while httpx.get(f"{running_b.url}{url}", headers=admin).json()["deployment"] != wanted:
+                    assert time.monotonic() < deadline, f"replica b did not follow to {wanted}"
+                    time.sleep(0.05)
+
+            b_serves(ab)
+            acme = openai.OpenAI(base_url=f"{running_b.url}/v1", api_key="acme-key", max_retries=0, timeout=60)
+            versions = set()
+            for i in range(12):
+                reply = acme.chat.completions.create(model="flywheel", max_tokens=1, extra_body={"session_id": f"s{i}"},
+                                                     messages=[{"role": "user", "content": "Fix the failing test."}])
+                versions.add(b.store.completion(reply.id).version)
+            assert versions == {a1, a2}  # the A/B split within acme's traffic, on replica b
+
+            # What `flywheel live` uses next to a server: the same endpoints.
+            control = HttpControl(running_a.url, "admin-key")
+            assert control.org_current("acme") == Deployment(**ab) and control.org_current("globex") is None
+            control.apply_org("acme", Deployment(production=a2), "cycle")
+            control.close()
+            b_serves({"production": a2, "candidate": None, "candidate_fraction": 0.0})
+            r = http.put(url, json={"deployment": None}, headers=admin)
+            assert r.status_code == 200 and r.json()["previous"]["production"] == a2
+            b_serves(None)
+            assert b.org_deployment("acme") is None
+        with pytest.raises(CheckpointNotFound):
+            registry.get("production-acme")
+        rows = a.store.latest_org_deployments()
+        assert rows["acme"]["production"] is None and rows["acme"]["note"] == "admin endpoint"
+    registry.close()

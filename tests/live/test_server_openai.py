@@ -17,6 +17,8 @@ from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.store import LiveStore
 from flywheel.model.chat import IM_END, SYSTEM_PROMPT, TOOL_CALL_OPEN, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
+from flywheel.model.engine import EngineConfig
+from flywheel.model.process_engine import ProcessEngine
 from flywheel.model.registry import Registry
 from flywheel.model.tokenizer import train_tokenizer
 
@@ -73,7 +75,7 @@ def test_the_same_seed_and_request_give_the_same_answer(live):
 
 
 @pytest.mark.parametrize("body", [{"frequency_penalty": 0.5}, {"presence_penalty": -1}, {"logit_bias": {"3": 5}},
-                                  {"top_logprobs": 3, "logprobs": True}, {"n": 17}, {"n": 2, "stream": True},
+                                  {"top_logprobs": 3, "logprobs": True}, {"n": 17},
                                   {"stop": ["a", "b", "c", "d", "e"]}])
 def test_unsupported_knobs_are_refused_with_a_400_that_names_them(live, body):
     _, http = live
@@ -190,3 +192,72 @@ def test_n_choices_are_a_group_each_stored_as_its_own_completion(live):
     assert reply["usage"]["completion_tokens"] == sum(len(s.completion_ids) for s in stored)
     assert len({tuple(s.completion_ids) for s in stored}) > 1  # seed + i: the group's samples differ
     assert [c["message"]["content"] for c in again["choices"]] == [c["message"]["content"] for c in choices]
+
+
+def stream_chunks(http: httpx.Client, **body) -> list[tuple[float, dict]]:
+    """(arrival time, chunk) of every server-sent chunk of a streamed chat request, [DONE] excluded."""
+    out = []
+    with http.stream("POST", "/v1/chat/completions", json={"model": "flywheel", "messages": MESSAGES,
+                                                           "stream": True, **body}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append((time.perf_counter(), json.loads(line[6:])))
+    return out
+
+
+def test_n_choices_stream_interleaved_by_index_each_stored_as_its_own_completion(live):
+    server, http = live
+    chunks = [c for _, c in stream_chunks(http, n=3, max_tokens=32, temperature=1.0, seed=9, logprobs=True,
+                                          stream_options={"include_usage": True})]
+    *choice_chunks, usage = chunks
+    assert usage["choices"] == [] and {c["id"] for c in chunks} == {chunks[0]["id"]}  # one response, one id
+    order = [c["choices"][0]["index"] for c in choice_chunks]
+    assert sorted(set(order)) == [0, 1, 2]
+    # Interleaved as sampled: a choice's content arrives before another has finished (the three are
+    # one engine batch), not choice after choice.
+    finish_at = {c["choices"][0]["index"]: i for i, c in enumerate(choice_chunks) if c["choices"][0]["finish_reason"]}
+    first_content = {}
+    for i, c in enumerate(choice_chunks):
+        if c["choices"][0]["delta"].get("content"):
+            first_content.setdefault(c["choices"][0]["index"], i)
+    assert any(first_content[b] < finish_at[a] for a in finish_at for b in first_content if a != b)
+    stored = {}
+    for index in range(3):
+        mine = [c["choices"][0] for c in choice_chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant" and mine[-1]["finish_reason"] in ("stop", "length")
+        (completion_id,) = {m["completion_id"] for m in mine}
+        stored[index] = server.store.completion(completion_id)
+        assert "".join(m["delta"].get("content") or "" for m in mine) == stored[index].content
+        lps = [t["logprob"] for m in mine if m["logprobs"] for t in m["logprobs"]["content"]]
+        assert lps == pytest.approx(stored[index].logprobs)
+    assert chunks[0]["id"] == stored[0].id and len({s.id for s in stored.values()}) == 3
+    assert usage["usage"]["completion_tokens"] == sum(len(s.completion_ids) for s in stored.values())
+    # The same group as the request answered whole: seed + i per choice, whether streamed or not.
+    whole = chat(http, n=3, max_tokens=32, temperature=1.0, seed=9).json()
+    assert [c["message"]["content"] for c in whole["choices"]] == [stored[i].content for i in range(3)]
+
+
+def test_a_model_served_in_its_own_process_streams_tokens_as_they_are_sampled(registry_root, tmp_path):
+    config = ServeConfig(registry_root=registry_root, run_dir=tmp_path, keys=KEYS, candidate_fraction=0.0,
+                         threads=1, engine=EngineConfig(separate_process=True))
+    server = LiveServer.from_config(config)
+    try:
+        lease = server.router.checkout("s")
+        server.router.release(lease)
+        assert isinstance(lease.engine, ProcessEngine)
+        with serve_in_thread(server) as running, httpx.Client(base_url=running.url, headers=AUTH, timeout=60) as http:
+            timed = stream_chunks(http, max_tokens=64, temperature=1.0, seed=7, logprobs=True)
+        chunks = [c for _, c in timed]
+        stored = server.store.completion(chunks[0]["id"])
+    finally:
+        server.close()
+    contents = [(t, c) for t, c in timed if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert len(contents) >= 2, "the answer arrived in one piece, not as it was sampled"
+    assert contents[-1][0] - contents[0][0] > 0  # spread over the generation
+    info = chunks[-1]["flywheel"]
+    assert 0 < info["ttft_ms"] < info["engine_ms"] + info["ttft_ms"]
+    assert "".join(c["choices"][0]["delta"]["content"] for _, c in contents) == stored.content
+    lps = [t["logprob"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+           for t in c["choices"][0]["logprobs"]["content"]]
+    assert lps == pytest.approx(stored.logprobs) and len(lps) == len(stored.completion_ids)

@@ -239,3 +239,62 @@ def test_the_reports_cycle_record_names_only_fields_the_cycle_writes():
     for record, written in pairs:
         own = set(record.model_fields) - set(written)
         assert not own, f"{record.__name__} has fields the cycle never writes: {own}"
+
+
+def chart_points(page: str, title: str) -> dict[str, list[float]]:
+    """The data-x of every point of the chart titled `title` (its aria-label), by series."""
+    chart = next(svg for svg in page.split("<svg")[1:] if f'aria-label="{title}' in svg)
+    dom = Elements("<svg" + chart.split("</svg>")[0])
+    points: dict[str, list[float]] = {}
+    for tag, attributes, _ in dom.found:
+        if tag == "circle" and "point" in attributes.get("class", ""):
+            points.setdefault(attributes["data-series"], []).append(float(attributes["data-x"]))
+    return points
+
+
+def test_the_start_checkpoint_is_the_first_point_of_the_training_plots(tmp_path):
+    """Step s trains on what the policy before it sampled, so the reward of the start's own samples is
+    drawn at step 0, where the start's held-out eval is: both charts describe the same policy at each x."""
+    page = render_report(write_training_run(tmp_path / "run", steps=6)).read_text()
+    reward = chart_points(page, "Training reward")
+    assert reward == {"run": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]}
+    held_out = chart_points(page, "Held-out pass rate")
+    assert all(xs[0] == 0.0 for xs in held_out.values()) and set(held_out) == {"all families", "bugfix", "implement"}
+
+
+def training_row(page: str) -> list[str]:
+    """The cells of the simulated-RL table's first row, as text."""
+    row = page.split('<section id="training">')[1].split("<tbody><tr>")[1].split("</tr>")[0]
+    return [re.sub(r"<[^>]+>", "", cell) for cell in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+
+
+def test_at_the_start_is_the_step_0_eval_or_says_there_was_none(tmp_path):
+    run = write_training_run(tmp_path / "run", steps=6)
+    assert training_row(render_report(run).read_text()) == ["run", "6", "0.2 [0.1, 0.3]", "0.5 [0.4, 0.6] (step 6)",
+                                                           "—"]
+    # a run whose first eval came after some training: that eval is not the start's pass rate
+    rows = (run / "eval.jsonl").read_text().splitlines()
+    (run / "eval.jsonl").write_text("\n".join(rows[1:]) + "\n")
+    assert training_row(render_report(run).read_text())[2:4] == ["not evaluated at step 0", "0.5 [0.4, 0.6] (step 6)"]
+
+
+def test_the_paired_change_of_a_finished_run_is_in_its_row(tmp_path):
+    run = write_training_run(tmp_path / "run", steps=6)
+    lift = {"before": 0.469, "after": 0.531, "diff": 0.0625, "ci": [0.01, 0.12], "tasks": 96, "gained": 9,
+            "lost": 3, "significant": True}
+    (run / "summary.json").write_text(json.dumps({"steps": 6, "lift": lift}))
+    assert training_row(render_report(run).read_text())[4] == "+0.062 [+0.010, +0.120], 9 gained / 3 lost of 96: " \
+                                                              "significant"
+    (run / "summary.json").write_text(json.dumps({"steps": 6, "lift": None}))  # no start eval: no change
+    data = build_report_data([run])
+    assert data["training"][0]["lift"] is None and data["problems"] == []
+    (run / "summary.json").write_text("[1, 2]")
+    assert "no readable lift" in build_report_data([run])["problems"][0]
+
+
+def test_versions_are_registry_versions_everywhere(demo_folder):
+    """"vN" is a Registry version; a simulated-RL run counts learner steps, never "policy versions"."""
+    page = render_report(demo_folder).read_text()
+    assert "policy version" not in page.lower()
+    assert re.findall(r"v\d+ → v\d+", page)  # the cycles' versions, as the Registry numbers them
+    assert "learner step (0: the start checkpoint)" in page

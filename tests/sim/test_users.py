@@ -34,6 +34,7 @@ from flywheel.live.store import LiveStore  # noqa: E402
 from flywheel.model.chat import IM_END  # noqa: E402
 from flywheel.model.engine import Generation, SamplingParams  # noqa: E402
 from flywheel.model.tokenizer import load_tokenizer  # noqa: E402
+from flywheel.sim.orgs import HouseRules, general_fix  # noqa: E402
 from flywheel.sim.users import (  # noqa: E402
     TESTS_FAIL,
     WORK_ALONE,
@@ -286,3 +287,44 @@ def test_a_population_is_planned_from_its_seed():
         UserProfile(name="x", families={"bugfx": 1.0})
     with pytest.raises(ValueError, match="unique"):
         Population(profiles=[UserProfile(name="x"), UserProfile(name="x")])
+
+
+def test_an_organizations_users_send_its_house_rule_tasks_and_a_general_fix_fails_them(registry_root, pool,
+                                                                                         tmp_path):
+    """A population with an organization (house rules) and general users: the organization's users
+    work on its codebase's tasks, name it in every request, and the general model's fix, which
+    passes the general users' tests, fails theirs (its logging rule)."""
+    acme = HouseRules(org_id="acme", helper="audit", call="record", tests_dir="checks")
+    population = Population(users=6, concurrency=3, tasks_per_family=4, max_tokens=512, profiles=[
+        UserProfile(name="general", patience=1, families={"bugfix": 1.0}),
+        UserProfile(name="acme-dev", patience=1, families={"bugfix": 1.0}, house_rules=acme)])
+    plan = plan_sessions(population, 10)
+    by_org = {p.profile.org_id for p in plan}
+    assert by_org == {"", "acme"}, "the seed should draw users of both kinds"
+    for p in plan:
+        org = p.profile.org_id == "acme"
+        assert p.task.id.startswith("acme/") == org and (p.task.metadata.extra.get("org_id") == "acme") == org
+    # What a general model writes: the logic fix alone, the same text for the same bug in either codebase.
+    answers = {p.task.instruction: "Fixing it." + calls(("edit_file", general_fix(p.task).model_dump()
+                                                         if p.profile.house_rules else p.task.reference_edits[0]
+                                                         .model_dump()), ("finish", {"summary": "fixed"})) + IM_END
+               for p in plan}
+    tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
+    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    engine = TaskScriptedEngine(tokenizer, answers)
+    server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
+                        LiveStore(config.store_path))
+    with server, serve_in_thread(server) as running:
+        stats = run_population(running.url, "admin-key", population, len(plan), pool)
+        completions = server.store.completions()
+    passed = {"acme": [], "": []}
+    for r in stats.session_results:
+        org = "acme" if r.task_id.startswith("acme/") else ""
+        passed[org].append(r.tests_passed)
+        assert {c.org_id for c in completions if c.session_id == r.session_id} == {org}
+    assert passed["acme"] and not any(passed["acme"])  # the house rule fails the general fix
+    assert passed[""] and all(passed[""])
+    with pytest.raises(ValueError, match="bugfix tasks only"):
+        UserProfile(name="x", house_rules=acme)
+    with pytest.raises(ValueError, match="differs from its house_rules"):
+        UserProfile(name="x", families={"bugfix": 1.0}, house_rules=acme, org_id="globex")

@@ -18,7 +18,15 @@ from flywheel.live.records import Completion, Event, EventType
 from flywheel.live.store import LIVE_SCHEMA, SCHEMA, Ingest, LiveStore
 from flywheel.model.registry import REGISTRY_SCHEMA, Registry
 from flywheel.model.registry import SCHEMA as REGISTRY_V1
-from flywheel.store.database import Schema, SchemaError, connect_url, ensure_schema, parse_url, schema_version
+from flywheel.store.database import (
+    IntegrityError,
+    Schema,
+    SchemaError,
+    connect_url,
+    ensure_schema,
+    parse_url,
+    schema_version,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -133,3 +141,24 @@ def test_two_replicas_store_each_retried_event_once(pg_url):
     assert replicas[0].count_events() == 20 * 200
     for replica in replicas:
         replica.close()
+
+
+def test_a_savepoint_rolls_back_alone_on_both_backends(store_url):
+    """One savepoint text for SQLite and PostgreSQL: a refused row inside it undoes only the block,
+    and the enclosing transaction commits the rest (PostgreSQL's aborted transaction is usable again)."""
+    db = connect_url(store_url, "FULL")
+    try:
+        with db.transaction():
+            db.execute(db.ddl("CREATE TABLE t (k TEXT PRIMARY KEY, v INTEGER NOT NULL)"))
+            db.execute("INSERT INTO t (k, v) VALUES (?, ?)", ("kept", 1))
+            with pytest.raises(IntegrityError), db.savepoint("row"):
+                db.execute("INSERT INTO t (k, v) VALUES (?, ?)", ("undone", 2))
+                db.execute("INSERT INTO t (k, v) VALUES (?, ?)", ("kept", 3))  # duplicate key: refused
+            with db.savepoint("row"):  # the same name again, after the rollback released it
+                db.execute("INSERT INTO t (k, v) VALUES (?, ?)", ("after", 4))
+        assert sorted((r[0], r[1]) for r in db.query("SELECT k, v FROM t")) == [("after", 4), ("kept", 1)]
+        with pytest.raises(ValueError, match="savepoint name"), db.transaction(), db.savepoint("x; DROP TABLE t"):
+            pass
+        assert db.has_table("t")
+    finally:
+        db.close()
