@@ -48,6 +48,16 @@ class ClusterConfig(BaseModel):
     worker_resources: dict[str, float] = Field(default_factory=dict)
     learner_resources: dict[str, float] = Field(default_factory=dict)
     episodes_per_worker: int = Field(16, ge=1)  # concurrent episodes one worker plays (its actor threads)
+    # Each worker's bundle also holds its node's inference engine, an EngineActor of its own
+    # (flywheel/rl/ray_engine.py), which asks for this much CPU.
+    engine_cpus: float = Field(0.3, gt=0)
+    # An engine that sends no token of a request (or no weight-update acknowledgement) for this long
+    # is named as hung. Below actor_timeout_s, so the engine is named, not the worker waiting on it;
+    # None: half of actor_timeout_s.
+    engine_timeout_s: float | None = Field(None, gt=0)
+    # How often an engine sends a request's new tokens to its worker. Shorter loses fewer tokens when
+    # an engine dies (they are sampled again elsewhere) at the cost of more store objects per request.
+    token_stream_s: float = Field(0.2, gt=0)
     # A worker that sends no turn (or no weight-update acknowledgement) for this long is named as
     # hung and the run stops with that error. Must exceed the slowest turn, queueing for a sandbox included.
     actor_timeout_s: float = Field(300.0, gt=0)
@@ -71,6 +81,12 @@ class ClusterConfig(BaseModel):
         if self.backend == "local" and self.address:
             raise ValueError(f"cluster.address={self.address!r} is for the Ray backend; set cluster.backend=\"ray\" "
                              "or leave the address empty")
+        if self.engine_timeout_s is None:
+            self.engine_timeout_s = self.actor_timeout_s / 2
+        if self.engine_timeout_s >= self.actor_timeout_s:
+            raise ValueError(f"cluster.engine_timeout_s={self.engine_timeout_s:g} must be below "
+                             f"cluster.actor_timeout_s={self.actor_timeout_s:g}, so that a hung engine is named "
+                             "before the worker that waits on it; lower it")
         return self
 
 

@@ -1,14 +1,16 @@
-"""The Ray backend of the training loop: rollout workers and the learner as actors across nodes.
+"""The Ray backend of the training loop: rollout workers, engines and the learner as actors across nodes.
 
     driver: rl/train.py (the same loop as local)             Ray cluster
     ┌──────────────────────────────────────────┐   placement group, one bundle per worker (SPREAD)
-    │ Orchestrator threads ── RayRollouts ─────┼──> RolloutWorker i: LocalEngine + FleetPool, ≤ episodes_per_worker
-    │   each episode: a streaming call; every  │<── ("turn", EpisodeState) ... ("done", Trajectory)
-    │   turn's state saved to run/inflight/    │
+    │ Orchestrator threads ── RayRollouts ─────┼──> RolloutWorker i: SandboxPool, ≤ episodes_per_worker,
+    │   each episode: a streaming call; every  │<──   RayEngine ──requests──> EngineActor i (same bundle)
+    │   turn's state saved to run/inflight/    │    ("turn", EpisodeState) ... ("done", Trajectory)
     │ learning_step:                           │   placement group of one bundle
     │   RemoteLearner.train_step ──────────────┼──> LearnerActor (Learner: weights, optimizer, version)
     │   RayRollouts.update_weights(ref, v) ────┼──> the actor's weights are one object in the store;
-    │   consumed(groups, v)                    │    every worker's engine loads them at a step boundary
+    │   consumed(groups, v)                    │    every engine loads them at a step boundary
+    │ watching: engines' `alive` calls, dead   │
+    │   workers' calls: start replacements     │
     └──────────────────────────────────────────┘
 
 What waits for what:
@@ -17,8 +19,9 @@ What waits for what:
   `actor_timeout_s`; the Orchestrator's `on_turn` runs here, on the driver, so run/inflight/ holds
   every remote episode's latest state exactly as a local run's.
 - A weight update is one object in the store (the learner actor's return value, put there once) and
-  one call per worker; the driver waits for every worker's acknowledgement at most `actor_timeout_s`.
-  Each engine swaps at its next step boundary, and every token keeps the version that sampled it.
+  one call per live engine (flywheel/rl/ray_engine.py); the driver waits for every engine's
+  acknowledgement at most `engine_timeout_s`. Each engine swaps at its next step boundary, and
+  every token keeps the version that sampled it.
 - The learner's step is one call, waited for at most `learner_timeout_s`.
 
 Faults:
@@ -26,8 +29,13 @@ Faults:
   `RayActorError`: each of its in-flight episodes continues from its last EpisodeState on the least
   loaded live worker (`failover_episodes` counts them; an episode that had not finished its first
   turn starts again there). The trajectory comes back once, from the worker that finished it, so
-  nothing is lost or trained twice. Dead workers are not replaced; when none is left the run stops
-  with an error that says so.
+  nothing is lost or trained twice. A new worker takes the dead one's place (`workers_replaced`):
+  in its bundle when its node lives, else on any live node with room; until it has started, the
+  others carry the load, and when none is left the run stops with an error that says so.
+- An engine that dies: its in-flight requests go to another engine as prompt + tokens so far
+  (`engine_resubmits`), the driver starts a new engine with the latest weights in its place
+  (`engine_restarts`) and hands it to every worker. An engine that sends no token within
+  `engine_timeout_s` is named (node, pid) in `ActorHung`.
 - A worker or learner that does not answer within its timeout is named (actor name, node, pid) in
   `ActorHung`; the Orchestrator turns that into `OrchestratorStalled`. Never a silent hang.
 - The learner actor's death raises `LearnerLost`; `train` restarts the run from its last checkpoint
@@ -43,13 +51,17 @@ reports per node: live, peak and warm sandboxes, capacity, admission queue wait 
 sandboxes created per second, resumed episodes.
 
 What it does not cover:
-- Dead workers are not replaced with new actors, so a long run loses capacity with every node lost.
+- A replacement placed outside the placement group (its node died) has no reserved bundle: it
+  takes whatever room a live node has, and waits `start_timeout_s` for it, then the run goes on without.
+- A worker's death is noticed by the calls it fails (its episodes): an idle dead worker is
+  replaced when the next episode is sent to it, which then fails over.
 - The driver (Orchestrator, run folder) is one process: its death is the local run's death (restart
   resumes), and the run folder must be on the driver's disk.
-- Engine requests of the held-out eval go to a worker's engine and fail, not fail over, if it dies.
+- Engine requests of the held-out eval go through a worker: they move to another engine if the
+  engine dies, but fail, not fail over, if the worker dies.
 - Weights travel through the object store, not a collective: fine for the tiny default (8 MB per
   update); a billion-parameter policy wants NCCL broadcast between learner and engines.
-- Workers rebuild the model from the driver's state dict; they do not read the Registry.
+- Engines rebuild the model from the driver's state dict; they do not read the Registry.
 """
 
 from __future__ import annotations
@@ -66,7 +78,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -75,16 +87,12 @@ from flywheel.agent.episode import EpisodeConfig, EpisodeState, run_episode
 from flywheel.agent.trajectory import Trajectory
 from flywheel.env.pool import PoolConfig
 from flywheel.env.task import Task
-from flywheel.model.engine import EngineConfig, Generation, LocalEngine, SamplingParams
+from flywheel.model.engine import EngineConfig, Generation, SamplingParams
 from flywheel.rl.cluster import ClusterConfig, LearnerLost
 from flywheel.rl.learner import Advantage, Learner, LearnerConfig
+from flywheel.rl.ray_engine import DIED as _DIED
+from flywheel.rl.ray_engine import ActorHung, RayEngine, describe, start_engine_actor
 from flywheel.rl.ray_fleet import FleetClient
-
-_DIED = (RayActorError, ObjectLostError)  # what a call to a dead actor (or to one on a dead node) raises
-
-
-class ActorHung(RuntimeError):
-    """An actor did not answer within its configured timeout; the message names it."""
 
 
 class NoWorkersLeft(RuntimeError):
@@ -103,17 +111,11 @@ class _Stop(Exception):
 class RolloutWorker:
     """One node's rollout capacity: an engine and a sandbox pool, playing episodes for the driver."""
 
-    def __init__(self, name: str, model_class: type, model_config: Any, state: Mapping[str, torch.Tensor],
-                 tokenizer: PreTrainedTokenizerBase, engine: EngineConfig, pool: PoolConfig, cluster: ClusterConfig,
-                 version: int, engine_factory: Callable[[PreTrainedTokenizerBase, int], Any] | None = None):
-        torch.set_num_threads(engine.threads or 1)
+    def __init__(self, name: str, engines: Sequence[Any], engine_where: Sequence[Mapping[str, Any]], home: int,
+                 tokenizer: PreTrainedTokenizerBase, pool: PoolConfig, cluster: ClusterConfig):
         self.name, self.tokenizer = name, tokenizer
-        if engine_factory is not None:  # another Engine (bench/ray_scale.py: a modeled accelerator)
-            self.engine = engine_factory(tokenizer, version)
-        else:
-            model = model_class(model_config)
-            model.load_state_dict(state, strict=True)
-            self.engine = LocalEngine(model.eval(), engine, version)
+        # its node's EngineActor (`home`), and the others while that one is dead (flywheel/rl/ray_engine.py)
+        self.engine = RayEngine(engines, engine_where, home, cluster)
         context = ray.get_runtime_context()
         self.node_id = context.get_node_id()
         node = next(n for n in ray.nodes() if n["NodeID"] == self.node_id)
@@ -173,12 +175,12 @@ class RolloutWorker:
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         return self.engine.submit(prompt_ids, params).result()
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, timeout_s: float) -> int:
-        self.engine.update_weights(weights, version, timeout_s=timeout_s)
-        return self.engine.version
+    def engine_ready(self, i: int, engine: Any, where: Mapping[str, Any]) -> None:
+        self.engine.engine_ready(i, engine, where)
 
     def stats(self) -> dict[str, Any]:
-        return {"name": self.name, "node_id": self.node_id, **self.pool.stats()}
+        return {"name": self.name, "node_id": self.node_id, "engine_resubmits": self.engine.resubmits,
+                **self.pool.stats()}
 
     def burst(self, n: int) -> dict[str, float]:
         """`n` sandboxes asked for at once through this node's pool (more than it holds queue, none
@@ -313,35 +315,41 @@ class RayRollouts:
                  engine: EngineConfig, pool: PoolConfig, version: int = 0, log: Callable[[str], None] = print,
                  engine_factory: Callable[[PreTrainedTokenizerBase, int], Any] | None = None):
         self.cluster, self._version, self.log = cluster, version, log
-        bundle = {"CPU": cluster.worker_cpus, **cluster.worker_resources}
+        # one bundle per worker: the worker and its node's engine
+        bundle = {"CPU": cluster.worker_cpus + cluster.engine_cpus, **cluster.worker_resources}
         self._pg = placement_group([bundle] * cluster.rollout_workers, strategy=cluster.placement,
                                    name="flywheel-rollouts")
         _ready(self._pg, f"{cluster.rollout_workers} rollout worker bundles ({cluster.placement})", bundle,
                cluster.start_timeout_s)
-        state = ray.put(_state_of(model))  # one copy in the store, whatever the number of workers
-        actor_class = ray.remote(RolloutWorker)
-        tag = uuid.uuid4().hex[:6]
-        self.workers = [
-            actor_class.options(
-                name=f"rollout-{i}-{tag}", num_cpus=cluster.worker_cpus, resources=cluster.worker_resources,
-                max_concurrency=cluster.episodes_per_worker + 8, max_restarts=0,  # + 8: updates, stats, generate
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
-            ).remote(f"rollout-{i}", type(model), model.config, state, tokenizer, engine, pool, cluster, version,
-                     engine_factory)
-            for i in range(cluster.rollout_workers)]
-        self.where: list[dict[str, Any]] = []
-        for i, worker in enumerate(self.workers):
-            try:
-                self.where.append(ray.get(worker.where.remote(), timeout=cluster.start_timeout_s))
-            except GetTimeoutError:
-                raise ActorHung(f"rollout worker {i} did not start within {cluster.start_timeout_s:.0f} s "
-                                "(cluster.start_timeout_s)") from None
-            log(f"rollout worker {self.where[-1]['sizing']}")
+        # the weights an engine started from now on loads, and their version: the start state, put in the
+        # store once whatever the number of engines, then each update's reference
+        self._latest = (ray.put(_state_of(model)), version)
+        self._engine_args = (type(model), model.config, engine, tokenizer, engine_factory)
+        self._worker_args = (tokenizer, pool)
+        self._tag = uuid.uuid4().hex[:6]
         self._lock = threading.Lock()
-        self._alive = set(range(len(self.workers)))
-        self._load = [0] * len(self.workers)
+        self._closing = False
+        self._counts = {"failover_episodes": 0, "engine_restarts": 0, "workers_replaced": 0}
+        self._resubmits: dict[str, int] = {}  # worker actor id -> its engine_resubmits, as last reported
+        n = cluster.rollout_workers
+        # engines and workers start together (each imports torch: most of the start-up); the workers
+        # learn where their engines are once those have started
+        self.engines = [self._start_engine(i, self._bundle(i)) for i in range(n)]
+        self.engine_where: list[dict[str, Any]] = [{"name": f"engine-{i}"} for i in range(n)]
+        self.workers = [self._start_worker(i, self._bundle(i)) for i in range(n)]
+        self.engine_where = [self._started(e, f"inference engine {i}") for i, e in enumerate(self.engines)]
+        self.where = [self._started(w, f"rollout worker {i}") for i, w in enumerate(self.workers)]
+        ray.get([w.engine_ready.remote(i, e, where) for w in self.workers
+                 for i, (e, where) in enumerate(zip(self.engines, self.engine_where, strict=True))],
+                timeout=cluster.start_timeout_s)
+        for w in self.where:
+            log(f"rollout worker {w['sizing']}")
+        self._alive = set(range(n))
+        self._engines_alive = set(range(n))
+        self._load = [0] * n
         self._next = 0
-        self._counts = {"failover_episodes": 0}
+        self._watch = {e.alive.remote(): i for i, e in enumerate(self.engines)}
+        threading.Thread(target=self._watch_engines, name="engine-watch", daemon=True).start()
 
     # ---- Engine ---------------------------------------------------------------------------------------
 
@@ -360,34 +368,44 @@ class RayRollouts:
 
     def update_weights(self, weights: Mapping[str, torch.Tensor] | ray.ObjectRef, version: int,
                        timeout_s: float = 60.0) -> None:
-        """Every live worker's engine swaps in `weights` (a reference: the learner's copy in the store;
-        a dict is put there once first) as `version`."""
+        """Every live engine swaps in `weights` (a reference: the learner's copy in the store; a dict
+        is put there once first) as `version`. Sent by the driver, not by the workers, so that an
+        engine whose worker is dead or not yet replaced keeps up too (other workers' requests go there)."""
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(dict(weights))
         with self._lock:
-            alive = sorted(self._alive)
-        if not alive:
-            raise NoWorkersLeft(f"no rollout worker is left to take the weights of policy {version}; restart the run "
-                                "on a cluster with live nodes (it resumes from its last checkpoint)")
-        calls = {self.workers[i].update_weights.remote(ref, version, timeout_s): i for i in alive}
-        timeout = max(timeout_s, self.cluster.actor_timeout_s)
+            if not self._alive:
+                raise NoWorkersLeft(f"no rollout worker is left to take the weights of policy {version}; restart the "
+                                    "run on a cluster with live nodes (it resumes from its last checkpoint)")
+            # an engine being replaced is not here: its replacement is brought to this version before it serves
+            engines = {i: self.engines[i] for i in sorted(self._engines_alive)}
+            self._latest = (ref, version)
+        calls = {engine.update_weights.remote(ref, version, timeout_s): i for i, engine in engines.items()}
+        timeout = max(timeout_s, self.cluster.engine_timeout_s)
         done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout)
         if pending:
-            raise ActorHung(f"{self._describe(calls[pending[0]])} did not apply the weights of policy {version} "
-                            f"within {timeout:.0f} s (or the learner actor did not produce them); inspect both "
-                            "(`ray stack`) or raise cluster.actor_timeout_s")
+            raise ActorHung(f"{describe(self.engine_where[calls[pending[0]]])} did not apply the weights of policy "
+                            f"{version} within {timeout:.0f} s (or the learner actor did not produce them); inspect "
+                            "both (`ray stack`) or raise cluster.engine_timeout_s")
         for ref_done in done:
+            i = calls[ref_done]
             try:
                 ray.get(ref_done)
             except _DIED as exc:
-                if not self._is_worker(calls[ref_done], exc):  # the weights' producer, the learner, died
+                if not (isinstance(exc, RayActorError) and not isinstance(exc, RayTaskError)
+                        and exc.actor_id in (None, self.engine_where[i]["actor_id"])):
                     raise LearnerLost(f"the weights of policy {version} were lost ({type(exc).__name__}: the learner "
                                       "actor or its node died); the run resumes from its last checkpoint") from exc
-                self._dead(calls[ref_done], exc)
-        self._version = version
+                with self._lock:  # the engine died: its watcher starts another, at the latest version
+                    if self.engines[i] is engines[i]:
+                        self._engines_alive.discard(i)
+        with self._lock:
+            self._version = version
 
     def close(self) -> None:
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
+        with self._lock:
+            self._closing = True  # deaths from here on are ours: nothing is replaced
+        for actor in self.workers + self.engines:
+            ray.kill(actor, no_restart=True)
         remove_placement_group(self._pg)
 
     # ---- the Orchestrator's runner ------------------------------------------------------------------
@@ -398,9 +416,9 @@ class RayRollouts:
         last state on another one."""
         state = resume
         while True:
-            i = self._acquire()
+            i, worker = self._acquire()
             key = uuid.uuid4().hex
-            stream = self.workers[i].play.remote(key, task, config, group_id, state, priority)
+            stream = worker.play.remote(key, task, config, group_id, state, priority)
             finished = False
             try:
                 while True:
@@ -411,6 +429,10 @@ class RayRollouts:
                                         "(`ray stack`, py-spy) or raise the timeout if its turns are that slow")
                     try:
                         kind, value = ray.get(next(stream))
+                    except RayTaskError as exc:
+                        if isinstance(exc.cause, ActorHung):  # the worker named its hung engine
+                            raise exc.cause from None
+                        raise
                     except StopIteration:
                         raise RuntimeError(f"{self._describe(i)} ended episode {task.id} without a result") from None
                     if kind == "done":
@@ -419,7 +441,7 @@ class RayRollouts:
                     state = value
                     on_turn(value)  # the driver saves it; raises if the run is closing
             except _DIED as exc:
-                self._dead(i, exc)
+                self._dead(i, exc, worker)
                 with self._lock:
                     self._counts["failover_episodes"] += 1
                 self.log(f"episode {task.id} ({group_id}) continues on another worker from turn "
@@ -427,11 +449,22 @@ class RayRollouts:
             finally:
                 self._release(i)
                 if not finished:
-                    self.workers[i].stop.remote(key)  # a dead worker drops it; a live one ends it at its next turn
+                    worker.stop.remote(key)  # a dead worker drops it; a live one ends it at its next turn
 
     def counts(self) -> dict[str, int]:
+        """Episodes failed over, engines restarted, workers replaced, and the engine requests the live
+        workers resubmitted (a dead worker's, as it last reported them)."""
         with self._lock:
-            return dict(self._counts)
+            live = [(self.where[i]["actor_id"], self.workers[i]) for i in sorted(self._alive)]
+        calls = {w.stats.remote(): actor_id for actor_id, w in live}
+        done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=5.0)  # a hung one keeps its last figure
+        for ref in done:
+            try:
+                self._resubmits[calls[ref]] = ray.get(ref)["engine_resubmits"]
+            except _DIED:
+                pass
+        with self._lock:
+            return {**self._counts, "engine_resubmits": sum(self._resubmits.values())}
 
     def stats(self) -> dict[str, Any]:
         """Per node: live and peak sandboxes, admission queue wait, creation rate; and the live workers."""
@@ -450,7 +483,16 @@ class RayRollouts:
                                       "queue_wait_ms_p50": s["queue_wait_ms_p50"],
                                       "created_per_s_recent": s["created_per_s_recent"],
                                       "resumed_episodes": s["resumed_episodes"]}
-        return {"live_workers": len(alive), "nodes": rows}
+        engines = {}
+        with self._lock:
+            live_engines = [self.engines[i] for i in sorted(self._engines_alive)]
+        for ref in [e.where.remote() for e in live_engines]:
+            try:
+                e = ray.get(ref, timeout=5.0)
+            except _DIED + (GetTimeoutError,):
+                continue
+            engines[e["name"]] = {"node": e["node_id"][:8], "version": e["version"]}
+        return {"live_workers": len(alive), "nodes": rows, "engines": engines}
 
     # ---- internals ------------------------------------------------------------------------------------
 
@@ -461,7 +503,7 @@ class RayRollouts:
                                     "with live nodes (it resumes from run/inflight/)")
             i = min(self._alive, key=lambda j: (self._load[j], j))
             self._load[i] += 1
-            return i
+            return i, self.workers[i]
 
     def _release(self, i: int) -> None:
         with self._lock:
@@ -470,18 +512,123 @@ class RayRollouts:
     def _is_worker(self, i: int, exc: BaseException) -> bool:
         """Whether `exc`, raised by a call to worker i, says that worker died (not an actor whose
         object the call took as an argument)."""
-        return isinstance(exc, RayActorError) and exc.actor_id in (None, self.where[i]["actor_id"])
+        return (isinstance(exc, RayActorError) and not isinstance(exc, RayTaskError)
+                and exc.actor_id in (None, self.where[i]["actor_id"]))
 
-    def _dead(self, i: int, exc: BaseException) -> None:
+    def _dead(self, i: int, exc: BaseException, worker: Any) -> None:
+        """Worker i (the actor `worker`, not a replacement started since) died: a new one takes its place."""
         with self._lock:
-            if i not in self._alive:
+            if i not in self._alive or self.workers[i] is not worker:
                 return
             self._alive.discard(i)
+            closing = self._closing
         self.log(f"{self._describe(i)} is gone ({type(exc).__name__}); {len(self._alive)} rollout workers left")
+        if not closing:
+            threading.Thread(target=self._replace_worker, args=(i,), name=f"replace-worker-{i}", daemon=True).start()
+
+    # ---- starting and replacing actors ----------------------------------------------------------------
+
+    def _bundle(self, i: int) -> dict[str, Any]:
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)}
+
+    def _placement(self, i: int, node_id: str) -> dict[str, Any]:
+        """Where a replacement of actor i goes: its bundle when its node lives (the actor alone died),
+        else any live node with room (the bundle of a dead node may never be placed again)."""
+        alive = any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+        return self._bundle(i) if alive else {"scheduling_strategy": "SPREAD"}
+
+    def _start_engine(self, i: int, options: dict[str, Any]) -> Any:
+        model_class, model_config, engine, tokenizer, engine_factory = self._engine_args
+        with self._lock:
+            weights, version = self._latest
+        return start_engine_actor(options, f"engine-{i}-{self._tag}-{uuid.uuid4().hex[:4]}", model_class,
+                                  model_config, weights, engine, version, tokenizer, engine_factory, self.cluster)
+
+    def _start_worker(self, i: int, options: dict[str, Any]) -> Any:
+        tokenizer, pool = self._worker_args
+        with self._lock:
+            engines, engine_where = list(self.engines), list(self.engine_where)
+        return ray.remote(RolloutWorker).options(
+            name=f"rollout-{i}-{self._tag}-{uuid.uuid4().hex[:4]}", num_cpus=self.cluster.worker_cpus,
+            resources=self.cluster.worker_resources, max_restarts=0,
+            max_concurrency=self.cluster.episodes_per_worker + 8, **options,  # + 8: updates, stats, generate
+        ).remote(f"rollout-{i}", engines, engine_where, i, tokenizer, pool, self.cluster)
+
+    def _started(self, actor: Any, what: str) -> dict[str, Any]:
+        try:
+            return ray.get(actor.where.remote(), timeout=self.cluster.start_timeout_s)
+        except GetTimeoutError:
+            raise ActorHung(f"{what} did not start within {self.cluster.start_timeout_s:.0f} s "
+                            "(cluster.start_timeout_s)") from None
+
+    def _replace_worker(self, i: int) -> None:
+        old = self.where[i]
+        try:
+            worker = self._start_worker(i, self._placement(i, old["node_id"]))
+            where = self._started(worker, f"the replacement of rollout worker {i}")
+        except Exception as exc:  # noqa: BLE001 - the run goes on with one worker fewer, and says so
+            self.log(f"rollout worker {i} could not be replaced ({exc}); {len(self._alive)} workers go on")
+            return
+        with self._lock:
+            if self._closing:
+                ray.kill(worker, no_restart=True)
+                return
+            self.workers[i], self.where[i] = worker, where
+            self._alive.add(i)
+            self._counts["workers_replaced"] += 1
+        self.log(f"rollout worker {where['sizing']} replaces {describe(old, 'rollout worker')}")
+
+    def _watch_engines(self) -> None:
+        """Every engine holds one `alive` call open; when it fails, the engine died: start another."""
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+                watched = list(self._watch)
+            ready, _ = ray.wait(watched, num_returns=1, timeout=1.0)
+            for ref in ready:
+                with self._lock:
+                    i = self._watch.pop(ref)
+                    if self._closing:
+                        return
+                try:
+                    ray.get(ref)
+                except _DIED:
+                    with self._lock:
+                        self._engines_alive.discard(i)
+                    threading.Thread(target=self._replace_engine, args=(i,), name=f"replace-engine-{i}",
+                                     daemon=True).start()
+
+    def _replace_engine(self, i: int) -> None:
+        old = self.engine_where[i]
+        self.log(f"{describe(old)} died; starting another")
+        try:
+            engine = self._start_engine(i, self._placement(i, old["node_id"]))
+            where = self._started(engine, f"the replacement of inference engine {i}")
+            while True:  # to the latest weights, then live for the next update (an update may go out meanwhile)
+                with self._lock:
+                    ref, version = self._latest
+                ray.get(engine.update_weights.remote(ref, version, 60.0), timeout=self.cluster.actor_timeout_s)
+                with self._lock:
+                    if self._closing:
+                        ray.kill(engine, no_restart=True)
+                        return
+                    if self._latest[1] != version:
+                        continue
+                    self.engines[i], self.engine_where[i] = engine, {**where, "version": version}
+                    self._engines_alive.add(i)
+                    self._watch[engine.alive.remote()] = i
+                    self._counts["engine_restarts"] += 1
+                    workers = [self.workers[j] for j in sorted(self._alive)]
+                    break
+            ray.get([w.engine_ready.remote(i, engine, where) for w in workers], timeout=self.cluster.actor_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the others serve its workers meanwhile, and the log says so
+            self.log(f"inference engine {i} could not be restarted ({type(exc).__name__}: {exc})")
+            return
+        self.log(f"{describe(where)} replaces {describe(old)} at policy {version}")
 
     def _describe(self, i: int) -> str:
-        w = self.where[i] if i < len(self.where) else {}
-        return f"rollout worker {w.get('name', i)} (node {w.get('node_id', '?')[:8]}, pid {w.get('pid', '?')})"
+        return describe(self.where[i] if i < len(self.where) else {"name": i}, "rollout worker")
 
 
 class RayCluster:
@@ -496,8 +643,10 @@ class RayCluster:
             if config.address:
                 ray.init(address=config.address, log_to_driver=True)
             else:
-                ray.init(num_cpus=config.num_cpus, object_store_memory=config.object_store_mb * 2**20,
-                         include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
+                # "local": a new cluster even where another one runs on this machine (ray.init() would join it)
+                ray.init(address="local", num_cpus=config.num_cpus,
+                         object_store_memory=config.object_store_mb * 2**20, include_dashboard=False,
+                         _node_ip_address="127.0.0.1", log_to_driver=True)
                 self._started = True
         nodes = [n for n in ray.nodes() if n["Alive"]]
         log(f"ray cluster: {len(nodes)} nodes, {ray.cluster_resources().get('CPU', 0):g} CPUs"

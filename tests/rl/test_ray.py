@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,15 +24,19 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from flywheel.agent.episode import initial_prompt, opening
+from flywheel.agent.episode import EpisodeConfig, initial_prompt, opening
 from flywheel.env.families import task_set
+from flywheel.env.pool import PoolConfig
 from flywheel.model.chat import IM_END
 from flywheel.model.conversation import ConversationEncoder
+from flywheel.model.engine import EngineConfig, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import Registry
 from flywheel.model.tokenizer import train_tokenizer
+from flywheel.rl.cluster import ClusterConfig
 from flywheel.rl.orchestrator import OrchestratorStalled
-from flywheel.rl.ray_backend import ActorHung
+from flywheel.rl.ray_backend import ActorHung, RayRollouts
+from flywheel.rl.ray_engine import RayEngine, start_engine_actor
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.sft import SFTConfig, train_sft
 from flywheel.rl.train import TrainConfig, train
@@ -160,9 +165,10 @@ def when_inflight(run_dir: Path, n: int, then, timeout_s: float = 120.0) -> thre
 
 def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_and_a_lost_node(
         cluster, registry_root, tmp_path):
-    """One run for both (each run starts its actors, 20-30 s on 2 shared cores): three rollout
-    workers, one per rollout node; one is killed, then another's node is removed; the last one
-    finishes the run. The records must be the local run's, and no episode lost or trained twice."""
+    """One run for all (each run starts its actors, 20-30 s on 2 shared cores): three rollout
+    workers, one per rollout node; one is killed, then the third's engine, then the second's node is
+    removed. The dead workers and engines are replaced while the others go on, every engine takes
+    every weight update, and the records must be the local run's, no episode lost or trained twice."""
     run_dir, logs, faults = tmp_path / "ray", [], []
 
     def kill_a_worker_then_a_node() -> None:
@@ -170,6 +176,8 @@ def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_an
         where = [ray.get(w.where.remote()) for w in workers]
         ray.kill(workers[0])
         faults.append(("killed", where[0]["name"]))
+        ray.kill(named_actors("engine-2-")[0])
+        faults.append(("killed the engine of", where[2]["name"]))
         time.sleep(1.0)  # the survivors take the killed worker's episodes, then lose another node
         node = next(n for n in cluster.list_all_nodes() if n.node_id == where[1]["node_id"])
         cluster.remove_node(node)
@@ -183,22 +191,29 @@ def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_an
         cluster.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=STORE, node_ip_address="127.0.0.1")
         cluster.wait_for_nodes()
     assert summary["steps"] == 5
-    assert [f[0] for f in faults] == ["killed", "removed node of"], faults
+    assert [f[0] for f in faults] == ["killed", "killed the engine of", "removed node of"], faults
     ray_metrics = check_run(run_dir, 5)
 
     # The workers sat one per rollout node (STRICT_SPREAD over the nodes offering `rollout`) and
     # sized their pools from their node: 1 CPU x 6 sandboxes per CPU.
-    sizing = [line for line in logs if line.startswith("rollout worker") and " sandboxes = " in line]
+    sizing = [line for line in logs if line.startswith("rollout worker") and " sandboxes = " in line
+              and " replaces " not in line]
     assert len(sizing) == 3 and all(": 6 sandboxes = min(1 CPU" in line for line in sizing), sizing
     assert len({line.split(" on node ")[1].split()[0] for line in sizing}) == 3
     fleet = rows(run_dir / "fleet.jsonl")
-    assert len(fleet) == 5 and fleet[-1]["live_workers"] == 1
+    assert len(fleet) == 5
     assert all(n["peak"] <= 6 and n["created_per_s"] > 0 for row in fleet for n in row["nodes"].values())
+    # Every live engine holds the policy of the step just taken: each update reached each engine,
+    # the replacements included (started with the latest weights, then kept up to date).
+    assert all(e["version"] == row["step"] for row in fleet for e in row["engines"].values()), fleet
 
     # Faults: the dead workers' in-flight episodes moved, some from a saved mid-episode state.
     moved = [line for line in logs if "continues on another worker from turn" in line]
     assert ray_metrics[-1]["failover_episodes"] == len(moved) >= 2, moved
     assert any(not line.split("from turn ")[1].startswith("0:") for line in moved), moved
+    # The killed engine's requests were finished by another engine (the records above hold them,
+    # each token with its version); replacements are tested on their own, below.
+    assert ray_metrics[-1]["engine_resubmits"] >= 1, ray_metrics[-1]
     _, progress = RunFolder(run_dir).load_state()
     by_group: dict[str, int] = {}
     for r in rows(run_dir / "trajectories.jsonl"):
@@ -212,7 +227,8 @@ def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_an
     assert set(ray_records[0]) == set(local_records[0])
     assert set(ray_records[0]["trajectory"]) == set(local_records[0]["trajectory"])
     assert set(local_metrics[0]) - set(ray_metrics[0]) == set()
-    assert set(ray_metrics[0]) - set(local_metrics[0]) == {"failover_episodes"}
+    assert set(ray_metrics[0]) - set(local_metrics[0]) == {"failover_episodes", "engine_restarts", "engine_resubmits",
+                                                           "workers_replaced"}
     turns = [t["trajectory"]["turns"] for t in ray_records]
     assert sum(turns) / len(turns) >= 2, turns  # the episodes really had turn boundaries to resume from
 
@@ -259,3 +275,113 @@ def test_a_hung_worker_is_named_within_the_timeout(cluster, registry_root, tmp_p
     pid, since = stopped[0]
     assert f"pid {pid}" in str(raised.value) and "rollout worker rollout-" in str(raised.value)
     assert detected - since < 4.0 + 30.0  # the timeout, plus closing the run
+
+
+def engine_pair(registry_root: Path, cluster_config: ClusterConfig, versions: tuple[int, int]):
+    """Two real EngineActors of the tiny policy on two rollout nodes (versions as given), and the
+    RayEngine a worker would use, with engine 0 as its home."""
+    model, tokenizer = Registry(registry_root).load("production")
+    engines = [start_engine_actor({"resources": {"rollout": 0.1}, "scheduling_strategy": "SPREAD"},
+                                  f"engine-test-{v}-{time.monotonic_ns()}", type(model), model.config,
+                                  ray.put(model.state_dict()), EngineConfig(threads=1), v, tokenizer, None,
+                                  cluster_config)
+               for v in versions]
+    where = ray.get([e.where.remote() for e in engines], timeout=120)
+    return engines, where, RayEngine(engines, where, 0, cluster_config)
+
+
+def test_a_killed_engine_s_request_continues_on_another_with_its_tokens_and_their_versions(cluster, registry_root):
+    """Engine 0 (policy 0) is killed once it has streamed some tokens of a long request; engine 1
+    (policy 7) finishes it from prompt + those tokens: the first tokens keep version 0 and their
+    logprobs, the rest are version 7, and the request is counted as resubmitted."""
+    config = ClusterConfig(backend="ray", rollout_workers=2, engine_cpus=0.1, token_stream_s=0.05,
+                           actor_timeout_s=60)
+    engines, where, engine = engine_pair(registry_root, config, (0, 7))
+    streamed: list[tuple[int, float]] = []
+    first = threading.Event()
+
+    def on_token(token: int, logprob: float) -> None:
+        streamed.append((token, logprob))
+        first.set()
+
+    try:
+        future = engine.submit([1, 2, 3], SamplingParams(temperature=1.0, max_tokens=400, on_token=on_token))
+        assert first.wait(60), "engine 0 streamed no token"
+        ray.kill(engines[0])
+        before = len(streamed)
+        gen = future.result(timeout=120)
+    finally:
+        engine.close()
+        for e in engines:
+            ray.kill(e)
+    assert len(gen.token_ids) == len(gen.logprobs) == len(gen.versions) == 400
+    assert gen.finish_reason == "length" and engine.resubmits == 1
+    kept = gen.versions.count(0)
+    assert before <= kept < 400 and gen.versions == [0] * kept + [7] * (400 - kept), gen.versions
+    assert [t for t, _ in streamed] == gen.token_ids  # each token reported once, in order
+    assert [lp for _, lp in streamed[:kept]] == gen.logprobs[:kept]
+    assert where[0]["node_id"] != where[1]["node_id"]
+
+
+def test_a_hung_engine_is_named_within_its_timeout(cluster, registry_root):
+    config = ClusterConfig(backend="ray", rollout_workers=2, engine_cpus=0.1, token_stream_s=0.05,
+                           actor_timeout_s=60, engine_timeout_s=3)
+    engines, where, engine = engine_pair(registry_root, config, (0, 0))
+    first = threading.Event()
+    try:
+        future = engine.submit([1, 2, 3], SamplingParams(max_tokens=400, on_token=lambda *_: first.set()))
+        assert first.wait(60), "engine 0 streamed no token"
+        os.kill(where[0]["pid"], signal.SIGSTOP)  # alive to Ray, answering nothing
+        since = time.monotonic()
+        try:
+            with pytest.raises(ActorHung) as raised:
+                future.result(timeout=60)
+            detected = time.monotonic()
+        finally:
+            os.kill(where[0]["pid"], signal.SIGCONT)
+    finally:
+        engine.close()
+        for e in engines:
+            ray.kill(e)
+    assert f"pid {where[0]['pid']}" in str(raised.value) and where[0]["node_id"][:8] in str(raised.value)
+    assert "cluster.engine_timeout_s" in str(raised.value)
+    assert 3.0 - 0.5 <= detected - since < 3.0 + 5.0
+
+
+def test_a_dead_worker_and_a_dead_engine_are_replaced_and_take_the_next_weights(cluster, registry_root):
+    """Two workers; worker 0 and engine 1 killed. The next episode fails over from worker 0, a new
+    worker takes its place and a new engine engine 1's, the fleet is whole again, and the next
+    weight update reaches both engines: episodes after it carry only the new version."""
+    model, tokenizer = Registry(registry_root).load("production")
+    config = ClusterConfig(backend="ray", rollout_workers=2, placement="STRICT_SPREAD", worker_cpus=0.2,
+                           engine_cpus=0.1, worker_resources={"rollout": 0.5}, actor_timeout_s=60)
+    task = task_set(["bugfix"], "train", 1, seed=100, difficulty=1)[0]
+    episode = EpisodeConfig(max_turns=2, max_tokens_per_turn=8)
+    logs: list[str] = []
+    rollouts = RayRollouts(config, model, tokenizer, EngineConfig(threads=1), PoolConfig(warm=0), 0, log=logs.append)
+    try:
+        old_worker, old_engine = rollouts.where[0], rollouts.engine_where[1]
+        ray.kill(rollouts.workers[0])
+        ray.kill(rollouts.engines[1])
+        first = rollouts(task, episode, "g0", None, lambda _: None, 0)  # worker 0 is the least loaded: it fails over
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            counts = rollouts.counts()
+            if counts["workers_replaced"] == 1 and counts["engine_restarts"] == 1:
+                break
+            time.sleep(0.5)
+        assert counts["failover_episodes"] == 1 and counts["workers_replaced"] == 1, (counts, logs)
+        assert counts["engine_restarts"] == 1, (counts, logs)
+        assert rollouts.where[0]["pid"] != old_worker["pid"] and rollouts.engine_where[1]["pid"] != old_engine["pid"]
+        rollouts.update_weights({k: v + 0.01 for k, v in model.state_dict().items()}, 1)
+        stats = rollouts.stats()
+        assert stats["live_workers"] == 2, stats
+        assert sorted(e["version"] for e in stats["engines"].values()) == [1, 1], stats
+        assert old_engine["name"] not in stats["engines"], stats
+        with ThreadPoolExecutor(2) as threads:  # one episode on each worker (the least loaded first)
+            after = list(threads.map(lambda g: rollouts(task, episode, g, None, lambda _: None, 0), ["g1", "g2"]))
+    finally:
+        rollouts.close()
+    assert set(first.versions[i] for i, m in enumerate(first.loss_mask) if m) == {0}
+    for t in after:
+        assert {v for v, m in zip(t.versions, t.loss_mask, strict=True) if m} == {1}
