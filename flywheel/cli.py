@@ -3,6 +3,7 @@
     flywheel tasks list   --family bugfix --split train [--n 10] [--difficulty 1]
     flywheel tasks show   bugfix/train/s0/d1/0
     flywheel tasks export --family implement --split eval --n 50 --out tasks.jsonl
+    flywheel tasks export --org acme --split eval --n 24 --out runs/batteries/acme.jsonl   (an org's battery)
     flywheel tasks build  --family mined --per-package 150   (then list / show / export --family mined)
     flywheel demo         [--config configs/demo.toml] [--set train.time_budget_s=60]
     flywheel bootstrap    [--config configs/bootstrap.toml] [--set sft.epochs=1]
@@ -27,11 +28,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flywheel.config import ConfigError, load_config, write_resolved
 from flywheel.env.families import FAMILIES, generate, get_task
 from flywheel.env.pool import SandboxPool
-from flywheel.env.task import SPLITS
+from flywheel.env.task import SPLITS, write_tasks
+
+if TYPE_CHECKING:
+    from flywheel.sim.orgs import HouseRules
 
 
 def _short(text: str, width: int) -> str:
@@ -71,15 +76,16 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     tasks = generate(args.family, args.split, args.n, seed=args.seed, difficulty=args.difficulty)
     if args.action == "export":
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("w") as f:
-            for task in tasks:
-                if args.format == "swebench":  # real-repository tasks as SWE-bench instances
-                    from flywheel.env.swebench import task_instance  # noqa: PLC0415
+        if args.org is not None:  # a simulated organization's battery: the same bugs in its codebase
+            rules = _house_rules(args.org, Path(args.population))
+            tasks = [rules.adapt(task) for task in tasks]
+        if args.format == "swebench":  # real-repository tasks as SWE-bench instances
+            from flywheel.env.swebench import task_instance, write_instances  # noqa: PLC0415
 
-                    f.write(task_instance(task).model_dump_json() + "\n")
-                else:
-                    f.write(task.model_dump_json() + "\n")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_instances(out, [task_instance(task) for task in tasks])
+        else:
+            write_tasks(out, tasks)
         print(f"wrote {len(tasks)} tasks to {out}")
         return 0
     print(f"{'id':<34} {'diff':>4} {'amb':>3}  instruction")
@@ -87,6 +93,18 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         amb = "yes" if task.metadata.ambiguous else ""
         print(f"{task.id:<34} {task.metadata.difficulty:>4} {amb:>3}  {_short(task.instruction, 80)}")
     return 0
+
+
+def _house_rules(org: str, population: Path) -> HouseRules:
+    """The house rules of the simulated organization `org`, from a population config's profiles."""
+    from flywheel.sim.users import Population  # noqa: PLC0415  (sim: only this option needs it)
+
+    profiles = load_config(Population, population).profiles
+    found = {p.house_rules.org_id: p.house_rules for p in profiles if p.house_rules is not None}
+    if org not in found:
+        raise ValueError(f"no profile of {population} has house_rules for organization {org!r} "
+                         f"(it has: {', '.join(sorted(found)) or 'none'}); pass --population with one that does")
+    return found[org]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -388,6 +406,10 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--out", default="tasks.jsonl", help="with `export`: the JSONL file to write")
     tasks.add_argument("--format", choices=["flywheel", "swebench"], default="flywheel",
                        help="with `export`: Task records, or SWE-bench instances (real-repository tasks)")
+    tasks.add_argument("--org", default=None, help="with `export`: a simulated organization's tasks (bugfix "
+                       "rewritten into its house rules, from --population): its eval battery, orgs.batteries.<org>")
+    tasks.add_argument("--population", default="configs/population.toml",
+                       help="with `export --org`: the population config whose profile holds the house rules")
     tasks.add_argument("--per-package", type=int, default=150, help="with `build`: validated mutants per package")
     tasks.add_argument("--workers", type=int, default=2, help="with `build`: mutants validated at once")
     tasks.set_defaults(func=cmd_tasks)

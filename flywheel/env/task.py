@@ -11,10 +11,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Iterable
 from importlib import resources
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 Split = Literal["train", "eval"]
 SPLITS: tuple[Split, ...] = ("train", "eval")
@@ -113,3 +115,33 @@ def split_of(key: str, eval_fraction: float = 0.2) -> Split:
     """Deterministic split from a content key, so one problem can never be in both splits."""
     bucket = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
     return "eval" if bucket < eval_fraction else "train"
+
+
+def write_tasks(path: Path, tasks: Iterable[Task]) -> int:
+    """Write `tasks` to `path` as JSON lines, one Task record a line (`flywheel tasks export`); returns
+    how many. `read_tasks` reads them back equal."""
+    lines = [task.model_dump_json() + "\n" for task in tasks]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(lines))
+    return len(lines)
+
+
+def read_tasks(path: Path) -> list[Task]:
+    """The Task records of a JSON-lines file (blank lines skipped). A missing file, a line that is no
+    Task, or a file with no task raises ValueError naming the file (and the line), so a bad battery
+    is refused before anything runs on it."""
+    if not path.is_file():
+        raise ValueError(f"no tasks file at {path}; write one with `flywheel tasks export --out {path}`")
+    tasks = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                tasks.append(Task.model_validate_json(line))
+            except ValidationError as exc:
+                reason = exc.errors()[0]
+                where = ".".join(str(part) for part in reason["loc"])
+                raise ValueError(f"{path}:{n} is not a Task record ({where + ': ' if where else ''}{reason['msg']}); "
+                                 "each line must be one task as `flywheel tasks export` writes it") from None
+    if not tasks:
+        raise ValueError(f"{path} holds no tasks; write some with `flywheel tasks export --out {path}`")
+    return tasks

@@ -37,7 +37,8 @@ organization that sent completions in the window [since, cutoff) gets its own sm
 trainable completions of the version that served it (its deployed adapter, else the base) are its
 on-policy batch; with `orgs.adapter.min_completions` of them its adapter trains (continuing the
 deployed one, or fresh on the base), is registered (base, org), and must pass the gate on both the
-organization's battery (`org_gate_tasks`) and the general one; then it is A/B tested against what
+organization's battery (`orgs.batteries`: a tasks file per organization, read before the first
+cycle; `org_gate_tasks` from Python) and the general one; then it is A/B tested against what
 served the organization, within its traffic only, and promoted (`Deployment(production=adapter)`
 for that organization) or rolled back (its deployment as before). `report.orgs` records each
 organization's decision, with a reason for those skipped (too little traffic, no battery). An
@@ -86,11 +87,11 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import httpx
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flywheel.config import merge_tables, read_toml
 from flywheel.env.pool import PoolConfig, SandboxPool
-from flywheel.env.task import Task
+from flywheel.env.task import Task, read_tasks
 from flywheel.live.abtest import ARMS, ABConfig, ABReport, analyze, compare, metric_samples
 from flywheel.live.batch import OnPolicyBatch, on_policy_batch
 from flywheel.live.deploy import PINNED, Deployment
@@ -99,6 +100,7 @@ from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorConfig
 from flywheel.live.orgs import (
     OrgAdapterConfig,
     OrgGateDecision,
+    check_org_id,
     gate_decision,
     load_adapted,
     merged,
@@ -196,6 +198,25 @@ class OrgLoopConfig(BaseModel):
     # Share of the organization's sessions its candidate adapter answers during its A/B test.
     candidate_fraction: float = Field(0.5, gt=0, lt=1)
     ab: ABConfig | None = None  # None: the shared A/B test's settings
+    # Each organization's eval battery: org id -> a JSON-lines file of Task records (`flywheel tasks
+    # export --org acme --split eval` writes one for a simulated organization). An organization
+    # without a battery is never specialized: its adapter could not be gated on its own tasks.
+    batteries: dict[str, Path] = Field(default_factory=dict)
+
+    @field_validator("batteries")
+    @classmethod
+    def _org_ids(cls, batteries: dict[str, Path]) -> dict[str, Path]:
+        for org in batteries:
+            check_org_id(org)
+        return batteries
+
+
+def org_batteries(config: OrgLoopConfig, given: dict[str, Sequence[Task]] | None = None) -> dict[str, list[Task]]:
+    """Each organization's battery: the tasks files of `config.batteries`, read (a missing file or a
+    malformed line raises, naming it), merged with the batteries `given` by a Python caller, which win."""
+    batteries = {org: read_tasks(path) for org, path in config.batteries.items()}
+    batteries.update({check_org_id(org): list(tasks) for org, tasks in (given or {}).items()})
+    return batteries
 
 
 class LiveConfig(BaseModel):
@@ -439,7 +460,8 @@ class LiveCycle:
                  gate_tasks: Sequence[Task] | None = None, clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], None] = time.sleep, org_gate_tasks: dict[str, Sequence[Task]] | None = None):
         """`gate_tasks` replaces the battery's tasks (a world whose tasks are no procedural family).
-        `org_gate_tasks`: each organization's own battery (its conventions' tasks); an organization
+        `org_gate_tasks`: each organization's own battery (its conventions' tasks), over those of
+        `orgs.batteries` (read here, so a bad file stops the cycle before it starts); an organization
         without one is not specialized (orgs.enabled).
         `clock` / `sleep` are what gathering reads the time with and waits with: a simulation whose
         store holds hours of timestamps passes its own, so no test sleeps for hours."""
@@ -448,7 +470,7 @@ class LiveCycle:
         self.control = control
         self.log = log
         self.gate_tasks = list(gate_tasks) if gate_tasks is not None else None
-        self.org_gate_tasks = {org: list(tasks) for org, tasks in (org_gate_tasks or {}).items()}
+        self.org_gate_tasks = org_batteries(config.orgs, org_gate_tasks)
         self.distiller = RewardDistiller(config.rewards)
         self.gate = Gate(config.gate)
         self.monitor = Monitor(config.monitor)
@@ -757,7 +779,7 @@ class LiveCycle:
                              f"orgs.adapter.min_completions is {cfg.adapter.min_completions}")
             return result
         if org not in self.org_gate_tasks:
-            result.reason = f"no eval battery for {org!r}: pass its tasks in org_gate_tasks to specialize it"
+            result.reason = f"no eval battery for {org!r}: set orgs.batteries.{org} to its tasks file to specialize it"
             return result
 
         # train: its current adapter continues (on-policy: it served the batch), else a fresh one
