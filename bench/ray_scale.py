@@ -58,6 +58,7 @@ from pathlib import Path  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 from async_rl import COSTS, ModeledLearner, ReplayEngine, StepCost, costs_from_file  # noqa: E402
+from fleet_sim import measure_memory  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from flywheel.agent.episode import initial_prompt  # noqa: E402
@@ -176,34 +177,13 @@ def scaled_run(n: int, model, tokenizer, tasks, costs: dict, learner_s: float, s
     return out
 
 
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
-
-
 def memory(n: int = 32) -> dict:
-    """Host memory per sandbox, idle (workspace held) and running a Python process."""
+    """Host memory per sandbox, idle (workspace held) and running a Python process: bench/fleet_sim.py's
+    measurement, the one the 100,000-sandbox figures rest on."""
     task = task_set(["bugfix"], "train", 1, seed=100, difficulty=1)[0]
-    before = mem_available()
-    with SandboxPool(PoolConfig(max_active=n, warm=0)) as pool:
-        boxes = [pool.acquire(task.files) for _ in range(n)]
-        time.sleep(0.5)
-        idle = (before - mem_available()) / n
-        samples: list[int] = []
-        threads = [threading.Thread(target=b.run, args=("python3 -c 'import time; time.sleep(3)'",)) for b in boxes]
-        for t in threads:
-            t.start()
-        for _ in range(4):
-            time.sleep(0.5)
-            samples.append(mem_available())
-        for t in threads:
-            t.join()
-        running = (before - min(samples)) / n
-        for b in boxes:
-            pool.release(b)
-    out = {"sandboxes": n, "idle_mb_per_sandbox": idle / 2**20, "running_python_mb_per_sandbox": running / 2**20,
+    measured = measure_memory(task.files, n)
+    out = {"sandboxes": n, "idle_mb_per_sandbox": measured["idle_mb"],
+           "running_python_mb_per_sandbox": measured["running_mb"],
            "workspace_kb": sum(len(v) for v in task.files.values()) / 1024}
     log(f"memory: {out}")
     return out
