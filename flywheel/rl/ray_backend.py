@@ -307,6 +307,13 @@ def _ready(pg: Any, what: str, bundle: Mapping[str, float], timeout_s: float) ->
                            "custom resources no node offers, or add nodes") from None
 
 
+def _died_itself(exc: BaseException, where: Mapping[str, Any]) -> bool:
+    """Whether `exc`, raised by a call to the actor `where` describes, says that actor died (not an
+    actor whose object the call took as an argument, such as the learner's weights)."""
+    return (isinstance(exc, RayActorError) and not isinstance(exc, RayTaskError)
+            and exc.actor_id in (None, where["actor_id"]))
+
+
 class RayRollouts:
     """The Engine interface (submit, update_weights, version, close) and the Orchestrator's episode
     runner over N RolloutWorker actors, placed with one placement group."""
@@ -391,8 +398,7 @@ class RayRollouts:
             try:
                 ray.get(ref_done)
             except _DIED as exc:
-                if not (isinstance(exc, RayActorError) and not isinstance(exc, RayTaskError)
-                        and exc.actor_id in (None, self.engine_where[i]["actor_id"])):
+                if not _died_itself(exc, self.engine_where[i]):
                     raise LearnerLost(f"the weights of policy {version} were lost ({type(exc).__name__}: the learner "
                                       "actor or its node died); the run resumes from its last checkpoint") from exc
                 with self._lock:  # the engine died: its watcher starts another, at the latest version
@@ -508,12 +514,6 @@ class RayRollouts:
     def _release(self, i: int) -> None:
         with self._lock:
             self._load[i] -= 1
-
-    def _is_worker(self, i: int, exc: BaseException) -> bool:
-        """Whether `exc`, raised by a call to worker i, says that worker died (not an actor whose
-        object the call took as an argument)."""
-        return (isinstance(exc, RayActorError) and not isinstance(exc, RayTaskError)
-                and exc.actor_id in (None, self.where[i]["actor_id"]))
 
     def _dead(self, i: int, exc: BaseException, worker: Any) -> None:
         """Worker i (the actor `worker`, not a replacement started since) died: a new one takes its place."""
