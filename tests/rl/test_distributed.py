@@ -36,6 +36,7 @@ from flywheel.agent.trajectory import Trajectory
 from flywheel.model.factory import load_pretrained
 from flywheel.model.registry import Registry
 from flywheel.rl.distributed import DistConfig
+from tests.rl.broken_call_policy import FIXTURE
 from tests.rl.dist_worker import metric_diffs
 
 pytestmark = pytest.mark.slow
@@ -197,41 +198,6 @@ ep = 2
 '''
 
 
-START = Path(__file__).with_name("fixtures") / "broken_call_policy"  # `make_start_policy`'s output, 216 KB
-
-
-def make_start_policy(folder: Path = START) -> None:
-    """The start checkpoint (an HF folder, committed: its SFT takes a minute on 2 shared cores):
-    tests/rl/test_train.py's recipe, a BPE vocabulary large enough that the prompt is 741 tokens.
-    After the brief SFT the policy opens an unclosed tool call (a penalty) in many of its episodes,
-    so groups have reward signal and steps move the weights. Regenerate with
-    `python -c "from tests.rl.test_distributed import make_start_policy; make_start_policy()"`."""
-    from flywheel.agent.episode import initial_prompt  # noqa: PLC0415
-    from flywheel.env.families import task_set  # noqa: PLC0415
-    from flywheel.model.chat import IM_END, TOOL_CALL_OPEN  # noqa: PLC0415
-    from flywheel.model.factory import ModelConfig, build_model  # noqa: PLC0415
-    from flywheel.model.tokenizer import train_tokenizer  # noqa: PLC0415
-    from flywheel.rl.sft import SFTConfig, train_sft  # noqa: PLC0415
-
-    torch.manual_seed(0)
-    tasks = task_set(["bugfix"], "train", 1, seed=100, difficulty=1)
-    ramble = "Let me think."
-    tokenizer = train_tokenizer([initial_prompt(t) + TOOL_CALL_OPEN + ramble for t in tasks] * 4, vocab_size=2000)
-    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
-    body = tokenizer(ramble + IM_END, add_special_tokens=False)["input_ids"]
-    examples = []
-    for task in tasks:
-        prompt = tokenizer(initial_prompt(task), add_special_tokens=False)["input_ids"]
-        broken = tokenizer.convert_tokens_to_ids([TOOL_CALL_OPEN]) + body
-        for completion in (broken, broken, body):  # 2:1, as there
-            examples.append((prompt + completion, [0] * len(prompt) + [1] * len(completion)))
-    train_sft(model, examples, SFTConfig(epochs=60, lr=1e-2, warmup_steps=1, batch_tokens=100_000),
-              tokenizer.pad_token_id)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-
-
 def launch_train(config: Path, nproc: int, *sets: str, cli: bool = False) -> subprocess.Popen:
     """`torchrun --nproc-per-node N -m flywheel train` (cli: `flywheel train --nproc N`, which spawns it)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -288,7 +254,7 @@ def test_flywheel_train_distributed_killed_and_resumed_under_another_mesh_equals
     from flywheel.rl.advantages import AdvantageConfig  # noqa: PLC0415
     from flywheel.rl.learner import Learner, LearnerConfig  # noqa: PLC0415
 
-    start, tokenizer = load_pretrained(START)
+    start, tokenizer = load_pretrained(FIXTURE)
     with Registry(tmp_path / "registry") as registry:
         registry.register(start, tokenizer, parent=None, aliases=["production"], note="the start policy")
     config = tmp_path / "train.toml"

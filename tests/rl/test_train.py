@@ -13,38 +13,18 @@ from __future__ import annotations
 
 import json
 
-import torch
-
-from flywheel.agent.episode import initial_prompt
 from flywheel.agent.evaluate import summarize
 from flywheel.cli import main
-from flywheel.env.families import task_set
-from flywheel.model.chat import IM_END, TOOL_CALL_OPEN
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import Registry
 from flywheel.model.tokenizer import train_tokenizer
-from flywheel.rl.sft import SFTConfig, train_sft
 from flywheel.rl.train import TrainConfig, eval_tasks, train
 from tests.agent.test_evaluate import episode
-
-RAMBLE = "Let me think."
+from tests.rl.broken_call_policy import broken_call_policy
 
 
 def test_train_on_a_tiny_budget_raises_mean_reward(tmp_path):
-    torch.manual_seed(0)
-    tasks = task_set(["bugfix"], "train", 1, seed=100, difficulty=1)  # what `train` will draw (train_tasks)
-    tokenizer = train_tokenizer([initial_prompt(t) + TOOL_CALL_OPEN + RAMBLE for t in tasks] * 4, vocab_size=300)
-    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
-    ramble = tokenizer(RAMBLE + IM_END, add_special_tokens=False)["input_ids"]
-    examples = []
-    for task in tasks:
-        prompt = tokenizer(initial_prompt(task), add_special_tokens=False)["input_ids"]
-        broken = tokenizer.convert_tokens_to_ids([TOOL_CALL_OPEN]) + ramble
-        for body in (broken, broken, ramble):  # 2:1, so that step 1's 16 episodes surely hold broken calls
-            examples.append((prompt + body, [0] * len(prompt) + [1] * len(body)))
-    train_sft(model, examples, SFTConfig(epochs=60, lr=1e-2, warmup_steps=1, batch_tokens=100_000),
-              tokenizer.pad_token_id)
+    model, tokenizer = broken_call_policy(vocab_size=300)
     with Registry(tmp_path / "registry") as registry:  # start at v1: registry and policy versions differ
         registry.register(model, tokenizer, parent=None, note="an earlier version, never trained from")
         registry.register(model, tokenizer, parent=0, aliases=["production"], note="random tiny policy")
