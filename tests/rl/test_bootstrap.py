@@ -27,3 +27,27 @@ def test_tiny_bootstrap_registers_a_policy_that_emits_valid_tool_calls(tmp_path:
     with Registry(registry) as reg:
         checkpoint = reg.get("production")
     assert checkpoint.version == 0 and checkpoint.metrics["eval_valid_tool_call_rate"] == report["valid_tool_call_rate"]
+
+
+def _tiny_bootstrap(root: Path) -> tuple[bytes, dict]:
+    """A bootstrap small enough to run twice in a test: demonstrations from real sandboxes, the
+    tokenizer, model init, SFT's batch order and the greedy eval all come from the config's seeds."""
+    from flywheel.env.pool import SandboxPool  # noqa: PLC0415
+    from flywheel.rl.bootstrap import BootstrapConfig, bootstrap  # noqa: PLC0415
+    from flywheel.rl.sft import SFTConfig  # noqa: PLC0415
+    from flywheel.sim.expert import bootstrap_demonstrations  # noqa: PLC0415
+
+    config = BootstrapConfig(train_tasks_per_family=8, eval_tasks_per_family=1, run_dir=root / "run",
+                             registry_root=root / "registry", sft=SFTConfig(steps=20, copy_weight=5.0))
+    with SandboxPool(config.pool) as pool:
+        demos = bootstrap_demonstrations(config, pool)
+    checkpoint = bootstrap(config, demos, log=lambda *_: None)
+    report = json.loads((config.run_dir / "eval.json").read_text())
+    return (Path(checkpoint.path) / "model.safetensors").read_bytes(), report["per_task"]
+
+
+def test_two_bootstraps_with_one_config_give_the_same_version_zero(tmp_path: Path):
+    """Version 0 is a function of its config: the demo's figures and headroom hold for every fresh run."""
+    first, second = _tiny_bootstrap(tmp_path / "a"), _tiny_bootstrap(tmp_path / "b")
+    assert first[0] == second[0], "two bootstraps of one config registered different weights"
+    assert first[1] == second[1], "the same weights played the held-out tasks differently"
