@@ -244,6 +244,7 @@ def run_mode(mode: str, orch_config: OrchestratorConfig, tasks, engine, learner,
             log(f"  {mode} step {m['step']}: {time.perf_counter() - t0:.1f} s, reward {m['reward_mean']:+.3f}, "
                 f"staleness ≤{m['staleness_max']}, waited {m['wait_s']:.1f} s")
         seconds = time.perf_counter() - t0
+        run.wait_for_state()
         orch.close()
         episodes = episode_tail(Path(run_dir) / "trajectories.jsonl")
     return {"seconds": seconds, "steps": len(history),

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flywheel.env.pool import PoolConfig
+from flywheel.extras import require
 from flywheel.model.engine import EngineConfig
 from flywheel.model.process_engine import start_engine
 from flywheel.rl.learner import Learner, LearnerConfig
@@ -120,6 +121,7 @@ def start_cluster(config: ClusterConfig, log: Any = print) -> Iterator[Any]:
     if config.backend == "local":
         yield LocalCluster()
         return
+    require("ray", 'cluster.backend = "ray"')
     from flywheel.rl.ray_backend import RayCluster  # noqa: PLC0415 - Ray is loaded only when asked for
 
     with RayCluster(config, log) as cluster:

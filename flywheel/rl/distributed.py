@@ -57,7 +57,7 @@ import argparse
 import json
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -455,6 +455,11 @@ class LeaderLearner:
             shutil.rmtree(stale, ignore_errors=True)
         return {"dcp": str(folder), "version": self.learner.version,
                 "mesh": self.learner.dist_config.model_dump(include={"dp_replicate", "dp_shard", "ep"})}
+
+    def snapshot(self) -> Callable[[], dict[str, Any]]:
+        """`state()` taken now (every rank writes its shards), for `RunFolder.save_state_later`."""
+        state = self.state()
+        return lambda: state
 
     def load_state(self, state: dict[str, Any]) -> None:
         if "dcp" not in state:

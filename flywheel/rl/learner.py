@@ -43,7 +43,7 @@ import copy
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -518,6 +518,12 @@ class Learner:
             "optimizer_steps": self.optimizer_steps,
             "skipped_steps": self.skipped_steps,
         }
+
+    def snapshot(self) -> Callable[[], dict[str, Any]]:
+        """`state()` as of now, to be read later (`RunFolder.save_state_later`). Taken here: the
+        next step changes the weights and moments this copies."""
+        state = self.state()
+        return lambda: state
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Resume from what `state()` returned: the model gets its weights, the optimizer its moments."""

@@ -302,10 +302,11 @@ class Orchestrator:
             counts[key] = self._resumed_runner_counts.get(key, 0) + n
         return counts
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self, counts: dict[str, int] | None = None) -> dict[str, Any]:
         """What a resume needs besides the learner (a plain dict for `RunFolder.save_state`): batches
-        consumed, groups started, which groups were consumed at which version, the counts."""
-        counts = self.counts()
+        consumed, groups started, which groups were consumed at which version, the counts (`counts()`
+        unless the caller just took them: on Ray it asks every worker)."""
+        counts = self.counts() if counts is None else counts
         with self._cond:
             return {"step": self.step, "next_group": self._next_group, "consumed": dict(self._consumed),
                     "counts": counts}

@@ -22,7 +22,9 @@ What waits for what:
   one call per live engine (flywheel/rl/ray_engine.py); the driver waits for every engine's
   acknowledgement at most `engine_timeout_s`. Each engine swaps at its next step boundary, and
   every token keeps the version that sampled it.
-- The learner's step is one call, waited for at most `learner_timeout_s`.
+- The learner's step is one call, waited for at most `learner_timeout_s`. A checkpoint's state is
+  one more call, queued behind the step: the run folder's writer thread fetches and writes it while
+  the next step runs, and the step's metrics line lands only after it (`RunFolder.save_state_later`).
 
 Faults:
 - A worker that dies (`ray.kill`, its node removed, its process killed) fails its calls with a
@@ -178,6 +180,10 @@ class RolloutWorker:
     def engine_ready(self, i: int, engine: Any, where: Mapping[str, Any]) -> None:
         self.engine.engine_ready(i, engine, where)
 
+    def resubmits(self) -> int:
+        """Engine requests this worker resubmitted to another engine (read here, no call to the pool)."""
+        return self.engine.resubmits
+
     def stats(self) -> dict[str, Any]:
         return {"name": self.name, "node_id": self.node_id, "engine_resubmits": self.engine.resubmits,
                 **self.pool.stats()}
@@ -281,6 +287,12 @@ class RemoteLearner:
 
     def state(self) -> dict[str, Any]:
         return self._get(self._actor.state.remote(), self.cluster.learner_timeout_s, "a checkpoint")
+
+    def snapshot(self) -> Callable[[], dict[str, Any]]:
+        """The actor's state as of now, fetched when called: the call is queued behind this step
+        and ahead of the next, so the snapshot is this step's, and the driver does not wait for it."""
+        ref = self._actor.state.remote()
+        return lambda: self._get(ref, self.cluster.learner_timeout_s, "a checkpoint")
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         self.version = self._get(self._actor.load_state.remote(dict(state)), self.cluster.learner_timeout_s,
@@ -462,11 +474,12 @@ class RayRollouts:
         workers resubmitted (a dead worker's, as it last reported them)."""
         with self._lock:
             live = [(self.where[i]["actor_id"], self.workers[i]) for i in sorted(self._alive)]
-        calls = {w.stats.remote(): actor_id for actor_id, w in live}
+        # one small call per live worker, all in flight at once (a worker's own counter: no pool call)
+        calls = {w.resubmits.remote(): actor_id for actor_id, w in live}
         done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=5.0)  # a hung one keeps its last figure
         for ref in done:
             try:
-                self._resubmits[calls[ref]] = ray.get(ref)["engine_resubmits"]
+                self._resubmits[calls[ref]] = ray.get(ref)
             except _DIED:
                 pass
         with self._lock:
@@ -476,11 +489,17 @@ class RayRollouts:
         """Per node: live and peak sandboxes, admission queue wait, creation rate; and the live workers."""
         with self._lock:
             alive = sorted(self._alive)
+            live_engines = [self.engines[i] for i in sorted(self._engines_alive)]
+        # every worker and engine asked at once, then waited for together: one round trip, not one each
+        worker_calls = [self.workers[i].stats.remote() for i in alive]
+        engine_calls = [e.where.remote() for e in live_engines]
+        ray.wait(worker_calls + engine_calls, num_returns=len(worker_calls) + len(engine_calls),
+                 timeout=self.cluster.actor_timeout_s)
         rows = {}
-        for i in alive:
+        for ref in worker_calls:
             try:
-                s = ray.get(self.workers[i].stats.remote(), timeout=self.cluster.actor_timeout_s)
-            except _DIED + (GetTimeoutError,):
+                s = ray.get(ref, timeout=0)
+            except _DIED + (GetTimeoutError,):  # dead, or hung: its row is missing this time
                 continue
             rows[s["node_id"][:8]] = {"worker": s["name"], "live_sandboxes": s["active"], "peak": s["peak_active"],
                                       "queued": s["queued"], "queue_wait_ms_p99": s["queue_wait_ms_p99"],
@@ -490,11 +509,9 @@ class RayRollouts:
                                       "created_per_s_recent": s["created_per_s_recent"],
                                       "resumed_episodes": s["resumed_episodes"]}
         engines = {}
-        with self._lock:
-            live_engines = [self.engines[i] for i in sorted(self._engines_alive)]
-        for ref in [e.where.remote() for e in live_engines]:
+        for ref in engine_calls:
             try:
-                e = ray.get(ref, timeout=5.0)
+                e = ray.get(ref, timeout=0)
             except _DIED + (GetTimeoutError,):
                 continue
             engines[e["name"]] = {"node": e["node_id"][:8], "version": e["version"]}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ class RunFolder:
         self.state = self.root / "state"
         self.inflight.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._saving: threading.Thread | None = None  # the save_state_later in progress
+        self._save_error: BaseException | None = None
 
     def append(self, name: str, record: dict[str, Any]) -> None:
         line = json.dumps(record, separators=(",", ":"))
@@ -83,6 +86,41 @@ class RunFolder:
         torch.save(learner_state, tmp / "learner.pt")
         (tmp / "progress.json").write_text(json.dumps(progress))  # fsynced by replace_folder
         replace_folder(tmp, self.state)
+
+    def save_state_later(self, snapshot: Callable[[], dict[str, Any]], progress: dict[str, Any],
+                         then: tuple[str, dict[str, Any]] | None = None) -> None:
+        """`save_state`, off the caller's path: `snapshot()` (the learner's state as of now, read
+        when called: `Learner.snapshot()`) and the write run on the run's writer thread while the
+        loop goes on, and `then` (a record: name, line) is appended once that state is on disk, as a
+        synchronous save followed by `append` would: a step's metrics line never lands before the
+        checkpoint it records, so a resume never finds a step it must train again. A failed save
+        drops what was queued behind it and is raised by the next call here or `wait_for_state`.
+        One save at a time: this waits for the previous one first. `progress` and `then` are
+        serialised here, before the caller changes them."""
+        self.wait_for_state()
+        text = json.dumps(progress)
+        line = None if then is None else (then[0], json.dumps(then[1], separators=(",", ":")))
+
+        def save() -> None:
+            try:
+                self.save_state(snapshot(), json.loads(text))
+                if line is not None:
+                    with self._lock:
+                        append_line(self.root / line[0], line[1])
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread by wait_for_state
+                self._save_error = exc
+
+        self._saving = threading.Thread(target=save, name="save-state", daemon=True)
+        self._saving.start()
+
+    def wait_for_state(self) -> None:
+        """Until the last `save_state_later` (and the record after it) is on disk; raises what it raised."""
+        if self._saving is not None:
+            self._saving.join()
+            self._saving = None
+        error, self._save_error = self._save_error, None
+        if error is not None:
+            raise error
 
     def load_state(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """(learner state, progress) of the last `save_state`, or None before the first."""

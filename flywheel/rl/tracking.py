@@ -34,6 +34,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from flywheel.extras import require
+
 
 class TrackingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -75,18 +77,20 @@ class Tracker:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         if config.tensorboard:
+            require("tensorboard", "[tracking] tensorboard = true")
             from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415  (only when selected: ~2 s)
 
             self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
             self._tb.add_text("config", f"```\n{json.dumps(params, indent=2)}\n```", 0)
         if config.wandb:
-            import wandb  # noqa: PLC0415
+            wandb = require("wandb", "[tracking] wandb = true")
 
             # Offline unless the user chose otherwise: writing a run needs no account or network.
             mode = os.environ.get("WANDB_MODE", "offline")
             self._wandb = wandb.init(project=config.project, name=name, dir=str(self.dir), config=params,
                                      mode=mode, reinit="finish_previous")
         if config.mlflow:
+            require("mlflow", "[tracking] mlflow = true")
             from mlflow.tracking import MlflowClient  # noqa: PLC0415  (only when selected: ~10 s to import)
 
             self._mlflow = MlflowClient(tracking_uri=mlflow_uri(self.dir))
@@ -127,7 +131,7 @@ class Tracker:
             self._tb.add_text(name, "\n".join(lines), step)
             self._tb.flush()
         if self._wandb is not None:
-            import wandb  # noqa: PLC0415
+            wandb = require("wandb", "[tracking] wandb = true")
 
             self._wandb.log({name: wandb.Table(columns=columns, data=data)}, step=step)
         if self._mlflow is not None:

@@ -174,13 +174,34 @@ def learning_step(config: OrchestratorConfig, orchestrator: Orchestrator, learne
     update_s = time.perf_counter() - t0
     orchestrator.consumed(batch.group_ids, learner.version)
 
-    if orchestrator.step % config.checkpoint_every == 0:
-        run.save_state(learner.state(), orchestrator.progress())
-    metrics.update(batch_metrics(batch, orchestrator.counts()))
+    counts = orchestrator.counts()
+    metrics.update(batch_metrics(batch, counts))
     metrics.update({"step": orchestrator.step, "policy_version": learner.version, "staleness_max": staleness,
                     "wait_s": wait_s, "train_s": train_s, "weight_update_s": update_s, "time": time.time()})
-    run.append("metrics.jsonl", metrics)
+    if orchestrator.step % config.checkpoint_every == 0:
+        # written while the next step runs, the metrics line after it (the previous save landed first)
+        run.save_state_later(snapshot(learner), orchestrator.progress(counts), then=("metrics.jsonl", metrics))
+    else:
+        run.wait_for_state()  # the lines stay in step order
+        run.append("metrics.jsonl", metrics)
     return metrics
+
+
+def snapshot(learner: Any) -> Callable[[], dict[str, Any]]:
+    """The learner's state as of now, read when called: its `snapshot()` (the Ray learner's is
+    fetched from the actor then), or for a learner without one, its `state()` taken now."""
+    if hasattr(learner, "snapshot"):
+        return learner.snapshot()
+    state = learner.state()
+    return lambda: state
+
+
+def wait_quietly(run: RunFolder) -> None:
+    """`run.wait_for_state()` on a path that is already raising: that error is the one to report."""
+    try:
+        run.wait_for_state()
+    except Exception:  # noqa: BLE001, S110 - the save's failure is the learner's, raised already
+        pass
 
 
 def batch_metrics(batch: Batch, counts: dict[str, int]) -> dict[str, Any]:
@@ -210,6 +231,7 @@ def learn(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Learn
         history.append(learning_step(config, orchestrator, learner, engine, run))
         if on_step is not None:
             on_step(history[-1])
+    run.wait_for_state()
     return history
 
 
@@ -320,18 +342,22 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
         log(f"training v{parent.version} on {len(tasks)} tasks: {orch_config.mode}, "
             f"G={orch_config.group_size} over {orch_config.tasks_per_group} task(s), B={orch_config.groups_per_step}, "
             f"max_staleness={orch_config.staleness_bound}")
-        while orchestrator.step < orch_config.max_steps:
-            if config.time_budget_s is not None and time.perf_counter() - start > config.time_budget_s:
-                log(f"time budget of {config.time_budget_s:.0f} s reached at step {orchestrator.step}")
-                break
-            step_metrics = learning_step(orch_config, orchestrator, learner, engine, run)
-            tracker.log(step_metrics, step_metrics["step"])
-            log(step_line(step_metrics))
-            if fleet := cluster.stats():  # Ray: live sandboxes, queue wait, creation rate per node
-                run.append("fleet.jsonl", {"step": orchestrator.step, **fleet})
-            if (config.eval_every and orchestrator.step % config.eval_every == 0
-                    and orchestrator.step < orch_config.max_steps):
-                record_eval(run_eval(config, engine, tokenizer, pool), orchestrator.step)
+        try:
+            while orchestrator.step < orch_config.max_steps:
+                if config.time_budget_s is not None and time.perf_counter() - start > config.time_budget_s:
+                    log(f"time budget of {config.time_budget_s:.0f} s reached at step {orchestrator.step}")
+                    break
+                step_metrics = learning_step(orch_config, orchestrator, learner, engine, run)
+                tracker.log(step_metrics, step_metrics["step"])
+                log(step_line(step_metrics))
+                if fleet := cluster.stats():  # Ray: live sandboxes, queue wait, creation rate per node
+                    run.append("fleet.jsonl", {"step": orchestrator.step, **fleet})
+                if (config.eval_every and orchestrator.step % config.eval_every == 0
+                        and orchestrator.step < orch_config.max_steps):
+                    record_eval(run_eval(config, engine, tokenizer, pool), orchestrator.step)
+            run.wait_for_state()  # the last checkpoint is on disk (raises if it failed: LearnerLost restarts)
+        finally:
+            wait_quietly(run)  # a run that failed still lets its save finish before the learner goes
         orchestrator.close()  # in-flight episodes stop at a turn boundary, saved for a resume
         final = run_eval(config, engine, tokenizer, pool)
         record_eval(final, orchestrator.step)

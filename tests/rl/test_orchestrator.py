@@ -115,7 +115,7 @@ FAKES = textwrap.dedent('''
             return {}
 
         def state(self):
-            return {"version": self.version, "batches": self.batches}
+            return {"version": self.version, "batches": list(self.batches)}  # a copy: saved while training goes on
 
         def load_state(self, state):
             self.version, self.batches = state["version"], list(state["batches"])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 
+import pytest
 import torch
 
 from flywheel.agent.episode import EpisodeState
@@ -32,6 +34,41 @@ def test_state_saves_learner_and_progress_together_and_survives_a_crash_between_
     assert progress["step"] == 2
     run.save_state({"weights": torch.zeros(3)}, {"step": 3, "consumed": {}})  # the next save puts it right
     assert run.load_state()[1]["step"] == 3 and not (tmp_path / "state.old").exists()
+
+
+def test_a_later_save_lands_off_the_callers_path_and_its_record_only_after_it(tmp_path):
+    run, release = RunFolder(tmp_path), threading.Event()
+
+    def slow_snapshot():
+        release.wait(timeout=30)
+        return {"weights": torch.ones(2)}
+
+    progress, metrics = {"step": 1}, {"step": 1, "reward": 0.5}
+    run.save_state_later(slow_snapshot, progress, then=("metrics.jsonl", metrics))
+    progress["step"], metrics["step"] = 99, 99  # the caller goes on: what was queued is what it was
+    assert run.load_state() is None and run.read("metrics.jsonl") == []  # nothing before the state lands
+    release.set()
+    run.wait_for_state()
+    learner, saved = run.load_state()
+    assert saved == {"step": 1} and torch.equal(learner["weights"], torch.ones(2))
+    assert run.read("metrics.jsonl") == [{"step": 1, "reward": 0.5}]
+
+
+def test_a_failed_later_save_drops_its_record_and_is_raised_not_swallowed(tmp_path):
+    run = RunFolder(tmp_path)
+    run.save_state({"weights": torch.zeros(1)}, {"step": 1})
+
+    def lost():
+        raise RuntimeError("the learner actor died")
+
+    run.save_state_later(lost, {"step": 2}, then=("metrics.jsonl", {"step": 2}))
+    with pytest.raises(RuntimeError, match="actor died"):
+        run.wait_for_state()
+    assert run.load_state()[1] == {"step": 1} and run.read("metrics.jsonl") == []  # the resume redoes step 2
+    run.wait_for_state()  # raised once
+    run.save_state_later(lost, {"step": 2})
+    with pytest.raises(RuntimeError):  # the next save raises the previous one's failure before queueing
+        run.save_state_later(lambda: {"weights": torch.ones(1)}, {"step": 3})
 
 
 def test_episode_states_round_trip_by_episode_id(tmp_path):
