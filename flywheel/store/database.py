@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from flywheel.extras import require
+
 Synchronous = Literal["OFF", "NORMAL", "FULL", "EXTRA"]
 Dialect = Literal["sqlite", "postgresql"]
 VERSION_TABLE = "flywheel_schema"
@@ -166,6 +168,7 @@ def connect_url(url: str | Path, synchronous: Synchronous = "NORMAL") -> Databas
     """A connection to the database at `url`, no schema applied (`open_database` applies one)."""
     parsed = parse_url(url)
     if parsed.dialect == "postgresql":
+        require("psycopg", "a postgresql:// database")
         from flywheel.store.postgres import PostgresDatabase  # noqa: PLC0415  (psycopg only where it is used)
 
         return PostgresDatabase(parsed.target, synchronous=synchronous)
