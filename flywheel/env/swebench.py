@@ -30,6 +30,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flywheel.env.families.workspace import workspace_edits
+from flywheel.env.jsonl import read_records
 from flywheel.env.repos import PYTEST_ENV, git_snapshot, sdist_files, write_tree
 from flywheel.env.task import Split, Task, TaskMetadata, split_of
 
@@ -56,14 +57,10 @@ class Instance(BaseModel):
 
 
 def read_instances(path: Path) -> list[Instance]:
-    instances = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                instances.append(Instance.model_validate_json(line))
-            except ValueError as exc:
-                raise ValueError(f"{path}:{n} is not a SWE-bench instance: {exc}") from exc
-    return instances
+    """The instances of a JSON-lines file; a missing file, a bad line or an empty file is refused
+    as `read_tasks` refuses one, naming the file, the line and the field."""
+    return read_records(path, Instance, what="SWE-bench instance", plural="instances",
+                        command="flywheel tasks export --format swebench")
 
 
 def write_instances(path: Path, instances: Iterable[Instance]) -> int:

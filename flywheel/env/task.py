@@ -16,7 +16,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+
+from flywheel.env.jsonl import read_records
 
 Split = Literal["train", "eval"]
 SPLITS: tuple[Split, ...] = ("train", "eval")
@@ -130,18 +132,4 @@ def read_tasks(path: Path) -> list[Task]:
     """The Task records of a JSON-lines file (blank lines skipped). A missing file, a line that is no
     Task, or a file with no task raises ValueError naming the file (and the line), so a bad battery
     is refused before anything runs on it."""
-    if not path.is_file():
-        raise ValueError(f"no tasks file at {path}; write one with `flywheel tasks export --out {path}`")
-    tasks = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                tasks.append(Task.model_validate_json(line))
-            except ValidationError as exc:
-                reason = exc.errors()[0]
-                where = ".".join(str(part) for part in reason["loc"])
-                raise ValueError(f"{path}:{n} is not a Task record ({where + ': ' if where else ''}{reason['msg']}); "
-                                 "each line must be one task as `flywheel tasks export` writes it") from None
-    if not tasks:
-        raise ValueError(f"{path} holds no tasks; write some with `flywheel tasks export --out {path}`")
-    return tasks
+    return read_records(path, Task, what="Task", plural="tasks", command="flywheel tasks export")

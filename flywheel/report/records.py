@@ -4,7 +4,8 @@
 
 Inputs, by source:
 - a simulated-RL run folder (flywheel/rl/train.py): `metrics.jsonl`, one `TrainStep` per line,
-  `eval.jsonl`, one `EvalPoint` per held-out eval (step 0: the start checkpoint's), and once the run
+  `eval.jsonl`, one `EvalPoint` per held-out eval (step 0: the start checkpoint's), on Ray
+  `fleet.jsonl`, one `FleetPoint` per step (sandboxes per node), and once the run
   has finished, `summary.json`'s paired held-out change (`HeldOutLift`).
 - real-time RL cycles: flywheel/live/cycle.py's own record, `cycle-NNNN/report.json` (its
   `CycleReport`, schema "flywheel.cycle/1") or, while the cycle runs, `cycle-NNNN/state.json` (its
@@ -127,10 +128,30 @@ class HeldOutLift(_Record):
     significant: bool = False
 
 
+class FleetNode(_Record):
+    """One node's sandbox fleet after a step (flywheel/rl/ray_backend.py `RayRollouts.stats`)."""
+
+    live_sandboxes: float | None = None
+    peak: float | None = None
+    queued: float | None = None
+    queue_wait_ms_p99: float | None = None
+    created_per_s_recent: float | None = None
+    resumed_episodes: float | None = None
+
+
+class FleetPoint(_Record):
+    """A line of a Ray run's fleet.jsonl: the sandbox fleet per node after learner step `step`."""
+
+    step: int
+    live_workers: int | None = None
+    nodes: dict[str, FleetNode] = Field(default_factory=dict)
+
+
 class TrainingRun(BaseModel):
     name: str  # the folder, relative to the report's root
     steps: list[TrainStep] = Field(default_factory=list)
     evals: list[EvalPoint] = Field(default_factory=list)
+    fleet: list[FleetPoint] = Field(default_factory=list)  # Ray runs only (cluster.backend = "ray")
     lift: HeldOutLift | None = None  # None: the run has not finished, or had no eval at step 0
 
     @property
@@ -334,10 +355,11 @@ def read_jsonl(path: Path, record: type[BaseModel], problems: list[str]) -> list
 
 
 def read_training_run(folder: Path, name: str, problems: list[str]) -> TrainingRun:
-    metrics, evals = folder / "metrics.jsonl", folder / "eval.jsonl"
+    metrics, evals, fleet = folder / "metrics.jsonl", folder / "eval.jsonl", folder / "fleet.jsonl"
     return TrainingRun(name=name,
                        steps=read_jsonl(metrics, TrainStep, problems) if metrics.is_file() else [],
                        evals=read_jsonl(evals, EvalPoint, problems) if evals.is_file() else [],
+                       fleet=read_jsonl(fleet, FleetPoint, problems) if fleet.is_file() else [],
                        lift=_read_lift(folder / "summary.json", problems))
 
 

@@ -190,9 +190,32 @@ def _training_section(runs: Sequence[TrainingRun]) -> str:
                   x_label="steps behind the learner", y_label="tokens"),
         line_chart("Learner throughput", throughput, x_label="learner step", y_label="tokens / s"),
     ]
+    charts += _fleet_charts(runs)
     table = _table(["run", "learner steps", "held-out pass rate at the start (step 0)", "at the end",
                     "change (paired, 95% CI)"], [_training_row(r) for r in runs], numeric=(1,))
     return _section("Simulated RL", table + _charts(charts), "training")
+
+
+FLEET_CHARTS = (("live_sandboxes", "Live sandboxes per node (Ray)", "sandboxes"),
+                ("queue_wait_ms_p99", "Sandbox admission queue wait per node, p99 (Ray)", "ms"),
+                ("created_per_s_recent", "Sandboxes created per second per node (Ray)", "sandboxes / s"))
+
+
+def _fleet_charts(runs: Sequence[TrainingRun]) -> list[str]:
+    """A Ray run's fleet.jsonl: one line per node (per run and node when several runs have one)."""
+    with_fleet = [r for r in runs if r.fleet]
+    charts = []
+    for field, title, unit in FLEET_CHARTS:
+        series = []
+        for r in with_fleet:
+            nodes = list(dict.fromkeys(node for point in r.fleet for node in point.nodes))
+            for node in nodes:
+                name = f"{r.name} {node}" if len(with_fleet) > 1 else f"node {node}"
+                series.append(Series(name, [(p.step, getattr(p.nodes[node], field) if node in p.nodes else None)
+                                            for p in r.fleet], color=PALETTE[len(series) % len(PALETTE)]))
+        if series:
+            charts.append(line_chart(title, series, x_label="learner step", y_label=unit))
+    return charts
 
 
 def _training_row(run: TrainingRun) -> list[str]:

@@ -265,6 +265,26 @@ def test_swebench_instance_from_a_git_repository_hides_the_future(tmp_path, pyte
 
 # ---- semantic search at repository scale: embeddings cached by content ------------------------
 
+def test_a_bad_instances_file_is_refused_naming_the_file_the_line_and_the_field(tmp_path):
+    path = tmp_path / "instances.jsonl"
+    good = json.dumps({"instance_id": "calc-1", "repo": "local/calc", "base_commit": "abc", "problem_statement": "p",
+                       "patch": "", "test_patch": "", "FAIL_TO_PASS": ["t.py::a"], "PASS_TO_PASS": "[]"})
+    for text, error in [
+        (None, f"no instances file at {path}; write one with `flywheel tasks export --format swebench --out {path}`"),
+        (good + "\n" + '{"instance_id": "x"}\n', f"{path}:2 is not a SWE-bench instance record (repo: Field required)"),
+        (good + "\n\n" + good[:40] + "\n", f"{path}:3 is not a SWE-bench instance record"),
+        ("\n", f"{path} holds no instances"),
+    ]:
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(ValueError) as refused:
+            read_instances(path)
+        assert error in str(refused.value), str(refused.value)
+    path.write_text(good + "\n\n")
+    [instance] = read_instances(path)
+    assert instance.instance_id == "calc-1"
+
+
 def test_semantic_index_embeds_an_identical_file_once_across_sandboxes(tmp_path, toolz_files):
     cache = EmbeddingCache(tmp_path / "embeddings")
     modules = ("toolz/itertoolz.py", "toolz/recipes.py", "toolz/dicttoolz.py", "toolz/utils.py")

@@ -298,3 +298,22 @@ def test_versions_are_registry_versions_everywhere(demo_folder):
     assert "policy version" not in page.lower()
     assert re.findall(r"v\d+ → v\d+", page)  # the cycles' versions, as the Registry numbers them
     assert "learner step (0: the start checkpoint)" in page
+
+
+def test_a_ray_runs_fleet_is_drawn_per_node_and_a_local_run_has_no_fleet_charts(tmp_path):
+    run = write_training_run(tmp_path / "run", steps=4)
+    assert "(Ray)" not in render_report(run).read_text()  # a local run writes no fleet.jsonl
+    with open(run / "fleet.jsonl", "w") as f:  # train.py's lines: {"step", **RayRollouts.stats()}
+        for step in range(1, 5):
+            nodes = {node: {"worker": f"rollout-{i}", "live_sandboxes": step + i, "peak": 6, "queued": 0,
+                            "queue_wait_ms_p99": 2.5 * step, "created_per_s": 1.0, "capacity": 6, "warm": 1,
+                            "queue_wait_ms_p50": 1.0, "created_per_s_recent": 0.5 * i, "resumed_episodes": 0}
+                     for i, node in enumerate(["7bddd57a", "0c1e2f3a"]) if step < 4 or i == 0}  # a node lost
+            f.write(json.dumps({"step": step, "live_workers": len(nodes), "nodes": nodes,
+                                "engines": {"engine-0": {"node": "7bddd57a", "version": step}}}) + "\n")
+    page = render_report(run).read_text()
+    live = chart_points(page, "Live sandboxes per node")
+    assert live == {"node 7bddd57a": [1.0, 2.0, 3.0, 4.0], "node 0c1e2f3a": [1.0, 2.0, 3.0]}  # its gap is a gap
+    assert set(chart_points(page, "Sandbox admission queue wait")) == {"node 7bddd57a", "node 0c1e2f3a"}
+    assert chart_points(page, "Sandboxes created per second per node")
+    assert build_report_data([run])["training"][0]["fleet"][0]["nodes"]["7bddd57a"]["live_sandboxes"] == 1

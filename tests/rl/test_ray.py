@@ -33,6 +33,7 @@ from flywheel.model.engine import EngineConfig, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import Registry
 from flywheel.model.tokenizer import train_tokenizer
+from flywheel.report import build_report_data, render_report
 from flywheel.rl.cluster import ClusterConfig
 from flywheel.rl.orchestrator import OrchestratorStalled
 from flywheel.rl.ray_backend import ActorHung, RayRollouts
@@ -203,6 +204,10 @@ def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_an
     fleet = rows(run_dir / "fleet.jsonl")
     assert len(fleet) == 5
     assert all(n["peak"] <= 6 and n["created_per_s"] > 0 for row in fleet for n in row["nodes"].values())
+    drawn = build_report_data([run_dir])["training"][0]["fleet"]  # the run's report reads the fleet as written
+    assert [{node: n["live_sandboxes"] for node, n in p["nodes"].items()} for p in drawn] == \
+        [{node: n["live_sandboxes"] for node, n in row["nodes"].items()} for row in fleet]
+    assert "Live sandboxes per node (Ray)" in render_report(run_dir).read_text()
     # Every live engine holds the policy of the step just taken: each update reached each engine,
     # the replacements included (started with the latest weights, then kept up to date).
     assert all(e["version"] == row["step"] for row in fleet for e in row["engines"].values()), fleet
