@@ -45,6 +45,8 @@ import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # on Linux: loopback addresses (read at import)
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# --existing-cluster starts its head without Ray's token authentication, and this driver matches it
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 BENCH = os.path.dirname(os.path.abspath(__file__))
 # The workers unpickle the modeled engine from bench/async_rl.py: raylets started here pass this on.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH, os.environ.get("PYTHONPATH", "")) if p)

@@ -16,8 +16,10 @@ it is asked for, so the local backend never loads Ray.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -115,12 +117,25 @@ class LocalCluster:
         return {}
 
 
+def join_env() -> dict[str, str]:
+    """What a driver joining an existing cluster needs: `ray start --head` (Ray 2.60) turns token
+    authentication on and writes the token to ~/.ray/auth_token, and a driver in the default mode
+    is refused ("InvalidAuthToken"); with a token at hand it asks for token mode. Read by Ray when
+    it is imported. The user's own RAY_AUTH_MODE wins."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return {}
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+    return {"RAY_AUTH_MODE": "token"} if os.environ.get("RAY_AUTH_TOKEN") or path.is_file() else {}
+
+
 @contextmanager
 def start_cluster(config: ClusterConfig, log: Any = print) -> Iterator[Any]:
     """The backend `config` names, connected; a Ray cluster started here is shut down at the end."""
     if config.backend == "local":
         yield LocalCluster()
         return
+    if config.address:
+        os.environ.update(join_env())  # before Ray is imported: it reads the mode then
     require("ray", 'cluster.backend = "ray"')
     from flywheel.rl.ray_backend import RayCluster  # noqa: PLC0415 - Ray is loaded only when asked for
 
