@@ -569,6 +569,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         learner.save_checkpoint(args.checkpoint)
     if args.export:
         learner.export_hf(args.export, tokenizer)
+    dist.barrier()  # no process tears its connections down while a peer still uses them
     dist.destroy_process_group()
 
 

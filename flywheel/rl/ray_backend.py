@@ -125,6 +125,7 @@ class RolloutWorker:
         self.sizing = f"{name} on node {self.node_id[:8]} ({node['NodeManagerAddress']}): {self.pool.sizing}"
         print(self.sizing, flush=True)  # the sizing is the node's to state, in its own log too
         self._stopped: set[str] = set()
+        self._turns: dict[str, int] = {}  # each episode being played: the turns it has done
         self._lock = threading.Lock()
 
     def where(self) -> dict[str, Any]:
@@ -140,6 +141,7 @@ class RolloutWorker:
             with self._lock:
                 if key in self._stopped:
                     raise _Stop
+                self._turns[key] = state.turns
             out.put(("turn", state.model_copy(deep=True)))
 
         def episode() -> None:
@@ -154,6 +156,8 @@ class RolloutWorker:
             except BaseException as exc:  # noqa: BLE001 - re-raised in the generator, so the driver sees it
                 out.put(("error", exc))
 
+        with self._lock:
+            self._turns[key] = resume.turns if resume else 0
         threading.Thread(target=episode, name=f"episode-{key}", daemon=True).start()
         try:
             while True:
@@ -168,6 +172,12 @@ class RolloutWorker:
         finally:
             with self._lock:
                 self._stopped.discard(key)
+                self._turns.pop(key, None)
+
+    def playing(self) -> list[int]:
+        """The turns done by each episode this worker is playing now (what `ray` debugging asks first)."""
+        with self._lock:
+            return sorted(self._turns.values(), reverse=True)
 
     def stop(self, key: str) -> None:
         """The driver stopped waiting for episode `key`: end it at its next turn boundary."""

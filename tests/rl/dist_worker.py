@@ -268,6 +268,7 @@ def main() -> None:
             raise ValueError(f"unknown check {check!r}; see the module docstring")
         if dist.get_rank() == 0:
             (out / f"{check.replace(':', '_')}.json").write_text(json.dumps(result))
+    dist.barrier()  # no process tears its connections down while a peer still uses them
     dist.destroy_process_group()
 
 

@@ -175,14 +175,22 @@ def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_an
     def kill_a_worker_then_a_node() -> None:
         workers = named_actors("rollout-")
         where = [ray.get(w.where.remote()) for w in workers]
-        ray.kill(workers[0])
-        faults.append(("killed", where[0]["name"]))
-        ray.kill(named_actors("engine-2-")[0])
-        faults.append(("killed the engine of", where[2]["name"]))
+        # the victim is a worker playing an episode past its first turn, so that one resumes mid-episode
+        deadline, victim = time.monotonic() + 60, None
+        while victim is None and time.monotonic() < deadline:
+            playing = ray.get([w.playing.remote() for w in workers])
+            victim = next((i for i, turns in enumerate(playing) if turns and turns[0] >= 1), None)
+            time.sleep(0.02)
+        victim = 0 if victim is None else victim  # (then the mid-episode assertion below says so)
+        engine_of, node_of = [i for i in range(3) if i != victim]
+        ray.kill(workers[victim])
+        faults.append(("killed", where[victim]["name"]))
+        ray.kill(named_actors(f"engine-{engine_of}-")[0])
+        faults.append(("killed the engine of", where[engine_of]["name"]))
         time.sleep(1.0)  # the survivors take the killed worker's episodes, then lose another node
-        node = next(n for n in cluster.list_all_nodes() if n.node_id == where[1]["node_id"])
+        node = next(n for n in cluster.list_all_nodes() if n.node_id == where[node_of]["node_id"])
         cluster.remove_node(node)
-        faults.append(("removed node of", where[1]["name"]))
+        faults.append(("removed node of", where[node_of]["name"]))
 
     watcher = when_inflight(run_dir, 4, kill_a_worker_then_a_node)
     try:
