@@ -1,7 +1,7 @@
 """The training loop on Ray: a multi-node cluster simulated on this machine, never mocks.
 
 One `ray.cluster_utils.Cluster` per module: a head node (the learner's, custom resource
-`learner`) and two rollout nodes (custom resource `rollout`), each a raylet of its own with one
+`learner`) and three rollout nodes (custom resource `rollout`), each a raylet of its own with one
 CPU, a 100 MB object store, loopback only, usage reporting off. Rollout workers and the learner are
 real actors placed by placement groups; episodes run the real engine (a tiny SFT'd model that
 talks for a few turns, so every episode has turn boundaries to resume from), real bwrap
@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from ray.cluster_utils import Cluster
 
 from flywheel.agent.episode import EpisodeConfig, initial_prompt, opening
 from flywheel.env.families import task_set
@@ -41,28 +40,16 @@ from flywheel.rl.ray_engine import RayEngine, start_engine_actor
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.sft import SFTConfig, train_sft
 from flywheel.rl.train import TrainConfig, train
+from tests.rl.ray_cluster import rollout_node, simulated_cluster
 
 SAY = "Which file?"
-STORE = 100 * 2**20
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    # Node death is noticed by health checks: every 0.5 s, dead after 4 misses, not Ray's 3 s x 5.
-    system = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"learner": 1}, "object_store_memory": STORE, "node_ip_address": "127.0.0.1",
-        "include_dashboard": False, "_system_config": system})
-    try:
-        for _ in range(3):
-            c.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=STORE, node_ip_address="127.0.0.1")
-        c.wait_for_nodes()
-        ray.init(address=c.address)
+    """The head (the learner's) and three rollout nodes of one CPU each (tests/rl/ray_cluster.py)."""
+    with simulated_cluster({f"rollout-{i}": rollout_node() for i in range(3)}) as (c, _):
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +184,7 @@ def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_an
         _, summary = train(run_config(registry_root, run_dir, steps=5, rollout_workers=3), log=logs.append)
     finally:
         watcher.join(timeout=60)
-        cluster.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=STORE, node_ip_address="127.0.0.1")
+        cluster.add_node(**rollout_node())
         cluster.wait_for_nodes()
     assert summary["steps"] == 5
     assert [f[0] for f in faults] == ["killed", "killed the engine of", "removed node of"], faults

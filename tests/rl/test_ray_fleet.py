@@ -8,14 +8,12 @@ The faults are real: `ray.kill` of one node's pool actor while its sandboxes are
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from flywheel.env.pool import PoolConfig
 from flywheel.rl.cluster import ClusterConfig
@@ -23,33 +21,18 @@ from flywheel.rl.ray_fleet import FleetClient
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.train import train
 from tests.rl import test_ray
+from tests.rl.ray_cluster import rollout_node, simulated_cluster
 from tests.rl.test_ray import check_run, rows, run_config, when_inflight
 
 registry_root = test_ray.registry_root  # the tiny policy that talks for four turns (a module fixture)
 
-STORE = 100 * 2**20
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    system = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"learner": 1}, "object_store_memory": STORE, "node_ip_address": "127.0.0.1",
-        "include_dashboard": False, "_system_config": system})
-    try:
-        nodes = {
-            "A": c.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=STORE,
-                            node_ip_address="127.0.0.1"),
-            "B": c.add_node(num_cpus=2, memory=256 * 2**20, resources={"rollout": 1}, object_store_memory=STORE,
-                            node_ip_address="127.0.0.1")}
-        c.wait_for_nodes()
-        ray.init(address=c.address)
-        c.rollout_nodes = {k: n.node_id for k, n in nodes.items()}
+    """The head and two rollout nodes: A CPU-bound (1 CPU), B memory-bound (2 CPUs, 256 MiB)."""
+    nodes = {"A": rollout_node(), "B": rollout_node(num_cpus=2, memory=256 * 2**20)}
+    with simulated_cluster(nodes) as (c, added):
+        c.rollout_nodes = {k: n.node_id for k, n in added.items()}
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def burst(fleet: FleetClient, n: int, hold_s: float) -> dict:
