@@ -9,8 +9,8 @@
     │   RemoteLearner.train_step ──────────────┼──> LearnerActor (Learner: weights, optimizer, version)
     │   RayRollouts.update_weights(ref, v) ────┼──> the actor's weights are one object in the store;
     │   consumed(groups, v)                    │    every engine loads them at a step boundary
-    │ watching: engines' `alive` calls, dead   │
-    │   workers' calls: start replacements     │
+    │ watching: each engine's and worker's     │
+    │   `alive` call: start replacements       │
     └──────────────────────────────────────────┘
 
 What waits for what:
@@ -31,7 +31,9 @@ Faults:
   `RayActorError`: each of its in-flight episodes continues from its last EpisodeState on the least
   loaded live worker (`failover_episodes` counts them; an episode that had not finished its first
   turn starts again there). The trajectory comes back once, from the worker that finished it, so
-  nothing is lost or trained twice. A new worker takes the dead one's place (`workers_replaced`):
+  nothing is lost or trained twice. A worker that dies between episodes fails its held-open
+  `alive` call, so its death is noticed before an episode is sent to it. A new worker takes the
+  dead one's place (`workers_replaced`):
   in its bundle when its node lives, else on any live node with room; until it has started, the
   others carry the load, and when none is left the run stops with an error that says so.
 - An engine that dies: its in-flight requests go to another engine as prompt + tokens so far
@@ -55,8 +57,6 @@ sandboxes created per second, resumed episodes.
 What it does not cover:
 - A replacement placed outside the placement group (its node died) has no reserved bundle: it
   takes whatever room a live node has, and waits `start_timeout_s` for it, then the run goes on without.
-- A worker's death is noticed by the calls it fails (its episodes): an idle dead worker is
-  replaced when the next episode is sent to it, which then fails over.
 - The driver (Orchestrator, run folder) is one process: its death is the local run's death (restart
   resumes), and the run folder must be on the driver's disk.
 - Engine requests of the held-out eval go through a worker: they move to another engine if the
@@ -127,6 +127,7 @@ class RolloutWorker:
         self._stopped: set[str] = set()
         self._turns: dict[str, int] = {}  # each episode being played: the turns it has done
         self._lock = threading.Lock()
+        self._closed = threading.Event()
 
     def where(self) -> dict[str, Any]:
         return {"name": self.name, "node_id": self.node_id, "pid": os.getpid(), "sizing": self.sizing,
@@ -213,7 +214,12 @@ class RolloutWorker:
         return {"sandboxes": n, "max_active": self.pool.capacity, "seconds": seconds,
                 "created_per_s": n / seconds, "slowest_acquire_s": max(waits)}
 
+    def alive(self) -> None:
+        """Returns only when the worker closes; the driver holds this call to learn of its death."""
+        self._closed.wait()
+
     def close(self) -> None:
+        self._closed.set()
         self.engine.close()
         self.pool.close()
 
@@ -377,8 +383,12 @@ class RayRollouts:
         self._engines_alive = set(range(n))
         self._load = [0] * n
         self._next = 0
-        self._watch = {e.alive.remote(): i for i, e in enumerate(self.engines)}
-        threading.Thread(target=self._watch_engines, name="engine-watch", daemon=True).start()
+        # every actor holds one `alive` call open; the watch learns of a death when that call fails, so
+        # a dead engine, or a worker that died between episodes, is replaced before anything asks it
+        self._watch: dict[Any, tuple[str, int, Any]] = {e.alive.remote(): ("engine", i, e)
+                                                        for i, e in enumerate(self.engines)}
+        self._watch.update({w.alive.remote(): ("worker", i, w) for i, w in enumerate(self.workers)})
+        threading.Thread(target=self._watch_actors, name="actor-watch", daemon=True).start()
 
     # ---- Engine ---------------------------------------------------------------------------------------
 
@@ -578,7 +588,7 @@ class RayRollouts:
         return ray.remote(RolloutWorker).options(
             name=f"rollout-{i}-{self._tag}-{uuid.uuid4().hex[:4]}", num_cpus=self.cluster.worker_cpus,
             resources=self.cluster.worker_resources, max_restarts=0,
-            max_concurrency=self.cluster.episodes_per_worker + 8, **options,  # + 8: updates, stats, generate
+            max_concurrency=self.cluster.episodes_per_worker + 8, **options,  # + 8: alive, updates, stats, generate
         ).remote(f"rollout-{i}", engines, engine_where, i, tokenizer, pool, self.cluster)
 
     def _started(self, actor: Any, what: str) -> dict[str, Any]:
@@ -603,10 +613,12 @@ class RayRollouts:
             self.workers[i], self.where[i] = worker, where
             self._alive.add(i)
             self._counts["workers_replaced"] += 1
+            self._watch[worker.alive.remote()] = ("worker", i, worker)
         self.log(f"rollout worker {where['sizing']} replaces {describe(old, 'rollout worker')}")
 
-    def _watch_engines(self) -> None:
-        """Every engine holds one `alive` call open; when it fails, the engine died: start another."""
+    def _watch_actors(self) -> None:
+        """Every engine and worker holds one `alive` call open; when one fails, that actor died: start
+        another (a worker through `_dead`, which an episode on it may have called first)."""
         while True:
             with self._lock:
                 if self._closing:
@@ -615,12 +627,15 @@ class RayRollouts:
             ready, _ = ray.wait(watched, num_returns=1, timeout=1.0)
             for ref in ready:
                 with self._lock:
-                    i = self._watch.pop(ref)
+                    kind, i, actor = self._watch.pop(ref)
                     if self._closing:
                         return
                 try:
                     ray.get(ref)
-                except _DIED:
+                except _DIED as exc:
+                    if kind == "worker":
+                        self._dead(i, exc, actor)
+                        continue
                     with self._lock:
                         self._engines_alive.discard(i)
                     threading.Thread(target=self._replace_engine, args=(i,), name=f"replace-engine-{i}",
@@ -644,7 +659,7 @@ class RayRollouts:
                         continue
                     self.engines[i], self.engine_where[i] = engine, {**where, "version": version}
                     self._engines_alive.add(i)
-                    self._watch[engine.alive.remote()] = i
+                    self._watch[engine.alive.remote()] = ("engine", i, engine)
                     self._counts["engine_restarts"] += 1
                     workers = [self.workers[j] for j in sorted(self._alive)]
                     break
