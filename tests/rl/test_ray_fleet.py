@@ -26,6 +26,7 @@ from tests.rl.test_ray import check_run, rows, run_config, when_inflight
 
 registry_root = test_ray.registry_root  # the tiny policy that talks for four turns (a module fixture)
 
+
 @pytest.fixture(scope="module")
 def cluster():
     """The head and two rollout nodes: A CPU-bound (1 CPU), B memory-bound (2 CPUs, 256 MiB)."""
