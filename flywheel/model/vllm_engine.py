@@ -270,6 +270,10 @@ class VLLMEngine:
         """Run `req` to its end: resubmitted after an update or a server's death, failed only when no server lives."""
         try:
             while True:
+                spent = _spent(req)  # a stream cut between its last token and its finish reason
+                if spent is not None:
+                    self._finish(req, spent)
+                    return
                 await self._gate.wait()
                 server = self._pick(req)
                 if server is None:
@@ -347,9 +351,7 @@ class VLLMEngine:
                         return _finish_reason(choice["finish_reason"], req)
         except (httpx.TransportError, httpx.DecodingError) as exc:
             raise _ServerFailed(f"{type(exc).__name__}: {exc}") from None
-        if len(req.tokens) >= params.max_tokens:
-            return "length"
-        return None
+        return None  # ended without a finish reason: `_serve` finishes it if nothing is left to sample
 
     def _pick(self, req: _Request) -> _Server | None:
         live = [s for s in self._servers if not s.dead]
@@ -509,6 +511,18 @@ def serving_folder(checkpoint: str | Path, out: str | Path) -> Path:
         if path.is_file() and not path.name.endswith(".safetensors") and path.name != "config.json":
             shutil.copy2(path, out / path.name)
     return out
+
+
+def _spent(req: _Request) -> str | None:
+    """Why a resumed request has nothing left to sample ("length", "stop"), or None. Resubmitting it
+    would ask vLLM for 0 tokens (refused) or for tokens after a stop."""
+    if not req.tokens:
+        return None
+    if len(req.tokens) >= req.params.max_tokens:
+        return "length"
+    if req.tokens[-1] in req.params.stop_token_ids:
+        return "stop"
+    return None
 
 
 def _finish_reason(reason: str, req: _Request) -> str | None:
