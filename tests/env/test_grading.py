@@ -8,33 +8,10 @@ from flywheel.env.families import generate
 from flywheel.env.grading import GradeConfig, grade
 from flywheel.env.outcome import TestOutcome
 from flywheel.env.sandbox import Sandbox
-from flywheel.env.task import Edit, Task, TaskMetadata
-from flywheel.env.testrun import __file__ as RUNNER_FILE
+from tests.env.double_task import double_task
 
-RUNNER = open(RUNNER_FILE).read()
-SOLUTION_STUB = "def double(x):\n    return x\n"
-TASK = Task(
-    id="toy/train/0",
-    family="toy",
-    split="train",
-    instruction="Make double(x) return twice x.",
-    files={
-        "run_tests.py": RUNNER,
-        "mathy.py": SOLUTION_STUB,
-        "tests/test_mathy.py": "from mathy import double\n\ndef test_two():\n    assert double(2) == 4\n",
-    },
-    hidden_tests={
-        "tests_hidden/test_mathy.py": (
-            "from mathy import double\n\n"
-            "def test_two():\n    assert double(2) == 4\n\n"
-            "def test_zero():\n    assert double(0) == 0\n\n"
-            "def test_negative():\n    assert double(-3) == -6\n"
-        )
-    },
-    test_command="python3 run_tests.py tests",
-    metadata=TaskMetadata(difficulty=1),
-    reference_edits=(Edit(path="mathy.py", old="return x", new="return 2 * x"),),
-)
+TASK = double_task("toy/train/0", "x")
+SOLUTION_STUB = TASK.files["mathy.py"]  # double returns x
 
 
 def final_with(files: dict[str, str | None]):

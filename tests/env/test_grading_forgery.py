@@ -12,34 +12,11 @@ import pytest
 
 from flywheel.env.grading import grade, grading_files, run_hidden_tests
 from flywheel.env.sandbox import Sandbox, Snapshot
-from flywheel.env.task import Edit, Task, TaskMetadata
-from flywheel.env.testrun import __file__ as RUNNER_FILE
+from tests.env.double_task import double_task
 
-RUNNER = open(RUNNER_FILE).read()
-BROKEN = "def double(x):\n    return x + 1\n"  # fails all three hidden tests, double(0) included
+TASK = double_task("toy/train/forgery", "x + 1")
+BROKEN = TASK.files["mathy.py"]  # x + 1 fails all three hidden tests, double(0) included
 FIXED = "def double(x):\n    return 2 * x\n"
-TASK = Task(
-    id="toy/train/forgery",
-    family="toy",
-    split="train",
-    instruction="Make double(x) return twice x.",
-    files={
-        "run_tests.py": RUNNER,
-        "mathy.py": BROKEN,
-        "tests/test_mathy.py": "from mathy import double\n\ndef test_two():\n    assert double(2) == 4\n",
-    },
-    hidden_tests={
-        "tests_hidden/test_mathy.py": (
-            "from mathy import double\n\n"
-            "def test_two():\n    assert double(2) == 4\n\n"
-            "def test_zero():\n    assert double(0) == 0\n\n"
-            "def test_negative():\n    assert double(-3) == -6\n"
-        )
-    },
-    test_command="python3 run_tests.py tests",
-    metadata=TaskMetadata(difficulty=1),
-    reference_edits=(Edit(path="mathy.py", old="return x + 1", new="return 2 * x"),),
-)
 HIDDEN_IDS = [f"tests_hidden/test_mathy.py::{n}" for n in ("test_negative", "test_two", "test_zero")]
 # An all-pass report as the supervisor writes it (and as the nonce-line grader before it read it),
 # and the agent-mode summary line: what a forger would print.

@@ -25,6 +25,7 @@ from flywheel.model.engine import EngineConfig, Generation, LocalEngine
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.learner import Learner, LearnerConfig
+from tests.agent.test_episode import call
 
 try:
     import minisweagent  # noqa: F401  (the third-party harness under test: the dev extra installs it)
@@ -34,10 +35,6 @@ except ImportError:
     HAVE_MINI = False
 needs_mini = pytest.mark.skipif(not HAVE_MINI and os.environ.get("FLYWHEEL_CI") != "1",
                                 reason="mini-swe-agent is not installed: pip install -e '.[dev]'")
-
-
-def call(name: str, **arguments) -> str:
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
