@@ -2,7 +2,7 @@
 
     python bench/ray_scale.py                                  # all parts (~11 min on 2 shared cores)
     python bench/ray_scale.py --parts overhead --steps 6
-    python bench/ray_scale.py --parts overhead --steps 8 --repeat 3 --existing-cluster
+    python bench/ray_scale.py --parts overhead --steps 12 --repeat 3 --existing-cluster [--workers 2]
     python bench/ray_scale.py --parts scaling,burst,recovery --nodes 1,2,4
 
 Prints one JSON object on stdout; progress goes to stderr. Every Ray cluster here is on loopback,
@@ -10,13 +10,15 @@ with usage reporting off, fractional CPU requests and a 100 MB object store per 
 
 1. overhead: `flywheel train` on the same tiny workload (a random tiny policy, real engine, real
    sandboxes and grading, real Learner) with `cluster.backend = "local"` and `"ray"` (a one-node
-   cluster started by the run, two rollout workers, their two engine actors and a learner actor).
+   cluster started by the run, `--workers` rollout workers, by default 1 as the local run has one
+   engine, each with an engine actor, and a learner actor).
    Time to K steps is measured from the first step's end to the K-th's (`steady_s`, and per step
    `steady_step_s`: startup excluded, each backend's own); start-up (`startup_s`: to the first
    step's end, less one steady step) and whole-run wall time apart; target: Ray within 15% of
    local on steady_s. `--existing-cluster` joins a cluster started before timing (`ray start
    --head`), so `to_k_s` (call to K-th step, actors' start-up included) compares too; `--repeat`
-   alternates the backends and compares medians.
+   alternates the backends and compares medians, and `to_k_within_15pct_from_k` is the run length
+   from which the Ray run's time to K steps, start-up included, is within 15% of the local one's.
 2. scaling: N = 1, 2, 4, 8 simulated nodes (`ray.cluster_utils.Cluster`, one raylet each, 1 CPU of
    Ray's accounting), one rollout worker per node whose engine (the node's engine actor) is
    bench/async_rl.py's modeled accelerator (`ReplayEngine`: measured per-step decode costs,
@@ -53,6 +55,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH, os.environ.get("PY
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -103,7 +106,7 @@ def overhead_run(args, registry: Path, run_dir: Path, backend: str, address: str
     """One `flywheel train` of the overhead workload; its figures from its metrics.jsonl."""
     cluster = {"backend": backend}
     if backend == "ray":
-        cluster.update(rollout_workers=2, worker_cpus=0.2, learner_cpus=0.2)
+        cluster.update(rollout_workers=args.workers, worker_cpus=0.2, learner_cpus=0.2)
         cluster.update(address=address) if address else cluster.update(num_cpus=2, object_store_mb=100)
     config = TrainConfig.model_validate({
         "registry_root": str(registry), "run_dir": str(run_dir), "families": ["bugfix"],
@@ -116,14 +119,18 @@ def overhead_run(args, registry: Path, run_dir: Path, backend: str, address: str
     t0, start = time.perf_counter(), time.time()
     train(config, log=lambda line: log(f"  {backend}: {line}"))
     wall = time.perf_counter() - t0
-    times = [m["time"] for m in RunFolder(run_dir).read("metrics.jsonl")]
+    metrics = RunFolder(run_dir).read("metrics.jsonl")
+    times = [m["time"] for m in metrics]
+    # where a steady step goes (steps 2..K): waiting for a batch, the learner step, the weights to the engines
+    parts = {f"{key}_median_s": statistics.median(m[key] for m in metrics[1:])
+             for key in ("wait_s", "train_s", "weight_update_s")}
     steady = times[-1] - times[0]
     step = steady / (len(times) - 1)
     # start-up: from the call to the first step's end, less one steady step (what the first step
     # would have cost once everything was started: cluster, actors, imports, first sandboxes);
     # to_k_s: from the call to the K-th step's end, start-up included
     return {"wall_s": wall, "steady_s": steady, "steady_step_s": step, "steps": len(times),
-            "startup_s": times[0] - start - step, "to_k_s": times[-1] - start}
+            "startup_s": times[0] - start - step, "to_k_s": times[-1] - start, **parts}
 
 
 def overhead(args, registry: Path, work: Path) -> dict:
@@ -164,6 +171,13 @@ def overhead(args, registry: Path, work: Path) -> dict:
     out["target_met"] = out["ray_over_local_steady"] <= 1.15
     if address:
         out["target_met_to_k"] = out["ray_over_local_to_k"] <= 1.15
+        # a run's time to K steps is start-up + K steady steps on either backend: the K from which the
+        # Ray run's is within 15% of the local one's (its actors' start-up spread over the steps)
+        local, ray_ = out["local"], out["ray"]
+        margin = 1.15 * local["steady_step_s"] - ray_["steady_step_s"]
+        out["to_k_within_15pct_from_k"] = (
+            max(args.steps, math.ceil((ray_["startup_s"] - 1.15 * local["startup_s"]) / margin))
+            if margin > 0 else None)  # None: the steady step alone is over 15%, no K reaches it
     return out
 
 
@@ -250,11 +264,15 @@ def main() -> None:
     parser.add_argument("--costs", type=Path, default=COSTS)
     parser.add_argument("--burst", type=int, default=32, help="sandboxes asked for at once per node")
     parser.add_argument("--repeat", type=int, default=1, help="overhead: local/Ray pairs run, medians compared")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="overhead: the Ray run's rollout workers, one engine each (1: the local run's one engine)")
     parser.add_argument("--existing-cluster", action="store_true",
                         help="overhead: the Ray runs join a cluster started before timing (ray start --head)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     result: dict = {"steps": args.steps}
+    # Ray prints its actors' lines on the driver's stdout: they go to stderr, and stdout holds only the JSON
+    stdout, sys.stdout = sys.stdout, sys.stderr
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         registry, model, tokenizer = tiny_registry(work / "registry")
@@ -310,7 +328,7 @@ def main() -> None:
             finally:
                 ray.shutdown()
                 cluster.shutdown()
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2), file=stdout)
 
 
 def kill_a_pool(rollouts: RayRollouts) -> None:

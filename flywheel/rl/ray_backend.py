@@ -17,7 +17,8 @@ What waits for what:
 - An episode is one call to a worker's `play`, a generator: it yields the EpisodeState at every turn
   boundary and the Trajectory at the end. The driver's thread waits for the next item at most
   `actor_timeout_s`; the Orchestrator's `on_turn` runs here, on the driver, so run/inflight/ holds
-  every remote episode's latest state exactly as a local run's.
+  every remote episode's latest state exactly as a local run's. Each item carries the worker's
+  count of engine requests resubmitted, so the step's counts need no call to any worker.
 - A weight update is one object in the store (the learner actor's return value, put there once) and
   one call per live engine (flywheel/rl/ray_engine.py); the driver waits for every engine's
   acknowledgement at most `engine_timeout_s`. Each engine swaps at its next step boundary, and
@@ -25,6 +26,8 @@ What waits for what:
 - The learner's step is one call, waited for at most `learner_timeout_s`. A checkpoint's state is
   one more call, queued behind the step: the run folder's writer thread fetches and writes it while
   the next step runs, and the step's metrics line lands only after it (`RunFolder.save_state_later`).
+- The fleet's per-node figures (fleet.jsonl) are one call per worker and engine, made on a thread
+  of their own after each step (`FleetLog` in flywheel/rl/train.py): no step waits for them.
 
 Faults:
 - A worker that dies (`ray.kill`, its node removed, its process killed) fails its calls with a
@@ -135,7 +138,8 @@ class RolloutWorker:
 
     def play(self, key: str, task: Task, config: EpisodeConfig, group_id: str, resume: EpisodeState | None,
              priority: int):
-        """Run one episode; yield ("turn", EpisodeState) at every turn boundary, then ("done", Trajectory)."""
+        """Run one episode; yield ("turn", EpisodeState) at every turn boundary, then ("done", Trajectory),
+        each with this worker's engine requests resubmitted so far (the driver's `engine_resubmits`)."""
         out: queue.Queue[tuple[str, Any]] = queue.Queue()
 
         def on_turn(state: EpisodeState) -> None:
@@ -167,7 +171,7 @@ class RolloutWorker:
                     raise value
                 if kind == "stopped":
                     return
-                yield kind, value
+                yield kind, value, self.engine.resubmits
                 if kind == "done":
                     return
         finally:
@@ -190,10 +194,6 @@ class RolloutWorker:
 
     def engine_ready(self, i: int, engine: Any, where: Mapping[str, Any]) -> None:
         self.engine.engine_ready(i, engine, where)
-
-    def resubmits(self) -> int:
-        """Engine requests this worker resubmitted to another engine (read here, no call to the pool)."""
-        return self.engine.resubmits
 
     def stats(self) -> dict[str, Any]:
         return {"name": self.name, "node_id": self.node_id, "engine_resubmits": self.engine.resubmits,
@@ -454,7 +454,7 @@ class RayRollouts:
         last state on another one."""
         state = resume
         while True:
-            i, worker = self._acquire()
+            i, worker, actor_id = self._acquire()
             key = uuid.uuid4().hex
             stream = worker.play.remote(key, task, config, group_id, state, priority)
             finished = False
@@ -466,13 +466,15 @@ class RayRollouts:
                                         f"{self.cluster.actor_timeout_s:.0f} s (cluster.actor_timeout_s); inspect it "
                                         "(`ray stack`, py-spy) or raise the timeout if its turns are that slow")
                     try:
-                        kind, value = ray.get(next(stream))
+                        kind, value, resubmits = ray.get(next(stream))
                     except RayTaskError as exc:
                         if isinstance(exc.cause, ActorHung):  # the worker named its hung engine
                             raise exc.cause from None
                         raise
                     except StopIteration:
                         raise RuntimeError(f"{self._describe(i)} ended episode {task.id} without a result") from None
+                    with self._lock:
+                        self._resubmits[actor_id] = resubmits
                     if kind == "done":
                         finished = True
                         return value
@@ -490,18 +492,9 @@ class RayRollouts:
                     worker.stop.remote(key)  # a dead worker drops it; a live one ends it at its next turn
 
     def counts(self) -> dict[str, int]:
-        """Episodes failed over, engines restarted, workers replaced, and the engine requests the live
-        workers resubmitted (a dead worker's, as it last reported them)."""
-        with self._lock:
-            live = [(self.where[i]["actor_id"], self.workers[i]) for i in sorted(self._alive)]
-        # one small call per live worker, all in flight at once (a worker's own counter: no pool call)
-        calls = {w.resubmits.remote(): actor_id for actor_id, w in live}
-        done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=5.0)  # a hung one keeps its last figure
-        for ref in done:
-            try:
-                self._resubmits[calls[ref]] = ray.get(ref)
-            except _DIED:
-                pass
+        """Episodes failed over, engines restarted, workers replaced, and the engine requests the
+        workers resubmitted, as of each one's last episode turn (no call: the figure comes with every
+        turn, so reading it costs the step nothing; a dead worker keeps its last figure)."""
         with self._lock:
             return {**self._counts, "engine_resubmits": sum(self._resubmits.values())}
 
@@ -539,14 +532,15 @@ class RayRollouts:
 
     # ---- internals ------------------------------------------------------------------------------------
 
-    def _acquire(self) -> int:
+    def _acquire(self) -> tuple[int, Any, str]:
+        """The least loaded live worker: its index, its actor handle and its actor id."""
         with self._lock:
             if not self._alive:
                 raise NoWorkersLeft(f"all {len(self.workers)} rollout workers are dead; restart the run on a cluster "
                                     "with live nodes (it resumes from run/inflight/)")
             i = min(self._alive, key=lambda j: (self._load[j], j))
             self._load[i] += 1
-            return i, self.workers[i]
+            return i, self.workers[i], self.where[i]["actor_id"]
 
     def _release(self, i: int) -> None:
         with self._lock:

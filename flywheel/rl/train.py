@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
@@ -51,7 +52,7 @@ from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.engine import Engine, EngineConfig
 from flywheel.model.registry import Checkpoint, Registry
 from flywheel.rl.advantages import outcome_tied
-from flywheel.rl.cluster import ClusterConfig, LearnerLost, start_cluster
+from flywheel.rl.cluster import ClusterConfig, LearnerLost, LocalCluster, start_cluster
 from flywheel.rl.distributed import DistConfig, follow_training, init_distributed, leading
 from flywheel.rl.learner import Learner, LearnerConfig
 from flywheel.rl.orchestrator import Batch, EpisodeRunner, Orchestrator, OrchestratorConfig
@@ -194,6 +195,33 @@ def snapshot(learner: Any) -> Callable[[], dict[str, Any]]:
         return learner.snapshot()
     state = learner.state()
     return lambda: state
+
+
+class FleetLog:
+    """A Ray run's fleet.jsonl: after each step, the sandbox fleet per node (`cluster.stats()`, one
+    round trip to every worker and engine) asked for on a thread of its own, so that the loop and
+    the learner do not wait for it (it cost 27 ms of a 590 ms step on 2 cores); rows land in step
+    order. `close` waits for the last one. A local run has no fleet and no thread."""
+
+    def __init__(self, cluster: Any, run: RunFolder, log: Callable[[str], None]):
+        self._cluster, self._run, self._log = cluster, run, log
+        ray = not isinstance(cluster, LocalCluster)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="fleet-stats") if ray else None
+
+    def after_step(self, step: int) -> None:
+        if self._executor is not None:
+            self._executor.submit(self._write, step)
+
+    def _write(self, step: int) -> None:
+        try:
+            if fleet := self._cluster.stats():  # live sandboxes, queue wait, creation rate per node
+                self._run.append("fleet.jsonl", {"step": step, **fleet})
+        except Exception as exc:  # noqa: BLE001 - a missing fleet row must not stop training
+            self._log(f"fleet stats after step {step} failed: {type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
 
 def wait_quietly(run: RunFolder) -> None:
@@ -342,6 +370,7 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
         log(f"training v{parent.version} on {len(tasks)} tasks: {orch_config.mode}, "
             f"G={orch_config.group_size} over {orch_config.tasks_per_group} task(s), B={orch_config.groups_per_step}, "
             f"max_staleness={orch_config.staleness_bound}")
+        fleet = FleetLog(cluster, run, log)  # Ray: fleet.jsonl, off the step's path
         try:
             while orchestrator.step < orch_config.max_steps:
                 if config.time_budget_s is not None and time.perf_counter() - start > config.time_budget_s:
@@ -350,13 +379,13 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
                 step_metrics = learning_step(orch_config, orchestrator, learner, engine, run)
                 tracker.log(step_metrics, step_metrics["step"])
                 log(step_line(step_metrics))
-                if fleet := cluster.stats():  # Ray: live sandboxes, queue wait, creation rate per node
-                    run.append("fleet.jsonl", {"step": orchestrator.step, **fleet})
+                fleet.after_step(orchestrator.step)
                 if (config.eval_every and orchestrator.step % config.eval_every == 0
                         and orchestrator.step < orch_config.max_steps):
                     record_eval(run_eval(config, engine, tokenizer, pool), orchestrator.step)
             run.wait_for_state()  # the last checkpoint is on disk (raises if it failed: LearnerLost restarts)
         finally:
+            fleet.close()
             wait_quietly(run)  # a run that failed still lets its save finish before the learner goes
         orchestrator.close()  # in-flight episodes stop at a turn boundary, saved for a resume
         final = run_eval(config, engine, tokenizer, pool)
