@@ -10,6 +10,10 @@ It also sets, before anything imports Ray (its constants are read at import), th
 Ray clusters of tests/rl/test_ray.py advertise loopback addresses, not the address of this
 machine's interface, which a sandboxed CI machine may not let it reach itself on; and that Ray
 reports no usage.
+
+`one_torch_thread` (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`) runs a module's
+tests on one torch thread: reductions split over threads round differently, and one thread leaves
+the other core to what a test starts beside it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from flywheel.store.pg_cluster import ThrowawayCluster, new_schema_url, server_binaries
 
@@ -52,3 +57,11 @@ def store_url(request: pytest.FixtureRequest, tmp_path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "store.sqlite")
     return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

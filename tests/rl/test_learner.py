@@ -29,12 +29,7 @@ TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, he
                    experts_per_token=2, moe_intermediate_size=32)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

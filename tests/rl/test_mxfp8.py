@@ -27,12 +27,7 @@ TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, he
                    experts_per_token=2, moe_intermediate_size=64)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def expert_pass(precision: str, x: torch.Tensor, experts: LocalExperts, counts: list[int], probe: torch.Tensor):
