@@ -140,6 +140,8 @@ def init_distributed(config: DistConfig) -> None:
     if "RANK" not in os.environ:
         raise RuntimeError("no torchrun environment (RANK, WORLD_SIZE); launch with `torchrun --nproc-per-node "
                            f"{config.world} -m flywheel.rl.distributed ...`")
+    if config.backend == "nccl":  # one GPU per process: torchrun's LOCAL_RANK names this one's
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(config.backend, timeout=timedelta(seconds=config.timeout_s))
 
 
@@ -224,10 +226,10 @@ class DistributedLearner(Learner):
         mine = self.shard(len(trajectories))
         batches = super()._micro_batches([trajectories[i] for i in mine], [advantages[i] for i in mine],
                                          [masks[i] for i in mine], device)
-        count = torch.tensor([len(batches)])
+        count = torch.tensor([len(batches)], device=device)  # on the GPU under nccl, which reduces no CPU tensor
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         while len(batches) < int(count):
-            batches.append(empty_micro_batch())  # every forward is a collective: all ranks run as many
+            batches.append(empty_micro_batch(device))  # every forward is a collective: all ranks run as many
         return batches
 
     def _reduce(self, value: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
@@ -261,9 +263,10 @@ class DistributedLearner(Learner):
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradients, as clip_grad_norm_ of the whole unsharded model computes it."""
         squares = []
+        device = next(iter(self.params.values())).device
         for group in self.optimizer.param_groups:
             grads = [p.grad for p in group["params"] if p.grad is not None]
-            sq = torch.zeros(())
+            sq = torch.zeros((), device=device)
             for g in grads:
                 norm = torch.linalg.vector_norm(g, dtype=torch.float32)
                 norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -383,10 +386,11 @@ class DistributedLearner(Learner):
         self.version, self.optimizer_steps, self.skipped_steps = version, steps, skipped
 
 
-def empty_micro_batch() -> MicroBatch:
+def empty_micro_batch(device: torch.device | str = "cpu") -> MicroBatch:
     """One row of two padding tokens with no loss: a forward and backward that change nothing."""
-    zeros = torch.zeros((1, 2))
-    return MicroBatch(ids=torch.zeros((1, 2), dtype=torch.long), attention=torch.ones((1, 2), dtype=torch.long),
+    zeros = torch.zeros((1, 2), device=device)
+    return MicroBatch(ids=torch.zeros((1, 2), dtype=torch.long, device=device),
+                      attention=torch.ones((1, 2), dtype=torch.long, device=device),
                       mask=zeros, logp_behaviour=zeros.clone(), advantages=zeros.clone())
 
 

@@ -18,10 +18,15 @@ checkpoint loads 1:1 and the slices concatenate back into the dense block's tens
 The grouped GEMM: `torch._grouped_mm` runs on a CPU in bfloat16 but refuses float32 there
 (torch 2.13: "Invalid strides/sizes"), so float32 weights take a loop over the local experts;
 `precision = "bf16"` casts to bfloat16 and takes `torch._grouped_mm`; `precision = "mxfp8"`
-takes torchao's MXFP8 grouped GEMM (`_to_mxfp8_then_scaled_grouped_mm`, the emulated kernel on
-a CPU, the native one on sm100), which quantizes activations and weights to float8_e4m3 with one
-e8m0 scale per 32 elements in the forward and in both backward GEMMs. Master weights stay in their
-dtype (float32 here); the GEMMs see bfloat16 or MXFP8 copies.
+takes torchao's MXFP8 grouped GEMM (`_to_mxfp8_then_scaled_grouped_mm`), which quantizes
+activations and weights to float8_e4m3 with one e8m0 scale per 32 elements in the forward and in
+both backward GEMMs: torchao's native kernels on sm100 (Blackwell), its emulation everywhere else
+(a CPU, or Hopper, which has no MX instructions: the numerics of MXFP8, none of its speed).
+`precision = "fp8"` is Hopper's (and Ada's) own low precision: torchao's rowwise FP8 grouped GEMM
+(`_to_fp8_rowwise_then_scaled_grouped_mm`, one power-of-two scale per row, Triton quantization and
+`torch._scaled_grouped_mm`), on a CUDA GPU of compute capability 8.9 or newer only; each expert's
+rows are padded to a multiple of 16, as its GEMM requires. Master weights stay in their dtype
+(float32 here); the GEMMs see bfloat16, FP8 or MXFP8 copies.
 
 Load-balance statistics: `tokens_per_expert` [E] holds the rows this rank's tokens sent to each
 expert (all experts, not only the local ones), summed over forwards until zeroed; the distributed
@@ -43,9 +48,51 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-# native: the weights' own dtype; bf16: bfloat16 GEMMs (torch._grouped_mm), the baseline MXFP8 is
-# measured against; mxfp8: torchao's MXFP8 grouped GEMMs
-ExpertPrecision = Literal["native", "bf16", "mxfp8"]
+# native: the weights' own dtype; bf16: bfloat16 GEMMs (torch._grouped_mm), the baseline the low
+# precisions are measured against; fp8: torchao's rowwise FP8 grouped GEMMs (CUDA, sm89+);
+# mxfp8: torchao's MXFP8 grouped GEMMs (native on sm100, emulated elsewhere)
+ExpertPrecision = Literal["native", "bf16", "fp8", "mxfp8"]
+
+FP8_ROW_ALIGN = 16  # rows per group of torch._scaled_grouped_mm's FP8 operands, and its K and N
+
+
+def mx_kernels(device: torch.device) -> bool:
+    """Whether `device` runs torchao's native MXFP8 kernels (sm100 and later); elsewhere they are emulated."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+
+
+def check_fp8(device: torch.device) -> None:
+    """Rowwise FP8 GEMMs need FP8 tensor cores: a CUDA GPU of compute capability 8.9 (Ada) or newer."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        where = "a CPU" if device.type != "cuda" else f"sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        raise ValueError(f"expert precision 'fp8' (rowwise FP8 grouped GEMMs) needs a CUDA GPU of compute capability "
+                         f"8.9 or newer (Ada, Hopper, Blackwell), not {where}; use 'mxfp8' (emulated there) or 'bf16'")
+
+
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """`grouped_linear` in rowwise FP8: each group's rows padded to FP8_ROW_ALIGN with zeros (which
+    add nothing to the weight gradient), the GEMM, the padding dropped."""
+    from torchao.prototype.moe_training.fp8_grouped_mm import (  # noqa: PLC0415  (optional dep)
+        _to_fp8_rowwise_then_scaled_grouped_mm,
+    )
+
+    check_fp8(x.device)
+    if weight.shape[1] % FP8_ROW_ALIGN or weight.shape[2] % FP8_ROW_ALIGN:
+        raise ValueError(f"expert precision 'fp8' needs expert widths that are multiples of {FP8_ROW_ALIGN}, "
+                         f"not {tuple(weight.shape[1:])} (out, in)")
+    padded = [-(-c // FP8_ROW_ALIGN) * FP8_ROW_ALIGN for c in counts]
+    starts = [0]
+    for size in padded[:-1]:
+        starts.append(starts[-1] + size)
+    rows = torch.tensor([s + i for s, c in zip(starts, counts, strict=True) for i in range(c)], dtype=torch.long,
+                        device=x.device)  # where each real row sits in the padded operand
+    if not sum(padded):
+        return x.new_zeros((0, weight.shape[1]), dtype=torch.bfloat16)
+    operand = x.new_zeros((sum(padded), x.shape[1]), dtype=torch.bfloat16).index_copy(0, rows, x.to(torch.bfloat16))
+    offsets = torch.tensor(padded, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
+    out = _to_fp8_rowwise_then_scaled_grouped_mm(operand, weight.to(torch.bfloat16).transpose(-2, -1), offs=offsets,
+                                                 out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False)
+    return out.index_select(0, rows)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int],
@@ -58,11 +105,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int],
         from torchao.prototype.moe_training.config import KernelPreference  # noqa: PLC0415
 
         offsets = torch.tensor(counts, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
-        kernel = KernelPreference.AUTO if x.is_cuda else KernelPreference.EMULATED
+        kernel = KernelPreference.AUTO if mx_kernels(x.device) else KernelPreference.EMULATED
         # weight.transpose: [groups, in, out] with per-group column-major strides, torchao's B_t layout
         return _to_mxfp8_then_scaled_grouped_mm(x.to(torch.bfloat16), weight.to(torch.bfloat16).transpose(-2, -1),
                                                 offs=offsets, out_dtype=torch.bfloat16, kernel_preference=kernel,
                                                 pad_token_groups_for_grouped_mm=True)
+    if precision == "fp8":
+        return fp8_grouped_linear(x, weight, counts)
     if precision == "bf16" or x.dtype == torch.bfloat16:
         x, weight = x.to(torch.bfloat16), weight.to(torch.bfloat16)
         offsets = torch.tensor(counts, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)

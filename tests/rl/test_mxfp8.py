@@ -58,6 +58,54 @@ def test_mxfp8_grouped_gemm_error_is_within_torchao_bounds():
     assert sqnr["output"] < 60.0, sqnr  # it is quantized: not the bf16 path taken twice
 
 
+def test_fp8_on_a_cpu_says_what_it_needs():
+    x, w = torch.randn(32, 64), torch.randn(2, 64, 64)
+    with pytest.raises(ValueError, match="needs a CUDA GPU of compute capability 8.9"):
+        grouped_linear(x, w, [16, 16], "fp8")
+
+
+FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA GPU with FP8 tensor cores (sm89+)")
+def test_fp8_grouped_gemm_on_a_gpu_error_is_bounded():
+    g = torch.Generator().manual_seed(0)
+    counts = [96, 0, 200, 40]  # uneven groups, one empty, none but the first a multiple of 16
+    x = torch.randn(sum(counts), 128, generator=g).cuda()
+    w = (torch.randn(4, 256, 128, generator=g) * 128 ** -0.5).cuda()
+    probe = torch.randn(sum(counts), 256, generator=g).cuda()
+    results = []
+    for precision in ("bf16", "fp8"):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = grouped_linear(xi, wi, counts, precision)
+        (out.float() * probe).sum().backward()
+        results.append((out.detach().float(), xi.grad, wi.grad))
+    (ref_out, ref_dx, ref_dw), (out, dx, dw) = results
+    assert out.shape == ref_out.shape
+    sqnr = {"output": float(compute_error(ref_out, out)), "input_grad": float(compute_error(ref_dx, dx)),
+            "weight_grad": float(compute_error(ref_dw, dw))}
+    # float8_e4m3 with a scale per row: about 3 significant bits fewer than bf16's 8
+    assert min(sqnr.values()) >= 20.0, sqnr
+    assert sqnr["output"] < 60.0, sqnr  # it is quantized: not the bf16 path taken twice
+    assert float(dw[1].abs().max()) == 0.0  # the empty group's weight gets no gradient (padding adds none)
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA GPU with FP8 tensor cores (sm89+)")
+def test_a_gpu_learner_step_in_fp8_and_mxfp8_tracks_bf16():
+    tok = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 10, vocab_size=300)
+    batch, advantages = synthetic_batch(len(tok), 4, 48), [1.0, -1.0, 1.0, -1.0]
+    first = {}
+    for precision in ("bf16", "fp8", "mxfp8"):
+        model = use_grouped_experts(build_model(TINY, tok), precision).cuda()
+        metrics = Learner(model, LearnerConfig(lr=3e-3)).train_step(batch, advantages)
+        first[precision] = (metrics["loss"], metrics["grad_norm"])
+    (loss, norm) = first["bf16"]
+    assert norm > 0.01, first  # a step that moves something, so tracking it means something
+    for precision in ("fp8", "mxfp8"):
+        assert abs(first[precision][0] - loss) < 1e-3, first
+        assert abs(first[precision][1] - norm) < 0.05 * norm, first  # the gradient, within 5%
+
+
 def test_mxfp8_expert_layer_error_is_bounded():
     g = torch.Generator().manual_seed(0)
     hidden, inter, n_experts = 128, 64, 4
