@@ -39,21 +39,28 @@ def expert_pass(precision: str, x: torch.Tensor, experts: LocalExperts, counts: 
     return out.detach().float(), x.grad.float(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()
 
 
-def test_mxfp8_grouped_gemm_error_is_within_torchao_bounds():
+def gemm_against_bf16(precision: str, device: str = "cpu") -> tuple[dict[str, float], torch.Tensor]:
+    """One grouped GEMM forward and backward over uneven groups (one empty) in bf16 and in
+    `precision`: the SQNR in dB of the output and both gradients, and the weight gradient."""
     g = torch.Generator().manual_seed(0)
-    counts = [96, 0, 200, 40]  # uneven groups, one empty
-    x = torch.randn(sum(counts), 128, generator=g)
-    w = torch.randn(4, 256, 128, generator=g) * 128 ** -0.5  # [experts, out, in]
-    probe = torch.randn(sum(counts), 256, generator=g)
+    counts = [96, 0, 200, 40]  # uneven groups, one empty, none but the first a multiple of 16 or 32
+    x = torch.randn(sum(counts), 128, generator=g).to(device)
+    w = (torch.randn(4, 256, 128, generator=g) * 128 ** -0.5).to(device)  # [experts, out, in]
+    probe = torch.randn(sum(counts), 256, generator=g).to(device)
     results = []
-    for precision in ("bf16", "mxfp8"):
+    for p in ("bf16", precision):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = grouped_linear(xi, wi, counts, precision)
+        out = grouped_linear(xi, wi, counts, p)
         (out.float() * probe).sum().backward()
         results.append((out.detach().float(), xi.grad, wi.grad))
     (ref_out, ref_dx, ref_dw), (out, dx, dw) = results
-    sqnr = {"output": float(compute_error(ref_out, out)), "input_grad": float(compute_error(ref_dx, dx)),
-            "weight_grad": float(compute_error(ref_dw, dw))}
+    assert out.shape == ref_out.shape
+    return ({"output": float(compute_error(ref_out, out)), "input_grad": float(compute_error(ref_dx, dx)),
+             "weight_grad": float(compute_error(ref_dw, dw))}, dw)
+
+
+def test_mxfp8_grouped_gemm_error_is_within_torchao_bounds():
+    sqnr, _ = gemm_against_bf16("mxfp8")
     assert sqnr["output"] >= 27.0 and sqnr["input_grad"] >= 25.0 and sqnr["weight_grad"] >= 24.0, sqnr
     assert sqnr["output"] < 60.0, sqnr  # it is quantized: not the bf16 path taken twice
 
@@ -69,21 +76,7 @@ FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8
 
 @pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA GPU with FP8 tensor cores (sm89+)")
 def test_fp8_grouped_gemm_on_a_gpu_error_is_bounded():
-    g = torch.Generator().manual_seed(0)
-    counts = [96, 0, 200, 40]  # uneven groups, one empty, none but the first a multiple of 16
-    x = torch.randn(sum(counts), 128, generator=g).cuda()
-    w = (torch.randn(4, 256, 128, generator=g) * 128 ** -0.5).cuda()
-    probe = torch.randn(sum(counts), 256, generator=g).cuda()
-    results = []
-    for precision in ("bf16", "fp8"):
-        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = grouped_linear(xi, wi, counts, precision)
-        (out.float() * probe).sum().backward()
-        results.append((out.detach().float(), xi.grad, wi.grad))
-    (ref_out, ref_dx, ref_dw), (out, dx, dw) = results
-    assert out.shape == ref_out.shape
-    sqnr = {"output": float(compute_error(ref_out, out)), "input_grad": float(compute_error(ref_dx, dx)),
-            "weight_grad": float(compute_error(ref_dw, dw))}
+    sqnr, dw = gemm_against_bf16("fp8", "cuda")
     # float8_e4m3 with a scale per row: about 3 significant bits fewer than bf16's 8
     assert min(sqnr.values()) >= 20.0, sqnr
     assert sqnr["output"] < 60.0, sqnr  # it is quantized: not the bf16 path taken twice
