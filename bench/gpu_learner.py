@@ -135,6 +135,22 @@ def gemm_part(device: torch.device, quick: bool) -> dict[str, Any]:
     return result
 
 
+def train_steps(learner: Learner, batch, advantages, steps: int, device: torch.device) -> dict[str, Any]:
+    """`steps` Learner steps on one batch: each step's loss and gradient norm, the first step's
+    seconds and the median of the others' (`step_s`)."""
+    losses, norms, times = [], [], []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        metrics = learner.train_step(batch, advantages)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
+    later = sorted(times[1:]) or times
+    return {"losses": losses, "grad_norms": norms, "step_s": later[len(later) // 2], "first_step_s": times[0]}
+
+
 def model_and_batch(quick: bool):
     config = QUICK if quick else LARGE
     tokenizer = train_tokenizer(["def add(a, b):\n    return a + b\n", "for x in items:\n    print(x)\n"] * 50,
@@ -154,18 +170,8 @@ def learner_part(device: torch.device, quick: bool, steps: int) -> dict[str, Any
             model = use_grouped_experts(build_model(config, tokenizer), precision).to(device)
             result.setdefault("parameters", parameter_count(model))
             learner = Learner(model, LEARNER)
-            losses, norms, times = [], [], []
-            for _ in range(steps):
-                sync(device)
-                t0 = time.perf_counter()
-                metrics = learner.train_step(batch, advantages)
-                sync(device)
-                times.append(time.perf_counter() - t0)
-                losses.append(metrics["loss"])
-                norms.append(metrics["grad_norm"])
-            steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
-            result[precision] = {"losses": losses, "grad_norms": norms, "step_s": steady, "first_step_s": times[0],
-                                 "tokens_per_s": tokens / steady}
+            result[precision] = row = train_steps(learner, batch, advantages, steps, device)
+            row["tokens_per_s"] = tokens / row["step_s"]
             if device.type == "cuda":
                 result[precision]["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 torch.cuda.reset_peak_memory_stats(device)
@@ -188,25 +194,14 @@ def dist_worker(out: Path, quick: bool, steps: int, backend: str) -> None:
     """Under torchrun: DistributedLearner's steps per precision; rank 0 writes them to `out`."""
     config, tokenizer, batch, advantages = model_and_batch(quick)
     result: dict[str, Any] = {"backend": backend, "world": int(os.environ["WORLD_SIZE"])}
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if backend == "nccl" else "cpu")
     for precision in PRECISIONS:
         try:
             torch.manual_seed(0)
-            model = build_model(config, tokenizer)
-            if backend == "nccl":
-                model = model.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+            model = build_model(config, tokenizer).to(device)
             dist_config = DistConfig(dp_shard=result["world"], expert_precision=precision, backend=backend)
             learner = DistributedLearner(model, LEARNER, dist_config)
-            losses, norms, times = [], [], []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                metrics = learner.train_step(batch, advantages)
-                if backend == "nccl":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                losses.append(metrics["loss"])
-                norms.append(metrics["grad_norm"])
-            result[precision] = {"losses": losses, "grad_norms": norms,
-                                 "step_s": sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]}
+            result[precision] = train_steps(learner, batch, advantages, steps, device)
             del learner, model
         except Exception as exc:  # noqa: BLE001
             result[precision] = {"error": f"{type(exc).__name__}: {exc}"[:500],

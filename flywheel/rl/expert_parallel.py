@@ -80,16 +80,18 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int])
     if weight.shape[1] % FP8_ROW_ALIGN or weight.shape[2] % FP8_ROW_ALIGN:
         raise ValueError(f"expert precision 'fp8' needs expert widths that are multiples of {FP8_ROW_ALIGN}, "
                          f"not {tuple(weight.shape[1:])} (out, in)")
-    padded = [-(-c // FP8_ROW_ALIGN) * FP8_ROW_ALIGN for c in counts]
-    starts = [0]
-    for size in padded[:-1]:
-        starts.append(starts[-1] + size)
-    rows = torch.tensor([s + i for s, c in zip(starts, counts, strict=True) for i in range(c)], dtype=torch.long,
-                        device=x.device)  # where each real row sits in the padded operand
-    if not sum(padded):
+    if not x.shape[0]:
         return x.new_zeros((0, weight.shape[1]), dtype=torch.bfloat16)
-    operand = x.new_zeros((sum(padded), x.shape[1]), dtype=torch.bfloat16).index_copy(0, rows, x.to(torch.bfloat16))
-    offsets = torch.tensor(padded, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
+    sizes = torch.tensor(counts, dtype=torch.long, device=x.device)
+    padded = (sizes + FP8_ROW_ALIGN - 1) // FP8_ROW_ALIGN * FP8_ROW_ALIGN
+    ends = padded.cumsum(0)
+    # where each real row sits in the padded operand: its own index, shifted by the padding of the
+    # groups before it (a group's padded start less its unpadded one)
+    shift = (ends - padded) - (sizes.cumsum(0) - sizes)
+    rows = torch.arange(x.shape[0], device=x.device) + shift.repeat_interleave(sizes, output_size=x.shape[0])
+    total = sum(-(-c // FP8_ROW_ALIGN) * FP8_ROW_ALIGN for c in counts)  # from the list: no host sync
+    operand = x.new_zeros((total, x.shape[1]), dtype=torch.bfloat16).index_copy(0, rows, x.to(torch.bfloat16))
+    offsets = ends.to(torch.int32)
     out = _to_fp8_rowwise_then_scaled_grouped_mm(operand, weight.to(torch.bfloat16).transpose(-2, -1), offs=offsets,
                                                  out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False)
     return out.index_select(0, rows)
