@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "flywheel"
 
 # The stages, bottom up (docs/ARCHITECTURE.md, "dependencies point one way"): each may import
-# itself, the stages below it and the libraries; `env` imports nothing of flywheel.
+# itself, the stages below it and the libraries; `env` imports nothing of flywheel but `store`
+# (its files: the one durable-write helper).
 STAGES = ("env", "model", "agent", "rl", "live")
 # Libraries that know no stage: they import only themselves, `extras` and `store` (the durable writes every
 # writer shares), and every stage but env may use them.
@@ -33,7 +34,7 @@ LIBRARIES = ("config", "stats", "store", "report", "extras")
 def allowed_imports(unit: str) -> set[str]:
     """The units (top-level packages or modules of flywheel) that `unit` may import."""
     if unit == "env":
-        return {"env"}
+        return {"env", "store"}
     if unit in STAGES:
         return set(STAGES[: STAGES.index(unit) + 1]) | set(LIBRARIES)
     if unit in LIBRARIES:
@@ -103,7 +104,52 @@ def test_the_layering_check_sees_an_arrow_running_up(tmp_path):
     finally:
         module.unlink()
     assert "sim" not in allowed_imports("live") and "sim" not in allowed_imports("rl")
-    assert allowed_imports("env") == {"env"} and "live" not in allowed_imports("report")
+    assert allowed_imports("env") == {"env", "store"} and "live" not in allowed_imports("report")
+
+
+# Module-level state that components share within a process, each standing for something the process
+# has once (docs/ARCHITECTURE.md, "Package layout"): torch's thread count, the sandbox root's lease and
+# watchdog, a loaded embedding model. Anything else a module fills at run time belongs to an object.
+PROCESS_STATE = {"flywheel/model/engine.py:DECODE_THREADS", "flywheel/env/sandbox.py:_LEASES",
+                 "flywheel/env/sandbox.py:_PREPARED", "flywheel/env/embedders.py:_EMBEDDERS"}
+
+
+def module_state(path: Path) -> Iterator[str]:
+    """`path:NAME` of each module-level name bound to an empty container (filled at run time) or to
+    an instance of a class the module defines (an object holding state)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        called = value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) else None
+        empty = (isinstance(value, ast.Dict) and not value.keys
+                 or isinstance(value, ast.List | ast.Set) and not value.elts
+                 or called in ("dict", "list", "set") and not value.args)
+        instance = called in classes
+        if isinstance(target, ast.Name) and (empty or instance):
+            yield f"{path.relative_to(REPO)}:{target.id}"
+
+
+def test_module_level_state_is_only_what_the_architecture_names():
+    found = {name for path in sorted(PACKAGE.rglob("*.py")) for name in module_state(path)}
+    assert found == PROCESS_STATE, (f"module-level state not named in docs/ARCHITECTURE.md: "
+                                    f"{sorted(found - PROCESS_STATE)}; named but gone: {sorted(PROCESS_STATE - found)}")
+
+
+def test_the_module_state_check_sees_a_module_level_registry():
+    module = PACKAGE / "model" / "_probe_for_the_state_test.py"
+    assert not module.exists()
+    module.write_text("class Pool:\n    pass\n\nPOOL = Pool()\n_SEEN: dict[str, int] = {}\nLIMITS = {'a': 1}\n")
+    try:
+        assert set(module_state(module)) == {"flywheel/model/_probe_for_the_state_test.py:POOL",
+                                             "flywheel/model/_probe_for_the_state_test.py:_SEEN"}
+    finally:
+        module.unlink()
 
 
 def _flywheel_models() -> list[type[BaseModel]]:

@@ -31,7 +31,6 @@ import functools
 import io
 import os
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from importlib import metadata
@@ -41,6 +40,7 @@ from typing import Protocol
 import numpy as np
 
 from flywheel.env.environments import cache_dir
+from flywheel.store.files import write_atomic
 
 EMBEDDERS = ("static", "minilm")
 EMBEDDER_CACHE_ENV = "FLYWHEEL_EMBEDDER_CACHE"
@@ -156,11 +156,7 @@ def distill(progress: Callable[[str], None] | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     np.savez(buffer, table=table.astype(np.float16))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(buffer.getvalue())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)  # atomic: a concurrent reader sees no table or the whole one
+    write_atomic(path, buffer.getvalue())  # a concurrent reader sees no table or the whole one
     say(f"static embedder written to {path}")
     return path
 

@@ -139,28 +139,50 @@ def supervise(report_fd, paths):
     for path, code in suites:
         passed = run_suite_in_child(path, code, report_fd, workspace)
         results.update({path + "::" + name: name in passed for name in defined_tests(code)})
-    record = json.dumps({"tests": results}).encode()
-    while record:
-        record = record[os.write(report_fd, record) :]
+    write_report(report_fd, results)
     return 0
 
 
-def run_suite_in_child(path, code, report_fd, workspace):
-    """Fork a child that runs one test file; return the names of the tests whose token came back."""
+def write_report(report_fd, tests):
+    """The verdict, {"tests": {name: passed}}, whole on the report descriptor only the supervisor holds."""
+    record = json.dumps({"tests": tests}).encode()
+    while record:
+        record = record[os.write(report_fd, record) :]
+
+
+def fork_child(report_fd, run):
+    """Fork a child that calls `run(tokens_r, echo_w)` with the report descriptor closed; return
+    (pid, tokens_w, echo_r), the supervisor's ends of the token pipe and of the echo pipe.
+
+    The child reads each passed test's token from `tokens_r` and writes it back on `echo_w`. It
+    never returns into the supervisor's loop: whatever `run` does, it ends in `os._exit`, bound
+    before any workspace code runs (which may patch `os`), and an exception's traceback goes to
+    the child's stderr (the run's log), never to the report."""
     tokens_r, tokens_w = os.pipe()
     echo_r, echo_w = os.pipe()
-    leave = os._exit  # bound before the child runs workspace code, which may patch `os`
+    leave = os._exit
     pid = os.fork()
     if pid == 0:
         try:
             os.close(report_fd)
             os.close(tokens_w)
             os.close(echo_r)
-            run_suite(path, code, tokens_r, echo_w, workspace)
+            run(tokens_r, echo_w)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
         finally:
-            leave(0)  # never back into the supervisor's loop
+            leave(0)
     os.close(tokens_r)
     os.close(echo_w)
+    return pid, tokens_w, echo_r
+
+
+def run_suite_in_child(path, code, report_fd, workspace):
+    """Fork a child that runs one test file; return the names of the tests whose token came back."""
+    pid, tokens_w, echo_r = fork_child(
+        report_fd, lambda tokens_r, echo_w: run_suite(path, code, tokens_r, echo_w, workspace))
     # Made after the fork: the child's memory never held them.
     tokens = {os.urandom(TOKEN_BYTES).hex(): name for name in defined_tests(code)}
     try:
@@ -312,24 +334,8 @@ def supervise_pytest(report_fd, site_dir, args):
     """The grader's pytest mode: one child runs pytest over `args`; write {"tests": {nodeid: True}}."""
     make_undumpable()
     workspace = os.getcwd()
-    tokens_r, tokens_w = os.pipe()
-    echo_r, echo_w = os.pipe()
-    leave = os._exit
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(report_fd)
-            os.close(tokens_w)
-            os.close(echo_r)
-            run_pytest(site_dir, args, tokens_r, echo_w, workspace)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()  # into the run's log: the report only counts tokens
-        finally:
-            leave(0)
-    os.close(tokens_r)
-    os.close(echo_w)
+    pid, tokens_w, echo_r = fork_child(
+        report_fd, lambda tokens_r, echo_w: run_pytest(site_dir, args, tokens_r, echo_w, workspace))
     passed = {}
     token = os.urandom(TOKEN_BYTES).hex().encode()
     pending = bytearray()
@@ -355,9 +361,7 @@ def supervise_pytest(report_fd, site_dir, args):
     os.close(tokens_w)
     os.close(echo_r)
     os.waitpid(pid, 0)
-    record = json.dumps({"tests": passed}).encode()
-    while record:
-        record = record[os.write(report_fd, record) :]
+    write_report(report_fd, passed)
     return 0
 
 
