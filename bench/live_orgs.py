@@ -51,9 +51,10 @@ from pathlib import Path
 
 import torch
 
+from flywheel.api.events import Event, EventType
 from flywheel.live.batch import on_policy_batch
 from flywheel.live.orgs import OrgAdapterConfig, adapter_view, train_org_adapter
-from flywheel.live.records import BACKGROUND, Completion, CompletionToolCall, Event, EventType
+from flywheel.live.records import BACKGROUND, Completion, CompletionToolCall
 from flywheel.live.rewards import Reward, RewardConfig, RewardDistiller, RewardStatus
 from flywheel.live.sessions import gather_background
 from flywheel.live.store import LiveStore

@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from flywheel.live.records import Event, EventType
+from flywheel.api.events import Event, EventType
 
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 

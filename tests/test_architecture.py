@@ -27,8 +27,8 @@ PACKAGE = REPO / "flywheel"
 # (its files: the one durable-write helper).
 STAGES = ("env", "model", "agent", "rl", "live")
 # Libraries that know no stage: they import only themselves, `extras` and `store` (the durable writes every
-# writer shares), and every stage but env may use them.
-LIBRARIES = ("config", "stats", "store", "report", "extras")
+# writer shares), and every stage but env may use them. `api` is the OpenAI wire both servers and the SDK speak.
+LIBRARIES = ("config", "stats", "store", "report", "extras", "api")
 
 
 def allowed_imports(unit: str) -> set[str]:
@@ -41,7 +41,7 @@ def allowed_imports(unit: str) -> set[str]:
         return {unit, "store", "extras"}
     below = set(STAGES) | set(LIBRARIES)
     return {
-        "client": below,  # the SDK: sends the live records
+        "client": {"api"},  # the SDK: sends the wire's events, and knows nothing of the server's stage
         "sim": below | {"client", "sim"},  # stands in for the world, drives everything but the commands
         "demo": below | {"client", "sim"},  # the CLI's demo
         "cli": below | {"client", "sim", "demo", "cli"},
@@ -105,6 +105,7 @@ def test_the_layering_check_sees_an_arrow_running_up(tmp_path):
         module.unlink()
     assert "sim" not in allowed_imports("live") and "sim" not in allowed_imports("rl")
     assert allowed_imports("env") == {"env", "store"} and "live" not in allowed_imports("report")
+    assert allowed_imports("client") == {"api"} and not {"live", "model"} & allowed_imports("api")
 
 
 # Module-level state that components share within a process, each standing for something the process

@@ -73,19 +73,20 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.agent.episode import EpisodeConfig, EpisodeState
 from flywheel.agent.trajectory import INVALID_CALL_PENALTY, Status, Trajectory
+from flywheel.api.errors import ApiError, describe_errors, install_error_handlers
+from flywheel.api.http import RunningServer, read_body
+from flywheel.api.records import openai_tool_call, parse_chat, usage
+from flywheel.api.streaming import stream_message
 from flywheel.env.grading import GradeConfig, grade
 from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import Sandbox, SandboxError
 from flywheel.env.task import Task
 from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
-from flywheel.live.server import ApiError, _errors, _openai_call, _parse_chat, _read_body, _stream_chunks
 from flywheel.model.chat import IM_END, parse_assistant, tools_in_prompt
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import Engine, EngineError, Generation, SamplingParams
@@ -391,7 +392,7 @@ class HarnessServer:
 
     async def complete(self, episode: HarnessEpisode, body: bytes) -> Response:
         received = time.perf_counter()
-        req = _parse_chat(body)
+        req = parse_chat(body)
         if req.tool_choice == "none":
             raise ApiError(400, "tool_choice 'none' is not supported on a harness episode: the episode's tools are the "
                            "model's; leave tool_choice unset or 'auto'", param="tool_choice")
@@ -428,7 +429,7 @@ class HarnessServer:
             content, calls, unknown = self._calls(answer, declared, completion_id)
             message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
             if calls:
-                message["tool_calls"] = [_openai_call(c) for c in calls]
+                message["tool_calls"] = [openai_tool_call(c) for c in calls]
             segment_index = episode.ledger.record(plan, generation, messages, message, calls)
         served = ServedCompletion(
             id=completion_id, segment=segment_index, prompt_ids=list(prompt_ids),
@@ -444,8 +445,7 @@ class HarnessServer:
                 raise ApiError(503, "this episode was stopped (its run is shutting down); end the harness",
                                "server_error", "episode_stopped") from None
         finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(generation.token_ids),
-                 "total_tokens": len(prompt_ids) + len(generation.token_ids)}
+        counts = usage(len(prompt_ids), len(generation.token_ids))
         head = {"id": completion_id, "created": int(time.time()), "model": req.model,
                 "system_fingerprint": f"flywheel-v{generation.versions[-1] if generation.versions else -1}",
                 "flywheel": {"episode": episode.id, "segment": served.segment, "engine_ms": round(engine_ms, 3),
@@ -454,9 +454,9 @@ class HarnessServer:
             from fastapi.responses import StreamingResponse  # noqa: PLC0415  (streaming harnesses only)
 
             include_usage = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_stream_chunks(head, message, finish, None, usage if include_usage else None),
+            return StreamingResponse(stream_message(head, message, finish, None, counts if include_usage else None),
                                      media_type="text/event-stream")
-        payload = {**head, "object": "chat.completion", "usage": usage,
+        payload = {**head, "object": "chat.completion", "usage": counts,
                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}]}
         return Response(json.dumps(payload), media_type="application/json")
 
@@ -488,7 +488,7 @@ class HarnessServer:
         try:
             req = _ExecRequest.model_validate_json(body)
         except ValidationError as exc:
-            raise ApiError(400, f"invalid exec request: {_errors(exc)}") from None
+            raise ApiError(400, f"invalid exec request: {describe_errors(exc)}") from None
         exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in req.env.items() if k.isidentifier())
         command = f"{exports}{req.shell} -c {shlex.quote(req.command)}"
         timeout = min(req.timeout_s or self.config.exec_timeout_s, self.config.exec_timeout_s)
@@ -503,23 +503,12 @@ class HarnessServer:
 
     def _create_app(self) -> FastAPI:
         app = FastAPI(title="flywheel harness", docs_url=None, redoc_url=None, openapi_url=None)
-
-        @app.exception_handler(ApiError)
-        async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-            return exc.response()
-
-        @app.exception_handler(StarletteHTTPException)
-        async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-            return ApiError(exc.status_code, str(exc.detail)).response()
-
-        @app.exception_handler(RequestValidationError)
-        async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-            return ApiError(400, f"invalid request: {exc.errors()[:3]}").response()
+        install_error_handlers(app)
 
         @app.post("/episodes/{episode_id}/v1/chat/completions")
         async def chat_completions(episode_id: str, request: Request) -> Response:
             episode = self._episode(episode_id, request)
-            return await self.complete(episode, await _read_body(request, 4 << 20))
+            return await self.complete(episode, await read_body(request, 4 << 20))
 
         @app.get("/episodes/{episode_id}/v1/models")
         async def models(episode_id: str, request: Request) -> dict[str, Any]:
@@ -530,7 +519,7 @@ class HarnessServer:
         @app.post("/episodes/{episode_id}/exec")
         async def execute(episode_id: str, request: Request) -> Response:
             episode = self._episode(episode_id, request)
-            body = await _read_body(request, 2 << 20)
+            body = await read_body(request, 2 << 20)
             return Response(json.dumps(await run_in_threadpool(self.execute, episode, body)),
                             media_type="application/json")
 
@@ -538,8 +527,6 @@ class HarnessServer:
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> Any:
         """Run the endpoints on a background thread (a `RunningServer`); `base_url` is set from it."""
-        from flywheel.live.server import RunningServer  # noqa: PLC0415
-
         running = RunningServer(self.app, host, port)
         self.base_url = running.url
         return running

@@ -52,8 +52,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flywheel.api.events import Event, EventType
 from flywheel.live.deploy import PINNED
-from flywheel.live.records import Completion, Event, EventType
+from flywheel.live.records import Completion
 from flywheel.live.rewards import EDIT_TOOLS, Reward, RewardDistiller, distill_sessions, made_edit
 from flywheel.live.store import LiveStore
 from flywheel.stats import Moments, fisher_tails, normal_two_sided_p, z_quantile

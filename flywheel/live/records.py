@@ -1,11 +1,8 @@
-"""The records of real-time RL: what the server served (`Completion`) and what the user did (`Event`).
+"""The records of real-time RL: what the server served (`Completion`). What the user did, the
+`Event`, is the client's record and lives with the wire (flywheel/api/events.py).
 
 A `Completion` is written before its response leaves the server, so every answer a user saw can be
-joined to the feedback that arrives later. An `Event` is made by the client, which picks its id:
-ingestion is idempotent on that id, so a client that retries after a lost acknowledgement never
-counts the same reaction twice. Feedback names either the completion it is about or only the
-session (outcomes like "the session ended unhappy"); `RewardDistiller` assigns session-level events
-to the session's completions by a documented rule.
+joined to the feedback that arrives later, by its id.
 
 Per-token arrays of a completion (`completion_ids`, `logprobs`) have equal lengths; together with
 `prompt_ids` and `version` they are exactly what the Learner needs for an on-policy update. A
@@ -23,7 +20,6 @@ no record can make a later read of the store fail.
 from __future__ import annotations
 
 import math
-from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -72,21 +68,6 @@ def storable(value: Any, where: str = "value", depth: int = 0) -> str | None:
     return f"{where} is a {type(value).__name__}, not a JSON value"
 
 
-class EventType(StrEnum):
-    EDIT_APPLIED = "edit_applied"  # the editor applied the agent's edit
-    EDIT_PERSISTED = "edit_persisted"  # the edit was still there after the horizon
-    EDIT_REVERTED = "edit_reverted"  # the user undid the edit within the horizon
-    FOLLOWUP = "followup"  # the user wrote again; payload {"dissatisfied": bool}
-    THUMBS = "thumbs"  # explicit rating; payload {"up": bool}
-    SESSION_END = "session_end"  # payload {"outcome": "success" | "unhappy" | "abandoned"}
-    # A background session's result, judged hours later: payload {"outcome": one of OUTCOMES}
-    # (flywheel/live/sessions.py credits it to the whole session).
-    OUTCOME = "outcome"
-
-
-# A background session's outcomes, best first: the user accepted the result, merged it, their CI
-# ran green on it; or reverted it, or abandoned the session.
-OUTCOMES = ("accepted", "merged", "ci_green", "reverted", "abandoned")
 INTERACTIVE, BACKGROUND = "interactive", "background"
 
 
@@ -145,12 +126,3 @@ class Completion(BaseModel):
         """Answered in words without calling any tool: a question or a refusal to act."""
         return not self.tool_calls and bool(self.content.strip())
 
-
-class Event(BaseModel):
-    id: str  # chosen by the client; the idempotency key
-    type: EventType
-    session_id: str
-    completion_id: str | None = None  # None for session-level outcomes
-    time: float
-    payload: dict[str, Any] = Field(default_factory=dict)
-    org_id: str = ""  # the organization of the key that sent it (the server sets it; "" = none)

@@ -91,7 +91,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.agent.trajectory import INVALID_CALL_PENALTY
-from flywheel.live.records import BACKGROUND, OUTCOMES, Completion, Event, EventType
+from flywheel.api.events import OUTCOMES, Event, EventType
+from flywheel.live.records import BACKGROUND, Completion
 from flywheel.live.store import LiveStore
 
 EDIT_TOOLS = ("edit_file",)

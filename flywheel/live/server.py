@@ -5,24 +5,23 @@
     POST /v1/chat/completions  [inference] ──Router: session ──> arm, version ──> that version's Engine
                                             ──> parse tool calls ──> LiveStore.add_completion
                                             ──> response (id = completion id)
-    POST /v1/completions       [inference]  a raw prompt, text or token ids; the sampled ids come back
-                                            (`flywheel.prompt_token_ids`, `flywheel.token_ids`): token in, token out
-    GET  /v1/models            [inference]  the routed name and every served version
-    GET  /v1/models/{id}       [inference]  one of them, or 404
+    POST /v1/completions       [inference]  a raw prompt, text or token ids: token in, token out
+    GET  /v1/models[/{id}]     [inference]  the routed name and every served version
     POST /v1/events            [events]     a batch; per event accepted | duplicate | rejected (reason);
                                             200 only after commit
-    GET|POST /v1/admin/deployment [admin]   read or change production / candidate / candidate_fraction
-    POST /v1/admin/deployment/sync [admin]  re-read the Registry's aliases (after `flywheel registry promote`)
-    GET  /v1/admin/orgs        [admin]      the shared deployment, and each organization's own (adapters)
-    GET|PUT /v1/admin/orgs/{org}/deployment [admin]  read or change one organization's deployment of its
-                                            adapters ({"deployment": null}: back to the shared one); stored in
-                                            the live store's org_deployments, which every replica follows
-    GET  /dashboard            [dashboard]  HTML: flywheel.report's views, live; polls GET /dashboard/data
-    GET  /dashboard/data       [dashboard]  {"html": the page's sections, "data": build_report_data's dict}
-    GET  /metrics              [dashboard]  Prometheus text format (flywheel/live/metrics.py): requests, latency
-                                            histograms, tokens, per-arm counts, engine in-flight, events
+    GET|POST /v1/admin/deployment[/sync]    [admin]  what is served; re-read the Registry's aliases
+    GET  /v1/admin/orgs, GET|PUT /v1/admin/orgs/{org}/deployment  [admin]  organizations' adapters
+    GET  /dashboard, /dashboard/data, /metrics  [dashboard]  the live dashboard, Prometheus metrics
     GET  /health                            no key needed
     GET  /openapi.json                      the OpenAPI document of all of the above (tests fuzz every operation)
+
+Here: the server's state (`LiveServer`: the Router and the engines it serves, the LiveStore, the
+keys, the deployment every replica follows, organizations' own Routers), its config, and the app
+that puts the routes together. The routes, one module per audience, each opening with its own
+endpoints in detail: flywheel/live/openai_routes.py [inference], event_routes.py [events],
+admin_routes.py [admin], dashboard_routes.py [dashboard]. The wire itself (OpenAI's request and
+response records, errors, streaming chunks, body limits) is flywheel/api, which the harness server
+(flywheel/live/harness.py) speaks too.
 
 Keys: `Authorization: Bearer KEY`; each key has scopes (`inference`, `events`, `admin`, `dashboard`)
 from the config's `[keys]` table. No or unknown key: 401; a key without the endpoint's scope: 403.
@@ -77,13 +76,13 @@ Streaming is real: the engine hands each token to the server as it samples it
 choices' chunks are interleaved as their tokens come, each naming its `index` and its own
 `completion_id` under the response's one `id`, the usage chunk counting them all. Each token
 becomes a content chunk (text before a tool call's markup; the calls follow as tool_call deltas
-once parsed); the completion is stored before the last chunk,
-which carries `flywheel.ttft_ms`, the time from the request to its first token. `stop` sequences
-cut the answer where one first appears in the sampled text (`_Call._stopped`): the Completion keeps
-the shortest prefix of sampled tokens that holds it, and the text ends before it. A tool call the
-model wrote badly is still returned in `tool_calls` (name "?" when it
-could not be read) with an extra `error` field, and recorded as invalid: a client answers it with
-the error, as the episode runner does, and nothing is dropped.
+once parsed); the completion is stored before the last chunk, which carries `flywheel.ttft_ms`,
+the time from the request to its first token. `stop` sequences cut the answer where one first
+appears in the sampled text (openai_routes.py's `_Call._stopped`): the Completion keeps the
+shortest prefix of sampled tokens that holds it, and the text ends before it. A tool call the
+model wrote badly is still returned in `tool_calls` (name "?" when it could not be read) with an
+extra `error` field, and recorded as invalid: a client answers it with the error, as the episode
+runner does, and nothing is dropped.
 
 `tool_choice: "none"` leaves the tools out of the prompt and returns whatever the model writes as
 its text, with no tool call. The Completion records the temperature and top-p it was sampled with.
@@ -98,53 +97,41 @@ requests that are served.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import hashlib
-import json
 import logging
 import os
-import re
 import socket
 import threading
-import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
+from flywheel.api.errors import ApiError, install_error_handlers
+from flywheel.api.events import EventBatch
+from flywheel.api.http import RunningServer, json_reply
+from flywheel.api.records import MAX_ID_CHARS, ChatRequest, TextCompletionRequest
+from flywheel.live.admin_routes import admin_router
+from flywheel.live.dashboard_routes import DashboardView, dashboard_router
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
+from flywheel.live.event_routes import events_router
 from flywheel.live.metrics import MeasuredRequests, ServerMetrics
-from flywheel.live.monitors import Monitor, MonitorConfig
-from flywheel.live.records import BACKGROUND, INTERACTIVE, Completion, CompletionToolCall, Event, storable
-from flywheel.live.rewards import RewardConfig, RewardDistiller
-from flywheel.live.sessions import SessionMonitor, SessionMonitorConfig, watch
-from flywheel.live.store import Ingest, LiveStore
-from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, parse_assistant, tools_in_prompt
-from flywheel.model.conversation import ConversationEncoder, PromptTooLong
-from flywheel.model.engine import Engine, EngineConfig, EngineError, SamplingParams
+from flywheel.live.monitors import MonitorConfig
+from flywheel.live.openai_routes import openai_router
+from flywheel.live.rewards import RewardConfig
+from flywheel.live.sessions import SessionMonitorConfig
+from flywheel.live.store import LiveStore
+from flywheel.model.conversation import ConversationEncoder
+from flywheel.model.engine import Engine, EngineConfig
 from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import CANDIDATE, Registry
-from flywheel.report import build_report_data, dashboard_page, render_body
 
 log = logging.getLogger(__name__)
 
 Scope = Literal["inference", "events", "admin", "dashboard"]
 SCOPES: tuple[Scope, ...] = ("inference", "events", "admin", "dashboard")
 DASHBOARD_SCOPES = frozenset({"dashboard", "admin"})
-_MAX_ID_CHARS = 200
-_MAX_CHOICES = 16  # choices of one chat request (n); each is an engine request of its own
-_MAX_VERSION = 10**9 - 1
-_VERSION_NAME = re.compile(r"v(\d{1,9})")  # 9 digits: int() and SQLite take it
-_HEADER_SAFE_ID = re.compile(rf"[!-~]{{1,{_MAX_ID_CHARS}}}")
 
 
 class DashboardConfig(BaseModel):
@@ -235,416 +222,8 @@ class ServeConfig(BaseModel):
         return self.store_url or self.store_path
 
 
-# ---- the request schema (OpenAI's chat completions, the parts we serve)
-
-
-class ApiError(Exception):
-    """An error response: status, OpenAI error type and a message that says the fix."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
-
-    def response(self) -> JSONResponse:
-        # A body refused unread stays on the wire: the connection cannot carry another request, and
-        # saying so lets the client open a new one instead of finding it reset (draining it instead
-        # would let anyone make the server read gigabytes).
-        headers = {"connection": "close"} if self.code == "body_too_large" else None
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "code": self.code,
-                                       "param": self.param}}, status_code=self.status, headers=headers)
-
-
-class _TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class _Function(BaseModel):
-    name: str
-    arguments: str | dict[str, Any] = "{}"
-
-
-class _MessageToolCall(BaseModel):
-    id: str = ""
-    type: Literal["function"] = "function"
-    function: _Function
-
-
-def _message_schema(schema: dict[str, Any]) -> None:
-    """ChatMessage's JSON schema says what `_content` checks: content is required except for assistant
-    messages, and only they carry tool_calls (so a schema-valid message is a valid message)."""
-    props = schema["properties"]
-    assistant = {"type": "object", "required": ["role"], "properties": {
-        **props, "role": {"const": "assistant"}}}
-    other = {"type": "object", "required": ["role", "content"], "properties": {
-        **props, "role": {"enum": ["system", "developer", "user", "tool"]},
-        "content": {"anyOf": [s for s in props["content"]["anyOf"] if s.get("type") != "null"]},
-        "tool_calls": {"type": "null"}}}
-    title = schema.get("title", "ChatMessage")
-    schema.clear()
-    schema.update({"title": title, "oneOf": [assistant, other]})
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_message_schema)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[_TextPart] | None = None
-    tool_calls: list[_MessageToolCall] | None = None
-    tool_call_id: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
-    def as_template_message(self) -> dict[str, Any]:
-        """The dict `render_messages` takes (developer is OpenAI's newer name for system)."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-        if self.tool_calls:
-            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        return message
-
-    @model_validator(mode="after")
-    def _content(self) -> ChatMessage:
-        if self.role != "assistant" and self.content is None:
-            raise ValueError(f"a {self.role} message needs content")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        return self
-
-
-class _FunctionSpec(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str = ""
-    parameters: dict[str, Any] | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _parameters(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
-        if parameters is None:
-            return None
-        properties = parameters.get("properties", {})
-        if not isinstance(properties, dict) or not all(isinstance(v, dict) for v in properties.values()):
-            raise ValueError("parameters.properties must be an object of JSON schemas")
-        required = parameters.get("required", [])
-        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-            raise ValueError("parameters.required must be a list of argument names")
-        return parameters
-
-
-class _ToolSpec(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["function"]
-    function: _FunctionSpec
-
-
-class _NamedFunction(BaseModel):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-class _NamedToolChoice(BaseModel):
-    type: Literal["function"]
-    function: _NamedFunction
-
-
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # other OpenAI fields (penalties, seed, ...) are accepted and ignored
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    # Kept as sent, so the system prompt renders them byte for byte as the client wrote them.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none", "required"] | _NamedToolChoice | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = False
-    # with logprobs: the k most likely tokens at each position (not streamed, not /v1/completions yet)
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # same seed and request: the same answer
-    frequency_penalty: float | None = None  # refused unless 0 (below)
-    presence_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
-    stream: bool | None = False
-    stream_options: dict[str, Any] | None = None
-    n: int | None = Field(default=1, ge=1, le=_MAX_CHOICES)  # n > 1: a GRPO group in one request
-    stop: str | list[str] | None = None
-    response_format: dict[str, Any] | None = None
-    user: str | None = Field(default=None, max_length=_MAX_ID_CHARS)
-    metadata: dict[str, Any] | None = None
-    # extra_body; it goes back in the x-session-id header, hence visible ASCII
-    # (documented here, checked with the header's and metadata's in `_identity`, whose message says the fix)
-    session_id: str | None = Field(default=None, json_schema_extra={"pattern": rf"^[!-~]{{1,{_MAX_ID_CHARS}}}$"})
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        for i, tool in enumerate(tools or []):
-            try:
-                _ToolSpec.model_validate(tool)
-            except ValidationError as exc:
-                raise ValueError(f"tools[{i}] is not {{'type': 'function', 'function': {{'name', 'parameters'}}}}: "
-                                 f"{_first_error(exc)}") from None
-        return tools
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, stop: str | list[str] | None) -> list[str] | None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if stops is not None and (len(stops) > 4 or not all(0 < len(x) <= 200 for x in stops)):
-            raise ValueError("stop takes at most 4 sequences of 1 to 200 characters each")
-        return stops or None
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _penalty(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError("frequency and presence penalties are not supported (the engine samples from the "
-                             "model's distribution, which the Learner's logprobs must match); leave them unset or 0")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value:
-            raise ValueError("logit_bias is not supported (the sampled tokens' logprobs must be the model's); "
-                             "leave it unset")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        return fmt
-
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors(include_url=False)[0]
-    where = ".".join(str(p) for p in err["loc"])
-    return f"{where}: {err['msg']}" if where else err["msg"]
-
-
-def _errors(exc: ValidationError, limit: int = 3) -> str:
-    parts = []
-    for err in exc.errors(include_url=False)[:limit]:
-        where = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
-    more = exc.error_count() - limit
-    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
-
-
-# ---- the response schema (what /openapi.json documents; the fuzz test checks every response against it)
-
-
-class _ErrorBody(BaseModel):
-    message: str
-    type: str
-    code: str | None
-    param: str | None
-
-
-class ErrorResponse(BaseModel):
-    """Every 4xx (and the 503 of a changing deployment): OpenAI's error shape."""
-
-    error: _ErrorBody
-
-
-class _ReplyToolCall(BaseModel):
-    model_config = ConfigDict(extra="allow")  # `error`: why a call the model wrote is invalid
-    id: str
-    type: Literal["function"]
-    function: _Function
-
-
-class _ReplyMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str | None
-    tool_calls: list[_ReplyToolCall] | None = None
-
-
-class _TokenLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[dict[str, Any]]
-
-
-class _Logprobs(BaseModel):
-    content: list[_TokenLogprob]
-
-
-class _Choice(BaseModel):
-    index: int
-    message: _ReplyMessage
-    logprobs: _Logprobs | None
-    finish_reason: Literal["stop", "length", "tool_calls"]
-    completion_id: str | None = None  # n > 1: this choice's Completion (the id its feedback events name)
-
-
-class _Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class _Served(BaseModel):
-    version: int
-    arm: str
-    session_id: str
-    engine_ms: float
-    ttft_ms: float | None = None  # streamed: from the request to its first token
-    # Declared tools a model trained on flywheel's own (no `tools_in_prompt`) does not know: it never
-    # saw their schemas and will not call them.
-    unknown_tools: list[str] | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[_Choice]
-    usage: _Usage
-    flywheel: _Served
-
-
-class _ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[_ModelCard]
-
-
-class TextCompletionRequest(BaseModel):
-    """POST /v1/completions: a raw prompt, as text or as token ids (token in, token out for RL
-    frameworks). Not chat-templated: the prompt is exactly the tokens the engine sees."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    logprobs: int | None = Field(default=None, ge=0, le=1)  # 1: the sampled token's logprob (no alternatives)
-    n: int | None = Field(default=1, ge=1, le=1)
-    stream: Literal[False] | None = False
-    echo: Literal[False] | None = False
-    user: str | None = Field(default=None, max_length=_MAX_ID_CHARS)
-    metadata: dict[str, Any] | None = None
-    session_id: str | None = Field(default=None, json_schema_extra={"pattern": rf"^[!-~]{{1,{_MAX_ID_CHARS}}}$"})
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, prompt: str | list[int]) -> str | list[int]:
-        if isinstance(prompt, list) and any(not 0 <= t < 2**31 for t in prompt):
-            raise ValueError("prompt token ids must be non-negative integers below 2**31")
-        return prompt
-
-
-class _TextChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length"]
-
-
-class _ServedTokens(_Served):
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-
-
-class TextCompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[_TextChoice]
-    usage: _Usage
-    flywheel: _ServedTokens
-
-
-class _Rejected(BaseModel):
-    index: int
-    id: str | None
-    reason: str
-
-
-class EventsResponse(BaseModel):
-    accepted: list[str]
-    duplicate: list[str]
-    rejected: list[_Rejected]
-
-
-class EventBatch(BaseModel):
-    """The body of POST /v1/events (documented; the server parses it event by event, see `ingest`)."""
-
-    events: list[dict[str, Any]]
-
-
-class DeploymentResponse(BaseModel):
-    deployment: Deployment
-    served_versions: list[int]
-    previous: Deployment | None = None
-
-
-class OrgDeploymentRequest(BaseModel):
-    """PUT /v1/admin/orgs/{org}/deployment: the organization's adapters, or null for the shared deployment."""
-
-    model_config = ConfigDict(extra="forbid")
-    deployment: Deployment | None
-
-
-class OrgDeploymentResponse(BaseModel):
-    org_id: str
-    deployment: Deployment | None  # None: served the shared deployment
-    served_versions: list[int]  # the adapters its own Router serves
-    adapters: list[int]  # every adapter the Registry holds for it
-    previous: Deployment | None = None  # PUT only: what it was served before
-
-
-class OrgList(BaseModel):
-    shared: Deployment
-    orgs: list[OrgDeploymentResponse]  # organizations of the [orgs] keys, with a deployment, or with adapters
-
-
 class Health(BaseModel):
     status: Literal["ok"]
-
-
-class DashboardData(BaseModel):
-    model_config = ConfigDict(extra="allow")  # `data`: build_report_data's dict, unless html_only=1
-    generated_at: float
-    html: str
-
-
-def _json_reply(model: type[BaseModel], *errors: int, stream: bool = False) -> dict[int | str, dict[str, Any]]:
-    """FastAPI `responses`: 200 with `model` (or SSE too), and each status in `errors` with ErrorResponse."""
-    ok: dict[str, Any] = {"model": model}
-    if stream:
-        # Each server-sent event: `data` holds a chat.completion.chunk as JSON, or [DONE] at the end.
-        ok["content"] = {"text/event-stream": {"schema": {
-            "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}}
-    return {200: ok, **{status: {"model": ErrorResponse} for status in errors}}
-
-
-def _json_body(model: type[BaseModel]) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
-
-
-_KEY_PARAMETER = {"name": "key", "in": "query", "required": False, "schema": {"type": "string"},
-                  "description": "an API key with the dashboard or admin scope (a browser cannot send a header)"}
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
@@ -700,8 +279,7 @@ class LiveServer:
         # server serves what the store says at its first poll).
         self._org_seqs: dict[str, int] = {}
         self._encoders: dict[int, ConversationEncoder] = {}  # by version: a checkpoint's tokenizer never changes
-        self._dashboard_lock = threading.Lock()
-        self._dashboard: tuple[float, dict[str, Any]] | None = None  # (monotonic time computed, data)
+        self.dashboard = DashboardView(self)  # what /dashboard shows, recomputed at most every refresh_s
         # The deployments row this replica serves; a newer one was written by another replica.
         self._deploy_lock = threading.Lock()
         latest = self.store.latest_deployment()
@@ -766,6 +344,27 @@ class LiveServer:
                 self.follow_org_deployments()
             except Exception:  # noqa: BLE001  (a failed poll is logged and retried; the loop must outlive it)
                 log.exception("following the deployment failed; retrying in %s s", self.config.deployment_poll_s)
+
+    def router_for(self, org_id: str) -> Router:
+        """The Router that serves `org_id`: its own, when it has adapters deployed, else the shared one."""
+        return self._org_routers.get(org_id, self.router)
+
+    def org_router(self, org_id: str) -> Router | None:
+        """The organization's own Router, or None (it is served the shared deployment)."""
+        return self._org_routers.get(org_id)
+
+    def served_orgs(self) -> list[str]:
+        """The organizations served their own deployment of adapters."""
+        return list(self._org_routers)
+
+    def encoder(self, version: int, tokenizer: Any) -> ConversationEncoder:
+        """Version `version`'s ConversationEncoder, whose cache of encoded messages outlives a request."""
+        encoder = self._encoders.get(version)
+        if encoder is None:
+            served = set(self.router.served_versions())  # retired versions' caches go with them
+            self._encoders = {v: e for v, e in self._encoders.items() if v in served}
+            encoder = self._encoders[version] = ConversationEncoder(tokenizer)
+        return encoder
 
     def org_deployment(self, org_id: str) -> Deployment | None:
         """The organization's own deployment of adapters, or None (it is served the shared one)."""
@@ -882,11 +481,11 @@ class LiveServer:
         key = request.headers.get("authorization", "").partition(" ")[2]
         return self._orgs.get(hashlib.sha256(key.strip().encode()).digest())
 
-    def _request_org(self, request: Request, meta: dict[str, Any]) -> str:
+    def request_org(self, request: Request, meta: dict[str, Any]) -> str:
         """The key's organization, else metadata["org_id"] (popped from `meta`), else ""."""
         claimed, key_org = meta.pop("org_id", None), self.key_org(request)
-        if claimed is not None and (not isinstance(claimed, str) or len(claimed) > _MAX_ID_CHARS):
-            raise ApiError(400, f"metadata.org_id must be a string of at most {_MAX_ID_CHARS} characters",
+        if claimed is not None and (not isinstance(claimed, str) or len(claimed) > MAX_ID_CHARS):
+            raise ApiError(400, f"metadata.org_id must be a string of at most {MAX_ID_CHARS} characters",
                            param="metadata")
         if key_org is not None and claimed not in (None, key_org):
             raise ApiError(403, f"this key belongs to organization {key_org!r}, not {claimed!r}; drop "
@@ -898,31 +497,6 @@ class LiveServer:
         if scopes is None:
             raise ApiError(401, "invalid API key", "authentication_error", "invalid_api_key")
         return scopes
-
-    def dashboard_data(self) -> dict[str, Any]:
-        """What /dashboard shows (`flywheel.report.build_report_data`): the configured run folders, and the
-        monitors over this store's completions of the last `horizon_s`. Recomputed at most every `refresh_s`."""
-        config = self.config.dashboard
-        with self._dashboard_lock:
-            if self._dashboard is not None and time.monotonic() - self._dashboard[0] < config.refresh_s:
-                return self._dashboard[1]
-            now = time.time()
-            d = self.deployment
-            # The cycle's own window and monitors, per answer and per session (flywheel/live/sessions.py).
-            watched = watch(self.store, RewardDistiller(config.rewards), Monitor(config.monitor),
-                            SessionMonitor(config.session_monitor), now, config.horizon_s, d.production)
-            monitors = watched.report
-            live = {"production": f"v{d.production}",
-                    "candidate": "none" if d.candidate is None else f"v{d.candidate} ({d.candidate_fraction:.0%} of "
-                                                                    "sessions)",
-                    "completions": self.store.count_completions(), "events": self.store.count_events()}
-            data = build_report_data(config.report_dirs, live=live, title="flywheel dashboard", monitors={
-                "source": f"this server's last {config.horizon_s / 3600:g} h ({watched.completions} completions, "
-                          f"{watched.sessions} background sessions, "
-                          f"{config.monitor.window_s:g} s windows)",
-                "series": monitors.series, "alarms": monitors.alarms})
-            self._dashboard = (time.monotonic(), data)
-            return data
 
     def close(self) -> None:
         self._stop.set()
@@ -940,586 +514,6 @@ class LiveServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- the work behind the endpoints
-
-    async def complete(self, request: Request, body: bytes) -> Response:
-        started, created = time.perf_counter(), time.time()
-        req = _parse_chat(body)
-        n = req.n or 1
-        if req.top_logprobs and (req.stream or not req.logprobs):
-            raise ApiError(400, "top_logprobs > 0 needs logprobs: true and is not supported with stream; set logprobs, "
-                           "or leave stream unset", param="top_logprobs")
-        session_id, user_id, meta = _identity(req, request)
-        org_id = self._request_org(request, meta)
-        session_kind = meta.pop("session_kind", INTERACTIVE)
-        if session_kind not in (INTERACTIVE, BACKGROUND):
-            raise ApiError(400, f"metadata.session_kind must be {INTERACTIVE!r} or {BACKGROUND!r} (a long agent "
-                           "session judged by one outcome event)", param="metadata")
-        pinned = self._pinned_version(req.model)
-        router = self._org_routers.get(org_id, self.router) if pinned is None else self.router
-        try:
-            lease = router.checkout(session_id, pinned)
-        except NotServed as exc:
-            if pinned is not None:
-                raise ApiError(404, f"{exc}; ask for {self.config.model_name!r} to be routed", code="model_not_found",
-                               param="model") from None
-            raise ApiError(503, f"{exc}; the deployment is changing, retry", "server_error") from None
-        released = False
-        try:
-            tools = req.tools if req.tools and req.tool_choice != "none" else None
-            forced = _forced_call(req, tools)
-            encoder = self._encoders.get(lease.version)
-            if encoder is None:
-                served = set(self.router.served_versions())  # retired versions' caches go with them
-                self._encoders = {v: e for v, e in self._encoders.items() if v in served}
-                encoder = self._encoders[lease.version] = ConversationEncoder(lease.tokenizer)
-            max_tokens = self._max_tokens(req)
-            # Off the event loop: a large prompt's tokenization must not stall every other request.
-            try:
-                prompt_ids, fresh = await run_in_threadpool(
-                    encoder.encode_request, [m.as_template_message() for m in req.messages],
-                    tools if tools_in_prompt(lease.tokenizer) else None, self.config.max_context_tokens - max_tokens)
-            except PromptTooLong as exc:
-                raise self._too_long(f"at least {exc.at_least}", max_tokens) from None
-            # tool_choice "required" or a named function: the assistant turn starts with the call's
-            # opening, written by the template (prompt tokens, never trained on), and the model goes on.
-            prompt_ids = prompt_ids + (encoder.text(forced) if forced else [])
-            sampling = self._sampling(req, len(prompt_ids), lease.tokenizer)
-            encoder.remember(fresh)  # only now: a refused request leaves nothing in the cache
-            queues: list[asyncio.Queue[tuple[int, float] | None]] = []  # one per choice, when streamed
-            loop = asyncio.get_running_loop()
-
-            def streamed(p: SamplingParams) -> SamplingParams:
-                """Real streaming: each of the choice's tokens reaches the client as the engine samples it."""
-                if not req.stream:
-                    return p
-                tokens: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
-                queues.append(tokens)
-
-                def on_token(token_id: int, logprob: float) -> None:
-                    try:
-                        loop.call_soon_threadsafe(tokens.put_nowait, (token_id, logprob))
-                    except RuntimeError:  # the server's loop closed under a request: nobody reads it
-                        pass
-
-                return dataclasses.replace(p, on_token=on_token)
-
-            params = streamed(sampling)
-            engine_started = time.perf_counter()
-            in_flight = self.metrics.in_flight.labels(f"v{lease.version}")
-            in_flight.inc()
-            try:
-                future = asyncio.wrap_future(lease.engine.submit(prompt_ids, params))
-            except EngineError as exc:  # the engine's loop died or it was closed: not the request's fault
-                in_flight.dec()
-                raise self._engine_failed(lease.version, exc) from None
-            call = _Call(self, req, lease, session_id, user_id, meta, prompt_ids, params, forced, started, created,
-                         engine_started, in_flight, future, router, org_id, session_kind)
-            released = True  # from here the call gives the lease back when the engine is done with it
-            calls = [call]
-            for i in range(1, n):  # the rest of the group: the same session, so the same arm and version
-                try:
-                    extra = router.checkout(session_id, pinned)
-                except NotServed as exc:
-                    raise ApiError(503, f"{exc}; the deployment is changing, retry", "server_error") from None
-                seeded = streamed(sampling if req.seed is None
-                                  else dataclasses.replace(sampling, seed=(req.seed + i) % 2**63))
-                in_flight.inc()
-                try:
-                    future = asyncio.wrap_future(extra.engine.submit(prompt_ids, seeded))
-                except EngineError as exc:
-                    in_flight.dec()
-                    router.release(extra)
-                    raise self._engine_failed(extra.version, exc) from None
-                calls.append(_Call(self, req, extra, session_id, user_id, meta, prompt_ids, seeded, forced, started,
-                                   created, engine_started, in_flight, future, router, org_id, session_kind))
-            if req.stream:  # the choices' chunks interleaved as their tokens come, each with its index
-                include_usage = bool((req.stream_options or {}).get("include_usage"))
-                return StreamingResponse(_stream_choices(calls, queues, include_usage),
-                                         media_type="text/event-stream", headers=call.headers())
-            generations = [await c.generation() for c in calls]
-        finally:
-            if not released:
-                router.release(lease)
-        payloads = [await c.finish(g) for c, g in zip(calls, generations, strict=True)]
-        payload = payloads[0]
-        if n > 1:  # one response, one Completion per choice (each its own id for feedback)
-            payload["choices"] = [{**p["choices"][0], "index": i, "completion_id": p["id"]}
-                                  for i, p in enumerate(payloads)]
-            completion_tokens = sum(p["usage"]["completion_tokens"] for p in payloads)
-            payload["usage"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                                "total_tokens": len(prompt_ids) + completion_tokens}
-        return Response(json.dumps(payload), media_type="application/json", headers=call.headers())
-
-    async def complete_text(self, request: Request, body: bytes) -> Response:
-        """POST /v1/completions: the prompt's tokens as given (or the text's), the engine's tokens back."""
-        started, created = time.perf_counter(), time.time()
-        try:
-            req = TextCompletionRequest.model_validate_json(body)
-        except ValidationError as exc:
-            raise ApiError(400, f"invalid completion request: {_errors(exc)}") from None
-        session_id, user_id, meta = _identity(req, request)
-        pinned = self._pinned_version(req.model)
-        try:
-            lease = self.router.checkout(session_id, pinned)
-        except NotServed as exc:
-            status = 404 if pinned is not None else 503
-            raise ApiError(status, f"{exc}; retry, or ask for {self.config.model_name!r}", code="model_not_found"
-                           if pinned is not None else None, param="model") from None
-        try:
-            tokenizer = lease.tokenizer
-            if isinstance(req.prompt, str):
-                prompt_ids = await run_in_threadpool(
-                    lambda: tokenizer(req.prompt, add_special_tokens=False)["input_ids"])
-            else:
-                prompt_ids = list(req.prompt)
-            vocab = len(tokenizer)
-            if not prompt_ids or max(prompt_ids) >= vocab:
-                raise ApiError(400, f"the prompt is empty or holds a token id outside this model's vocabulary of "
-                               f"{vocab}; encode it with the served tokenizer", param="prompt")
-            max_tokens = req.max_tokens or self.config.default_max_tokens
-            if max_tokens > self.config.max_tokens_limit:
-                raise ApiError(400, f"max_tokens {max_tokens} exceeds this server's limit "
-                               f"{self.config.max_tokens_limit}", param="max_tokens")
-            if len(prompt_ids) + max_tokens > self.config.max_context_tokens:
-                raise self._too_long(str(len(prompt_ids)), max_tokens)
-            params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                    top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens,
-                                    stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),), seed=req.seed)
-            engine_started = time.perf_counter()
-            try:
-                generation = await asyncio.wrap_future(lease.engine.submit(prompt_ids, params))
-            except EngineError as exc:
-                raise self._engine_failed(lease.version, exc) from None
-            engine_ms = (time.perf_counter() - engine_started) * 1000
-        finally:
-            self.router.release(lease)
-        if generation.finish_reason == "aborted" or set(generation.versions) != {lease.version}:
-            raise ApiError(503, f"v{lease.version} stopped or changed weights mid-answer; retry", "server_error",
-                           "engine_aborted")
-        completion_id = f"cmpl-{uuid.uuid4().hex}"
-        text = tokenizer.decode(generation.token_ids, skip_special_tokens=False)
-        finish = "length" if generation.finish_reason == "length" else "stop"
-        completion = Completion(
-            id=completion_id, session_id=session_id, user_id=user_id, version=lease.version, prompt_ids=prompt_ids,
-            completion_ids=generation.token_ids, logprobs=generation.logprobs,
-            latency_ms=(time.perf_counter() - started) * 1000, content=text.removesuffix(IM_END),
-            finish_reason=finish, arm=lease.arm, created_at=created, request_meta={**meta, "endpoint": "completions"},
-            temperature=params.temperature, top_p=params.top_p)
-        try:
-            await run_in_threadpool(self.store.add_completion, completion)
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-        self.metrics.completion(lease.version, lease.arm, len(prompt_ids), len(generation.token_ids), engine_ms / 1000)
-        logprobs = None
-        if req.logprobs:
-            pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in generation.token_ids]
-            offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
-            logprobs = {"tokens": pieces, "token_logprobs": generation.logprobs, "top_logprobs": None,
-                        "text_offset": offsets}
-        payload = {
-            "id": completion_id, "object": "text_completion", "created": int(created), "model": req.model,
-            "system_fingerprint": f"flywheel-v{lease.version}",
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(generation.token_ids),
-                      "total_tokens": len(prompt_ids) + len(generation.token_ids)},
-            "flywheel": {"version": lease.version, "arm": lease.arm, "session_id": session_id,
-                         "engine_ms": round(engine_ms, 3), "prompt_token_ids": prompt_ids,
-                         "token_ids": generation.token_ids}}
-        return Response(json.dumps(payload), media_type="application/json",
-                        headers={"x-session-id": session_id, "x-flywheel-version": str(lease.version)})
-
-    def _engine_failed(self, version: int, exc: Exception) -> ApiError:
-        log.error("engine for v%d failed: %s", version, exc)
-        return ApiError(503, f"the engine serving v{version} failed ({exc}); retry later", "server_error",
-                        "engine_failed")
-
-    def ingest(self, body: bytes, org_id: str | None = None) -> dict[str, Any]:
-        """Parse a batch, check each event, store the good ones in one transaction, say what became of each.
-
-        `org_id`: the sending key's organization; each event carries it (one naming another is rejected)."""
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
-            raise ApiError(400, f"body is not JSON: {exc}; send {{\"events\": [...]}}") from None
-        if not isinstance(data, dict) or not isinstance(data.get("events"), list):
-            raise ApiError(400, 'body must be {"events": [event, ...]}', param="events")
-        items = data["events"]
-        if len(items) > self.config.max_events_per_batch:
-            raise ApiError(413, f"{len(items)} events in one batch; send at most {self.config.max_events_per_batch}",
-                           code="batch_too_large")
-        rejected: list[dict[str, Any]] = []
-        valid: list[tuple[int, Event]] = []
-        for i, item in enumerate(items):
-            try:
-                event = Event.model_validate(item)
-                if org_id is not None and event.org_id not in ("", org_id):
-                    rejected.append({"index": i, "id": event.id, "reason": f"this key belongs to organization "
-                                     f"{org_id!r}, not {event.org_id!r}; drop org_id or use that organization's key"})
-                    continue
-                valid.append((i, event.model_copy(update={"org_id": org_id}) if org_id is not None else event))
-            except ValidationError as exc:
-                event_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else None
-                rejected.append({"index": i, "id": event_id, "reason": _errors(exc)})
-        accepted, duplicate = [], []
-        outcomes = self.store.add_events([e for _, e in valid]) if valid else []
-        for (i, event), (outcome, reason) in zip(valid, outcomes, strict=True):
-            if outcome == Ingest.ACCEPTED:
-                accepted.append(event.id)
-            elif outcome == Ingest.DUPLICATE:
-                duplicate.append(event.id)
-            else:
-                rejected.append({"index": i, "id": event.id, "reason": reason})
-        rejected.sort(key=lambda r: r["index"])
-        self.metrics.ingested(len(accepted), len(duplicate), len(rejected))
-        return {"accepted": accepted, "duplicate": duplicate, "rejected": rejected}
-
-    def _pinned_version(self, model: str) -> int | None:
-        if model == self.config.model_name:
-            return None
-        match = _VERSION_NAME.fullmatch(model)
-        if match is None:
-            raise ApiError(404, f"model {model!r} does not exist; use {self.config.model_name!r} (routed) or a served "
-                           f"version: {', '.join(f'v{v}' for v in self.router.served_versions())}",
-                           code="model_not_found", param="model")
-        return int(match.group(1))
-
-    def _max_tokens(self, req: ChatRequest) -> int:
-        max_tokens = req.max_completion_tokens or req.max_tokens or self.config.default_max_tokens
-        if max_tokens > self.config.max_tokens_limit:
-            raise ApiError(400, f"max_tokens {max_tokens} exceeds this server's limit {self.config.max_tokens_limit}",
-                           param="max_tokens")
-        return max_tokens
-
-    def _too_long(self, prompt_tokens: str, max_tokens: int) -> ApiError:
-        return ApiError(400, f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the context "
-                        f"of {self.config.max_context_tokens} tokens; shorten the conversation or max_tokens",
-                        code="context_length_exceeded", param="messages")
-
-    def _sampling(self, req: ChatRequest, prompt_len: int, tokenizer: Any) -> SamplingParams:
-        max_tokens = self._max_tokens(req)
-        if prompt_len + max_tokens > self.config.max_context_tokens:
-            raise self._too_long(str(prompt_len), max_tokens)
-        temperature = 1.0 if req.temperature is None else req.temperature
-        return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                              max_tokens=max_tokens, stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),),
-                              seed=req.seed, top_logprobs=req.top_logprobs or 0)
-
-
-def _forced_call(req: ChatRequest, tools: list[dict[str, Any]] | None) -> str:
-    """The opening of the assistant turn that `tool_choice` forces ("" for auto and none)."""
-    choice = req.tool_choice
-    if choice is None or choice in ("auto", "none"):
-        return ""
-    if not tools:
-        raise ApiError(400, "tool_choice asks for a tool call but the request declares no tools; add `tools` or "
-                       "leave tool_choice unset", param="tool_choice")
-    if choice == "required":
-        return f"{TOOL_CALL_OPEN}\n"
-    names = [t["function"]["name"] for t in tools]
-    if choice.function.name not in names:
-        raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the declared tools "
-                       f"({', '.join(names)})", param="tool_choice")
-    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(choice.function.name)}, "arguments": '
-
-
-class _Call:
-    """One chat completion after its request was checked and handed to the engine: the engine's
-    answer, parsed, stored and shaped as OpenAI's response (whole, or streamed token by token)."""
-
-    def __init__(self, server: LiveServer, req: ChatRequest, lease: Any, session_id: str, user_id: str,
-                 meta: dict[str, Any], prompt_ids: list[int], params: SamplingParams, forced: str, started: float,
-                 created: float, engine_started: float, in_flight: Any, future: asyncio.Future[Any],
-                 router: Any = None, org_id: str = "", session_kind: str = INTERACTIVE):
-        self.server, self.req, self.lease = server, req, lease
-        self.session_id, self.user_id, self.meta = session_id, user_id, meta
-        self.prompt_ids, self.params, self.forced = prompt_ids, params, forced
-        self.started, self.created, self.engine_started = started, created, engine_started
-        self.future = future
-        self.org_id, self.session_kind = org_id, session_kind
-        router = router or server.router  # an organization's own Router leased it, when it has one
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.first_token_s: float | None = None
-        self.engine_ms = 0.0
-
-        def done(_: Any) -> None:  # the engine is done with it, whatever became of the client
-            self.engine_ms = (time.perf_counter() - engine_started) * 1000
-            in_flight.dec()
-            router.release(lease)
-
-        future.add_done_callback(done)
-
-    def headers(self) -> dict[str, str]:
-        return {"x-session-id": self.session_id, "x-flywheel-version": str(self.lease.version)}
-
-    async def generation(self) -> Any:
-        try:
-            generation = await self.future
-        except EngineError as exc:  # the engine's loop died or it was closed: not the request's fault
-            raise self.server._engine_failed(self.lease.version, exc) from None
-        if generation.finish_reason == "aborted" or set(generation.versions) != {self.lease.version}:
-            raise ApiError(503, f"v{self.lease.version} stopped or changed weights mid-answer (it was retired); retry",
-                           "server_error", "engine_aborted")
-        return generation
-
-    def _head(self) -> dict[str, Any]:
-        served = {"version": self.lease.version, "arm": self.lease.arm, "session_id": self.session_id,
-                  "engine_ms": round(self.engine_ms, 3)}
-        if self.first_token_s is not None:
-            served["ttft_ms"] = round((self.first_token_s - self.started) * 1000, 3)
-        if self.req.tools and not tools_in_prompt(self.lease.tokenizer):
-            unknown = sorted({t["function"]["name"] for t in self.req.tools} - TOOL_SCHEMAS.keys())
-            if unknown:
-                served["unknown_tools"] = unknown
-        return {"id": self.id, "created": int(self.created), "model": self.req.model,
-                "system_fingerprint": f"flywheel-v{self.lease.version}", "flywheel": served}
-
-    def _stopped(self, generation: Any) -> tuple[Any, str]:
-        """(the generation, its text), both cut at the first `stop` sequence in the sampled text.
-
-        The engine knows only stop tokens, so it may sample past a stop string; the record keeps the
-        shortest prefix of sampled tokens whose text holds the sequence (exactly those tokens, their
-        logprobs and versions: what comes after was never served), and the text ends before it."""
-        tokenizer = self.lease.tokenizer
-        text = tokenizer.decode(generation.token_ids, skip_special_tokens=False)
-        hits = [(i, len(x)) for x in self.req.stop or [] if (i := text.find(x)) >= 0]
-        if not hits:
-            return generation, text
-        at, length = min(hits)
-        lo, hi = 1, len(generation.token_ids)  # the fewest tokens whose text reaches past the sequence
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(tokenizer.decode(generation.token_ids[:mid], skip_special_tokens=False)) >= at + length:
-                hi = mid
-            else:
-                lo = mid + 1
-        cut = dataclasses.replace(generation, token_ids=generation.token_ids[:lo], logprobs=generation.logprobs[:lo],
-                                  versions=generation.versions[:lo], finish_reason="stop",
-                                  top_logprobs=generation.top_logprobs and generation.top_logprobs[:lo])
-        return cut, text[:at]
-
-    async def finish(self, generation: Any) -> dict[str, Any]:
-        """Parse the answer, commit its Completion, and return the chat.completion payload."""
-        req, lease, server = self.req, self.lease, self.server
-        generation, text = self._stopped(generation)
-        answer = self.forced + text
-        if req.tool_choice == "none":  # no tool call, whatever the model wrote: its text is the answer
-            content, calls = answer.removesuffix(IM_END), []
-        else:
-            schemas = {t["function"]["name"]: t for t in req.tools or []}
-            content, calls = parse_assistant(answer, call_id_prefix=f"call_{self.id[9:21]}", schemas=schemas)
-            calls = [_storable_call(c) for c in calls]
-        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
-        completion = Completion(
-            id=self.id, session_id=self.session_id, user_id=self.user_id, version=lease.version,
-            prompt_ids=self.prompt_ids, completion_ids=generation.token_ids, logprobs=generation.logprobs,
-            latency_ms=(time.perf_counter() - self.started) * 1000,
-            tool_calls=[CompletionToolCall(name=c.name, arguments=c.arguments, valid=c.valid, error=c.error or "")
-                        for c in calls],
-            content=content, finish_reason=finish, arm=lease.arm, created_at=self.created, request_meta=self.meta,
-            temperature=self.params.temperature, top_p=self.params.top_p, org_id=self.org_id,
-            session_kind=self.session_kind,
-        )
-        # Committed before the response exists: a client can never hold an id the store lacks.
-        try:
-            await run_in_threadpool(server.store.add_completion, completion)
-        except ValueError as exc:  # a value the checks before generation missed: refused, nothing stored
-            raise ApiError(400, str(exc)) from None
-        server.metrics.completion(lease.version, lease.arm, len(self.prompt_ids), len(generation.token_ids),
-                                  self.engine_ms / 1000)
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-        if calls:
-            message["tool_calls"] = [_openai_call(c) for c in calls]
-        if req.top_logprobs and generation.top_logprobs is None:
-            raise ApiError(400, f"v{lease.version}'s engine does not return top_logprobs; leave top_logprobs unset",
-                           param="top_logprobs")
-        logprobs = (_logprobs(generation.token_ids, generation.logprobs, lease.tokenizer, generation.top_logprobs)
-                    if req.logprobs else None)
-        usage = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(generation.token_ids),
-                 "total_tokens": len(self.prompt_ids) + len(generation.token_ids)}
-        return {**self._head(), "object": "chat.completion", "usage": usage,
-                "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}]}
-
-    async def stream(self, tokens: asyncio.Queue[tuple[int, float] | None], index: int = 0,
-                     response_id: str | None = None) -> Any:
-        """This choice's chunks (`("chunk", chunk)`): the content as its tokens are sampled (cut
-        before a tool call's markup), then the calls, the finish reason (with `flywheel.ttft_ms`);
-        last `("usage", chunk)`. `response_id`: the id every chunk of an n > 1 response carries
-        (each choice then names its own Completion, `completion_id`)."""
-        self.future.add_done_callback(lambda _: tokens.put_nowait(None))
-        base = {**self._head(), "object": "chat.completion.chunk"}
-        own = {"index": index}
-        if response_id is not None:
-            base["id"], own["completion_id"] = response_id, self.id
-
-        tokenizer, ids, sent = self.lease.tokenizer, [], ""
-        pending: list[tuple[int, float]] = []  # sampled since the last chunk: their logprobs go with the next
-
-        def event(delta: dict[str, Any], finish: str | None = None,
-                  extra: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-            lp = None
-            if self.req.logprobs and pending:
-                lp = _logprobs([t for t, _ in pending], [v for _, v in pending], tokenizer)
-                pending.clear()
-            return "chunk", {**base, **(extra or {}), "choices": [{**own, "delta": delta, "logprobs": lp,
-                                                                   "finish_reason": finish}]}
-
-        yield event({"role": "assistant", "content": ""})
-        while (item := await tokens.get()) is not None:
-            if self.first_token_s is None:
-                self.first_token_s = time.perf_counter()
-            ids.append(item[0])
-            pending.append(item)
-            text = self.forced + tokenizer.decode(ids, skip_special_tokens=False)
-            visible = text.removesuffix(IM_END)
-            if self.req.stop:  # nothing past a stop sequence, nor what may yet become one
-                hits = [i for x in self.req.stop if (i := visible.find(x)) >= 0]
-                visible = visible[:min(hits)] if hits else visible[:len(visible) - max(map(len, self.req.stop)) + 1]
-            if self.req.tool_choice != "none":  # what follows a call's opening is the call, not content
-                visible = visible.split(TOOL_CALL_OPEN, 1)[0].rstrip("\n")
-            if len(visible) > len(sent) and visible.startswith(sent) and "\ufffd" not in visible[len(sent):]:
-                yield event({"content": visible[len(sent):]})
-                sent = visible
-        try:
-            payload = await self.finish(await self.generation())
-        except ApiError as exc:  # headers are sent: the error goes in the stream, as OpenAI's does
-            yield "chunk", {"error": {"message": exc.message, "type": exc.type, "code": exc.code}}
-            return
-        choice = payload["choices"][0]
-        message = choice["message"]
-        content = message["content"] or ""
-        if content != sent and content.startswith(sent):
-            yield event({"content": content[len(sent):]})
-        for i, call in enumerate(message.get("tool_calls") or []):
-            yield event({"tool_calls": [{"index": i, **call}]})
-        final = {**self._head()}
-        yield event({}, choice["finish_reason"], {"flywheel": final["flywheel"]})
-        yield "usage", {**base, "choices": [], "usage": payload["usage"]}
-
-
-async def _stream_choices(calls: list[_Call], queues: list[asyncio.Queue[tuple[int, float] | None]],
-                          include_usage: bool) -> Any:
-    """Server-sent events of a streamed request: every choice's chunks as its tokens are sampled,
-    interleaved in the order they come (each names its choice's `index`, as OpenAI's do), then the
-    usage of all choices together (when `stream_options.include_usage`), then [DONE]."""
-    merged: asyncio.Queue[tuple[str, dict[str, Any]] | None] = asyncio.Queue()
-    response_id = calls[0].id if len(calls) > 1 else None
-
-    async def pump(index: int, call: _Call, tokens: asyncio.Queue[tuple[int, float] | None]) -> None:
-        try:
-            async for item in call.stream(tokens, index, response_id):
-                await merged.put(item)
-        finally:
-            await merged.put(None)
-
-    pumps = [asyncio.create_task(pump(i, c, q)) for i, (c, q) in enumerate(zip(calls, queues, strict=True))]
-    usage: dict[str, Any] | None = None
-    running = len(pumps)
-    try:
-        while running:
-            item = await merged.get()
-            if item is None:
-                running -= 1
-                continue
-            kind, chunk = item
-            if kind == "usage":  # one usage for the response: the prompt once, every choice's tokens
-                if usage is None:
-                    usage = chunk
-                else:
-                    counts = usage["usage"]
-                    counts["completion_tokens"] += chunk["usage"]["completion_tokens"]
-                    counts["total_tokens"] = counts["prompt_tokens"] + counts["completion_tokens"]
-                continue
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
-    finally:
-        for task in pumps:
-            task.cancel()
-    for task in pumps:  # a failure other than the API errors the stream already carries
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()
-    if include_usage and usage is not None:
-        yield f"data: {json.dumps(usage)}\n\n".encode()
-    yield b"data: [DONE]\n\n"
-
-
-def _parse_chat(body: bytes) -> ChatRequest:
-    try:
-        return ChatRequest.model_validate_json(body)
-    except ValidationError as exc:
-        raise ApiError(400, f"invalid chat completion request: {_errors(exc)}") from None
-
-
-def _identity(req: ChatRequest | TextCompletionRequest, request: Request) -> tuple[str, str, dict[str, Any]]:
-    """(session id, user id, request_meta) from the headers, body fields and metadata, in that order."""
-    meta = dict(req.metadata or {})
-    session_id = request.headers.get("x-session-id") or req.session_id or meta.pop("session_id", None)
-    meta.pop("session_id", None)
-    user_id = req.user or request.headers.get("x-user-id") or meta.pop("user_id", None)
-    meta.pop("user_id", None)
-    for name, value in (("session id", session_id), ("user id", user_id)):
-        if value is not None and (not isinstance(value, str) or len(value) > _MAX_ID_CHARS):
-            raise ApiError(400, f"the {name} must be a string of at most {_MAX_ID_CHARS} characters", param=name)
-    # The session id goes back in the `x-session-id` header: visible ASCII only, no spaces or line breaks.
-    if session_id is not None and not _HEADER_SAFE_ID.fullmatch(session_id):
-        raise ApiError(400, f"the session id {session_id[:40]!r} must be 1 to {_MAX_ID_CHARS} visible ASCII "
-                       "characters (no spaces, control characters or non-ASCII); use e.g. a uuid4",
-                       param="session_id")
-    reason = storable(user_id, "user id") or storable(meta, "metadata")
-    if reason is not None:
-        raise ApiError(400, f"{reason}; it is stored with the completion", param="metadata")
-    return session_id or f"anon-{uuid.uuid4().hex}", user_id or "anonymous", meta
-
-
-def _storable_call(call: ToolCall) -> ToolCall:
-    """The call, or, when the model wrote arguments JSON allows but a record cannot hold (NaN, 1e999,
-    integers past 2**53), the same call marked invalid with empty arguments: answered, never dropped."""
-    reason = storable(call.arguments, "arguments")
-    if reason is None:
-        return call
-    return ToolCall(call.id, call.name, {}, error=call.error or f"{reason} in the tool call")
-
-
-def _openai_call(call: Any) -> dict[str, Any]:
-    out = {"id": call.id, "type": "function",
-           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
-    if call.error is not None:
-        out["error"] = call.error  # not OpenAI's: the reason the call is invalid (answer it with this)
-    return out
-
-
-def _logprobs(token_ids: list[int], logprobs: list[float], tokenizer: Any,
-              top: list[list[tuple[int, float]]] | None = None) -> dict[str, Any]:
-    """OpenAI's chat `logprobs.content`: each sampled token with its logprob and, when asked, the
-    k most likely tokens at its position (`top`, the engine's, under the same distribution)."""
-
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        token = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-    content = []
-    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
-        content.append({**entry(token_id, logprob),
-                        "top_logprobs": [entry(t, lp) for t, lp in top[i]] if top is not None else []})
-    return {"content": content}
-
-
-def _stream_chunks(head: dict[str, Any], message: dict[str, Any], finish: str, logprobs: dict[str, Any] | None,
-                   usage: dict[str, int] | None) -> Iterator[bytes]:
-    base = {**head, "object": "chat.completion.chunk"}
-
-    def event(delta: dict[str, Any], finish_reason: str | None = None, lp: dict[str, Any] | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
-        return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n".encode()
-
-    yield event({"role": "assistant", "content": ""})
-    if message["content"] or logprobs is not None:
-        yield event({"content": message["content"] or ""}, lp=logprobs)
-    for i, call in enumerate(message.get("tool_calls", [])):
-        yield event({"tool_calls": [{"index": i, **call}]})
-    yield event({}, finish)
-    if usage is not None:
-        yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n".encode()
-    yield b"data: [DONE]\n\n"
 
 
 def _resume_fraction(store: LiveStore, registry: Registry, default: float) -> float:
@@ -1567,54 +561,9 @@ def registry_loader(registry: Registry, engine: EngineConfig) -> EngineLoader:
     return load
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing (413) past `limit` bytes without reading further."""
-    length = request.headers.get("content-length")
-    if length is not None:
-        if not (length.isascii() and length.isdigit()):  # "²".isdigit(), yet int("²") fails
-            raise ApiError(400, "Content-Length is not a number")
-        if int(length) > limit:
-            raise ApiError(413, f"body of {length} bytes exceeds the limit of {limit}; send less per request",
-                           code="body_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"body exceeds the limit of {limit} bytes; send less per request",
-                           code="body_too_large")
-    return bytes(body)
-
-
-class _BugsAsJson:
-    """A bug, not a bad request: logged with its traceback, answered as a 500 in the same JSON shape,
-    and the connection stays usable. (An `Exception` handler would not do: Starlette re-raises after
-    it answers, and uvicorn then closes the connection under the client.)"""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def send_tracked(message: dict[str, Any]) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_tracked)
-        except Exception as exc:
-            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            if started:  # half a response cannot be taken back: the connection has to close
-                raise
-            await ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()(
-                scope, receive, send)
-
-
 def create_app(server: LiveServer) -> FastAPI:
+    """The server's app: the routes of each audience (the modules named in this module's docstring),
+    the errors in OpenAI's shape (flywheel/api/errors.py), every request measured for /metrics."""
     app = FastAPI(title="flywheel", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
 
     def openapi() -> dict[str, Any]:
@@ -1623,230 +572,26 @@ def create_app(server: LiveServer) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
-    limit = server.config.max_body_bytes
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail), "invalid_request_error").response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return ApiError(400, f"invalid request: {exc.errors()[:3]}").response()
-
-    app.add_middleware(_BugsAsJson)
+    install_error_handlers(app)
     # Outermost, so a bug's 500 is counted too; paths known once every route below is declared.
     known_paths: set[str] = set()
     app.add_middleware(MeasuredRequests, metrics=server.metrics, paths=known_paths)
 
-    @app.get("/health", response_model=None, responses=_json_reply(Health))
+    @app.get("/health", response_model=None, responses=json_reply(Health))
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/dashboard", response_model=None, openapi_extra={"parameters": [_KEY_PARAMETER]},
-             responses={200: {"content": {"text/html": {"schema": {"type": "string"}}}},
-                        401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
-    async def dashboard(request: Request) -> Response:
-        server.authorize_dashboard(request)
-        data = await run_in_threadpool(server.dashboard_data)
-        page = await run_in_threadpool(dashboard_page, data, "dashboard/data", server.config.dashboard.refresh_s)
-        return HTMLResponse(page, headers={"cache-control": "no-store"})
-
-    @app.get("/dashboard/data", response_model=None, responses=_json_reply(DashboardData, 401, 403), openapi_extra={
-        "parameters": [_KEY_PARAMETER, {"name": "html_only", "in": "query", "required": False,
-                                        "schema": {"type": "string", "enum": ["0", "1"]}}]})
-    async def dashboard_data(request: Request) -> Response:
-        server.authorize_dashboard(request)
-        data = await run_in_threadpool(server.dashboard_data)
-        reply = {"generated_at": data["generated_at"], "html": await run_in_threadpool(render_body, data)}
-        if request.query_params.get("html_only") != "1":  # the page's polls need only the sections
-            reply["data"] = data
-        return Response(json.dumps(reply, allow_nan=False), media_type="application/json",
-                        headers={"cache-control": "no-store"})
-
-    @app.get("/metrics", response_model=None, openapi_extra={"parameters": [_KEY_PARAMETER]},
-             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-                        401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
-    async def metrics(request: Request) -> Response:
-        # Prometheus scrapes with a bearer token (`authorization.credentials`), a key with the
-        # dashboard or admin scope: the counts say how much traffic each version gets.
-        server.authorize_dashboard(request)
-        return Response(server.metrics.exposition(), media_type=server.metrics.content_type)
-
-    @app.get("/v1/models", response_model=None, responses=_json_reply(ModelList, 401, 403))
-    async def models(request: Request) -> dict[str, Any]:
-        server.authorize(request, "inference")
-        names = [server.config.model_name] + [f"v{v}" for v in server.router.served_versions()]
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "flywheel"}
-                                           for n in names]}
-
-    @app.get("/v1/models/{model_id}", response_model=None, responses=_json_reply(_ModelCard, 401, 403, 404))
-    async def model(model_id: str, request: Request) -> dict[str, Any]:
-        server.authorize(request, "inference")
-        names = [server.config.model_name] + [f"v{v}" for v in server.router.served_versions()]
-        if model_id not in names:
-            raise ApiError(404, f"model {model_id[:80]!r} is not served; GET /v1/models lists {', '.join(names)}",
-                           code="model_not_found", param="model")
-        return {"id": model_id, "object": "model", "created": 0, "owned_by": "flywheel"}
-
-    @app.post("/v1/completions", response_model=None, openapi_extra=_json_body(TextCompletionRequest),
-              responses=_json_reply(TextCompletionResponse, 400, 401, 403, 404, 413, 503))
-    async def completions(request: Request) -> Response:
-        server.authorize(request, "inference")
-        return await server.complete_text(request, await _read_body(request, limit))
-
-    @app.post("/v1/chat/completions", response_model=None, openapi_extra=_json_body(ChatRequest),
-              responses=_json_reply(ChatCompletionResponse, 400, 401, 403, 404, 413, 503, stream=True))
-    async def chat_completions(request: Request) -> Response:
-        server.authorize(request, "inference")
-        return await server.complete(request, await _read_body(request, limit))
-
-    @app.post("/v1/events", response_model=None, openapi_extra=_json_body(EventBatch),
-              responses=_json_reply(EventsResponse, 400, 401, 403, 413))
-    async def events(request: Request) -> Response:
-        server.authorize(request, "events")
-        body = await _read_body(request, limit)
-        # Parsing, validation and the commit run off the event loop, so completions keep flowing.
-        result = await run_in_threadpool(server.ingest, body, server.key_org(request))
-        return Response(json.dumps(result), media_type="application/json")
-
-    @app.get("/v1/admin/deployment", response_model=None, responses=_json_reply(DeploymentResponse, 401, 403))
-    async def get_deployment(request: Request) -> dict[str, Any]:
-        server.authorize(request, "admin")
-        return {"deployment": server.deployment.model_dump(), "served_versions": server.router.served_versions()}
-
-    @app.post("/v1/admin/deployment", response_model=None, openapi_extra=_json_body(Deployment),
-              responses=_json_reply(DeploymentResponse, 400, 401, 403, 404, 413))
-    async def post_deployment(request: Request) -> dict[str, Any]:
-        server.authorize(request, "admin")
-        body = await _read_body(request, limit)
-        try:
-            deployment = Deployment.model_validate_json(body)
-        except ValidationError as exc:
-            raise ApiError(400, f"invalid deployment: {_errors(exc)}") from None
-        if max(deployment.versions) > _MAX_VERSION:  # SQLite's integers end at 2**63 - 1
-            raise ApiError(404, f"no version above {_MAX_VERSION} exists; name a registered version",
-                           code="version_not_found")
-        try:
-            previous = await run_in_threadpool(server.set_deployment, deployment, "admin endpoint")
-        except KeyError as exc:  # CheckpointNotFound: a version the registry does not hold
-            raise ApiError(404, str(exc), code="version_not_found") from None
-        return {"deployment": deployment.model_dump(), "previous": previous.model_dump(),
-                "served_versions": server.router.served_versions()}
-
-    @app.post("/v1/admin/deployment/sync", response_model=None,
-              responses=_json_reply(DeploymentResponse, 401, 403, 409))
-    async def sync_deployment(request: Request) -> dict[str, Any]:
-        server.authorize(request, "admin")
-        try:
-            deployment = await run_in_threadpool(server.sync_from_registry)
-        except (KeyError, ValueError) as exc:
-            raise ApiError(409, str(exc), code="registry_unusable") from None
-        return {"deployment": deployment.model_dump(), "served_versions": server.router.served_versions()}
-
-    # ---- each organization's own deployment of adapters (flywheel/live/orgs.py), admin like the above
-
-    def org_reply(org_id: str, previous: Deployment | None = None) -> dict[str, Any]:
-        router = server._org_routers.get(org_id)
-        adapters = [c.version for c in server.registry.list() if c.org_id == org_id and c.base is not None] \
-            if server.registry is not None else []
-        deployment = server.org_deployment(org_id)
-        return {"org_id": org_id, "deployment": deployment.model_dump() if deployment else None,
-                "served_versions": router.served_versions() if router else [], "adapters": adapters,
-                "previous": previous.model_dump() if previous else None}
-
-    def org_param(org_id: str) -> str:
-        from flywheel.live.orgs import check_org_id  # noqa: PLC0415  (peft loads only when used)
-
-        try:
-            return check_org_id(org_id)
-        except ValueError as exc:
-            raise ApiError(400, str(exc)[:300], code="invalid_org", param="org_id") from None
-
-    @app.get("/v1/admin/orgs", response_model=None, responses=_json_reply(OrgList, 401, 403))
-    async def list_orgs(request: Request) -> dict[str, Any]:
-        server.authorize(request, "admin")
-        orgs = set(server.config.orgs.values()) | set(server._org_routers)
-        if server.registry is not None:
-            orgs |= {c.org_id for c in await run_in_threadpool(server.registry.list) if c.base is not None}
-        replies = [await run_in_threadpool(org_reply, org) for org in sorted(orgs)]
-        return {"shared": server.deployment.model_dump(), "orgs": replies}
-
-    @app.get("/v1/admin/orgs/{org_id}/deployment", response_model=None,
-             responses=_json_reply(OrgDeploymentResponse, 400, 401, 403))
-    async def get_org_deployment(org_id: str, request: Request) -> dict[str, Any]:
-        server.authorize(request, "admin")
-        return await run_in_threadpool(org_reply, org_param(org_id))
-
-    @app.put("/v1/admin/orgs/{org_id}/deployment", response_model=None,
-             openapi_extra=_json_body(OrgDeploymentRequest),
-             responses=_json_reply(OrgDeploymentResponse, 400, 401, 403, 404, 409, 413))
-    async def put_org_deployment(org_id: str, request: Request) -> dict[str, Any]:
-        server.authorize(request, "admin")
-        org = org_param(org_id)
-        try:
-            wanted = OrgDeploymentRequest.model_validate_json(await _read_body(request, limit)).deployment
-        except ValidationError as exc:
-            raise ApiError(400, f"invalid organization deployment: {_errors(exc)}") from None
-        if wanted is not None and max(wanted.versions) > _MAX_VERSION:
-            raise ApiError(404, f"no version above {_MAX_VERSION} exists; name a registered adapter",
-                           code="version_not_found")
-        if server.registry is None:
-            raise ApiError(409, "this server has no Registry to load adapters from", code="registry_unusable")
-        previous = server.org_deployment(org)
-        try:
-            await run_in_threadpool(server.set_org_deployment, org, wanted, "admin endpoint")
-        except KeyError as exc:  # CheckpointNotFound: a version the registry does not hold
-            raise ApiError(404, str(exc)[:300], code="version_not_found") from None
-        except ValueError as exc:  # a full checkpoint, or another organization's adapter
-            raise ApiError(400, str(exc)[:300], code="not_an_org_adapter") from None
-        return await run_in_threadpool(org_reply, org, previous)
-
-    known_paths.update(route.path for route in app.routes)
+    routers = [dashboard_router(server, server.dashboard), openai_router(server), events_router(server),
+               admin_router(server)]
+    for router in routers:
+        app.include_router(router)
+    # The app's own routes (/health, /openapi.json) and each router's (an included router is one entry of app.routes).
+    known_paths.update(path for r in (app.router, *routers) for route in r.routes
+                       if (path := getattr(route, "path", None)) is not None)
     return app
 
 
 # ---- running it
-
-
-class RunningServer:
-    """A LiveServer's app under uvicorn on a background thread (tests, benchmarks, simulated users)."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn  # noqa: PLC0415  (only what runs a server needs it)
-
-        # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
-        # and without it every response waits ~40 ms for a delayed ACK (Nagle).
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))  # bound here so the port is known (port 0: any free one) before serving
-        self.host, self.port = host, sock.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off"))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="uvicorn",
-                                        daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn did not start on {host}:{self.port}; see its log above")
-            time.sleep(0.01)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout_s)
-
-    def __enter__(self) -> RunningServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def serve_in_thread(server: LiveServer, host: str = "127.0.0.1", port: int = 0) -> RunningServer:

@@ -64,9 +64,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flywheel.api.events import Event, EventType
 from flywheel.live.deploy import PINNED
 from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorReport, change_p_value, monitor_window
-from flywheel.live.records import BACKGROUND, Completion, Event, EventType
+from flywheel.live.records import BACKGROUND, Completion
 from flywheel.live.rewards import EDIT_TOOLS, Reward, RewardDistiller, distill_sessions, made_edit
 from flywheel.live.store import LiveStore
 from flywheel.stats import Moments, z_quantile

@@ -50,7 +50,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from flywheel.live.records import OUTCOMES, Completion, Event, EventType, storable
+from flywheel.api.events import OUTCOMES, Event, EventType
+from flywheel.live.records import Completion, storable
 from flywheel.store.database import Database, Migration, RowRefused, Schema, Synchronous, open_database
 
 # Schema version 1: the tables as flywheel wrote them before schema versions existed (a store

@@ -72,6 +72,7 @@ from typing import Any, Literal
 import openai
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from flywheel.api.events import EventType
 from flywheel.client import EventClient
 from flywheel.env.families import KNOWN_FAMILIES, generate
 from flywheel.env.grading import GradeConfig, grade
@@ -80,7 +81,6 @@ from flywheel.env.sandbox import SandboxError, Snapshot
 from flywheel.env.task import JUST_DO_IT, Split, Task
 from flywheel.env.tools import Toolbox
 from flywheel.env.toolspec import ToolCall, validate_arguments
-from flywheel.live.records import EventType
 from flywheel.live.rewards import EDIT_TOOLS
 from flywheel.model.chat import SYSTEM_PROMPT, tool_schemas
 from flywheel.sim.orgs import HouseRules

@@ -7,8 +7,9 @@ from functools import cache
 
 import pytest
 
+from flywheel.api.events import Event, EventType
 from flywheel.live.abtest import ABConfig, analyze, compare
-from flywheel.live.records import Completion, CompletionToolCall, Event, EventType
+from flywheel.live.records import Completion, CompletionToolCall
 from flywheel.live.rewards import RewardDistiller
 from flywheel.stats import fisher_tails, newcombe_interval, t_quantile, welch_interval
 

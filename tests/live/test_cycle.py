@@ -27,13 +27,14 @@ from tiny_serving import KEYS, stored_completion
 from tiny_serving import make_registry as tiny_registry
 
 from flywheel.agent.episode import EpisodeConfig
+from flywheel.api.events import Event, EventType
 from flywheel.config import ConfigError, load_config
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.live.batch import DEFAULT_FAMILY, completion_trajectory, on_policy_batch
 from flywheel.live.cycle import CycleReport, CycleState, LiveConfig, LiveCycle, ServerControl, load_report
 from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import Contender, EvalBattery, Gate, GateConfig, NonInferiorityCheck
-from flywheel.live.records import CompletionToolCall, Event, EventType
+from flywheel.live.records import CompletionToolCall
 from flywheel.live.rewards import RewardConfig, RewardDistiller, RewardStatus
 from flywheel.live.server import DashboardConfig, LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.sessions import SessionMonitorConfig

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from tiny_serving import KEYS, ScriptedEngine, free_port
 
+from flywheel.api.http import RunningServer
 from flywheel.client import EventClient
 from flywheel.live.deploy import Deployment, Router
-from flywheel.live.server import LiveServer, RunningServer, ServeConfig, serve_in_thread
+from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 
 
 def events_server(tmp_path: Path, **config) -> LiveServer:

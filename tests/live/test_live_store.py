@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from flywheel.live.records import Completion, Event, EventType
+from flywheel.api.events import Event, EventType
+from flywheel.live.records import Completion
 from flywheel.live.store import Ingest, LiveStore, check_event
 from flywheel.store.database import IntegrityError
 

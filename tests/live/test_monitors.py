@@ -7,9 +7,10 @@ from functools import cache
 
 import pytest
 
+from flywheel.api.events import Event, EventType
 from flywheel.live.deploy import PINNED
 from flywheel.live.monitors import Monitor, MonitorConfig, monitor_window
-from flywheel.live.records import Completion, CompletionToolCall, Event, EventType
+from flywheel.live.records import Completion, CompletionToolCall
 from flywheel.live.rewards import Reward, RewardConfig, RewardDistiller, RewardStatus
 from flywheel.live.store import LiveStore
 

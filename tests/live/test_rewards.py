@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from flywheel.api.events import Event, EventType
 from flywheel.config import load_config
 from flywheel.live.batch import completion_trajectory
-from flywheel.live.records import Completion, CompletionToolCall, Event, EventType
+from flywheel.live.records import Completion, CompletionToolCall
 from flywheel.live.rewards import RewardConfig, RewardDistiller, RewardStatus
 from flywheel.rl.advantages import broken_call_penalty, outcome_reward
 

@@ -130,7 +130,7 @@ def test_a_row_sqlite_refuses_is_rejected_alone(store_url):
                               "END IF; RETURN NEW; END $$")
             store._db.execute("CREATE TRIGGER poison BEFORE INSERT ON events FOR EACH ROW "
                               "EXECUTE FUNCTION poison()")
-        from flywheel.live.records import Event, EventType  # noqa: PLC0415
+        from flywheel.api.events import Event, EventType  # noqa: PLC0415
 
         batch = [Event(id=i, type=EventType.EDIT_APPLIED, session_id="s1", completion_id="c1", time=1.0)
                  for i in ("a", "poison", "b")]

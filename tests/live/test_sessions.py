@@ -14,11 +14,12 @@ import openai
 import pytest
 from tiny_serving import KEYS
 
+from flywheel.api.events import Event, EventType
 from flywheel.client import EventClient
 from flywheel.live.batch import on_policy_batch
 from flywheel.live.cycle import CycleState, LiveConfig, LiveCycle
 from flywheel.live.deploy import PINNED, Deployment
-from flywheel.live.records import BACKGROUND, Completion, CompletionToolCall, Event, EventType
+from flywheel.live.records import BACKGROUND, Completion, CompletionToolCall
 from flywheel.live.rewards import BackgroundConfig, RewardConfig, RewardDistiller, RewardStatus
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.sessions import SessionMonitor, SessionMonitorConfig, gather_background, session_summaries

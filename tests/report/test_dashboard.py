@@ -23,9 +23,10 @@ import httpx
 import pytest
 from run_folders import write_demo_folder
 
+from flywheel.api.events import Event, EventType
 from flywheel.live.deploy import Deployment, Router
 from flywheel.live.monitors import MonitorConfig
-from flywheel.live.records import Completion, CompletionToolCall, Event, EventType
+from flywheel.live.records import Completion, CompletionToolCall
 from flywheel.live.server import DashboardConfig, LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.store import LiveStore
 

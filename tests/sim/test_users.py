@@ -21,13 +21,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "live"))  # tiny_serving, shared with the server tests
 from tiny_serving import KEYS, TOOL_ANSWER, tiny_registry_root  # noqa: E402
 
+from flywheel.api.events import EventType  # noqa: E402
 from flywheel.client import EventClient  # noqa: E402
 from flywheel.env.families import generate  # noqa: E402
 from flywheel.env.pool import PoolConfig, SandboxPool  # noqa: E402
 from flywheel.env.task import JUST_DO_IT, Task  # noqa: E402
 from flywheel.live.deploy import Deployment, Router  # noqa: E402
 from flywheel.live.monitors import Monitor, label_tests_passed  # noqa: E402
-from flywheel.live.records import EventType  # noqa: E402
 from flywheel.live.rewards import RewardConfig, RewardDistiller  # noqa: E402
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread  # noqa: E402
 from flywheel.live.store import LiveStore  # noqa: E402

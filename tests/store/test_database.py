@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.live.records import Completion, Event, EventType
+from flywheel.api.events import Event, EventType
+from flywheel.live.records import Completion
 from flywheel.live.store import LIVE_SCHEMA, SCHEMA, Ingest, LiveStore
 from flywheel.model.registry import REGISTRY_SCHEMA, Registry
 from flywheel.model.registry import SCHEMA as REGISTRY_V1

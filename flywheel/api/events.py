@@ -1,0 +1,68 @@
+"""Feedback on the wire: the `Event` a client sends to POST /v1/events, and what became of each.
+
+An `Event` is made by the client, which picks its id: ingestion is idempotent on that id, so a
+client that retries after a lost acknowledgement never counts the same reaction twice. Feedback
+names either the completion it is about (the `id` of the response that served it) or only the
+session (outcomes like "the session ended unhappy"); the live loop's RewardDistiller
+(flywheel/live/rewards.py) assigns session-level events to the session's completions by a
+documented rule.
+
+    POST /v1/events  {"events": [Event, ...]}  ──>  {"accepted": [id], "duplicate": [id],
+                                                     "rejected": [{"index", "id", "reason"}]}
+
+Here, below every stage, so that the client SDK (flywheel/client.py) sends events without
+importing the server's stage.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class EventType(StrEnum):
+    EDIT_APPLIED = "edit_applied"  # the editor applied the agent's edit
+    EDIT_PERSISTED = "edit_persisted"  # the edit was still there after the horizon
+    EDIT_REVERTED = "edit_reverted"  # the user undid the edit within the horizon
+    FOLLOWUP = "followup"  # the user wrote again; payload {"dissatisfied": bool}
+    THUMBS = "thumbs"  # explicit rating; payload {"up": bool}
+    SESSION_END = "session_end"  # payload {"outcome": "success" | "unhappy" | "abandoned"}
+    # A background session's result, judged hours later: payload {"outcome": one of OUTCOMES}
+    # (flywheel/live/sessions.py credits it to the whole session).
+    OUTCOME = "outcome"
+
+
+# A background session's outcomes, best first: the user accepted the result, merged it, their CI
+# ran green on it; or reverted it, or abandoned the session.
+OUTCOMES = ("accepted", "merged", "ci_green", "reverted", "abandoned")
+
+
+class Event(BaseModel):
+    id: str  # chosen by the client; the idempotency key
+    type: EventType
+    session_id: str
+    completion_id: str | None = None  # None for session-level outcomes
+    time: float
+    payload: dict[str, Any] = Field(default_factory=dict)
+    org_id: str = ""  # the organization of the key that sent it (the server sets it; "" = none)
+
+
+class EventBatch(BaseModel):
+    """The body of POST /v1/events (documented; the server parses it event by event, so that one bad
+    event is rejected with its reason and the rest are stored)."""
+
+    events: list[dict[str, Any]]
+
+
+class _Rejected(BaseModel):
+    index: int
+    id: str | None
+    reason: str
+
+
+class EventsResponse(BaseModel):
+    accepted: list[str]
+    duplicate: list[str]
+    rejected: list[_Rejected]
