@@ -68,6 +68,7 @@ from flywheel.client import EventClient
 from flywheel.env.families import generate
 from flywheel.live.records import Completion
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig
 from flywheel.live.store import EVENT_COLUMNS, SCHEMA, LiveStore
 from flywheel.model.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
@@ -188,11 +189,11 @@ def bench_events(registry_root: Path, run_dir: Path, n: int, batch: int, threads
         # SQLite replicas share run_dir/live.sqlite; PostgreSQL ones each keep their config.json apart.
         replica_dir = run_dir if store_url is None else run_dir / f"replica-{r}"
         cmd = [sys.executable, "-m", "flywheel.cli", "serve", "--config", str(REPO / "configs" / "serve.toml"),
-               "--set", f"registry_root={json.dumps(str(registry_root))}",
-               "--set", f"run_dir={json.dumps(str(replica_dir))}", "--set", f"port={port}",
+               "--set", f"loop.store.registry_root={json.dumps(str(registry_root))}",
+               "--set", f"loop.store.path={json.dumps(str(replica_dir / 'live.sqlite'))}", "--set", f"port={port}",
                "--set", f"threads={threads}", "--set", f"max_events_per_batch={max(batch, 5000)}"]
         if store_url is not None:
-            cmd += ["--set", f"store_url={json.dumps(store_url)}"]
+            cmd += ["--set", f"loop.store.url={json.dumps(store_url)}"]
         servers.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         urls.append(f"http://127.0.0.1:{port}")
     log(f"events: starting {replicas} `flywheel serve` ...")
@@ -255,7 +256,7 @@ def bench_backend(backend: str, registry_root: Path, run_dir: Path, args: argpar
 
 def bench_overhead(registry_root: Path, run_dir: Path, requests: int, max_tokens: int, threads: int) -> dict:
     torch.set_num_threads(threads)
-    config = ServeConfig(registry_root=registry_root, run_dir=run_dir, keys=KEYS, candidate_fraction=0.0,
+    config = ServeConfig(loop=LoopConfig.at(run_dir / "live.sqlite", registry_root), keys=KEYS, candidate_fraction=0.0,
                          threads=threads)
     server = LiveServer.from_config(config)
     chats = conversations(2)
@@ -308,7 +309,7 @@ def bench_streaming(registry_root: Path, run_dir: Path, requests: int, max_token
     answered whole (the baseline: without streaming the first byte comes with the last token).
     separate_process: the model decodes in a ProcessEngine, each token relayed over its pipe."""
     torch.set_num_threads(threads)
-    config = ServeConfig(registry_root=registry_root, run_dir=run_dir, keys=KEYS, candidate_fraction=0.0,
+    config = ServeConfig(loop=LoopConfig.at(run_dir / "live.sqlite", registry_root), keys=KEYS, candidate_fraction=0.0,
                          threads=threads, default_max_tokens=max_tokens,
                          engine=EngineConfig(separate_process=separate_process, threads=threads))
     server = LiveServer.from_config(config)

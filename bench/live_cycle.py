@@ -75,13 +75,11 @@ def run_cycles(cycles: int, work: Path, measure_sessions: int) -> dict:
         model, tokenizer, sft = start_policy(world, pool, log=log)
         with Registry(work / "registry") as registry:
             registry.register(model, tokenizer, aliases=[PRODUCTION], note="bench start policy")
-        serve = ServeConfig(registry_root=work / "registry", run_dir=work / "live",
-                            keys={KEY: ["inference", "events", "admin"]},
-                            threads=1)
         live = load_config(LiveConfig, REPO / "configs/live.toml", [
-            f"rewards_file='{REPO / 'configs/rewards.toml'}'", f"gate_file='{REPO / 'configs/gate.toml'}'",
-            f"registry_root='{work / 'registry'}'", f"store_path='{serve.store_path}'", f"run_dir='{work / 'cycles'}'",
-            "threads=1", f"cycles={cycles}", "trigger.every_s=1.0", "trigger.poll_s=1.0", "gate.min_tasks=10",
+            f"loop_file='{REPO / 'configs/loop.toml'}'", f"loop.rewards_file='{REPO / 'configs/rewards.toml'}'",
+            f"gate_file='{REPO / 'configs/gate.toml'}'", f"loop.store.registry_root='{work / 'registry'}'",
+            f"loop.store.path='{work / 'live' / 'live.sqlite'}'", f"run_dir='{work / 'cycles'}'", "threads=1",
+            f"cycles={cycles}", "trigger.every_s=1.0", "trigger.poll_s=1.0", "gate.min_tasks=10",
             "gate.checks.pass_rate.margin=0.2", "gate.checks.valid_tool_call_rate.margin=0.2",
             "gate.battery.episode.max_turns=2", "gate.battery.samples=8", "gate.battery.episode.temperature=1.0",
             "gate.battery.concurrency=32"])
@@ -89,6 +87,8 @@ def run_cycles(cycles: int, work: Path, measure_sessions: int) -> dict:
         population = load_config(Population, REPO / "configs/population.toml")
         population = population.model_copy(update={"profiles": [p.model_copy(update={"patience": 2})
                                                                 for p in population.profiles]})
+        # The server shares the cycle's live-loop settings (its store, rewards, monitors).
+        serve = ServeConfig(loop=live.loop, keys={KEY: ["inference", "events", "admin"]}, threads=1)
         server = LiveServer.from_config(serve)
         try:
             with serve_in_thread(server) as running:
@@ -122,7 +122,8 @@ def measure(cycle: LiveCycle, server: LiveServer, url: str, population: Populati
                        tasks=tasks)
         answers = server.store.completions(version=version, start=since)
         # Every session has ended and sent its events: all feedback windows count as closed.
-        out[version] = cycle.served(server.store, answers, now=time.time() + cycle.config.rewards.feedback_window_s)
+        now = time.time() + cycle.config.loop.rewards.feedback_window_s
+        out[version] = cycle.served(server.store, answers, now=now)
         log(f"measured v{version}: {len(answers)} answers, persistence {out[version]['persistence'].value}, "
             f"dissatisfied {out[version]['dissatisfied'].value}, latency {out[version]['latency'].value}")
     server.set_deployment(final, "bench: measurements done")

@@ -238,16 +238,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from flywheel.store.database import parse_url  # noqa: PLC0415
 
     config = load_config(ServeConfig, args.config, args.set)
-    # The keys stay out of the run folder: only how many there are and their scopes are written.
+    # Beside the store's file; the keys stay out of it: only how many there are and their scopes are written.
     write_resolved(config.model_copy(update={"keys": {f"<key {i}>": v for i, v in enumerate(config.keys.values())}}),
-                   config.run_dir)
+                   config.loop.store.path.parent)
     torch.set_num_threads(config.threads)
     server = LiveServer.from_config(config)
     d = server.deployment
     candidate = (f", candidate v{d.candidate} for {d.candidate_fraction:.0%} of sessions"
                  if d.candidate is not None else "")
     print(f"serving production v{d.production}{candidate} on http://{config.host}:{config.port}/v1 "
-          f"(store {parse_url(config.store_location)})", flush=True)
+          f"(store {parse_url(config.loop.store.location)})", flush=True)
     run_forever(server)
     return 0
 
@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     registry.add_argument("--alias", default="production", help="with promote: the alias to move")
     registry.add_argument("--root", default="runs/registry", help="the registry folder")
     registry.add_argument("--url", default=None, help="the index's database when not root/registry.sqlite "
-                          "(postgresql://...): the server's registry_url")
+                          "(postgresql://...): the live loop's loop.store.registry_url")
     registry.set_defaults(func=cmd_registry)
 
     store = sub.add_parser("store", help="the live store's and the registry's database: upgrade its schema")

@@ -4,9 +4,10 @@ Each component owns its small config next to its code (`SandboxConfig`, `ToolCon
 a command's config composes them. The resolved config is written into each run's folder, so
 a run can always be reproduced from what it wrote down.
 
-This module is the only TOML reader: a config that includes another file (the live cycle's
-`rewards_file`, a scenario's reward files) reads it with `read_toml` and layers tables with
-`merge_tables`, so every file gets the same errors. Every config model forbids unknown keys
+This module is the only TOML reader: a config that includes another file (the live loop's
+`loop_file` and `rewards_file`, a scenario's reward files) reads it with `read_toml` and layers
+tables with `merge_tables` (`include_file`), so every file gets the same errors. A key that moved
+elsewhere is refused with its new name (`refuse_moved`). Every config model forbids unknown keys
 (`extra="forbid"`; tests/test_architecture.py checks each one), so a typo such as
 `--set pool.max_actve=3` is an error naming the field, never a silently ignored setting.
 """
@@ -58,6 +59,32 @@ def merge_tables(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
         out[key] = (merge_tables(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict)
                     else value)
     return out
+
+
+def include_file(data: Any, field: str, file_field: str) -> Any:
+    """For a model's `mode="before"` validator: `data` with data[field] = the TOML file that
+    data[file_field] names, data[field]'s own keys on top (a `[rewards]` table over `rewards_file`)."""
+    if not isinstance(data, dict):
+        return data
+    path = data.get(file_field)
+    if path is None or isinstance(data.get(field), BaseModel):
+        return data  # no file, or a model given in Python: it stands as given
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{file_field} {path} not found; paths are relative to the working directory (run from the "
+                         f"repo root), or set {file_field} to null and give a [{field}] table")
+    return {**data, field: merge_tables(read_toml(path), data.get(field) or {})}
+
+
+def refuse_moved(data: Any, moved: dict[str, str], why: str) -> None:
+    """For a model's `mode="before"` validator: a key of `moved` that `data` still sets is an error
+    naming where it went (`moved`: old key -> new key), not the bare "extra inputs are not permitted"."""
+    if not isinstance(data, dict):
+        return
+    found = [key for key in moved if key in data]
+    if found:
+        raise ValueError("; ".join(f"{key} moved to {moved[key]}" for key in found) + f" ({why}): rename "
+                         f"{'it' if len(found) == 1 else 'them'} in the config")
 
 
 def merge_override(data: dict[str, Any], path: list[str], value: Any) -> None:

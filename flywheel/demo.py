@@ -25,12 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.agent.evaluate import gain_needed
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.live.cycle import LiveConfig, LiveCycle, ServerControl
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig, StoreConfig
 from flywheel.model.registry import Checkpoint, Registry
 from flywheel.report.render import render_report
 from flywheel.rl.bootstrap import BootstrapConfig, bootstrap
@@ -49,11 +50,27 @@ class DemoConfig(BaseModel):
     reuse_bootstrap: bool = True
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    # The live loop's settings the server (its dashboard) and the cycles share; its store and Registry
+    # are the demo's own, under run_dir.
+    loop: LoopConfig = Field(default_factory=LoopConfig)
     live: LiveConfig = Field(default_factory=LiveConfig)
     population: Population = Field(default_factory=Population)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     sessions_per_round: int = 32  # users' sessions between checks that the cycles still need traffic
     pool: PoolConfig = Field(default_factory=lambda: PoolConfig(max_active=16, warm=2))
+
+    @model_validator(mode="after")
+    def _one_loop(self) -> DemoConfig:
+        """One [loop] for the server and the cycles, so they cannot disagree; the store is run_dir's."""
+        for part, config in (("serve", self.serve), ("live", self.live)):
+            if config.loop_file is not None or config.loop not in (LoopConfig(), self.loop):
+                raise ValueError(f"the demo's server and cycles share one [loop]: move {part}.loop to loop")
+        if self.loop.store != StoreConfig():
+            raise ValueError("the demo keeps its store and Registry under run_dir; set run_dir, not loop.store")
+        # What runs, for the resolved config (run_demo puts the store under run_dir).
+        self.serve = self.serve.model_copy(update={"loop": self.loop})
+        self.live = self.live.model_copy(update={"loop": self.loop})
+        return self
 
 
 def _bootstrap_key(config: BootstrapConfig) -> str:
@@ -173,11 +190,12 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     # 3. real-time RL: server + users + cycles
     _step("3. real-time RL: served to simulated users, cycles of gather -> train -> gate -> A/B")
     t0 = time.perf_counter()
-    serve = config.serve.model_copy(update={"registry_root": registry_root, "run_dir": run / "live",
+    loop = config.loop.model_copy(update={"store": StoreConfig(path=run / "live" / "live.sqlite",
+                                                               registry_root=registry_root)})
+    serve = config.serve.model_copy(update={"loop": loop,
                                             "keys": {DEMO_KEY: ["inference", "events", "admin", "dashboard"]}})
     server = LiveServer.from_config(serve)
-    live = config.live.model_copy(update={"registry_root": registry_root, "store_path": run / "live" / "live.sqlite",
-                                          "run_dir": run / "cycles"})
+    live = config.live.model_copy(update={"loop": loop, "run_dir": run / "cycles"})
     stop = threading.Event()
     traffic: dict[str, int] = {"sessions": 0, "completions": 0}
     reports = []

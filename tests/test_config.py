@@ -16,7 +16,8 @@ from flywheel.demo import DemoConfig
 from flywheel.live.cycle import LiveConfig
 from flywheel.live.gate import GateConfig
 from flywheel.live.rewards import RewardConfig
-from flywheel.live.server import ServeConfig
+from flywheel.live.server import DashboardConfig, ServeConfig
+from flywheel.live.settings import LoopConfig
 from flywheel.rl.bootstrap import BootstrapConfig
 from flywheel.rl.distributed import DistTrainConfig
 from flywheel.rl.train import TrainConfig
@@ -30,6 +31,7 @@ MODELS = {
     "dist.toml": DistTrainConfig,
     "gate.toml": GateConfig,
     "live.toml": LiveConfig,
+    "loop.toml": LoopConfig,
     "bootstrap.toml": BootstrapConfig,
     "population.toml": Population,
     "rewards.toml": RewardConfig,
@@ -116,7 +118,7 @@ def test_a_malformed_file_is_an_error_naming_it_also_when_another_config_include
     with pytest.raises(ConfigError, match=f"{re.escape(str(bad))} is not valid TOML"):
         load_config(RewardConfig, bad)
     with pytest.raises(ConfigError, match=f"{re.escape(str(bad))} is not valid TOML"):
-        load_config(LiveConfig, None, [f"rewards_file='{bad}'"])
+        load_config(LiveConfig, None, [f"loop.rewards_file='{bad}'"])
 
 
 def test_typos_in_tables_of_models_are_errors_at_load_too():
@@ -126,3 +128,35 @@ def test_typos_in_tables_of_models_are_errors_at_load_too():
     # A check of the gate is one of two models; the error names the key under either.
     with pytest.raises(ConfigError, match=r"checks\.pass_rate\.NonInferiorityCheck\.margn"):
         load_config(GateConfig, CONFIGS / "gate.toml", ["checks.pass_rate.margn=0.1"])
+
+
+def test_serve_live_and_the_demo_read_one_set_of_live_loop_settings():
+    # The shipped serve and live configs name one loop file: the dashboard and the cycle read the
+    # same store and score completions the same way (flywheel/live/settings.py).
+    serve = load_config(ServeConfig, CONFIGS / "serve.toml")
+    live = load_config(LiveConfig, CONFIGS / "live.toml")
+    assert serve.loop_file == live.loop_file == Path("configs/loop.toml")
+    assert serve.loop == live.loop == load_config(LoopConfig, CONFIGS / "loop.toml")
+    assert live.loop.rewards.feedback_window_s == 30.0 and live.loop.rewards_file == Path("configs/rewards.toml")
+    # The demo holds one [loop] for its server and cycles, and refuses a second one.
+    demo = load_config(DemoConfig, CONFIGS / "demo.toml")
+    assert demo.loop.rewards.feedback_window_s == 5.0 and demo.loop.monitor.window_s == 60.0
+    with pytest.raises(ConfigError, match="move live.loop to loop"):
+        load_config(DemoConfig, CONFIGS / "demo.toml", ["live.loop.rewards.feedback_window_s=9"])
+
+
+@pytest.mark.parametrize(("model", "key", "new"), [
+    (ServeConfig, "run_dir", "loop.store.path"), (ServeConfig, "store_url", "loop.store.url"),
+    (ServeConfig, "registry_root", "loop.store.registry_root"), (LiveConfig, "store_path", "loop.store.path"),
+    (LiveConfig, "rewards.feedback_window_s", "loop.rewards"), (LiveConfig, "monitor.window_s", "loop.monitor"),
+    (LiveConfig, "session_monitor.window_s", "loop.session_monitor"), (LiveConfig, "rewards_file", "loop.rewards_file"),
+    (DashboardConfig, "rewards.feedback_window_s", "loop.rewards"),
+    (DashboardConfig, "monitor.window_s", "loop.monitor"),
+])
+def test_a_config_that_sets_a_moved_key_is_told_its_new_place(tmp_path, model, key, new):
+    # An old config file: the key it sets moved into the live loop's settings.
+    old = tmp_path / "old.toml"
+    table, _, name = key.rpartition(".")
+    old.write_text((f"[{table}]\n" if table else "") + f"{name} = 1\n")
+    with pytest.raises(ConfigError, match=rf"{re.escape(key.split('.')[0])} moved to {re.escape(new)}"):
+        load_config(model, old)

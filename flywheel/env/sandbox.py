@@ -63,6 +63,13 @@ Performance: a command costs two execs (setpriv, bwrap) plus the jail setup, abo
 jail's shell prologue; tmpfs workspaces are mounted with mount(2) through ctypes. A process's first
 sandbox on a root also starts its watchdog (one Python process, ~30 MB, asleep on a pidfd).
 `bench/sandbox.py` measures all of this.
+
+Why one file of about 1,300 lines: it is one idea, the jail, and its parts share invariants that
+no other module may touch (a workspace is removed only once nothing is mounted under it; the
+interpreter bind outlives every lease on it; a watchdog and `reap_orphans` reclaim exactly what
+`_owned_name` names). Split, those would become public names for others to misuse; the security
+review reads it top to bottom instead: the Sandbox, then how a command runs, then the root's
+mounts, leases and reclaiming.
 """
 
 from __future__ import annotations

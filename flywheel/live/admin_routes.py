@@ -2,6 +2,8 @@
 
     GET|POST /v1/admin/deployment       read or change production / candidate / candidate_fraction
     POST /v1/admin/deployment/sync      re-read the Registry's aliases (after `flywheel registry promote`)
+    GET  /v1/admin/loop                 the live loop's settings this server serves with (store URLs'
+                                        passwords masked): `flywheel live` checks its own against them
     GET  /v1/admin/orgs                 the shared deployment, and each organization's own (adapters)
     GET|PUT /v1/admin/orgs/{org}/deployment   read or change one organization's deployment of its
                                         adapters ({"deployment": null}: back to the shared one); stored
@@ -35,6 +37,10 @@ class DeploymentResponse(BaseModel):
     deployment: Deployment
     served_versions: list[int]
     previous: Deployment | None = None
+
+
+class LoopResponse(BaseModel):
+    loop: dict[str, Any]  # LoopConfig.shareable() (flywheel/live/settings.py)
 
 
 class OrgDeploymentRequest(BaseModel):
@@ -95,6 +101,11 @@ def admin_router(server: LiveServer) -> APIRouter:
         except (KeyError, ValueError) as exc:
             raise ApiError(409, str(exc), code="registry_unusable") from None
         return {"deployment": deployment.model_dump(), "served_versions": server.router.served_versions()}
+
+    @router.get("/v1/admin/loop", response_model=None, responses=json_reply(LoopResponse, 401, 403))
+    async def get_loop(request: Request) -> dict[str, Any]:
+        server.authorize(request, "admin")
+        return {"loop": server.config.loop.shareable()}
 
     # ---- each organization's own deployment of adapters (flywheel/live/orgs.py), admin like the above
 

@@ -74,6 +74,11 @@ time window), production's served metrics with confidence intervals, the learner
 (every metric per arm with intervals, the difference with its interval, verdicts), the decision and
 its reason, monitor alarms (and which blocked), the monitor series per version and window, and the
 seconds each stage took.
+
+Why one file of about 950 lines: the cycle is one loop, read top to bottom as `rl/train.py` is: its
+config, how it changes what the server serves, its record, then each stage in order. The stages'
+own ideas live in modules of their own (batch.py, gate.py, abtest.py, deploy.py, monitors.py,
+sessions.py, orgs.py); what is here is their order and the state that survives a kill.
 """
 
 from __future__ import annotations
@@ -89,14 +94,14 @@ import httpx
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flywheel.config import merge_tables, read_toml
+from flywheel.config import include_file, refuse_moved
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.env.task import Task, read_tasks
 from flywheel.live.abtest import ARMS, ABConfig, ABReport, analyze, compare, metric_samples
 from flywheel.live.batch import OnPolicyBatch, on_policy_batch
 from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import Contender, Gate, GateConfig, GateRun
-from flywheel.live.monitors import Alarm, MetricPoint, Monitor, MonitorConfig
+from flywheel.live.monitors import Alarm, MetricPoint, Monitor
 from flywheel.live.orgs import (
     OrgAdapterConfig,
     OrgGateDecision,
@@ -108,14 +113,14 @@ from flywheel.live.orgs import (
     train_org_adapter,
 )
 from flywheel.live.records import BACKGROUND, Completion
-from flywheel.live.rewards import Reward, RewardConfig, RewardDistiller, distill_sessions
+from flywheel.live.rewards import Reward, RewardDistiller, distill_sessions
 from flywheel.live.sessions import (
     GatheredSessions,
     SessionMonitor,
-    SessionMonitorConfig,
     gather_background,
     watch,
 )
+from flywheel.live.settings import LoopConfig, check_same_loop
 from flywheel.live.store import LiveStore
 from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.process_engine import start_engine
@@ -220,28 +225,24 @@ def org_batteries(config: OrgLoopConfig, given: dict[str, Sequence[Task]] | None
 
 
 class LiveConfig(BaseModel):
-    """`flywheel live`: where the server, its store and the Registry are, and each stage's settings.
+    """`flywheel live`: where the server is, the live loop's settings it shares with the server
+    (where the store and the Registry are, the rewards, the monitors), and each stage's settings.
 
-    `rewards_file` / `gate_file` name TOML files of a RewardConfig / GateConfig; a `[rewards]` /
-    `[gate]` table in the same config overrides their values key by key (e.g. a shorter
-    feedback window for a demo). Paths are relative to the working directory."""
+    `loop_file` / `gate_file` name TOML files of a LoopConfig / GateConfig; a `[loop]` / `[gate]`
+    table in the same config overrides their values key by key. The server must be given the same
+    loop settings (configs/serve.toml names the same configs/loop.toml): a cycle refuses to start
+    against a server whose settings differ. Paths are relative to the working directory."""
 
     model_config = ConfigDict(extra="forbid")
-    registry_root: Path = Path("runs/registry")
-    store_path: Path = Path("runs/live/live.sqlite")  # the server's store: its ServeConfig.run_dir / live.sqlite
-    # The server's store_url / registry_url when they are set (PostgreSQL); None: store_path and
-    # registry_root/registry.sqlite, as above.
-    store_url: str | None = None
-    registry_url: str | None = None
+    loop_file: Path | None = None
+    loop: LoopConfig = Field(default_factory=LoopConfig)
     run_dir: Path = Path("runs/cycles")
     server_url: str = "http://127.0.0.1:8000"
     admin_key: str = ""  # a key with the admin scope in the server's [keys]; never written to config.json
     cycles: int = Field(1, ge=0)  # cycles to run; 0: until stopped
     seed: int = 0
     threads: int = Field(2, ge=1)  # torch threads for training and the gate's engines
-    rewards_file: Path | None = None
     gate_file: Path | None = None
-    rewards: RewardConfig = Field(default_factory=RewardConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     trigger: TriggerConfig = Field(default_factory=TriggerConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
@@ -249,10 +250,6 @@ class LiveConfig(BaseModel):
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     ab: ABConfig = Field(default_factory=ABConfig)
     orgs: OrgLoopConfig = Field(default_factory=OrgLoopConfig)
-    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
-    # Background sessions as wholes (flywheel/live/sessions.py): length, turns before the first edit,
-    # the outcome mix; their series and alarms join the per-answer monitors' in the report.
-    session_monitor: SessionMonitorConfig = Field(default_factory=SessionMonitorConfig)
     alarms_block_promotion: bool = True  # a critical alarm on the candidate stops its promotion
     # What the monitors compare every version with: "production" (this cycle's) or "first" (the
     # production of the run's first cycle, which also catches a slow drift across promotions).
@@ -267,23 +264,12 @@ class LiveConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _include_files(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            data = dict(data)
-            _include(data, "rewards", "rewards_file")
-            _include(data, "gate", "gate_file")
-        return data
-
-
-def _include(data: dict[str, Any], field: str, file_field: str) -> None:
-    """data[field] = the TOML file data[file_field] names, with data[field]'s own keys on top."""
-    path = data.get(file_field)
-    if path is None or isinstance(data.get(field), BaseModel):
-        return  # no file, or a model given in Python: it stands as given
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{file_field} {path} not found; paths are relative to the working directory (run from the "
-                         f"repo root), or set {file_field} to null and give a [{field}] table")
-    data[field] = merge_tables(read_toml(path), data.get(field) or {})
+        refuse_moved(data, {"registry_root": "loop.store.registry_root", "registry_url": "loop.store.registry_url",
+                            "store_path": "loop.store.path", "store_url": "loop.store.url",
+                            "rewards_file": "loop.rewards_file", "rewards": "loop.rewards",
+                            "monitor": "loop.monitor", "session_monitor": "loop.session_monitor"},
+                     "the live loop's settings, shared by serve, live and the dashboard: flywheel/live/settings.py")
+        return include_file(include_file(data, "loop", "loop_file"), "gate", "gate_file")
 
 
 # ---- how the cycle changes what the server serves
@@ -291,6 +277,8 @@ def _include(data: dict[str, Any], field: str, file_field: str) -> None:
 
 class DeploymentControl(Protocol):
     def current(self) -> Deployment: ...
+
+    def loop(self) -> dict[str, Any] | None: ...  # the server's LoopConfig.shareable(); None: no server to ask
 
     def apply(self, deployment: Deployment, note: str) -> None: ...
 
@@ -307,6 +295,9 @@ class ServerControl:
 
     def current(self) -> Deployment:
         return self.server.deployment
+
+    def loop(self) -> dict[str, Any] | None:
+        return self.server.config.loop.shareable()
 
     def apply(self, deployment: Deployment, note: str) -> None:
         self.server.set_deployment(deployment, note)
@@ -332,6 +323,9 @@ class HttpControl:
 
     def current(self) -> Deployment:
         return Deployment.model_validate(self._call("GET", "/v1/admin/deployment")["deployment"])
+
+    def loop(self) -> dict[str, Any] | None:
+        return self._call("GET", "/v1/admin/loop")["loop"]
 
     def apply(self, deployment: Deployment, note: str) -> None:
         del note  # the admin endpoint records its own note ("admin endpoint")
@@ -471,21 +465,24 @@ class LiveCycle:
         self.log = log
         self.gate_tasks = list(gate_tasks) if gate_tasks is not None else None
         self.org_gate_tasks = org_batteries(config.orgs, org_gate_tasks)
-        self.distiller = RewardDistiller(config.rewards)
+        loop = config.loop
+        self.distiller = RewardDistiller(loop.rewards)
         self.gate = Gate(config.gate)
-        self.monitor = Monitor(config.monitor)
-        self.session_monitor = SessionMonitor(config.session_monitor)
-        if config.store_url is None and not config.store_path.is_file():
-            raise ValueError(f"no live store at {config.store_path}; start `flywheel serve` first (it writes "
-                             "run_dir/live.sqlite) or set store_path to its file")
-        if config.registry_url is None and not (config.registry_root / "registry.sqlite").is_file():
-            raise ValueError(f"no registry at {config.registry_root}; run `flywheel bootstrap` or set registry_root")
+        self.monitor = Monitor(loop.monitor)
+        self.session_monitor = SessionMonitor(loop.session_monitor)
+        if loop.store.url is None and not loop.store.path.is_file():
+            raise ValueError(f"no live store at {loop.store.path}; start `flywheel serve` first (it writes "
+                             "loop.store.path) or set loop.store.path to its file")
+        if loop.store.registry_url is None and not (loop.store.registry_root / "registry.sqlite").is_file():
+            raise ValueError(f"no registry at {loop.store.registry_root}; run `flywheel bootstrap` or set "
+                             "loop.store.registry_root")
+        check_same_loop(loop, control.loop() if control is not None else None)
 
     def _store(self) -> LiveStore:
-        return LiveStore(self.config.store_url or self.config.store_path)
+        return LiveStore(self.config.loop.store.location)
 
     def _registry(self) -> Registry:
-        return Registry(self.config.registry_root, url=self.config.registry_url)
+        return Registry(self.config.loop.store.registry_root, url=self.config.loop.store.registry_url)
 
     def run(self, cycles: int | None = None) -> list[CycleReport]:
         """Wait for each trigger and run a cycle, `cycles` times (config.cycles; 0: forever)."""
@@ -605,7 +602,7 @@ class LiveCycle:
         while True:
             now = self.clock()
             if full_at is None:
-                cutoff = now - self.config.rewards.feedback_window_s
+                cutoff = now - self.config.loop.rewards.feedback_window_s
             served, rewards, background = self._on_policy(state, store, cutoff, now)
             batch = self._batch(state, served, rewards)
             if full_at is None and len(batch.trajectories) >= cfg.min_completions:

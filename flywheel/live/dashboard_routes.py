@@ -7,7 +7,9 @@
 
 Each takes a key with the `dashboard` (read only) or `admin` scope, also as `?key=KEY`, because a
 browser opening a URL cannot send a header. The dashboard shows behaviour metrics, not completions'
-text. Its monitors read the store as the real-time cycle does (flywheel/live/sessions.py's `watch`).
+text. Its monitors read the store as the real-time cycle does (flywheel/live/sessions.py's `watch`),
+with the live loop's one set of reward and monitor settings (`LoopConfig`, flywheel/live/settings.py),
+so the page and the cycle's report score the same completions the same way.
 """
 
 from __future__ import annotations
@@ -53,15 +55,15 @@ class DashboardView:
         self._cached: tuple[float, dict[str, Any]] | None = None  # (monotonic time computed, data)
 
     def data(self) -> dict[str, Any]:
-        server, config = self.server, self.server.config.dashboard
+        server, config, loop = self.server, self.server.config.dashboard, self.server.config.loop
         with self._lock:
             if self._cached is not None and time.monotonic() - self._cached[0] < config.refresh_s:
                 return self._cached[1]
             now = time.time()
             d = server.deployment
             # The cycle's own window and monitors, per answer and per session (flywheel/live/sessions.py).
-            watched = watch(server.store, RewardDistiller(config.rewards), Monitor(config.monitor),
-                            SessionMonitor(config.session_monitor), now, config.horizon_s, d.production)
+            watched = watch(server.store, RewardDistiller(loop.rewards), Monitor(loop.monitor),
+                            SessionMonitor(loop.session_monitor), now, config.horizon_s, d.production)
             monitors = watched.report
             live = {"production": f"v{d.production}",
                     "candidate": "none" if d.candidate is None else f"v{d.candidate} ({d.candidate_fraction:.0%} of "
@@ -70,7 +72,7 @@ class DashboardView:
             data = build_report_data(config.report_dirs, live=live, title="flywheel dashboard", monitors={
                 "source": f"this server's last {config.horizon_s / 3600:g} h ({watched.completions} completions, "
                           f"{watched.sessions} background sessions, "
-                          f"{config.monitor.window_s:g} s windows)",
+                          f"{loop.monitor.window_s:g} s windows)",
                 "series": monitors.series, "alarms": monitors.alarms})
             self._cached = (time.monotonic(), data)
             return data

@@ -10,6 +10,7 @@
     POST /v1/events            [events]     a batch; per event accepted | duplicate | rejected (reason);
                                             200 only after commit
     GET|POST /v1/admin/deployment[/sync]    [admin]  what is served; re-read the Registry's aliases
+    GET  /v1/admin/loop                     [admin]  the live loop's settings (flywheel/live/settings.py)
     GET  /v1/admin/orgs, GET|PUT /v1/admin/orgs/{org}/deployment  [admin]  organizations' adapters
     GET  /dashboard, /dashboard/data, /metrics  [dashboard]  the live dashboard, Prometheus metrics
     GET  /health                            no key needed
@@ -45,8 +46,8 @@ the completion's `request_meta` (task family, ambiguous: what the monitors group
 routed by the current `Deployment` (sticky A/B split, see flywheel/live/deploy.py); a request whose
 `model` is a served version ("v3") is pinned to it and recorded with arm `pinned`.
 
-Several replicas: `store_url` (and `registry_url`) in PostgreSQL let any number of `flywheel serve`
-processes share one store, behind any load balancer. What keeps them one service:
+Several replicas: `loop.store.url` (and `loop.store.registry_url`) in PostgreSQL let any number of
+`flywheel serve` processes share one store, behind any load balancer. What keeps them one service:
 - Routing is a pure function of (deployment, session id): replicas serving the same deployment send
   a session to the same arm, whichever replica a request reaches.
 - A deployment change made through one replica (admin endpoint, sync) is written to the store's
@@ -112,15 +113,14 @@ from flywheel.api.errors import ApiError, install_error_handlers
 from flywheel.api.events import EventBatch
 from flywheel.api.http import RunningServer, json_reply
 from flywheel.api.records import MAX_ID_CHARS, ChatRequest, TextCompletionRequest
+from flywheel.config import include_file, refuse_moved
 from flywheel.live.admin_routes import admin_router
 from flywheel.live.dashboard_routes import DashboardView, dashboard_router
 from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, deployment_from_registry
 from flywheel.live.event_routes import events_router
 from flywheel.live.metrics import MeasuredRequests, ServerMetrics
-from flywheel.live.monitors import MonitorConfig
 from flywheel.live.openai_routes import openai_router
-from flywheel.live.rewards import RewardConfig
-from flywheel.live.sessions import SessionMonitorConfig
+from flywheel.live.settings import LoopConfig
 from flywheel.live.store import LiveStore
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import Engine, EngineConfig
@@ -132,6 +132,10 @@ log = logging.getLogger(__name__)
 Scope = Literal["inference", "events", "admin", "dashboard"]
 SCOPES: tuple[Scope, ...] = ("inference", "events", "admin", "dashboard")
 DASHBOARD_SCOPES = frozenset({"dashboard", "admin"})
+
+
+# Why the keys above moved: one definition the server and the cycle both read.
+_MOVED_WHY = "the live loop's settings, shared by serve, live and the dashboard: flywheel/live/settings.py"
 
 
 class DashboardConfig(BaseModel):
@@ -146,25 +150,28 @@ class DashboardConfig(BaseModel):
     # The monitors read every completion of this last stretch (and its sessions') on each recomputation:
     # longer shows more history at a cost that grows with the traffic.
     horizon_s: float = Field(default=6 * 3600.0, gt=0)
-    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
-    session_monitor: SessionMonitorConfig = Field(default_factory=SessionMonitorConfig)  # background sessions
-    rewards: RewardConfig = Field(default_factory=RewardConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        refuse_moved(data, {"monitor": "loop.monitor", "session_monitor": "loop.session_monitor",
+                            "rewards": "loop.rewards"}, _MOVED_WHY)
+        return data
 
 
 class ServeConfig(BaseModel):
-    """`flywheel serve`: where the models and the live data are, who may call, and the request limits."""
+    """`flywheel serve`: the live loop's settings it shares with `flywheel live` (where the data is,
+    the rewards and monitors its dashboard shows), who may call, and the request limits.
+
+    `loop_file` names a TOML file of a LoopConfig (configs/loop.toml, which configs/live.toml names
+    too); a `[loop]` table here overrides its values key by key."""
 
     model_config = ConfigDict(extra="forbid")
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
-    registry_root: Path = Path("runs/registry")
-    run_dir: Path = Path("runs/live")  # live.sqlite (completions, events, deployments) and config.json
-    # Where the live store is: None keeps it in run_dir/live.sqlite; `postgresql://USER@HOST:PORT/DB` puts
-    # it in a PostgreSQL that several replicas of this server share.
-    store_url: str | None = None
-    # Where the Registry's index is: None keeps registry_root/registry.sqlite; a PostgreSQL URL shares it
-    # between replicas (the checkpoint folders stay under registry_root, which every replica must mount).
-    registry_url: str | None = None
+    loop_file: Path | None = None
+    # The store (its folder also gets this server's config.json), the Registry, rewards and monitors.
+    loop: LoopConfig = Field(default_factory=LoopConfig)
     # How often this replica re-reads the deployment other replicas may have changed. Lower serves a
     # change sooner at the cost of one indexed query per interval per replica.
     deployment_poll_s: float = Field(default=1.0, gt=0)
@@ -212,14 +219,13 @@ class ServeConfig(BaseModel):
                              f"{self.max_tokens_limit}; lower the first or raise the second")
         return self
 
-    @property
-    def store_path(self) -> Path:
-        return self.run_dir / "live.sqlite"
-
-    @property
-    def store_location(self) -> str | Path:
-        """What LiveStore opens: store_url, else the file in run_dir."""
-        return self.store_url or self.store_path
+    @model_validator(mode="before")
+    @classmethod
+    def _include_loop(cls, data: Any) -> Any:
+        refuse_moved(data, {"registry_root": "loop.store.registry_root", "registry_url": "loop.store.registry_url",
+                            "store_url": "loop.store.url", "run_dir": "loop.store.path (the folder's live.sqlite)"},
+                     _MOVED_WHY)
+        return include_file(data, "loop", "loop_file")
 
 
 class Health(BaseModel):
@@ -293,10 +299,11 @@ class LiveServer:
     @classmethod
     def from_config(cls, config: ServeConfig) -> LiveServer:
         """Open the Registry and the live store, and serve the Registry's production (and candidate)."""
-        if config.registry_url is None and not (config.registry_root / "registry.sqlite").is_file():
-            raise ValueError(f"no registry at {config.registry_root}; run `flywheel bootstrap` first or set "
-                             "registry_root")
-        registry = Registry(config.registry_root, url=config.registry_url)
+        where = config.loop.store
+        if where.registry_url is None and not (where.registry_root / "registry.sqlite").is_file():
+            raise ValueError(f"no registry at {where.registry_root}; run `flywheel bootstrap` first or set "
+                             "loop.store.registry_root")
+        registry = Registry(where.registry_root, url=where.registry_url)
         store = open_store(config)
         deployment = deployment_from_registry(registry, _resume_fraction(store, registry, config.candidate_fraction))
         router = Router(registry_loader(registry, config.engine), deployment)
@@ -542,7 +549,7 @@ def replica_name(config: ServeConfig) -> str:
 
 
 def open_store(config: ServeConfig) -> LiveStore:
-    return LiveStore(config.store_location, synchronous=config.synchronous,
+    return LiveStore(config.loop.store.location, synchronous=config.synchronous,
                      completions_synchronous=config.completions_synchronous,
                      require_known_completion=config.require_known_completion)
 

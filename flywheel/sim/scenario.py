@@ -69,6 +69,7 @@ from flywheel.live.cycle import LiveConfig, LiveCycle, ServerControl
 from flywheel.live.records import Completion
 from flywheel.live.rewards import RewardConfig, made_edit
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import StoreConfig
 from flywheel.model.chat import render_messages, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.factory import ModelConfig, build_model
@@ -330,7 +331,7 @@ class ScenarioConfig(BaseModel):
     threads: int = Field(1, ge=1)  # torch threads; 1 is fastest on a busy 2-core machine
     start: StartPolicyConfig = Field(default_factory=StartPolicyConfig)
     population: Population = Field(default_factory=_scenario_population)
-    live: LiveConfig  # the cycle's settings; registry, store, run_dir and rewards are set per arm
+    live: LiveConfig  # the cycle's settings; its loop's store and rewards, and run_dir, are set per arm
 
     @model_validator(mode="after")
     def _files(self) -> ScenarioConfig:
@@ -437,12 +438,13 @@ def run_arm(config: ScenarioConfig, arm: Literal["naive", "default"], model: Pre
                                       note=f"scenario {config.name} start").version
     registry.close()
     key = "scenario-key"
-    serve = ServeConfig(registry_root=root / "registry", run_dir=root / "live",
-                        keys={key: ["inference", "events", "admin"]},
-                        threads=config.threads)
-    live = config.live.model_copy(update={"registry_root": root / "registry", "store_path": serve.store_path,
-                                          "run_dir": root / "cycles", "rewards": config.rewards(arm),
-                                          "threads": config.threads, "cycles": config.cycles})
+    # One live loop for the arm's server and its cycles: the arm's store, Registry and rewards.
+    loop = config.live.loop.model_copy(update={
+        "store": StoreConfig(path=root / "live" / "live.sqlite", registry_root=root / "registry"),
+        "rewards": config.rewards(arm)})
+    serve = ServeConfig(loop=loop, keys={key: ["inference", "events", "admin"]}, threads=config.threads)
+    live = config.live.model_copy(update={"loop": loop, "run_dir": root / "cycles", "threads": config.threads,
+                                          "cycles": config.cycles})
     workload = config.start.workload()
     server = LiveServer.from_config(serve)
     try:

@@ -20,7 +20,10 @@ from pathlib import Path
 import torch
 
 from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.live.monitors import MonitorConfig
+from flywheel.live.rewards import RewardConfig
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig
 from flywheel.model.factory import load_pretrained
 from flywheel.model.registry import PRODUCTION, Registry
 from flywheel.rl.sft import SFTConfig
@@ -68,21 +71,27 @@ class LiveWorld:
     users: BackgroundUsers | None
 
 
+def world_loop(root: Path) -> LoopConfig:
+    """The live loop's settings the world's server and the cycles run against it share: feedback
+    final 3 s after an answer (the simulated users report edits as their session ends), 30 s windows."""
+    return LoopConfig.at(root / "live" / "live.sqlite", root / "registry", rewards=RewardConfig(feedback_window_s=3.0),
+                         monitor=MonitorConfig(window_s=30.0, min_rate_count=10))
+
+
 @contextmanager
 def live_world(root: Path, users: bool = True, candidate_fraction: float = 0.5,
                population: Population = POPULATION) -> Iterator[LiveWorld]:
     """v0 served in this process (keys: KEY has every scope), simulated users running while inside."""
     make_registry(root / "registry").close()
-    serve = ServeConfig(registry_root=root / "registry", run_dir=root / "live",
-                        keys={KEY: ["inference", "events", "admin"]},
+    serve = ServeConfig(loop=world_loop(root), keys={KEY: ["inference", "events", "admin"]},
                         candidate_fraction=candidate_fraction, threads=1)
     server = LiveServer.from_config(serve)
     try:
         with serve_in_thread(server) as running, SandboxPool(PoolConfig(max_active=8, warm=2)) as pool:
             if not users:
-                yield LiveWorld(server, running.url, serve.registry_root, serve, None)
+                yield LiveWorld(server, running.url, serve.loop.store.registry_root, serve, None)
                 return
             with BackgroundUsers(running.url, KEY, population, POLICY.workload(), pool) as background:
-                yield LiveWorld(server, running.url, serve.registry_root, serve, background)
+                yield LiveWorld(server, running.url, serve.loop.store.registry_root, serve, background)
     finally:
         server.close()

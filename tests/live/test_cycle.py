@@ -38,6 +38,7 @@ from flywheel.live.records import CompletionToolCall
 from flywheel.live.rewards import RewardConfig, RewardDistiller, RewardStatus
 from flywheel.live.server import DashboardConfig, LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.sessions import SessionMonitorConfig
+from flywheel.live.settings import LoopConfig
 from flywheel.live.store import LiveStore
 from flywheel.model.chat import SYSTEM_PROMPT, tool_schemas
 from flywheel.model.engine import LocalEngine
@@ -110,9 +111,9 @@ def test_gather_cuts_the_batch_by_time_so_nothing_is_trained_twice(tmp_path):
     for i in range(10):
         store.add_completion(stored_completion(f"c{i}", f"s{i}").model_copy(update={"created_at": 1000.0 + i}))
     Registry(tmp_path / "registry").close()
-    config = LiveConfig(registry_root=tmp_path / "registry", store_path=tmp_path / "live.sqlite",
-                        run_dir=tmp_path / "run",
-                        rewards=RewardConfig(feedback_window_s=1.0), batch={"min_completions": 3, "max_completions": 4})
+    config = LiveConfig(loop=LoopConfig.at(tmp_path / "live.sqlite", tmp_path / "registry",
+                                           rewards=RewardConfig(feedback_window_s=1.0)),
+                        run_dir=tmp_path / "run", batch={"min_completions": 3, "max_completions": 4})
     cycle = LiveCycle(config, _FixedControl(Deployment(production=0)), log=lambda m: None)
     state = CycleState(cycle=1, trigger="test", started_at=0.0, production=0, first_production=0, since=0.0,
                        events_at_start=0)
@@ -135,19 +136,23 @@ class _FixedControl:
     def apply(self, deployment: Deployment, note: str) -> None:
         self.deployment = deployment
 
+    def loop(self) -> None:
+        return None  # no server whose live-loop settings the cycle must match
+
 
 # ---- configuration
 
 
 def test_live_config_reads_reward_and_gate_files_with_overrides_on_top(tmp_path):
     config = load_config(LiveConfig, REPO / "configs/live.toml",
-                         [f"rewards_file='{REPO / 'configs/rewards_naive_drop_invalid.toml'}'",
-                          f"gate_file='{REPO / 'configs/gate.toml'}'", "rewards.feedback_window_s=7.0"])
-    assert config.rewards.drop_invalid and config.rewards.feedback_window_s == 7.0
+                         [f"loop_file='{REPO / 'configs/loop.toml'}'",
+                          f"loop.rewards_file='{REPO / 'configs/rewards_naive_drop_invalid.toml'}'",
+                          f"gate_file='{REPO / 'configs/gate.toml'}'", "loop.rewards.feedback_window_s=7.0"])
+    assert config.loop.rewards.drop_invalid and config.loop.rewards.feedback_window_s == 7.0
     assert set(config.gate.checks) == {"pass_rate", "valid_tool_call_rate", "clarify_on_clear"}
     assert config.gate.checks["pass_rate"].margin == 0.1 and config.gate.battery.tasks_per_family == 8
     with pytest.raises(ConfigError, match="rewards_file .* not found"):
-        load_config(LiveConfig, None, [f"rewards_file='{tmp_path / 'nope.toml'}'"])
+        load_config(LiveConfig, None, [f"loop.rewards_file='{tmp_path / 'nope.toml'}'"])
     with pytest.raises(ConfigError, match="raise the first or lower the second"):
         load_config(LiveConfig, None, ["batch.min_completions=10", "batch.max_completions=5"])
     assert len(EvalBattery(families=["bugfix"], tasks_per_family=2, humaneval_tasks=2).tasks()) == 4
@@ -193,10 +198,10 @@ def test_gate_blocks_a_degraded_candidate_and_passes_an_identical_one(tmp_path):
 # ---- whole cycles
 
 
-def _cycle_config(root: Path, world_store: Path, registry_root: Path, **update) -> LiveConfig:
+def _cycle_config(root: Path, loop: LoopConfig, **update) -> LiveConfig:
+    """A cycle against the server whose live-loop settings are `loop` (the world's: `world_loop`)."""
     data = {
-        "registry_root": str(registry_root), "store_path": str(world_store), "run_dir": str(root / "cycles"),
-        "threads": 1, "rewards": {"feedback_window_s": 3.0},
+        "loop": loop.model_dump(mode="json"), "run_dir": str(root / "cycles"), "threads": 1,
         "batch": {"min_completions": 24, "max_completions": 200, "max_wait_s": 120.0, "poll_s": 0.5},
         "learner": {"lr": 1e-5},  # a candidate close to production: the gate passes it and the A/B test runs
         "gate": {"min_tasks": 8, "checks": {"pass_rate": {"metric": "passed", "margin": 0.35}},
@@ -204,7 +209,6 @@ def _cycle_config(root: Path, world_store: Path, registry_root: Path, **update) 
                              "episode": {"temperature": 0.0, "max_turns": 2, "max_tokens_per_turn": 48}}},
         "deploy": {"candidate_fraction": 0.5, "max_wait_s": 120.0, "poll_s": 0.5},
         "ab": {"min_per_arm": 8},
-        "monitor": {"window_s": 30.0, "min_rate_count": 10},
         "pool": {"max_active": 8, "warm": 1},
     }
     data.update(update)
@@ -214,7 +218,7 @@ def _cycle_config(root: Path, world_store: Path, registry_root: Path, **update) 
 def test_one_full_cycle_with_simulated_users(tmp_path):
     start_checkpoint()
     with live_world(tmp_path) as world:
-        config = _cycle_config(tmp_path, world.serve.store_path, world.registry_root)
+        config = _cycle_config(tmp_path, world.serve.loop)
         cycle = LiveCycle(config, ServerControl(world.server), log=lambda m: None, gate_tasks=POLICY.tasks())
         (report,) = cycle.run(1)
         deployment = world.server.deployment
@@ -243,10 +247,9 @@ def test_one_full_cycle_with_simulated_users(tmp_path):
 def test_a_cycle_killed_midway_leaves_production_serving_and_the_rerun_completes(tmp_path):
     start_checkpoint()
     with live_world(tmp_path) as world:
-        config = _cycle_config(tmp_path, world.serve.store_path, world.registry_root,
-                               server_url=world.url, admin_key=KEY)
+        config = _cycle_config(tmp_path, world.serve.loop, server_url=world.url, admin_key=KEY)
         path = tmp_path / "live.toml"
-        path.write_text(_toml(json.loads(config.model_dump_json(exclude={"rewards_file", "gate_file"}))))
+        path.write_text(_toml(json.loads(config.model_dump_json(exclude={"loop_file", "gate_file"}))))
         command = [sys.executable, "-m", "flywheel.cli", "live", "--config", str(path)]
         state_file = tmp_path / "cycles" / "cycle-0001" / "state.json"
         first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -315,15 +318,15 @@ def test_the_cycle_report_and_the_dashboard_show_the_same_session_monitors(tmp_p
             store.add_completion(c)
         store.add_events(honest_events + hacked_events)
     sessions = SessionMonitorConfig(window_s=48 * hour)
-    serve = ServeConfig(registry_root=tmp_path / "registry", run_dir=tmp_path / "live", keys=KEYS, threads=1,
-                        dashboard=DashboardConfig(horizon_s=48 * hour, session_monitor=sessions, refresh_s=0.5))
+    serve = ServeConfig(loop=LoopConfig.at(tmp_path / "live" / "live.sqlite", tmp_path / "registry",
+                                           session_monitor=sessions),
+                        keys=KEYS, threads=1, dashboard=DashboardConfig(horizon_s=48 * hour, refresh_s=0.5))
     server = LiveServer.from_config(serve)
     with serve_in_thread(server) as running:
         r = httpx.get(f"{running.url}/dashboard/data", headers={"authorization": "Bearer admin-key"}, timeout=60)
         assert r.status_code == 200, r.text
         reply = r.json()
-        config = _cycle_config(tmp_path, store_path, tmp_path / "registry", session_monitor=sessions.model_dump(),
-                               monitor_lookback_s=48 * hour)
+        config = _cycle_config(tmp_path, serve.loop, monitor_lookback_s=48 * hour)
         cycle = LiveCycle(config, ServerControl(server), log=lambda m: None)
         state = CycleState(cycle=1, trigger="manual", started_at=time.time(), production=0, first_production=0,
                            since=0.0, events_at_start=0, candidate=1)
@@ -358,7 +361,7 @@ def test_a_cycle_specializes_an_organization_on_its_own_traffic_and_decides_for_
     population = POPULATION.model_copy(update={"profiles": [POPULATION.profiles[0], acme_dev]})
     with live_world(tmp_path, population=population) as world:
         config = _cycle_config(
-            tmp_path, world.serve.store_path, world.registry_root,
+            tmp_path, world.serve.loop,
             deploy={"candidate_fraction": 0.5, "max_wait_s": 180.0, "poll_s": 0.5, "promote_when": "gate"},
             orgs={"enabled": True, "adapter": {"min_completions": 6, "rank": 4}, "candidate_fraction": 0.5},
             ab={"min_per_arm": 6})

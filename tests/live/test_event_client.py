@@ -14,12 +14,15 @@ from flywheel.api.http import RunningServer
 from flywheel.client import EventClient
 from flywheel.live.deploy import Deployment, Router
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig
 
 
 def events_server(tmp_path: Path, **config) -> LiveServer:
     # Only the events endpoint is exercised here; a scripted engine stands in for the unused model.
     router = Router(lambda version: (ScriptedEngine([1], version), None), Deployment(production=0))
-    return LiveServer(ServeConfig(keys=KEYS, run_dir=tmp_path, require_known_completion=False, **config), router)
+    return LiveServer(ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite"), keys=KEYS,
+                                  require_known_completion=False, **config),
+                      router)
 
 
 @pytest.fixture

@@ -61,7 +61,8 @@ def test_the_cycle_gates_each_organization_on_its_configured_battery(tmp_path):
     battery = tmp_path / "acme.jsonl"
     assert _export(battery) == 0
     config = load_config(LiveConfig, _live_config(tmp_path, {"acme": battery}),
-                         [f'registry_root="{tmp_path / "registry"}"', f'store_path="{tmp_path / "live.sqlite"}"'])
+                         [f'loop.store.registry_root="{tmp_path / "registry"}"',
+                          f'loop.store.path="{tmp_path / "live.sqlite"}"'])
     assert config.orgs.batteries == {"acme": battery}
     LiveStore(tmp_path / "live.sqlite").close()
     Registry(tmp_path / "registry").close()

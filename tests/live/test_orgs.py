@@ -31,6 +31,7 @@ from flywheel.live.orgs import (
 from flywheel.live.records import Completion
 from flywheel.live.rewards import RewardDistiller
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig, StoreConfig
 from flywheel.model.chat import SYSTEM_PROMPT
 from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
 from flywheel.model.registry import PRODUCTION, CheckpointNotFound
@@ -172,7 +173,7 @@ def test_the_server_routes_each_org_to_its_adapters_ab_tests_within_it_and_rolls
     a1, a2 = random_adapters(registry, "acme", (1, 2))
     registry.close()
     keys = {**KEYS, "acme-key": ["inference", "events"]}
-    serve = ServeConfig(registry_root=tmp_path / "registry", run_dir=tmp_path / "live", keys=keys,
+    serve = ServeConfig(loop=LoopConfig.at(tmp_path / "live" / "live.sqlite", tmp_path / "registry"), keys=keys,
                         orgs={"acme-key": "acme"}, threads=1, candidate_fraction=0.0)
     server = LiveServer.from_config(serve)
     server.set_deployment(Deployment(production=0))
@@ -221,9 +222,9 @@ def test_admin_endpoints_set_org_deployments_that_every_replica_follows(tmp_path
     keys = {**KEYS, "acme-key": ["inference"]}
 
     def replica(name: str) -> LiveServer:
-        return LiveServer.from_config(ServeConfig(
-            registry_root=tmp_path / "registry", run_dir=tmp_path / name, store_url=store_url, keys=keys,
-            orgs={"acme-key": "acme"}, threads=1, candidate_fraction=0.0, deployment_poll_s=0.1))
+        store = StoreConfig(registry_root=tmp_path / "registry", path=tmp_path / name / "live.sqlite", url=store_url)
+        return LiveServer.from_config(ServeConfig(loop=LoopConfig(store=store), keys=keys, orgs={"acme-key": "acme"},
+                                                  threads=1, candidate_fraction=0.0, deployment_poll_s=0.1))
 
     admin = {"authorization": "Bearer admin-key"}
     url = "/v1/admin/orgs/acme/deployment"

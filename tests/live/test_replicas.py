@@ -29,8 +29,9 @@ MESSAGES = [{"role": "user", "content": "Fix the failing test."}]
 
 def start_replica(tmp_path: Path, name: str, registry_root: Path, url: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    settings = {"registry_root": str(registry_root), "run_dir": str(tmp_path / name), "port": port, "threads": 1,
-                "store_url": url, "registry_url": url, "deployment_poll_s": POLL_S, "candidate_fraction": 0.5}
+    settings = {"loop.store.registry_root": str(registry_root), "loop.store.path": str(tmp_path / name / "live.sqlite"),
+                "loop.store.url": url, "loop.store.registry_url": url, "port": port, "threads": 1,
+                "deployment_poll_s": POLL_S, "candidate_fraction": 0.5}
     cmd = [sys.executable, "-m", "flywheel.cli", "serve", "--config", str(REPO / "configs" / "serve.toml")]
     for key, value in settings.items():
         cmd += ["--set", f"{key}={json.dumps(value)}"]

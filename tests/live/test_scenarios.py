@@ -31,6 +31,7 @@ from flywheel.live.deploy import Deployment, Router
 from flywheel.live.monitors import Monitor, MonitorConfig
 from flywheel.live.rewards import RewardDistiller
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig
 from flywheel.live.store import LiveStore
 from flywheel.model.chat import IM_END, parse_assistant, render_assistant_body, tool_schemas
 from flywheel.model.engine import Generation, SamplingParams
@@ -137,16 +138,16 @@ def played(tmp_path_factory) -> dict[str, Path]:
     with SandboxPool(PoolConfig(max_active=8, warm=2)) as pool:
         for kind in ("edit", "ask", "broken"):
             engine = BehaviourEngine(tokenizer, kind)
-            config = ServeConfig(keys={KEY: ["inference", "events"]}, run_dir=root / kind)
+            config = ServeConfig(loop=LoopConfig.at(root / kind / "live.sqlite"), keys={KEY: ["inference", "events"]})
             server = LiveServer(config, Router(lambda version, e=engine: (e, tokenizer), Deployment(production=0)),
-                                LiveStore(config.store_path))
+                                LiveStore(config.loop.store.path))
             with server, serve_in_thread(server) as running:
                 workload = POLICY.workload()
                 # max_tokens: the test tokenizer (400 tokens) spends more of them on an answer than a trained one.
                 users = POPULATION.model_copy(update={"max_tokens": 512})
                 stats = run_population(running.url, KEY, users, 2 * len(workload), pool, tasks=workload)
                 assert stats.server_errors == 0 and stats.events["rejected"] == 0
-            stores[kind] = config.store_path
+            stores[kind] = config.loop.store.path
     return stores
 
 

@@ -28,6 +28,7 @@ from tiny_serving import KEYS, TOOL_ANSWER, ScriptedEngine, free_port, stored_co
 
 from flywheel.live.deploy import Deployment, Router
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig
 from flywheel.live.store import LiveStore
 from flywheel.model.chat import IM_END, SYSTEM_PROMPT, TOOLS_IN_PROMPT, render_messages, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
@@ -40,7 +41,7 @@ MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "cont
 
 @pytest.fixture(scope="module")
 def live(registry_root, tmp_path_factory):
-    config = ServeConfig(registry_root=registry_root, run_dir=tmp_path_factory.mktemp("live"), keys=KEYS,
+    config = ServeConfig(loop=LoopConfig.at(tmp_path_factory.mktemp("live") / "live.sqlite", registry_root), keys=KEYS,
                          candidate_fraction=0.5, max_body_bytes=64 * 1024, max_events_per_batch=100, threads=1)
     server = LiveServer.from_config(config)
     with serve_in_thread(server) as running:
@@ -69,7 +70,7 @@ def test_openai_round_trip_is_stored_before_the_response_with_its_version(live, 
     assert resp.id.startswith("chatcmpl-") and info["session_id"] == "round-trip"
     assert resp.choices[0].finish_reason in {"stop", "length", "tool_calls"}
     # A second connection to the file, as the distiller would open: the commit happened before the reply.
-    with LiveStore(server.config.store_path) as reader:
+    with LiveStore(server.config.loop.store.path) as reader:
         stored = reader.completion(resp.id)
     assert stored is not None
     assert (stored.session_id, stored.user_id, stored.request_meta) == ("round-trip", "alice", {"family": "bugfix"})
@@ -125,8 +126,8 @@ def scripted_server(tmp_path: Path, registry_root: Path, text: str) -> tuple[Liv
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
     engine = ScriptedEngine(tokenizer(text, add_special_tokens=False)["input_ids"])
     router = Router(lambda version: (engine, tokenizer), Deployment(production=0))
-    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
-    return LiveServer(config, router, LiveStore(config.store_path)), engine
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite"), keys=KEYS)
+    return LiveServer(config, router, LiveStore(config.loop.store.path)), engine
 
 
 def test_tool_calls_come_back_in_openai_format_valid_or_not(tmp_path, registry_root):
@@ -171,9 +172,9 @@ def test_a_model_trained_without_tool_schemas_is_served_without_them(tmp_path, r
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
     tokenizer.init_kwargs[TOOLS_IN_PROMPT] = False  # as saved by `train_tokenizer(..., tools_in_prompt=False)`
     engine = ScriptedEngine(tokenizer(TOOL_ANSWER, add_special_tokens=False)["input_ids"])
-    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite"), keys=KEYS)
     server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
-                        LiveStore(config.store_path))
+                        LiveStore(config.loop.store.path))
     with server, serve_in_thread(server) as running:
         resp = client(running.url).chat.completions.create(model="flywheel", messages=MESSAGES, tools=tool_schemas())
     prompt = tokenizer.decode(engine.prompts[-1])
@@ -273,12 +274,12 @@ def test_concurrent_requests_are_each_stored_once(live):
 
 def test_config_errors_say_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"add a \[keys\] table"):
-        LiveServer(ServeConfig(run_dir=tmp_path), Router(lambda v: (ScriptedEngine([1], v), None),
-                                                         Deployment(production=0)))
+        LiveServer(ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite")),
+                   Router(lambda v: (ScriptedEngine([1], v), None), Deployment(production=0)))
     with pytest.raises(ValueError, match="lower the first or raise the second"):
         ServeConfig(default_max_tokens=10, max_tokens_limit=5)
     with pytest.raises(ValueError, match="flywheel bootstrap"):
-        LiveServer.from_config(ServeConfig(keys=KEYS, registry_root=tmp_path / "none", run_dir=tmp_path))
+        LiveServer.from_config(ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite", tmp_path / "none"), keys=KEYS))
 
 
 def test_keys_and_scopes(live):
@@ -382,10 +383,11 @@ def test_kill_9_during_a_flood_loses_no_acknowledged_event(registry_root, tmp_pa
         for i in range(8):
             store.add_completion(stored_completion(f"c{i}", f"s{i}"))
     cmd = [sys.executable, "-m", "flywheel.cli", "serve", "--config", str(REPO / "configs" / "serve.toml"),
-           "--set", f"registry_root={json.dumps(str(registry_root))}", "--set", f"run_dir={json.dumps(str(run_dir))}",
+           "--set", f"loop.store.registry_root={json.dumps(str(registry_root))}",
+           "--set", f"loop.store.path={json.dumps(str(run_dir / 'live.sqlite'))}",
            "--set", f"port={port}", "--set", "threads=1"]
     if postgres:
-        cmd += ["--set", f"store_url={json.dumps(store_url)}"]
+        cmd += ["--set", f"loop.store.url={json.dumps(store_url)}"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"

@@ -35,6 +35,7 @@ from schemathesis.specs.openapi.checks import (
 from tiny_serving import FUZZ_SUMMARY, KEYS
 
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig
 from flywheel.live.store import LiveStore
 
 # Per operation and mode; the chat operation gets more positives, the ones that reach the engine.
@@ -50,7 +51,7 @@ AUTH = {"authorization": "Bearer admin-key"}
 @pytest.fixture(scope="module")
 def live(registry_root, tmp_path_factory):
     # Small generation limits keep each served request to milliseconds; the limits themselves get fuzzed.
-    config = ServeConfig(registry_root=registry_root, run_dir=tmp_path_factory.mktemp("live"), keys=KEYS,
+    config = ServeConfig(loop=LoopConfig.at(tmp_path_factory.mktemp("live") / "live.sqlite", registry_root), keys=KEYS,
                          candidate_fraction=0.5, max_body_bytes=256 * 1024, max_events_per_batch=50,
                          default_max_tokens=4, max_tokens_limit=8, max_context_tokens=4096, threads=1)
     server = LiveServer.from_config(config)
@@ -92,7 +93,7 @@ def test_fuzz_every_operation_no_5xx_and_conforming_responses(live, request):
     kinds = Counter(line.strip() for f in failures for line in f.splitlines() if line.strip().startswith("- "))
     assert server_errors == 0 and not failures, f"{dict(kinds)}\n\n" + "\n\n".join(failures[:5])
     # What the fuzz stored still reads back, through a second connection as the distiller would.
-    with LiveStore(server.config.store_path) as reader:
+    with LiveStore(server.config.loop.store.path) as reader:
         assert reader.count_completions() == len(reader.completions()) > 0
         reader.events(start=0.0)
     assert httpx.get(f"{url}/dashboard/data", headers=AUTH, timeout=60).status_code == 200

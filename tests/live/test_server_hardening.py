@@ -25,6 +25,7 @@ from flywheel.live.deploy import Deployment, Router
 from flywheel.live.records import Completion
 from flywheel.live.rewards import RewardDistiller
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig
 from flywheel.live.store import Ingest, LiveStore
 from flywheel.model.chat import IM_END, IM_START, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.model.conversation import ConversationEncoder, PromptTooLong
@@ -36,7 +37,7 @@ ADMIN = {"authorization": "Bearer admin-key", "content-type": "application/json"
 
 @pytest.fixture(scope="module")
 def live(registry_root, tmp_path_factory):
-    config = ServeConfig(registry_root=registry_root, run_dir=tmp_path_factory.mktemp("live"), keys=KEYS,
+    config = ServeConfig(loop=LoopConfig.at(tmp_path_factory.mktemp("live") / "live.sqlite", registry_root), keys=KEYS,
                          max_body_bytes=8 << 20, max_context_tokens=100_000, threads=1)
     server = LiveServer.from_config(config)
     with serve_in_thread(server) as running:
@@ -245,9 +246,9 @@ def test_an_error_response_keeps_the_connection_usable(live, registry_root, tmp_
     conn.close()
 
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
-    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite"), keys=KEYS)
     server = LiveServer(config, Router(lambda version: (FailingEngine([]), tokenizer), Deployment(production=0)),
-                        LiveStore(config.store_path))
+                        LiveStore(config.loop.store.path))
     with server, serve_in_thread(server) as running:
         conn = http.client.HTTPConnection(urlsplit(running.url).hostname, urlsplit(running.url).port, timeout=60)
         status, body = request_on(conn, "POST", "/v1/chat/completions", json.dumps(ok_request()).encode())
@@ -260,9 +261,9 @@ def test_an_error_response_keeps_the_connection_usable(live, registry_root, tmp_
 def test_tool_choice_none_yields_no_tool_call(tmp_path, registry_root):
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
     engine = ScriptedEngine(tokenizer(TOOL_ANSWER, add_special_tokens=False)["input_ids"])
-    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite"), keys=KEYS)
     server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
-                        LiveStore(config.store_path))
+                        LiveStore(config.loop.store.path))
     with server, serve_in_thread(server) as running:
         api = openai.OpenAI(base_url=f"{running.url}/v1", api_key="inference-key", max_retries=0)
         for stream in (False, True):
@@ -283,9 +284,9 @@ def test_a_tool_call_whose_arguments_a_record_cannot_hold_is_invalid_not_lost(tm
               '<tool_call>\n{"name": "lookup", "arguments": {"q": "fine"}}\n</tool_call>' + IM_END)
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
     engine = ScriptedEngine(tokenizer(answer, add_special_tokens=False)["input_ids"])
-    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite"), keys=KEYS)
     server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
-                        LiveStore(config.store_path))
+                        LiveStore(config.loop.store.path))
     lookup = {"type": "function", "function": {"name": "lookup", "parameters": {"properties": {"q": {}}}}}
     with server, serve_in_thread(server) as running:
         r = chat(running.url, ok_request(tools=[lookup], max_tokens=200))
@@ -326,7 +327,7 @@ def test_completions_keep_their_sampling_and_the_learner_takes_only_its_temperat
 
 def test_the_store_file_stays_readable(live):
     server, _ = live
-    with sqlite3.connect(server.config.store_path) as db:
+    with sqlite3.connect(server.config.loop.store.path) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -343,9 +344,9 @@ def test_the_live_cycle_trains_only_on_completions_at_the_learners_temperature(t
     state = CycleState(cycle=1, trigger="test", started_at=0.0, production=0, first_production=0, since=0.0,
                        events_at_start=0)
     for temperature, trained in [(1.0, None), (0.7, ["c0", "c1", "c2", "c3"])]:
-        config = LiveConfig(registry_root=tmp_path / "registry", store_path=tmp_path / "live.sqlite",
-                            run_dir=tmp_path / "run", rewards=RewardConfig(feedback_window_s=1.0),
-                            learner={"temperature": temperature},
+        config = LiveConfig(loop=LoopConfig.at(tmp_path / "live.sqlite", tmp_path / "registry",
+                                               rewards=RewardConfig(feedback_window_s=1.0)),
+                            run_dir=tmp_path / "run", learner={"temperature": temperature},
                             batch={"min_completions": 2, "max_completions": 10, "max_wait_s": 0.001, "poll_s": 0.01})
         cycle = LiveCycle(config, control=None, log=lambda message: None)
         with LiveStore(tmp_path / "live.sqlite") as store:

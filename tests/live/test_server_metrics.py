@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tiny_serving import KEYS
 
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig
 from flywheel.model.chat import SYSTEM_PROMPT
 
 MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Fix the failing test."}]
@@ -16,7 +17,7 @@ MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "cont
 
 @pytest.fixture(scope="module")
 def live(registry_root, tmp_path_factory):
-    config = ServeConfig(registry_root=registry_root, run_dir=tmp_path_factory.mktemp("live"), keys=KEYS,
+    config = ServeConfig(loop=LoopConfig.at(tmp_path_factory.mktemp("live") / "live.sqlite", registry_root), keys=KEYS,
                          candidate_fraction=0.5, threads=1)
     server = LiveServer.from_config(config)
     with serve_in_thread(server) as running:

@@ -14,6 +14,7 @@ from tiny_serving import KEYS, ScriptedEngine
 
 from flywheel.live.deploy import Deployment, Router
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig
 from flywheel.live.store import LiveStore
 from flywheel.model.chat import IM_END, SYSTEM_PROMPT, TOOL_CALL_OPEN, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
@@ -28,7 +29,7 @@ AUTH = {"authorization": "Bearer inference-key"}
 
 @pytest.fixture(scope="module")
 def live(registry_root, tmp_path_factory):
-    config = ServeConfig(registry_root=registry_root, run_dir=tmp_path_factory.mktemp("live"), keys=KEYS,
+    config = ServeConfig(loop=LoopConfig.at(tmp_path_factory.mktemp("live") / "live.sqlite", registry_root), keys=KEYS,
                          candidate_fraction=0.0, threads=1)
     server = LiveServer.from_config(config)
     with serve_in_thread(server) as running, httpx.Client(base_url=running.url, headers=AUTH, timeout=60) as http:
@@ -122,9 +123,9 @@ def test_tool_choice_required_or_named_opens_the_call_in_the_prompt(tmp_path, re
     rest = ('{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>' if choice == "required"
             else '{"path": "a.py"}}\n</tool_call>') + IM_END
     engine = ScriptedEngine(tokenizer(rest, add_special_tokens=False)["input_ids"])
-    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite"), keys=KEYS)
     server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
-                        LiveStore(config.store_path))
+                        LiveStore(config.loop.store.path))
     with server, serve_in_thread(server) as running, httpx.Client(base_url=running.url, headers=AUTH) as http:
         reply = chat(http, tools=tool_schemas(), tool_choice=choice).json()
         no_tools = chat(http, tool_choice=choice)
@@ -143,9 +144,9 @@ def test_tool_choice_required_or_named_opens_the_call_in_the_prompt(tmp_path, re
 def test_the_embedded_default_names_the_declared_tools_it_does_not_know(tmp_path):
     tokenizer = train_tokenizer([SYSTEM_PROMPT, "Fix the failing test."] * 4, vocab_size=300, tools_in_prompt=False)
     engine = ScriptedEngine(tokenizer("Done." + IM_END, add_special_tokens=False)["input_ids"])
-    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite"), keys=KEYS)
     server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
-                        LiveStore(config.store_path))
+                        LiveStore(config.loop.store.path))
     browse = {"type": "function", "function": {"name": "browse", "parameters": {"type": "object", "properties": {}}}}
     with server, serve_in_thread(server) as running, httpx.Client(base_url=running.url, headers=AUTH) as http:
         unknown = chat(http, tools=[*tool_schemas(["read_file"]), browse]).json()
@@ -159,9 +160,9 @@ def test_stop_sequences_cut_the_answer_and_the_record_keeps_the_tokens_that_reac
     tokenizer = train_tokenizer([SYSTEM_PROMPT, "Fix the failing test. STOP"] * 4, vocab_size=300)
     answer = tokenizer("Fixed the test. STOP then more words" + IM_END, add_special_tokens=False)["input_ids"]
     engine = ScriptedEngine(answer)
-    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite"), keys=KEYS)
     server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
-                        LiveStore(config.store_path))
+                        LiveStore(config.loop.store.path))
     with server, serve_in_thread(server) as running, httpx.Client(base_url=running.url, headers=AUTH) as http:
         if stream:
             with http.stream("POST", "/v1/chat/completions", json={"model": "flywheel", "messages": MESSAGES,
@@ -240,7 +241,7 @@ def test_n_choices_stream_interleaved_by_index_each_stored_as_its_own_completion
 
 
 def test_a_model_served_in_its_own_process_streams_tokens_as_they_are_sampled(registry_root, tmp_path):
-    config = ServeConfig(registry_root=registry_root, run_dir=tmp_path, keys=KEYS, candidate_fraction=0.0,
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite", registry_root), keys=KEYS, candidate_fraction=0.0,
                          threads=1, engine=EngineConfig(separate_process=True))
     server = LiveServer.from_config(config)
     try:

@@ -23,6 +23,7 @@ from flywheel.live.records import BACKGROUND, Completion, CompletionToolCall
 from flywheel.live.rewards import BackgroundConfig, RewardConfig, RewardDistiller, RewardStatus
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.sessions import SessionMonitor, SessionMonitorConfig, gather_background, session_summaries
+from flywheel.live.settings import LoopConfig
 from flywheel.live.store import LIVE_SCHEMA, LiveStore
 from flywheel.model.chat import SYSTEM_PROMPT
 from flywheel.model.registry import Registry
@@ -182,8 +183,8 @@ def test_the_delayed_outcome_hacks_pay_under_naive_rewards_and_the_session_monit
 
 def test_org_and_session_kind_travel_with_requests_and_outcome_events(registry_root, tmp_path):
     keys = {**KEYS, "acme-key": ["inference", "events"]}
-    config = ServeConfig(registry_root=registry_root, run_dir=tmp_path, keys=keys, orgs={"acme-key": "acme"},
-                         threads=1, candidate_fraction=0.0)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite", registry_root), keys=keys,
+                         orgs={"acme-key": "acme"}, threads=1, candidate_fraction=0.0)
     server = LiveServer.from_config(config)
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Fix the failing test."}]
     with serve_in_thread(server) as running:
@@ -266,8 +267,7 @@ def test_the_cycle_waits_its_late_arrival_window_for_outcomes_and_reports_what_i
     arrivals = [outcome("waited", "ci_green", T0 + 4.5 * H),  # inside the 2 h wait after the batch is full
                 outcome("slow", "reverted", T0 + 7.5 * H)]  # after the wait: the next cycle has started
     Registry(tmp_path / "registry").close()
-    config = LiveConfig(registry_root=tmp_path / "registry", store_path=tmp_path / "live.sqlite",
-                        run_dir=tmp_path / "run",
+    config = LiveConfig(loop=LoopConfig.at(tmp_path / "live.sqlite", tmp_path / "registry"), run_dir=tmp_path / "run",
                         batch={"min_completions": 6, "outcome_wait_s": 2 * H, "poll_s": 600, "max_wait_s": 24 * H})
 
     class Control:
@@ -276,6 +276,9 @@ def test_the_cycle_waits_its_late_arrival_window_for_outcomes_and_reports_what_i
 
         def apply(self, deployment: Deployment, note: str) -> None:
             raise AssertionError("gathering changes no deployment")
+
+        def loop(self) -> None:
+            return None  # no server to compare live-loop settings with
 
     clock = _Clock(T0 + 3 * H, store, arrivals)
     cycle = LiveCycle(config, Control(), log=lambda m: None, clock=clock, sleep=clock.sleep)
@@ -287,5 +290,5 @@ def test_the_cycle_waits_its_late_arrival_window_for_outcomes_and_reports_what_i
     assert state.batch["background"] == {"sessions": 2, "completions": 12, "outcomes": {"merged": 1, "ci_green": 1},
                                          "left_out": {"open": 1, "other_version": 1}}
     assert {c.session_id for c in batch.completions} == {"early", "waited"}
-    assert state.cutoff == T0 + 3 * H - config.rewards.feedback_window_s
+    assert state.cutoff == T0 + 3 * H - config.loop.rewards.feedback_window_s
     store.close()

@@ -24,6 +24,7 @@ from flywheel.env.families import generate
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.live.gate import Contender, Gate, GateConfig
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig
 from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.process_engine import start_engine
@@ -214,8 +215,8 @@ def test_a_reload_of_unchanged_weights_gives_the_first_loads_tensors(engine, reg
 def test_live_server_answers_through_vllm_and_stores_tokens_logprobs_and_version(engine, registry, tmp_path):
     """`flywheel serve` with engine.backend = "vllm": the registry's production served by the module's
     servers (their URLs, as `flywheel engine serve` prints them), a chat completion over loopback HTTP."""
-    config = ServeConfig(registry_root=registry.root, run_dir=tmp_path, keys={"key": ["inference"]}, threads=1,
-                         engine=EngineConfig(backend="vllm", vllm=vllm_config(urls=engine.live_servers())))
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite", registry.root), keys={"key": ["inference"]},
+                         threads=1, engine=EngineConfig(backend="vllm", vllm=vllm_config(urls=engine.live_servers())))
     server = LiveServer.from_config(config)  # a VLLMEngine on the servers, which it reloads with v0's weights
     with server, serve_in_thread(server) as running:
         assert isinstance(server.router.engine(0), VLLMEngine)

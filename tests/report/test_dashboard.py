@@ -28,6 +28,7 @@ from flywheel.live.deploy import Deployment, Router
 from flywheel.live.monitors import MonitorConfig
 from flywheel.live.records import Completion, CompletionToolCall
 from flywheel.live.server import DashboardConfig, LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig
 from flywheel.live.store import LiveStore
 
 KEYS = {"inference-key": ["inference"], "dashboard-key": ["dashboard"], "admin-key": ["inference", "events", "admin"]}
@@ -76,11 +77,11 @@ def traffic(store: LiveStore, now: float) -> None:
 def dashboard(tmp_path_factory):
     root = tmp_path_factory.mktemp("dashboard")
     demo = write_demo_folder(root / "demo")
-    config = ServeConfig(keys=KEYS, run_dir=root / "live", dashboard=DashboardConfig(
-        report_dirs=[demo, root / "not-yet"], refresh_s=1.0, monitor=MonitorConfig(window_s=WINDOW_S)))
+    config = ServeConfig(loop=LoopConfig.at(root / "live" / "live.sqlite", monitor=MonitorConfig(window_s=WINDOW_S)),
+                         keys=KEYS, dashboard=DashboardConfig(report_dirs=[demo, root / "not-yet"], refresh_s=1.0))
     router = Router(lambda version: (IdleEngine(version), None),
                     Deployment(production=0, candidate=1, candidate_fraction=0.5))
-    server = LiveServer(config, router, LiveStore(config.store_path))
+    server = LiveServer(config, router, LiveStore(config.loop.store.path))
     traffic(server.store, time.time())
     with serve_in_thread(server) as running:
         yield running.url

@@ -178,7 +178,8 @@ def test_a_live_cycle_logs_its_report_to_each_tracker_as_a_run_of_its_own(tmp_pa
     monkeypatch.setenv("WANDB_SILENT", "true")
     LiveStore(tmp_path / "live.sqlite").close()
     Registry(tmp_path / "registry").close()
-    config = LiveConfig.model_validate({"store_path": tmp_path / "live.sqlite", "registry_root": tmp_path / "registry",
+    config = LiveConfig.model_validate({"loop": {"store": {"path": tmp_path / "live.sqlite",
+                                                           "registry_root": tmp_path / "registry"}},
                                         "run_dir": tmp_path / "cycles", "tracking": {**ALL, "run_name": "live"}})
     live = LiveCycle(config, control=None, log=lambda line: None)
     done = cycle(3).model_dump(exclude={"schema_", "finished_at"})  # a finished cycle's figures

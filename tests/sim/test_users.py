@@ -30,6 +30,7 @@ from flywheel.live.deploy import Deployment, Router  # noqa: E402
 from flywheel.live.monitors import Monitor, label_tests_passed  # noqa: E402
 from flywheel.live.rewards import RewardConfig, RewardDistiller  # noqa: E402
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread  # noqa: E402
+from flywheel.live.settings import LoopConfig  # noqa: E402
 from flywheel.live.store import LiveStore  # noqa: E402
 from flywheel.model.chat import IM_END  # noqa: E402
 from flywheel.model.engine import Generation, SamplingParams  # noqa: E402
@@ -106,7 +107,8 @@ def check_events_land(store: LiveStore, stats) -> tuple[list, list, dict]:
 
 
 def test_a_population_drives_the_served_tiny_model_and_its_events_become_rewards(registry_root, pool, tmp_path):
-    config = ServeConfig(registry_root=registry_root, run_dir=tmp_path, keys=KEYS, candidate_fraction=0.5, threads=1)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite", registry_root), keys=KEYS, candidate_fraction=0.5,
+                         threads=1)
     population = Population(seed=3, users=4, concurrency=3, tasks_per_family=2, max_tokens=96, profiles=[
         UserProfile(name="patient", patience=4, followup_propensity=1.0, thumbs_propensity=1.0),
         UserProfile(name="impatient", patience=3, thumbs_propensity=0.0, families={"ambiguous": 1.0, "bugfix": 1.0})])
@@ -177,9 +179,9 @@ def test_users_keep_good_edits_revert_bad_ones_and_answer_questions_by_need(regi
                                                   ("finish", {})) + IM_END}
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
     engine = TaskScriptedEngine(tokenizer, answers)
-    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite"), keys=KEYS)
     server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
-                        LiveStore(config.store_path))
+                        LiveStore(config.loop.store.path))
     population = Population(concurrency=3, max_tokens=512, profiles=[UserProfile(
         name="strict", patience=2, followup_propensity=1.0, thumbs_propensity=1.0, revert_strictness=1.0)])
     tasks = [good, wrong, clear, vague, broken]
@@ -241,9 +243,9 @@ def test_background_agents_work_alone_and_their_outcome_arrives_hours_later(regi
                                                   ("finish", {})) + IM_END}
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
     engine = TaskScriptedEngine(tokenizer, answers)
-    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite"), keys=KEYS)
     server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
-                        LiveStore(config.store_path))
+                        LiveStore(config.loop.store.path))
     hours = 3600.0
     population = Population(concurrency=3, max_tokens=512, profiles=[UserProfile(
         name="agent", kind="background", patience=4, org_id="acme", outcome_delay_s=(2 * hours, 5 * hours))])
@@ -310,10 +312,10 @@ def test_an_organizations_users_send_its_house_rule_tasks_and_a_general_fix_fail
                                                          .model_dump()), ("finish", {"summary": "fixed"})) + IM_END
                for p in plan}
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
-    config = ServeConfig(keys=KEYS, run_dir=tmp_path)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite"), keys=KEYS)
     engine = TaskScriptedEngine(tokenizer, answers)
     server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
-                        LiveStore(config.store_path))
+                        LiveStore(config.loop.store.path))
     with server, serve_in_thread(server) as running:
         stats = run_population(running.url, "admin-key", population, len(plan), pool)
         completions = server.store.completions()
