@@ -1,4 +1,5 @@
 # The two commands of the README: `make test` and `make demo`. Both set up .venv from nothing.
+# `make check` is the fast tier while you work: ruff and the tests not marked `slow` (pyproject.toml).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 CORE := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-core test demo bench lint clean vllm-env
+.PHONY: setup setup-core test check demo bench lint clean vllm-env
 
 $(CORE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +45,10 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest
+
+# A few minutes on 2 cores: every test but those marked slow (each marked one says what it costs).
+check: lint
+	$(PY) -m pytest -m "not slow"
 
 demo: setup-core
 	$(VENV)/bin/flywheel demo --config configs/demo.toml

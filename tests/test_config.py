@@ -34,6 +34,7 @@ MODELS = {
     "loop.toml": LoopConfig,
     "bootstrap.toml": BootstrapConfig,
     "population.toml": Population,
+    "quick.toml": DemoConfig,
     "rewards.toml": RewardConfig,
     "rewards_naive_drop_invalid.toml": RewardConfig,
     "rewards_naive_edits_only.toml": RewardConfig,

@@ -18,7 +18,7 @@ Bytecode: the jail sets PYTHONDONTWRITEBYTECODE (a same-size edit within a secon
 tested as old code), so without precompiled files every run recompiles pytest and its plugins.
 `build` writes unchecked-hash .pyc files (PEP 552): the prefix never changes after the build, so
 they need no stat of their source, and they record /env paths for tracebacks. Measured with
-`bench/repos.py` (toolz's suite in a jail): see README.
+`bench/repos.py` (toolz's suite in a jail): see docs/real-repos.md.
 
 The cache: $FLYWHEEL_ENV_CACHE, else /var/cache/flywheel/envs as root (bwrap resolves bind sources
 as the sandbox user after setpriv, who cannot pass through /root), else ~/.cache/flywheel/envs.
