@@ -120,7 +120,7 @@ from flywheel.live.sessions import (
     gather_background,
     watch,
 )
-from flywheel.live.settings import LoopConfig, check_same_loop
+from flywheel.live.settings import MOVED_LOOP_KEYS, MOVED_STORE_KEYS, MOVED_WHY, LoopConfig, check_same_loop
 from flywheel.live.store import LiveStore
 from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.process_engine import start_engine
@@ -264,11 +264,8 @@ class LiveConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _include_files(cls, data: Any) -> Any:
-        refuse_moved(data, {"registry_root": "loop.store.registry_root", "registry_url": "loop.store.registry_url",
-                            "store_path": "loop.store.path", "store_url": "loop.store.url",
-                            "rewards_file": "loop.rewards_file", "rewards": "loop.rewards",
-                            "monitor": "loop.monitor", "session_monitor": "loop.session_monitor"},
-                     "the live loop's settings, shared by serve, live and the dashboard: flywheel/live/settings.py")
+        refuse_moved(data, {**MOVED_STORE_KEYS, "store_path": "loop.store.path", "rewards_file": "loop.rewards_file",
+                            **MOVED_LOOP_KEYS}, MOVED_WHY)
         return include_file(include_file(data, "loop", "loop_file"), "gate", "gate_file")
 
 

@@ -120,7 +120,7 @@ from flywheel.live.deploy import Deployment, EngineLoader, NotServed, Router, de
 from flywheel.live.event_routes import events_router
 from flywheel.live.metrics import MeasuredRequests, ServerMetrics
 from flywheel.live.openai_routes import openai_router
-from flywheel.live.settings import LoopConfig
+from flywheel.live.settings import MOVED_LOOP_KEYS, MOVED_STORE_KEYS, MOVED_WHY, LoopConfig
 from flywheel.live.store import LiveStore
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import Engine, EngineConfig
@@ -132,10 +132,6 @@ log = logging.getLogger(__name__)
 Scope = Literal["inference", "events", "admin", "dashboard"]
 SCOPES: tuple[Scope, ...] = ("inference", "events", "admin", "dashboard")
 DASHBOARD_SCOPES = frozenset({"dashboard", "admin"})
-
-
-# Why the keys above moved: one definition the server and the cycle both read.
-_MOVED_WHY = "the live loop's settings, shared by serve, live and the dashboard: flywheel/live/settings.py"
 
 
 class DashboardConfig(BaseModel):
@@ -154,8 +150,7 @@ class DashboardConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data: Any) -> Any:
-        refuse_moved(data, {"monitor": "loop.monitor", "session_monitor": "loop.session_monitor",
-                            "rewards": "loop.rewards"}, _MOVED_WHY)
+        refuse_moved(data, MOVED_LOOP_KEYS, MOVED_WHY)
         return data
 
 
@@ -222,9 +217,7 @@ class ServeConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _include_loop(cls, data: Any) -> Any:
-        refuse_moved(data, {"registry_root": "loop.store.registry_root", "registry_url": "loop.store.registry_url",
-                            "store_url": "loop.store.url", "run_dir": "loop.store.path (the folder's live.sqlite)"},
-                     _MOVED_WHY)
+        refuse_moved(data, {**MOVED_STORE_KEYS, "run_dir": "loop.store.path (the folder's live.sqlite)"}, MOVED_WHY)
         return include_file(data, "loop", "loop_file")
 
 

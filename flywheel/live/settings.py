@@ -15,7 +15,7 @@ cycle are given the same object, and the cycle refuses to run against a server w
 differ (flywheel/live/cycle.py).
 
 These keys lived in ServeConfig (and its `dashboard` table) and LiveConfig before; a config that
-still sets one gets an error naming its new place (`flywheel.config.refuse_moved`).
+still sets one gets an error naming its new place (`MOVED_STORE_KEYS`, `MOVED_LOOP_KEYS`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ from flywheel.live.monitors import MonitorConfig
 from flywheel.live.rewards import RewardConfig
 from flywheel.live.sessions import SessionMonitorConfig
 from flywheel.store.database import mask_password
+
+# Keys that moved into LoopConfig from ServeConfig (and its dashboard table) and LiveConfig: a config
+# that still sets one is told its new place (`flywheel.config.refuse_moved`), not "extra inputs".
+MOVED_WHY = "the live loop's settings, shared by serve, live and the dashboard: flywheel/live/settings.py"
+MOVED_STORE_KEYS = {"registry_root": "loop.store.registry_root", "registry_url": "loop.store.registry_url",
+                    "store_url": "loop.store.url"}
+MOVED_LOOP_KEYS = {"rewards": "loop.rewards", "monitor": "loop.monitor", "session_monitor": "loop.session_monitor"}
 
 
 class StoreConfig(BaseModel):
