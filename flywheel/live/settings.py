@@ -88,9 +88,12 @@ class LoopConfig(BaseModel):
         """The settings as JSON, store URLs' passwords masked: what a server tells an admin
         (GET /v1/admin/loop) and what two configs are compared by."""
         data = self.model_dump(mode="json")
+        store = data["store"]
+        if store["url"] is not None:
+            store["path"] = None  # unused, the store is at url: replicas may each keep their config.json apart
         for key in ("url", "registry_url"):
-            if data["store"][key] is not None:
-                data["store"][key] = mask_password(data["store"][key])
+            if store[key] is not None:
+                store[key] = mask_password(store[key])
         return data
 
 

@@ -4,7 +4,9 @@ process and over HTTP. Real SQLite, the real server on loopback, the real cycle'
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +20,7 @@ from flywheel.live.records import Completion, CompletionToolCall
 from flywheel.live.rewards import RewardConfig, RewardDistiller
 from flywheel.live.server import DashboardConfig, LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.sessions import SessionMonitor, watch
-from flywheel.live.settings import LoopConfig
+from flywheel.live.settings import LoopConfig, StoreConfig, check_same_loop
 from flywheel.live.store import LiveStore
 
 HOUR = 3600.0
@@ -101,3 +103,17 @@ def test_a_cycle_refuses_a_server_whose_loop_settings_differ(tmp_path):
         finally:
             control.close()
     server.close()
+
+
+def test_what_a_server_tells_of_its_loop_settings_holds_no_password_and_matches_across_replicas():
+    url = "postgresql://flywheel:secret@db.internal:5432/flywheel"
+    loop = LoopConfig(store=StoreConfig(path=Path("runs/a/live.sqlite"), url=url, registry_url=url))
+    shared = loop.shareable()
+    assert "secret" not in json.dumps(shared)
+    assert shared["store"]["url"] == shared["store"]["registry_url"] == "postgresql://flywheel:***@db.internal:5432/flywheel"
+    # Replicas on one PostgreSQL keep their config.json apart (path); their loop is still one.
+    replica = LoopConfig(store=loop.store.model_copy(update={"path": Path("runs/b/live.sqlite")}))
+    check_same_loop(replica, shared)
+    with pytest.raises(ValueError, match=r"loop\.store\.path"):
+        check_same_loop(LoopConfig.at(Path("runs/a/live.sqlite")),
+                        LoopConfig.at(Path("runs/b/live.sqlite")).shareable())
