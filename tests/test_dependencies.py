@@ -12,6 +12,8 @@ import tomllib
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
+import pytest
+
 from flywheel.extras import EXTRAS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,7 @@ def names(specs: list[str]) -> set[str]:
     return {normalized(re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0]) for d in specs}
 
 
+@pytest.mark.slow  # 10 s on the shared 2-core machine (load ~10)
 def test_every_third_party_import_is_a_declared_dependency():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = names(project["dependencies"])
@@ -109,6 +112,7 @@ def core_site_packages(into: Path) -> Path:
     return into
 
 
+@pytest.mark.slow  # 34 s on the shared 2-core machine (load ~10)
 def test_the_core_install_runs_without_the_extras_and_a_missing_one_is_named(tmp_path):
     site = core_site_packages(tmp_path)
     out = subprocess.run([sys.executable, "-S", "-c", WITHOUT_EXTRAS], capture_output=True, text=True, timeout=300,

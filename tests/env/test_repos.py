@@ -86,6 +86,7 @@ def test_spec_key_ignores_order_and_names_the_build_command(tmp_path):
         EnvSpec(requirements=())
 
 
+@pytest.mark.slow  # 8 s on the shared 2-core machine (load ~10)
 def test_environment_is_bound_read_only_with_precompiled_bytecode(pytest_env, toolz_files):
     config = SandboxConfig(wall_time_s=30, cpu_time_s=30)
     with Sandbox.create({"a.py": "x = 1\n"}, config, environment=pytest_env.path) as box:
@@ -154,6 +155,7 @@ def mined_catalogue(tmp_path_factory, pytest_env, toolz_files):
     return cache
 
 
+@pytest.mark.slow  # 14 s on the shared 2-core machine (load ~10)
 def test_mined_tasks_fail_before_and_pass_after_their_fix_in_the_sandbox(mined_catalogue, toolz_files):
     bugs = mined.catalogue(mined_catalogue)
     assert 1 <= len(bugs) <= 3
@@ -176,6 +178,7 @@ def test_mined_tasks_fail_before_and_pass_after_their_fix_in_the_sandbox(mined_c
     assert mined.get(drawn[0].id, cache=mined_catalogue) == drawn[0]
 
 
+@pytest.mark.slow  # its module's mined catalogue: 22 s on the shared 2-core machine
 def test_scripted_expert_solves_a_mined_task_end_to_end(mined_catalogue, toolz_files):
     task = mined.to_task(mined.catalogue(mined_catalogue)[0], toolz_files)
     episode = run_policy(task, ScriptedExpert(seed=0).play(task))
@@ -186,6 +189,7 @@ def test_scripted_expert_solves_a_mined_task_end_to_end(mined_catalogue, toolz_f
     assert grade(task, episode.final).all_passed
 
 
+@pytest.mark.slow  # the mined catalogue, and 10 s of its own
 def test_the_policy_plays_a_mined_task_and_its_records_are_right(mined_catalogue, toolz_files):
     """A real (tiny, untrained) model drives an episode on a mined toolz task through the engine, the
     tools and the pytest grader: whatever it writes, the trajectory holds every token with its

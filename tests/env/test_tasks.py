@@ -108,6 +108,7 @@ def test_template_library():
 
 # ---- solvable by the reference, unsolved without it ----------------------------------------
 
+@pytest.mark.slow  # 14 s on the shared 2-core machine (load ~10)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reference_solves_and_untouched_fails(family):
     tasks = sample(family)
@@ -138,12 +139,14 @@ def test_hidden_tests_repeat_every_visible_check(family):
                     assert line in hidden_text, f"{task.id}: {line.strip()!r} is not in the hidden tests"
 
 
+@pytest.mark.slow  # 6 s on the shared 2-core machine (load ~10)
 def test_visible_test_shows_the_bug():
     tasks = [t for d in (1, 2, 3) for t in generate("bugfix", "train", 5, seed=1, difficulty=d)]
     for task, result in zip(tasks, run_many([(t.files, ("tests",)) for t in tasks]), strict=True):
         assert not all(result.values()), f"{task.id}: no visible test fails before the fix"
 
 
+@pytest.mark.slow  # 10 s on the shared 2-core machine (load ~10)
 def test_guessing_another_variant_fails():
     tasks = generate("ambiguous", "train", 12, seed=0) + generate("ambiguous", "eval", 6, seed=0)
     jobs, names = [], []
@@ -228,6 +231,7 @@ def test_task_set_and_errors():
 
 # ---- HumanEval ----------------------------------------------------------------------------------
 
+@pytest.mark.slow  # 34 s on the shared 2-core machine (load ~10)
 def test_humaneval_canonical_passes_and_prompt_fails():
     tasks = families.all_humaneval_tasks()
     assert len(tasks) == 164 and tasks[0].id == "humaneval/HumanEval_0"

@@ -188,6 +188,7 @@ def test_a_path_through_a_regular_file_is_a_tool_error(tools, box):
     assert box.read_text("a.py") == FILES["a.py"]
 
 
+@pytest.mark.slow  # 12 s on the shared 2-core machine (load ~10)
 def test_a_tree_deeper_than_path_max_can_be_snapshot_reset_and_searched(tools, box):
     run_hostile(box)
     for name, arguments in [
@@ -375,6 +376,7 @@ def hostile_tools(sandbox_root):
         yield toolbox
 
 
+@pytest.mark.slow  # 47 s on the shared 2-core machine (load ~10)
 @settings(
     max_examples=100,
     deadline=None,

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _loaded_by_serving() -> dict[str, bool]:
     # A fresh interpreter: this test process has long imported the sandbox through other tests.
@@ -18,12 +20,14 @@ def _loaded_by_serving() -> dict[str, bool]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 26 s on the shared 2-core machine (load ~10)
 def test_serving_imports_the_tool_contract_but_not_the_tools():
     loaded = _loaded_by_serving()
     assert loaded["flywheel.env.toolspec"]
     assert not loaded["flywheel.env.tools"] and not loaded["flywheel.env.semantic"]
 
 
+@pytest.mark.slow  # 14 s on the shared 2-core machine (load ~10)
 def test_serving_does_not_import_the_sandbox():
     assert not _loaded_by_serving()["flywheel.env.sandbox"]
 

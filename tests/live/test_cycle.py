@@ -161,6 +161,7 @@ def test_live_config_reads_reward_and_gate_files_with_overrides_on_top(tmp_path)
 # ---- the gate on real checkpoints
 
 
+@pytest.mark.slow  # 37 s on the shared 2-core machine (load ~10)
 def test_gate_blocks_a_degraded_candidate_and_passes_an_identical_one(tmp_path):
     registry = make_registry(tmp_path / "registry")
     model, tokenizer = registry.load(0)
@@ -215,6 +216,7 @@ def _cycle_config(root: Path, loop: LoopConfig, **update) -> LiveConfig:
     return LiveConfig.model_validate(data)
 
 
+@pytest.mark.slow  # 18 s on the shared 2-core machine (load ~10)
 def test_one_full_cycle_with_simulated_users(tmp_path):
     start_checkpoint()
     with live_world(tmp_path) as world:
@@ -244,6 +246,7 @@ def test_one_full_cycle_with_simulated_users(tmp_path):
     assert CycleState.model_validate_json((folder / "state.json").read_text()).stage == "done"
 
 
+@pytest.mark.slow  # 41 s on the shared 2-core machine (load ~10)
 def test_a_cycle_killed_midway_leaves_production_serving_and_the_rerun_completes(tmp_path):
     start_checkpoint()
     with live_world(tmp_path) as world:
@@ -351,6 +354,7 @@ def test_the_cycle_report_and_the_dashboard_show_the_same_session_monitors(tmp_p
 
 
 
+@pytest.mark.slow  # 24 s on the shared 2-core machine (load ~10)
 def test_a_cycle_specializes_an_organization_on_its_own_traffic_and_decides_for_it_alone(tmp_path):
     """Half the simulated users belong to acme (their requests name it): after the shared model's
     decision the cycle trains acme's LoRA adapter on acme's on-policy completions only, gates it on

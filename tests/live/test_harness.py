@@ -148,6 +148,7 @@ def test_sandbox_exec_reads_the_command_and_env_from_bwrap_arguments():
 # ---- mini-swe-agent end to end
 
 
+@pytest.mark.slow  # 22 s on the shared 2-core machine (load ~10)
 @needs_mini
 def test_mini_swe_agent_solves_a_task_in_the_sandbox_in_one_exact_segment(task, tokenizer, pool, tmp_path):
     (edit,) = task.reference_edits
@@ -181,6 +182,7 @@ def test_mini_swe_agent_solves_a_task_in_the_sandbox_in_one_exact_segment(task, 
     assert [c["completion_ids"] for c in result.completions] == engine.sampled
 
 
+@pytest.mark.slow  # 10 s on the shared 2-core machine (load ~10)
 @needs_mini
 def test_mini_swe_agent_with_the_embedded_model_yields_exact_records_the_learner_trains_on(task, pool, tmp_path):
     torch.manual_seed(0)
@@ -274,6 +276,7 @@ def test_the_embedded_model_calls_its_own_tool_for_a_declared_alias_and_names_un
 # ---- harness episodes in `flywheel train`
 
 
+@pytest.mark.slow  # 14 s on the shared 2-core machine (load ~10)
 @needs_mini
 def test_flywheel_train_plays_mini_swe_agent_episodes_under_the_staleness_bound(tmp_path):
     """`rollout.harness = "mini-swe-agent"`: the Orchestrator admits, bounds and trains harness

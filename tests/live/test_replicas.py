@@ -83,6 +83,7 @@ def replicas(tmp_path, pg_url):
                 proc.wait()
 
 
+@pytest.mark.slow  # 28 s on the shared 2-core machine (load ~10)
 def test_replicas_on_one_postgresql_route_alike_follow_deployments_and_store_events_once(replicas):
     (a, b), procs_pids, pg_url = replicas
     sessions = [f"user-{i}" for i in range(16)]

@@ -169,6 +169,7 @@ def mean_trained(rewards: list) -> float:
     return statistics.fmean(r.reward for r in rewards if r.trainable)
 
 
+@pytest.mark.slow  # 8 s on the shared 2-core machine (load ~10)
 @pytest.mark.parametrize("name", ["drop_invalid", "edits_only"])
 def test_the_naive_reward_pays_for_its_hack_and_the_default_does_not(played, name):
     naive, default = REPO / f"configs/rewards_naive_{name}.toml", REPO / "configs/rewards.toml"
@@ -187,6 +188,7 @@ def test_the_naive_reward_pays_for_its_hack_and_the_default_does_not(played, nam
         assert mean_trained(first_answer_rewards(played["ask"], default)[3]) < honest_hard
 
 
+@pytest.mark.slow  # both scenarios played: 28 s on the shared 2-core machine
 def test_the_monitors_see_each_hack_in_the_traffic(played):
     """Traffic of a policy that does the hack, against traffic of one that edits: critical alarms."""
     with LiveStore(played["edit"]) as store:

@@ -60,6 +60,7 @@ def live(registry_root, tmp_path_factory):
     server.close()
 
 
+@pytest.mark.slow  # 28 s on the shared 2-core machine (load ~10)
 def test_fuzz_every_operation_no_5xx_and_conforming_responses(live, request):
     server, url = live
     document = httpx.get(f"{url}/openapi.json").json()

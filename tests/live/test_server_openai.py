@@ -240,6 +240,7 @@ def test_n_choices_stream_interleaved_by_index_each_stored_as_its_own_completion
     assert [c["message"]["content"] for c in whole["choices"]] == [stored[i].content for i in range(3)]
 
 
+@pytest.mark.slow  # 39 s on the shared 2-core machine (load ~10)
 def test_a_model_served_in_its_own_process_streams_tokens_as_they_are_sampled(registry_root, tmp_path):
     config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite", registry_root), keys=KEYS, candidate_fraction=0.0,
                          threads=1, engine=EngineConfig(separate_process=True))

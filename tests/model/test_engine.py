@@ -463,6 +463,7 @@ def test_decode_threads_are_restored_only_when_every_engine_is_idle():
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow  # 15 s on the shared 2-core machine (load ~10)
 def test_process_engine_answers_as_the_local_engine_does(model, other_weights, prompts):
     """The same model in a child process: same greedy tokens and logprobs, before and after a swap."""
     params = SamplingParams(temperature=0, max_tokens=10)
@@ -484,6 +485,7 @@ def test_process_engine_answers_as_the_local_engine_does(model, other_weights, p
                                rtol=0)
 
 
+@pytest.mark.slow  # 7 s on the shared 2-core machine (load ~10)
 def test_process_engine_checks_requests_and_fails_loudly_when_its_process_dies(model, prompts):
     with ProcessEngine(model, EngineConfig(max_batch=2)) as engine:
         with pytest.raises(ValueError, match="outside the model's vocabulary"):

@@ -45,6 +45,8 @@ TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=
 # (flywheel's reload, flywheel/model/vllm_worker.py; vLLM's own was off by up to 0.081 after one);
 # bounded well above float32 noise and far below the 0.1-0.5 by which the two seeds' models differ.
 LOGPROB_TOLERANCE = 1e-3
+# Every test here needs the vLLM servers its module starts: about 2 minutes on the shared 2-core machine.
+pytestmark = pytest.mark.slow
 
 
 def _skip_or_fail() -> None:

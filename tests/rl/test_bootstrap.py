@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from flywheel.model.registry import Registry
 
 
+@pytest.mark.slow  # 600 s on the shared 2-core machine (load ~10)
 def test_tiny_bootstrap_registers_a_policy_that_emits_valid_tool_calls(tmp_path: Path):
     run, registry = tmp_path / "run", tmp_path / "registry"
     # A fixed number of steps (4 epochs of 160 demonstrations, about 80 s), not a time budget: on a
@@ -46,6 +49,7 @@ def _tiny_bootstrap(root: Path) -> tuple[bytes, dict]:
     return (Path(checkpoint.path) / "model.safetensors").read_bytes(), report["per_task"]
 
 
+@pytest.mark.slow  # 123 s on the shared 2-core machine (load ~10)
 def test_two_bootstraps_with_one_config_give_the_same_version_zero(tmp_path: Path):
     """Version 0 is a function of its config: the demo's figures and headroom hold for every fresh run."""
     first, second = _tiny_bootstrap(tmp_path / "a"), _tiny_bootstrap(tmp_path / "b")

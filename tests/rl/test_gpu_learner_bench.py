@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_learner.py"
 
 
+@pytest.mark.slow  # 38 s on the shared 2-core machine (load ~10)
 def test_the_gpu_learner_bench_runs_on_small_shapes_and_names_what_this_device_lacks():
     run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--parts", "gemm,learner",
                           "--steps", "2"], capture_output=True, text=True, timeout=600)

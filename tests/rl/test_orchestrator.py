@@ -157,6 +157,7 @@ def config(**overrides) -> OrchestratorConfig:
     return OrchestratorConfig.model_validate(base | overrides)
 
 
+@pytest.mark.slow  # 10 s on the shared 2-core machine (load ~10)
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(max_staleness=st.integers(0, 3), seed=st.integers(0, 10_000), group_size=st.integers(1, 2),
        filter_zero=st.booleans())
@@ -240,6 +241,7 @@ def test_zero_signal_groups_are_counted_and_replaced(tmp_path, tasks, tokenizer,
     assert metrics["zero_signal_groups"] >= 2 and metrics["filtered_groups"] == 0
 
 
+@pytest.mark.slow  # 6 s on the shared 2-core machine (load ~10)
 def test_the_rollout_pass_rate_counts_the_groups_dynamic_sampling_drops(tmp_path, tasks, tokenizer, pool):
     # Groups of two that mostly solve: all-pass groups carry no signal and are filtered, so every
     # trained group is one pass and one failure (trained pass rate 0.5) while most episodes pass.
@@ -350,6 +352,7 @@ with SandboxPool(PoolConfig(max_active=24)) as pool:
 '''
 
 
+@pytest.mark.slow  # 24 s on the shared 2-core machine (load ~10)
 def test_a_run_killed_mid_rollout_resumes_with_its_in_flight_episodes(tmp_path, tasks, tokenizer, pool):
     run = tmp_path / "run"
     script = tmp_path / "train.py"

@@ -151,6 +151,7 @@ def when_inflight(run_dir: Path, n: int, then, timeout_s: float = 120.0) -> thre
     return thread
 
 
+@pytest.mark.slow  # 152 s on the shared 2-core machine (load ~10)
 def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_and_a_lost_node(
         cluster, registry_root, tmp_path):
     """One run for all (each run starts its actors, 20-30 s on 2 shared cores): three rollout
@@ -233,6 +234,7 @@ def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_an
     assert sum(turns) / len(turns) >= 2, turns  # the episodes really had turn boundaries to resume from
 
 
+@pytest.mark.slow  # 55 s on the shared 2-core machine (load ~10)
 def test_a_killed_learner_resumes_from_its_last_checkpoint(cluster, registry_root, tmp_path):
     run_dir, logs = tmp_path / "run", []
 
@@ -253,6 +255,7 @@ def test_a_killed_learner_resumes_from_its_last_checkpoint(cluster, registry_roo
     assert summary["steps"] == 3
 
 
+@pytest.mark.slow  # 33 s on the shared 2-core machine (load ~10)
 def test_a_hung_worker_is_named_within_the_timeout(cluster, registry_root, tmp_path):
     run_dir, stopped = tmp_path / "run", []
 
@@ -290,6 +293,7 @@ def engine_pair(registry_root: Path, cluster_config: ClusterConfig, versions: tu
     return engines, where, RayEngine(engines, where, 0, cluster_config)
 
 
+@pytest.mark.slow  # 13 s on the shared 2-core machine (load ~10)
 def test_a_killed_engine_s_request_continues_on_another_with_its_tokens_and_their_versions(cluster, registry_root):
     """Engine 0 (policy 0) is killed once it has streamed some tokens of a long request; engine 1
     (policy 7) finishes it from prompt + those tokens: the first tokens keep version 0 and their
@@ -323,6 +327,7 @@ def test_a_killed_engine_s_request_continues_on_another_with_its_tokens_and_thei
     assert where[0]["node_id"] != where[1]["node_id"]
 
 
+@pytest.mark.slow  # 20 s on the shared 2-core machine (load ~10)
 def test_a_hung_engine_is_named_within_its_timeout(cluster, registry_root):
     config = ClusterConfig(backend="ray", rollout_workers=2, engine_cpus=0.1, token_stream_s=0.05,
                            actor_timeout_s=60, engine_timeout_s=3)
@@ -348,6 +353,7 @@ def test_a_hung_engine_is_named_within_its_timeout(cluster, registry_root):
     assert 3.0 - 0.5 <= detected - since < 3.0 + 5.0
 
 
+@pytest.mark.slow  # 45 s on the shared 2-core machine (load ~10)
 def test_a_dead_worker_and_a_dead_engine_are_replaced_and_take_the_next_weights(cluster, registry_root):
     """Two idle workers; worker 0 and engine 1 killed. Both deaths are noticed with no episode sent
     (each actor's held-open `alive` call fails): a new worker takes worker 0's place and a new engine

@@ -64,6 +64,7 @@ def fleet_actors() -> list[str]:
     return [a["name"] for a in found if a["name"].startswith("sandbox-fleet-")]
 
 
+@pytest.mark.slow  # 16 s on the shared 2-core machine (load ~10)
 def test_each_node_sizes_its_pool_from_its_resources_queues_a_burst_and_grows_then_shrinks_its_warm_set(cluster):
     pool = PoolConfig(warm=0, max_warm=2, demand_window_s=3.0)
     config = ClusterConfig(backend="ray", sandboxes_per_cpu=4)
@@ -97,6 +98,7 @@ def test_each_node_sizes_its_pool_from_its_resources_queues_a_burst_and_grows_th
     assert fleet_actors() == []
 
 
+@pytest.mark.slow  # 30 s on the shared 2-core machine (load ~10)
 def test_a_pool_actor_killed_alone_its_episodes_resume_from_their_saved_state(cluster, registry_root, tmp_path):
     """A run with one rollout worker per node; one node's pool actor (not its worker, not its node) is
     killed while its sandboxes are in use. The episodes that held them play on from their saved

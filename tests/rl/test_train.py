@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from flywheel.agent.evaluate import summarize
 from flywheel.cli import main
 from flywheel.model.factory import ModelConfig, build_model
@@ -23,6 +25,7 @@ from tests.agent.test_evaluate import episode
 from tests.rl.broken_call_policy import broken_call_policy
 
 
+@pytest.mark.slow  # 18 s on the shared 2-core machine (load ~10)
 def test_train_on_a_tiny_budget_raises_mean_reward(tmp_path):
     model, tokenizer = broken_call_policy(vocab_size=300)
     with Registry(tmp_path / "registry") as registry:  # start at v1: registry and policy versions differ
