@@ -246,6 +246,7 @@ def batch_metrics(batch: Batch, counts: dict[str, int]) -> dict[str, Any]:
         "rollout_episodes": batch.rollout_episodes,
         "rollout_pass_rate": batch.rollout_passed / batch.rollout_episodes if batch.rollout_episodes else float("nan"),
         "episodes_trained": len(trajectories),
+        "groups": batch.group_ids,  # what this step trained (flywheel/rl/audit.py reads it)
         **counts,
     }
 

@@ -21,28 +21,21 @@ from pathlib import Path
 
 import pytest
 import ray
-import torch
 
-from flywheel.agent.episode import EpisodeConfig, initial_prompt, opening
+from flywheel.agent.episode import EpisodeConfig
 from flywheel.env.families import task_set
 from flywheel.env.pool import PoolConfig
-from flywheel.model.chat import IM_END
-from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import EngineConfig, SamplingParams
-from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import Registry
-from flywheel.model.tokenizer import train_tokenizer
 from flywheel.report import build_report_data, render_report
 from flywheel.rl.cluster import ClusterConfig
 from flywheel.rl.orchestrator import OrchestratorStalled
 from flywheel.rl.ray_backend import ActorHung, RayRollouts
 from flywheel.rl.ray_engine import RayEngine, start_engine_actor
 from flywheel.rl.run_folder import RunFolder
-from flywheel.rl.sft import SFTConfig, train_sft
 from flywheel.rl.train import TrainConfig, train
+from tests.rl.question_policy import register_question_policy
 from tests.rl.ray_cluster import rollout_node, simulated_cluster
-
-SAY = "Which file?"
 
 
 @pytest.fixture(scope="module")
@@ -54,29 +47,8 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def registry_root(tmp_path_factory) -> Path:
-    """A tiny policy that answers every turn with a question (no tool call), so an episode is
-    `max_turns` turns with a saved state after each, then graded."""
-    torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("ray") / "registry"
-    tasks = task_set(["bugfix"], "train", 2, seed=100, difficulty=1)
-    tokenizer = train_tokenizer([initial_prompt(t) + SAY for t in tasks] * 4, vocab_size=300)
-    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
-    encoder = ConversationEncoder(tokenizer)
-    say = tokenizer(SAY + IM_END, add_special_tokens=False)["input_ids"]
-    examples = []
-    for task in tasks:  # four turns of the same question, each answered by the simulated user
-        tokens = encoder.encode(opening(task), encoder.tools)
-        mask = [0] * len(tokens)
-        for _ in range(4):
-            reply = encoder.user_reply(task.answer_question(SAY))
-            tokens, mask = tokens + say + reply, mask + [1] * len(say) + [0] * len(reply)
-        examples.append((tokens, mask))
-    train_sft(model, examples, SFTConfig(epochs=25, lr=3e-2, warmup_steps=1, batch_tokens=100_000),
-              tokenizer.pad_token_id)
-    with Registry(root) as registry:
-        registry.register(model, tokenizer, parent=None, aliases=["production"], note="asks questions")
-    return root
+    """A tiny policy that answers every turn with a question (tests/rl/question_policy.py)."""
+    return register_question_policy(tmp_path_factory.mktemp("ray") / "registry")
 
 
 def run_config(registry_root: Path, run_dir: Path, backend: str = "ray", steps: int = 4, **cluster) -> TrainConfig:
