@@ -19,7 +19,8 @@ resume struck it out), its start version the last record of groups.jsonl. The in
 - start: a trained group's start version exists: 0 ≤ start ≤ the version it was trained from,
   and no token of the group is older than its start.
 - staleness: the version a group is trained from is at most its start + max_staleness, and at
-  most max_staleness past its oldest token; no token is newer than the weights trained.
+  most max_staleness past its oldest token; no token is newer than the weights trained, nor older
+  than a token before it (an episode never continues under older weights).
 - once: each group is trained in one step at most, and each episode has one record between strikes.
 - complete: every trained group has its group_size trajectories.
 
@@ -155,6 +156,8 @@ def _token_violations(where: str, t: Mapping[str, Any], start: int | None, train
         if trained_from - min(generated) > max_staleness:
             found.append(f"{where} holds a token of policy {min(generated)}: staleness "
                          f"{trained_from - min(generated)} > {max_staleness}")
+        if generated != sorted(generated):
+            found.append(f"{where} holds a token whose version is older than an earlier token's")
         if start is not None and min(generated) < start:
             found.append(f"{where} holds a token of policy {min(generated)}, older than its group's start {start}")
     tokens = t["tokens"]

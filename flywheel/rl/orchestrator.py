@@ -153,7 +153,8 @@ class EpisodeRunner(Protocol):
     where the episode cannot be resumed mid-way (an external harness program,
     `flywheel.live.harness.HarnessRunner`, which also calls it while its program runs, so that a
     shutdown stops it promptly): a killed run plays it again from its start. May have
-    `counts() -> dict[str, int]` (added to `Orchestrator.counts`)."""
+    `counts() -> dict[str, int]` (added to `Orchestrator.counts`) and `replacements()`
+    (`Orchestrator.replacements`)."""
 
     def __call__(self, task: Task, config: EpisodeConfig, group_id: str, resume: EpisodeState | None,
                  on_turn: Callable[[EpisodeState | None], None], priority: int) -> Trajectory: ...
@@ -307,6 +308,11 @@ class Orchestrator:
         for key, n in getattr(self.runner, "counts", dict)().items():
             counts[key] = self._resumed_runner_counts.get(key, 0) + n
         return counts
+
+    def replacements(self) -> list[dict[str, Any]]:
+        """What the runner replaced since the last call (a Ray runner's dead workers and engines,
+        each with the seconds it took); [] for a runner that replaces nothing."""
+        return getattr(self.runner, "replacements", list)()
 
     def progress(self, counts: dict[str, int] | None = None) -> dict[str, Any]:
         """What a resume needs besides the learner (a plain dict for `RunFolder.save_state`): batches

@@ -177,6 +177,8 @@ def learning_step(config: OrchestratorConfig, orchestrator: Orchestrator, learne
 
     counts = orchestrator.counts()
     metrics.update(batch_metrics(batch, counts))
+    if replaced := orchestrator.replacements():  # Ray: dead workers and engines replaced during the step
+        metrics["replacements"] = replaced
     metrics.update({"step": orchestrator.step, "policy_version": learner.version, "staleness_max": staleness,
                     "wait_s": wait_s, "train_s": train_s, "weight_update_s": update_s, "time": time.time()})
     if orchestrator.step % config.checkpoint_every == 0:

@@ -1,9 +1,14 @@
-"""Kills at random moments of a real `flywheel train` run, for tests/rl/test_faults.py and bench/faults.py.
+"""Kills at random moments of a real `flywheel train` run, for tests/rl/test_faults.py, tests/rl/test_ray.py
+and bench/faults.py.
 
     trial = KilledRun(config, rng).run(kills=3)     the driver (`python -m flywheel train`, a process of
                                                     its own) SIGKILLed at random moments, restarted each time,
                                                     then run to its end
     trial.violations                                flywheel/rl/audit.py's verdict on the records
+    faults = ActorFaults(run_dir, cluster, rng)     on a Ray run in this process: a thread that kills the
+    faults.start(["learner", "pool", "node"])       learner actor, a rollout worker, an engine, a node's sandbox
+    train(config, log=faults.log)                   pool or a whole node, each at a random moment; `log` takes
+                                                    the lost samples when the learner's death restarts the run
 
 A kill moment is drawn as a step and a fraction of a step: the kill lands that far into the step
 after the drawn one has finished (steps are timed as the run goes), so kills fall across rollouts,
@@ -21,8 +26,9 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,3 +144,96 @@ def step_seconds(run: RunFolder, default: float = 1.0) -> float:
     times = sorted(row["time"] for row in trained_steps(run).values() if "time" in row)
     gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False) if b > a)
     return gaps[len(gaps) // 2] if gaps else default
+
+
+# The named actors of a Ray run, by the prefix of their names (flywheel/rl/ray_backend.py, ray_fleet.py).
+ACTOR_PREFIX = {"learner": "learner-", "worker": "rollout-", "engine": "engine-", "pool": "sandbox-fleet-"}
+
+
+def named_actors(prefix: str) -> list:
+    """The live actors whose name starts with `prefix` ("rollout-", "learner-"), by name."""
+    import ray  # noqa: PLC0415 - only the Ray faults need it
+
+    found = ray.util.list_named_actors(all_namespaces=True)
+    return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in sorted(found, key=lambda a: a["name"])
+            if a["name"].startswith(prefix)]
+
+
+@dataclass
+class ActorFault:
+    kind: str  # learner, worker, engine, pool (a node's sandbox pool actor) or node (its raylet and all on it)
+    after_step: int  # steps the run had finished when it was dealt
+    at: float  # time.monotonic() when dealt
+    target: str  # the actor's name, or the node's id
+    recovery_s: float | None = None  # from the fault to the next finished step
+
+
+@dataclass
+class ActorFaults:
+    """Kills parts of a Ray run that `train` drives in this process, at random moments drawn from
+    `rng` (a step, then a fraction of a step into it; the learner once a record holds a token newer
+    than the checkpoint, the moment a lost policy costs the most). `removed` counts the nodes
+    removed, for the caller to add back. Pass `log` to `train`: when the learner's death restarts
+    the run, it takes the lost samples before the resume reads the folder."""
+    run_dir: Path
+    cluster: Any  # ray.cluster_utils.Cluster, for node faults
+    rng: random.Random
+    faults: list[ActorFault] = field(default_factory=list)
+    lost: list[LostSamples] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+    removed: int = 0  # nodes removed and not added back
+
+    def log(self, line: str) -> None:
+        self.logs.append(line)
+        if "restarting from" in line:  # the learner died: the run closed, and resumes after this returns
+            self.lost.append(lost_samples(self.run_dir))
+
+    def start(self, kinds: Sequence[str]) -> threading.Thread:
+        thread = threading.Thread(target=self._deal, args=(list(kinds),), name="faults", daemon=True)
+        thread.start()
+        return thread
+
+    def _deal(self, kinds: list[str]) -> None:
+        run = RunFolder(self.run_dir)
+        try:
+            for kind in kinds:
+                if kind == "learner":
+                    self._until(lambda: lost_samples(self.run_dir).records > 0)
+                else:
+                    after = len(trained_steps(run)) + self.rng.randrange(2)
+                    self._until(lambda after=after: len(trained_steps(run)) >= after and _playing(self.run_dir))
+                    time.sleep(self.rng.random() * step_seconds(run))
+                self.faults.append(ActorFault(kind, len(trained_steps(run)), time.monotonic(), self._kill(kind)))
+                lines = len(run.read("metrics.jsonl"))
+                self._until(lambda lines=lines: len(run.read("metrics.jsonl")) > lines)
+                self.faults[-1].recovery_s = time.monotonic() - self.faults[-1].at
+        except BaseException as exc:  # noqa: BLE001 - the test asserts on it
+            self.errors.append(exc)
+
+    def _until(self, ready: Any, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the run did not reach the moment of fault {len(self.faults) + 1} in time")
+            time.sleep(0.02)
+
+    def _kill(self, kind: str) -> str:
+        import ray  # noqa: PLC0415
+
+        if kind == "node":
+            worker = self.rng.choice(named_actors(ACTOR_PREFIX["worker"]))
+            node_id = ray.get(worker.where.remote(), timeout=30)["node_id"]
+            self.cluster.remove_node(next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id))
+            self.removed += 1  # the caller adds it back on its main thread (Ray's nodes register signal handlers)
+            return node_id
+        actor = self.rng.choice(named_actors(ACTOR_PREFIX[kind]))
+        name = ray.get(actor.where.remote(), timeout=30).get("name", kind) if kind != "pool" else kind
+        ray.kill(actor, no_restart=True)
+        return str(name)
+
+
+def _playing(run_dir: Path) -> bool:
+    """Whether episodes are in flight (a saved state exists): a fault then lands mid-episode."""
+    inflight = run_dir / "inflight"
+    return inflight.exists() and any(inflight.glob("*.json"))
