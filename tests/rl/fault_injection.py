@@ -81,7 +81,7 @@ class KilledRun:
     def start(self) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        with open(self._log(), "w") as log:  # the child holds its own copy of the descriptor
+        with open(self._log(), "w") as log:  # the child holds its own copy of the descriptor (its output: `_log()`)
             return subprocess.Popen(self.command(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def run(self, kills: int, targeted: int = 0) -> KilledRun:

@@ -37,7 +37,7 @@ from flywheel.rl.ray_backend import ActorHung, RayRollouts
 from flywheel.rl.ray_engine import RayEngine, start_engine_actor
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.train import TrainConfig, train
-from tests.rl.fault_injection import ActorFaults, named_actors
+from tests.rl.fault_injection import ActorFaults, KilledRun, named_actors
 from tests.rl.question_policy import register_question_policy
 from tests.rl.ray_cluster import rollout_node, simulated_cluster
 
@@ -415,3 +415,36 @@ def test_a_lost_node_s_worker_and_engine_are_replaced_where_there_is_room_and_on
         for _ in range(removed):
             cluster.add_node(**rollout_node())
         cluster.wait_for_nodes()
+
+
+def test_a_run_that_lost_a_node_mid_turn_exits_0(cluster, registry_root, tmp_path):
+    """`flywheel train` (the CLI, a process of its own, joined to the cluster) loses a rollout node
+    while episodes are mid-turn, and its replacement is still waiting for room when the run ends
+    (no node is free of the run's bundles). The run finishes, prints its summary and exits 0: the
+    replacement still starting is stopped and the driver's threads are done before Ray shuts down."""
+    run_dir = tmp_path / "run"
+    config = run_config(registry_root, run_dir, steps=4, rollout_workers=3, address=cluster.address,
+                        worker_resources={"rollout": 1})
+    killed = KilledRun(config, random.Random(0))
+    proc = killed.start()
+    removed = False
+    try:
+        deadline = time.monotonic() + 180
+        while not ((run_dir / "inflight").exists() and len(list((run_dir / "inflight").glob("*.json"))) >= 4):
+            assert proc.poll() is None and time.monotonic() < deadline, killed._log().read_text()[-3000:]
+            time.sleep(0.05)
+        worker = named_actors("rollout-")[0]
+        node_id = ray.get(worker.where.remote(), timeout=30)["node_id"]
+        cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == node_id))
+        removed = True
+        returncode = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if removed:
+            cluster.add_node(**rollout_node())
+            cluster.wait_for_nodes()
+    output = killed._log().read_text()
+    assert returncode == 0, output[-3000:]
+    assert '"steps": 4' in output and "is gone" in output, output[-3000:]
+    check_run(run_dir, 4)
