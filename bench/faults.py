@@ -22,7 +22,8 @@ start version exists, staleness within the bound, no episode trained twice, ever
    learner once a lost policy has sampled), and one run whose driver (the CLI, joined to the
    cluster) is SIGKILLed at a drawn moment. Recovery: from the fault to the next finished step;
    `replacement_s`: from a worker's or engine's death being noticed to its replacement serving
-   (metrics.jsonl's `replacements`).
+   (metrics.jsonl's `replacements`), in those runs and on an idle fleet of two workers where a
+   worker, an engine and a worker's node are killed in turn.
 3. mechanism: what keeping the invariant costs a step. The resume rewinds what a lost policy
    sampled, which adds nothing to a step but the batch's group ids in its metrics line (timed
    here); the alternative, engines taking policy N only once N's checkpoint is on disk, would add
@@ -40,6 +41,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the simulated cluster runs
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -50,7 +52,7 @@ from pathlib import Path  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the kill harness and the tiny policy are the tests'
 
-from flywheel.rl.audit import trained_steps  # noqa: E402
+from flywheel.rl.audit import audit, trained_steps  # noqa: E402
 from flywheel.rl.run_folder import RunFolder  # noqa: E402
 from flywheel.rl.train import TrainConfig  # noqa: E402
 from tests.rl.fault_injection import ActorFaults, KilledRun  # noqa: E402
@@ -65,7 +67,7 @@ def spread(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
     v = sorted(values)
-    return {"n": len(v), "median": round(statistics.median(v), 2), "p90": round(v[int(0.9 * (len(v) - 1))], 2),
+    return {"n": len(v), "median": round(statistics.median(v), 2), "p90": round(v[math.ceil(0.9 * len(v)) - 1], 2),
             "max": round(v[-1], 2)}
 
 
@@ -107,7 +109,10 @@ def local_part(args, registry: Path, work: Path) -> dict:
         seed = args.seed * 1000 + trial
         run_dir = work / f"local-{trial}"
         cfg = config(registry, run_dir, args.steps, checkpoint_every=1 + trial % 2)
-        run = KilledRun(cfg, random.Random(seed), timeout_s=600).run(kills=args.kills, targeted=1)
+        # the first kill waits for a lost policy's moment where the checkpoint lags a whole step behind;
+        # with a checkpoint every step that moment lasts as long as the write, and drawn kills find it by chance
+        targeted = 1 if cfg.orchestrator.checkpoint_every > 1 else 0
+        run = KilledRun(cfg, random.Random(seed), timeout_s=600).run(kills=args.kills, targeted=targeted)
         found = run.violations
         violations += [f"local trial {trial} (seed {seed}): {v}" for v in found]
         recovery += [k.recovery_s for k in run.kills if k.recovery_s is not None]
@@ -126,6 +131,7 @@ def ray_part(args, registry: Path, work: Path) -> dict:
     from tests.rl.ray_cluster import rollout_node, simulated_cluster  # noqa: PLC0415
 
     violations: list[str] = []
+    errors: list[str] = []  # faults that could not be dealt (the run ended first, no actor of the kind)
     kills: dict[str, int] = {}
     recovery: dict[str, list[float]] = {}
     replacements: dict[str, list[float]] = {}
@@ -139,14 +145,16 @@ def ray_part(args, registry: Path, work: Path) -> dict:
             faults = ActorFaults(run_dir, cluster, rng)
             dealer = faults.start(kinds)
             try:
-                train(config(registry, run_dir, args.steps + 2, 2, ray_cluster_keys()), log=faults.log)
+                # longer than the local runs: a replacement (an actor importing torch) takes ~20 s here
+                train(config(registry, run_dir, args.steps + 8, 2, ray_cluster_keys()), log=faults.log)
             finally:
                 dealer.join(timeout=120)
                 for _ in range(faults.removed):
                     cluster.add_node(**rollout_node())
                 cluster.wait_for_nodes()
-            found = ray_verdict(faults, run_dir)
+            found = audit(run_dir, faults.lost, 1, 4)
             violations += [f"ray trial {trial} (seed {seed}): {v}" for v in found]
+            errors += [f"ray trial {trial} (seed {seed}): {e!r}" for e in faults.errors]
             for f in faults.faults:
                 kills[f.kind] = kills.get(f.kind, 0) + 1
                 if f.recovery_s is not None:
@@ -164,17 +172,56 @@ def ray_part(args, registry: Path, work: Path) -> dict:
             kills["driver"] = kills.get("driver", 0) + len(run.kills)
             recovery.setdefault("driver", []).extend(k.recovery_s for k in run.kills if k.recovery_s is not None)
             log(f"ray driver trial {trial}: {len(run.kills)} kills, {len(found)} violations")
+        replacements.update(replacement_part(args, registry, cluster))
     return {"trials": args.trials, "kills": kills, "violations": len(violations),
-            "violation_examples": violations[:5],
+            "violation_examples": violations[:5], "faults_not_dealt": errors,
             "recovery_s": {kind: spread(v) for kind, v in sorted(recovery.items())},
             "replacement_s": {kind: spread(v) for kind, v in sorted(replacements.items())}}
 
 
-def ray_verdict(faults: ActorFaults, run_dir: Path) -> list[str]:
-    """The audit of a run the faults were dealt to, and the faults that could not be dealt."""
-    from flywheel.rl.audit import audit  # noqa: PLC0415
+def replacement_part(args, registry: Path, cluster) -> dict[str, list[float]]:
+    """Seconds from a death being noticed to the replacement serving, measured on a fleet of two
+    workers left idle (the runs above mostly end, or restart with the learner, before a replacement
+    that imports torch has started): a worker killed, an engine killed, a worker's node removed."""
+    import ray  # noqa: PLC0415
 
-    return [f"fault dealer: {e!r}" for e in faults.errors] + audit(run_dir, faults.lost, 1, 4)
+    from flywheel.env.pool import PoolConfig  # noqa: PLC0415
+    from flywheel.model.engine import EngineConfig  # noqa: PLC0415
+    from flywheel.model.registry import Registry  # noqa: PLC0415
+    from flywheel.rl.cluster import ClusterConfig  # noqa: PLC0415
+    from flywheel.rl.ray_backend import RayRollouts  # noqa: PLC0415
+    from tests.rl.ray_cluster import rollout_node  # noqa: PLC0415
+
+    model, tokenizer = Registry(registry).load("production")
+    keys = {k: v for k, v in ray_cluster_keys().items() if k not in ("address", "learner_restarts")}
+    rollouts = RayRollouts(ClusterConfig(**keys), model, tokenizer, EngineConfig(threads=1), PoolConfig(warm=0), 0,
+                           log=log)
+    seconds: dict[str, list[float]] = {}
+    try:
+        for trial in range(args.trials):
+            for kind in ("worker", "engine", "node"):
+                before = rollouts.counts()
+                if kind == "worker":
+                    ray.kill(rollouts.workers[0], no_restart=True)
+                elif kind == "engine":
+                    ray.kill(rollouts.engines[1], no_restart=True)
+                else:
+                    node_id = rollouts.where[1]["node_id"]
+                    cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == node_id))
+                deadline = time.monotonic() + 300
+                wanted = {"worker": ("workers_replaced",), "engine": ("engine_restarts",),
+                          "node": ("workers_replaced", "engine_restarts")}[kind]
+                while any(rollouts.counts()[k] == before[k] for k in wanted) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                for r in rollouts.replacements():
+                    seconds.setdefault(f"{r['actor'].rsplit(' ', 1)[0]} ({kind} killed)", []).append(r["seconds"])
+                if kind == "node":
+                    cluster.add_node(**rollout_node())
+                    cluster.wait_for_nodes()
+                log(f"replacement trial {trial}, {kind}: {seconds}")
+    finally:
+        rollouts.close()
+    return seconds
 
 
 def mechanism_part(registry: Path, work: Path, step_s: float | None) -> dict:
@@ -183,7 +230,6 @@ def mechanism_part(registry: Path, work: Path, step_s: float | None) -> dict:
 
     from flywheel.model.factory import ModelConfig, build_model  # noqa: PLC0415
     from flywheel.model.registry import Registry  # noqa: PLC0415
-    from flywheel.model.tokenizer import train_tokenizer  # noqa: PLC0415
     from flywheel.rl.learner import Learner, LearnerConfig  # noqa: PLC0415
     from flywheel.rl.orchestrator import Batch, ReadyGroup  # noqa: PLC0415
 
@@ -202,9 +248,15 @@ def mechanism_part(registry: Path, work: Path, step_s: float | None) -> dict:
         size = sum(f.stat().st_size for f in (work / "save" / "state").iterdir())
         return statistics.median(times), size / 2**20
 
-    tiny, _ = Registry(registry).load("production")
-    tokenizer = train_tokenizer(["def f():\n    return 1\n"] * 8, vocab_size=2000)
-    default = build_model(ModelConfig(), tokenizer)
+    tiny, tokenizer = Registry(registry).load("production")
+
+    class Vocab4096:  # the embedded default's vocabulary (configs/bootstrap.toml), as build_model reads it
+        eos_token_id, pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+        def __len__(self) -> int:
+            return 4096
+
+    default = build_model(ModelConfig(), Vocab4096())
     tiny_s, tiny_mb = save_seconds(tiny)
     default_s, default_mb = save_seconds(default)
     # what the rewind adds to a step: the batch's group ids (B = 4 here) in its metrics line, and their serialisation
@@ -229,6 +281,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     parts = args.parts.split(",")
+    # Ray prints its actors' lines on the driver's stdout: they go to stderr, and stdout holds only the JSON
+    stdout, sys.stdout = sys.stdout, sys.stderr
     out: dict = {"machine": f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} at start"}
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
         work = Path(tmp)
@@ -238,12 +292,12 @@ def main() -> None:
             out["local"] = local_part(args, registry, work)
         if "ray" in parts:
             out["ray"] = ray_part(args, registry, work)
-        steps = [b - a for d in work.glob("local-*") for a, b in _pairs(d)]
+        steps = [b - a for d in work.glob("local-*") if d.is_dir() for a, b in _pairs(d)]
         if "mechanism" in parts:
             out["mechanism"] = mechanism_part(registry, work, round(statistics.median(steps), 3) if steps else None)
         out["violations"] = sum(out[p]["violations"] for p in ("local", "ray") if p in out)
         out["seconds"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2), file=stdout)
 
 
 def _pairs(run_dir: Path) -> list[tuple[float, float]]:

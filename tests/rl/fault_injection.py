@@ -219,18 +219,28 @@ class ActorFaults:
             time.sleep(0.02)
 
     def _kill(self, kind: str) -> str:
+        """Kill one live actor of `kind` (or the node of a live rollout worker); returns its name (node id)."""
         import ray  # noqa: PLC0415
 
-        if kind == "node":
-            worker = self.rng.choice(named_actors(ACTOR_PREFIX["worker"]))
-            node_id = ray.get(worker.where.remote(), timeout=30)["node_id"]
-            self.cluster.remove_node(next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id))
-            self.removed += 1  # the caller adds it back on its main thread (Ray's nodes register signal handlers)
-            return node_id
-        actor = self.rng.choice(named_actors(ACTOR_PREFIX[kind]))
-        name = ray.get(actor.where.remote(), timeout=30).get("name", kind) if kind != "pool" else kind
-        ray.kill(actor, no_restart=True)
-        return str(name)
+        for _ in range(50):  # an actor that died a moment ago is still listed: draw another
+            found = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                           if a["name"].startswith(ACTOR_PREFIX["worker" if kind == "node" else kind]))
+            if not found:
+                time.sleep(0.2)
+                continue
+            name = self.rng.choice(found)
+            try:
+                actor = named_actors(name)[0]
+                if kind == "node":
+                    node_id = ray.get(actor.where.remote(), timeout=30)["node_id"]
+                    self.cluster.remove_node(next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id))
+                    self.removed += 1  # the caller adds it back, on its main thread (Ray's nodes set signal handlers)
+                    return node_id
+                ray.kill(actor, no_restart=True)
+                return name
+            except (ray.exceptions.RayActorError, ValueError, IndexError):
+                time.sleep(0.2)
+        raise RuntimeError(f"no live {kind} to kill")
 
 
 def _playing(run_dir: Path) -> bool:
