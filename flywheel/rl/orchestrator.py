@@ -47,7 +47,13 @@ moment it arrives, failed ones too) and `inflight/` (each unfinished episode's l
 loop writes `state/` (learner state + `progress()`, every `checkpoint_every` steps) and
 `metrics.jsonl`. A run killed at any moment restarts from `state/`: groups consumed after that
 checkpoint are buffered again, finished episodes are read back, and unfinished ones resume from
-their saved state (an episode that had not finished its first turn restarts). No rollout is dropped.
+their saved state (an episode that had not finished its first turn restarts). The one exception is
+what a lost policy sampled: the engines take policy N before N's checkpoint is written (it is
+written while the next step runs), so a kill in between resumes at N-1 with tokens of N on disk.
+Those episodes play again from their start, and the groups started at N start again at N-1
+(`_rewind`): every trained token's version names the weights that sampled it. That costs the
+running run nothing; a resume redoes at most the rollouts since its checkpoint
+(`rewound_episodes`, `restarted_groups`). flywheel/rl/audit.py checks these invariants on a run folder.
 
 Departures from AReaL: rollout workers are threads of one process, not RPC servers (the Engine may
 run in a process of its own, `EngineConfig.separate_process`, so that its decode loop does not wait
@@ -147,7 +153,8 @@ class EpisodeRunner(Protocol):
     where the episode cannot be resumed mid-way (an external harness program,
     `flywheel.live.harness.HarnessRunner`, which also calls it while its program runs, so that a
     shutdown stops it promptly): a killed run plays it again from its start. May have
-    `counts() -> dict[str, int]` (added to `Orchestrator.counts`)."""
+    `counts() -> dict[str, int]` (added to `Orchestrator.counts`) and `replacements()`
+    (`Orchestrator.replacements`)."""
 
     def __call__(self, task: Task, config: EpisodeConfig, group_id: str, resume: EpisodeState | None,
                  on_turn: Callable[[EpisodeState | None], None], priority: int) -> Trajectory: ...
@@ -238,7 +245,7 @@ class Orchestrator:
         self._order: tuple[int, list[int]] = (-1, [])  # (pass over the task set, its task order)
         self._consumed: dict[str, int] = {}  # group -> the version it was consumed at (trained, or filtered)
         self._counts = {"zero_signal_groups": 0, "filtered_groups": 0, "episodes": 0, "failed_episodes": 0,
-                        "resumed_episodes": 0}
+                        "resumed_episodes": 0, "rewound_episodes": 0, "restarted_groups": 0}
         self._resumed_runner_counts: dict[str, int] = {}  # the runner's counts as the resumed run saved them
         self._error: BaseException | None = None
         self._filtered_in_a_row = 0
@@ -302,19 +309,27 @@ class Orchestrator:
             counts[key] = self._resumed_runner_counts.get(key, 0) + n
         return counts
 
+    def replacements(self) -> list[dict[str, Any]]:
+        """What the runner replaced since the last call (a Ray runner's dead workers and engines,
+        each with the seconds it took); [] for a runner that replaces nothing."""
+        return getattr(self.runner, "replacements", list)()
+
     def progress(self, counts: dict[str, int] | None = None) -> dict[str, Any]:
         """What a resume needs besides the learner (a plain dict for `RunFolder.save_state`): batches
-        consumed, groups started, which groups were consumed at which version, the counts (`counts()`
-        unless the caller just took them: on Ray it asks every worker)."""
+        consumed, the policy version (the learner's, saved beside it), groups started, which groups
+        were consumed at which version, the counts (`counts()` unless the caller just took them: on
+        Ray it asks every worker)."""
         counts = self.counts() if counts is None else counts
         with self._cond:
-            return {"step": self.step, "next_group": self._next_group, "consumed": dict(self._consumed),
-                    "counts": counts}
+            return {"step": self.step, "policy_version": self.version(), "next_group": self._next_group,
+                    "consumed": dict(self._consumed), "counts": counts}
 
     def resume(self, progress: dict[str, Any] | None) -> bool:
         """Restore from `run_dir` and the `progress()` saved with the learner (None: no checkpoint was
-        taken); returns whether there was a run to resume. Call before `next_batch`."""
-        started = self.run.read("groups.jsonl")
+        taken); returns whether there was a run to resume. Call before `next_batch`, once the
+        learner holds the checkpoint's weights: `version()` is then the policy the run resumes at,
+        and every later policy was lost with the process (`_rewind`)."""
+        started = {r["group"]: r for r in self.run.read("groups.jsonl")}  # a group restarted: its last record
         if progress is None and not started:
             return False
         if progress is not None:
@@ -324,12 +339,10 @@ class Orchestrator:
             runner_keys = set(getattr(self.runner, "counts", dict)())
             self._counts.update({k: v for k, v in progress["counts"].items() if k not in runner_keys})
             self._resumed_runner_counts = {k: v for k, v in progress["counts"].items() if k in runner_keys}
-        finished: dict[str, Trajectory] = {}
-        for record in self.run.read("trajectories.jsonl"):
-            finished[record["episode"]] = Trajectory.model_validate(record["trajectory"])
+        finished = finished_episodes(self.run)
         states = self.run.episode_states()
         with self._cond:
-            for record in started:
+            for record in started.values():
                 if record["group"] in self._consumed:
                     continue
                 ids = record.get("tasks", [record["task"]])
@@ -342,6 +355,7 @@ class Orchestrator:
                                      "group_size and tasks_per_group")
                 group = _Group(record["group"], tuple(self._tasks_by_id[i] for i in ids), record["version"],
                                self.config.group_size)
+                self._rewind(group, finished, states)
                 self._groups[group.id] = group
                 for i in range(group.size):
                     episode_id = f"{group.id}/{i}"
@@ -351,8 +365,42 @@ class Orchestrator:
                     else:
                         self._counts["resumed_episodes"] += episode_id in states
                         self._launch(group, i, states.get(episode_id))
-            self._next_group = max((int(r["group"][1:]) + 1 for r in started), default=0)
+            self._next_group = max((int(g[1:]) + 1 for g in started), default=0)
         return True
+
+    def _rewind(self, group: _Group, finished: dict[str, Trajectory], states: dict[str, EpisodeState]) -> None:
+        """Forget what policies later than the resumed one sampled for `group` (caller holds the lock).
+
+        The engines may sample with policy N before N's checkpoint is on disk (it is written while
+        the next step runs), so a run killed then resumes at an older policy while its records hold
+        tokens of N. N's weights are gone, and the next weights the Learner makes will be called N
+        too: such a token's version would name weights that never sampled it. So an episode holding
+        one plays again from its start (its trajectory is struck out of trajectories.jsonl, its
+        saved state dropped), and a group that started under a lost policy starts again at the
+        resumed one (a new groups.jsonl record). Both records are written before anything runs
+        again, so a kill during the resume finds the same work to redo. This costs nothing while
+        the run lives; a resume loses at most the rollouts of the steps after its checkpoint."""
+        version = self.version()
+        restart = group.start_version > version
+        for i in range(group.size):
+            episode_id = f"{group.id}/{i}"
+            lost = [record for record in (finished.get(episode_id), states.get(episode_id))
+                    if record is not None and (restart or newest_version(record) > version)]
+            if not lost:
+                continue
+            if episode_id in finished:
+                self.run.append("trajectories.jsonl", {"episode": episode_id, "discarded": version})
+                del finished[episode_id]
+            if episode_id in states:
+                self.run.drop_episode_state(episode_id)
+                del states[episode_id]
+            self._counts["rewound_episodes"] += 1
+        if restart:  # after its episodes are struck out: a kill in between finds the group still to restart
+            self.run.append("groups.jsonl", {"group": group.id, "task": group.tasks[0].id,
+                                             "tasks": [t.id for t in group.tasks], "version": version,
+                                             "restarted_from": group.start_version})
+            group.start_version = version
+            self._counts["restarted_groups"] += 1
 
     def close(self, wait: bool = True) -> None:
         """Stop: no new episodes; running ones stop at their next turn boundary (after saving their
@@ -498,6 +546,23 @@ class Orchestrator:
         complete = sum(g.complete for g in self._groups.values())
         return (f"policy {self.version()}, {len(self._groups)} groups unconsumed ({complete} complete), "
                 f"{running} episodes running")
+
+
+def newest_version(record: Trajectory | EpisodeState) -> int:
+    """The newest policy version among a trajectory's or a saved state's generated tokens (-1: none)."""
+    return max((v for v, m in zip(record.versions, record.loss_mask, strict=True) if m), default=-1)
+
+
+def finished_episodes(run: RunFolder) -> dict[str, Trajectory]:
+    """Each episode's trajectory in run/trajectories.jsonl: its last record, unless a resume struck
+    it out after (a `discarded` record: it held tokens of a lost policy and plays again)."""
+    finished: dict[str, Trajectory] = {}
+    for record in run.read("trajectories.jsonl"):
+        if "discarded" in record:
+            finished.pop(record["episode"], None)
+        else:
+            finished[record["episode"]] = Trajectory.model_validate(record["trajectory"])
+    return finished
 
 
 def _sibling_key(task: Task) -> tuple[str, object]:

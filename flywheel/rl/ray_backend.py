@@ -36,9 +36,10 @@ Faults:
   turn starts again there). The trajectory comes back once, from the worker that finished it, so
   nothing is lost or trained twice. A worker that dies between episodes fails its held-open
   `alive` call, so its death is noticed before an episode is sent to it. A new worker takes the
-  dead one's place (`workers_replaced`):
-  in its bundle when its node lives, else on any live node with room; until it has started, the
-  others carry the load, and when none is left the run stops with an error that says so.
+  dead one's place (`workers_replaced`, and its time in metrics.jsonl's `replacements`) in the
+  dead one's bundle, which Ray places again on a live node with room when the node died (or on a
+  node that joins later); it is tried until it starts. Until then the others carry the load,
+  and when none is left the run stops with an error that says so.
 - An engine that dies: its in-flight requests go to another engine as prompt + tokens so far
   (`engine_resubmits`), the driver starts a new engine with the latest weights in its place
   (`engine_restarts`) and hands it to every worker. An engine that sends no token within
@@ -58,8 +59,8 @@ reports per node: live, peak and warm sandboxes, capacity, admission queue wait 
 sandboxes created per second, resumed episodes.
 
 What it does not cover:
-- A replacement placed outside the placement group (its node died) has no reserved bundle: it
-  takes whatever room a live node has, and waits `start_timeout_s` for it, then the run goes on without.
+- A replacement waits for room in its bundle: with `STRICT_SPREAD` and no node free of the run's
+  bundles, the fleet stays one worker short until a node joins (it is tried again meanwhile).
 - The driver (Orchestrator, run folder) is one process: its death is the local run's death (restart
   resumes), and the run folder must be on the driver's disk.
 - Engine requests of the held-out eval go through a worker: they move to another engine if the
@@ -365,6 +366,10 @@ class RayRollouts:
         self._lock = threading.Lock()
         self._closing = False
         self._counts = {"failover_episodes": 0, "engine_restarts": 0, "workers_replaced": 0}
+        self._replaced: list[dict[str, Any]] = []  # replacements since the last `replacements()` call
+        self._attempts: set[Any] = set()  # replacement actors still starting: `close` kills them
+        self._threads: list[threading.Thread] = []  # the watch and the replacements: `close` joins them
+        self._closed = threading.Event()  # wakes a replacement waiting to try again
         self._resubmits: dict[str, int] = {}  # worker actor id -> its engine_resubmits, as last reported
         n = cluster.rollout_workers
         # engines and workers start together (each imports torch: most of the start-up); the workers
@@ -388,7 +393,7 @@ class RayRollouts:
         self._watch: dict[Any, tuple[str, int, Any]] = {e.alive.remote(): ("engine", i, e)
                                                         for i, e in enumerate(self.engines)}
         self._watch.update({w.alive.remote(): ("worker", i, w) for i, w in enumerate(self.workers)})
-        threading.Thread(target=self._watch_actors, name="actor-watch", daemon=True).start()
+        self._spawn(self._watch_actors, "actor-watch")
 
     # ---- Engine ---------------------------------------------------------------------------------------
 
@@ -440,10 +445,17 @@ class RayRollouts:
             self._version = version
 
     def close(self) -> None:
+        """Kill every actor (replacements still starting too) and wait for the driver's own threads
+        to end, so that none is inside a Ray call when the process shuts Ray down (a call into a
+        core worker that is shut down ends the process with an error, after a run that succeeded)."""
         with self._lock:
             self._closing = True  # deaths from here on are ours: nothing is replaced
-        for actor in self.workers + self.engines:
+            attempts = list(self._attempts)
+        self._closed.set()
+        for actor in self.workers + self.engines + attempts:
             ray.kill(actor, no_restart=True)
+        for thread in list(self._threads):
+            thread.join(timeout=self.cluster.actor_timeout_s)
         remove_placement_group(self._pg)
 
     # ---- the Orchestrator's runner ------------------------------------------------------------------
@@ -497,6 +509,14 @@ class RayRollouts:
         turn, so reading it costs the step nothing; a dead worker keeps its last figure)."""
         with self._lock:
             return {**self._counts, "engine_resubmits": sum(self._resubmits.values())}
+
+    def replacements(self) -> list[dict[str, Any]]:
+        """The workers and engines that replacements took the place of since the last call: which
+        one, where the replacement runs, and the seconds from the death being noticed to the
+        replacement serving (metrics.jsonl's `replacements`, on the step during which it happened)."""
+        with self._lock:
+            replaced, self._replaced = self._replaced, []
+        return replaced
 
     def stats(self) -> dict[str, Any]:
         """Per node: live and peak sandboxes, admission queue wait, creation rate; and the live workers."""
@@ -555,18 +575,13 @@ class RayRollouts:
             closing = self._closing
         self.log(f"{self._describe(i)} is gone ({type(exc).__name__}); {len(self._alive)} rollout workers left")
         if not closing:
-            threading.Thread(target=self._replace_worker, args=(i,), name=f"replace-worker-{i}", daemon=True).start()
+            self._spawn(lambda: self._replace_worker(i), f"replace-worker-{i}")
 
     # ---- starting and replacing actors ----------------------------------------------------------------
 
     def _bundle(self, i: int) -> dict[str, Any]:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)}
 
-    def _placement(self, i: int, node_id: str) -> dict[str, Any]:
-        """Where a replacement of actor i goes: its bundle when its node lives (the actor alone died),
-        else any live node with room (the bundle of a dead node may never be placed again)."""
-        alive = any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
-        return self._bundle(i) if alive else {"scheduling_strategy": "SPREAD"}
 
     def _start_engine(self, i: int, options: dict[str, Any]) -> Any:
         model_class, model_config, engine, tokenizer, engine_factory = self._engine_args
@@ -593,22 +608,70 @@ class RayRollouts:
                             "(cluster.start_timeout_s)") from None
 
     def _replace_worker(self, i: int) -> None:
-        old = self.where[i]
-        try:
-            worker = self._start_worker(i, self._placement(i, old["node_id"]))
+        old, since = self.where[i], time.monotonic()
+
+        def attempt(track: Callable[[Any], Any]) -> tuple[Any, dict[str, Any]] | None:
+            worker = track(self._start_worker(i, self._bundle(i)))
             where = self._started(worker, f"the replacement of rollout worker {i}")
-        except Exception as exc:  # noqa: BLE001 - the run goes on with one worker fewer, and says so
-            self.log(f"rollout worker {i} could not be replaced ({exc}); {len(self._alive)} workers go on")
-            return
+            with self._lock:
+                if self._closing:
+                    return None
+                self.workers[i], self.where[i] = worker, where
+                self._alive.add(i)
+                self._counts["workers_replaced"] += 1
+                self._watch[worker.alive.remote()] = ("worker", i, worker)
+            return worker, where
+
+        done = self._until_replaced(f"rollout worker {i}", since, attempt)
+        if done is not None:
+            self.log(f"rollout worker {done[1]['sizing']} replaces {describe(old, 'rollout worker')}")
+
+    def _until_replaced(self, what: str, since: float,
+                        attempt: Callable[[Callable[[Any], Any]], tuple[Any, dict[str, Any]] | None]
+                        ) -> tuple[Any, dict[str, Any]] | None:
+        """`attempt` until one succeeds or the run closes. A replacement goes into the dead actor's
+        bundle of the placement group: when its node died, Ray places that bundle again on a live
+        node with room under `cluster.placement` (or on one that joins later), and the actor
+        starts there. An attempt waits `start_timeout_s` for that; one that fails (its actor died:
+        sent to the dying node before Ray knew it dead; or no room in time) is killed and tried
+        again after a pause that doubles up to 30 s. The time it took goes to `replacements()`."""
+        delay, tries = 1.0, 0
+        while not self._closed.is_set():
+            tries += 1
+            started: list[Any] = []
+
+            def track(actor: Any, started: list[Any] = started) -> Any:
+                with self._lock:
+                    self._attempts.add(actor)
+                started.append(actor)
+                return actor
+
+            try:
+                done = attempt(track)
+            except Exception as exc:  # noqa: BLE001 - the run goes on with one fewer meanwhile, and says so
+                done = None
+                if not self._closed.is_set():
+                    self.log(f"{what} not replaced yet ({type(exc).__name__}: {str(exc)[:200]}); trying again in "
+                             f"{delay:.0f} s, {len(self._alive)} workers go on")
+            with self._lock:
+                self._attempts.difference_update(started)
+            if done is not None:
+                with self._lock:
+                    self._replaced.append({"actor": what, "node": done[1]["node_id"][:8], "tries": tries,
+                                           "seconds": round(time.monotonic() - since, 3)})
+                return done
+            for actor in started:
+                ray.kill(actor, no_restart=True)
+            self._closed.wait(delay)
+            delay = min(2 * delay, 30.0)
+        return None
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        """A thread of the driver's own (the watch, a replacement), which `close` waits for."""
+        thread = threading.Thread(target=target, name=name, daemon=True)
         with self._lock:
-            if self._closing:
-                ray.kill(worker, no_restart=True)
-                return
-            self.workers[i], self.where[i] = worker, where
-            self._alive.add(i)
-            self._counts["workers_replaced"] += 1
-            self._watch[worker.alive.remote()] = ("worker", i, worker)
-        self.log(f"rollout worker {where['sizing']} replaces {describe(old, 'rollout worker')}")
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
 
     def _watch_actors(self) -> None:
         """Every engine and worker holds one `alive` call open; when one fails, that actor died: start
@@ -632,14 +695,14 @@ class RayRollouts:
                         continue
                     with self._lock:
                         self._engines_alive.discard(i)
-                    threading.Thread(target=self._replace_engine, args=(i,), name=f"replace-engine-{i}",
-                                     daemon=True).start()
+                    self._spawn(lambda i=i: self._replace_engine(i), f"replace-engine-{i}")
 
     def _replace_engine(self, i: int) -> None:
-        old = self.engine_where[i]
+        old, since = self.engine_where[i], time.monotonic()
         self.log(f"{describe(old)} died; starting another")
-        try:
-            engine = self._start_engine(i, self._placement(i, old["node_id"]))
+
+        def attempt(track: Callable[[Any], Any]) -> tuple[Any, dict[str, Any]] | None:
+            engine = track(self._start_engine(i, self._bundle(i)))
             where = self._started(engine, f"the replacement of inference engine {i}")
             while True:  # to the latest weights, then live for the next update (an update may go out meanwhile)
                 with self._lock:
@@ -647,8 +710,7 @@ class RayRollouts:
                 ray.get(engine.update_weights.remote(ref, version, 60.0), timeout=self.cluster.actor_timeout_s)
                 with self._lock:
                     if self._closing:
-                        ray.kill(engine, no_restart=True)
-                        return
+                        return None
                     if self._latest[1] != version:
                         continue
                     self.engines[i], self.engine_where[i] = engine, {**where, "version": version}
@@ -657,11 +719,14 @@ class RayRollouts:
                     self._counts["engine_restarts"] += 1
                     workers = [self.workers[j] for j in sorted(self._alive)]
                     break
-            ray.get([w.engine_ready.remote(i, engine, where) for w in workers], timeout=self.cluster.actor_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the others serve its workers meanwhile, and the log says so
-            self.log(f"inference engine {i} could not be restarted ({type(exc).__name__}: {exc})")
-            return
-        self.log(f"{describe(where)} replaces {describe(old)} at policy {version}")
+            # a worker that dies meanwhile is replaced with the engines as they are now
+            ray.wait([w.engine_ready.remote(i, engine, where) for w in workers], num_returns=len(workers),
+                     timeout=self.cluster.actor_timeout_s)
+            return engine, {**where, "version": version}
+
+        done = self._until_replaced(f"inference engine {i}", since, attempt)
+        if done is not None:
+            self.log(f"{describe(done[1])} replaces {describe(old)} at policy {done[1]['version']}")
 
     def _describe(self, i: int) -> str:
         return describe(self.where[i] if i < len(self.where) else {"name": i}, "rollout worker")

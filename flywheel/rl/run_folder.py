@@ -1,11 +1,13 @@
 """The durable folder of a simulated RL run: what a resume reads back after a crash at any moment.
 
-    groups.jsonl        every group when it starts (id, its task or sibling tasks, version)   Orchestrator
-    trajectories.jsonl  every finished episode the moment it arrives, failed ones too          Orchestrator
+    groups.jsonl        every group when it starts (id, its task or sibling tasks, version),   Orchestrator
+                        again when a resume restarts it (the last record holds)
+    trajectories.jsonl  every finished episode the moment it arrives, failed ones too; a      Orchestrator
+                        `discarded` record strikes out one a lost policy sampled
     inflight/*.json     the latest `EpisodeState` of each unfinished episode                   Orchestrator
     state/              learner.pt (weights, optimizer, version) + progress.json (the          training loop
                         Orchestrator's `progress()`: groups consumed and at which version)
-    metrics.jsonl       one line per learner step                                               training loop
+    metrics.jsonl       one line per learner step, naming the groups it trained                 training loop
     eval.jsonl          one line per held-out eval                                              training loop
 
 Every write goes through `flywheel.store.files` (fsync, then rename or append): a line cut by a crash
@@ -124,8 +126,19 @@ class RunFolder:
 
     def load_state(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """(learner state, progress) of the last `save_state`, or None before the first."""
+        folder = self._saved()
+        if folder is None:
+            return None
+        return (torch.load(folder / "learner.pt", weights_only=False),
+                json.loads((folder / "progress.json").read_text()))
+
+    def load_progress(self) -> dict[str, Any] | None:
+        """The progress half of `load_state` (no weights read): what a resume would continue from."""
+        folder = self._saved()
+        return None if folder is None else json.loads((folder / "progress.json").read_text())
+
+    def _saved(self) -> Path | None:
         for folder in (self.state, displaced(self.state)):  # a crash between replace_folder's renames
             if (folder / "progress.json").exists():
-                return (torch.load(folder / "learner.pt", weights_only=False),
-                        json.loads((folder / "progress.json").read_text()))
+                return folder
         return None

@@ -177,6 +177,8 @@ def learning_step(config: OrchestratorConfig, orchestrator: Orchestrator, learne
 
     counts = orchestrator.counts()
     metrics.update(batch_metrics(batch, counts))
+    if replaced := orchestrator.replacements():  # Ray: dead workers and engines replaced during the step
+        metrics["replacements"] = replaced
     metrics.update({"step": orchestrator.step, "policy_version": learner.version, "staleness_max": staleness,
                     "wait_s": wait_s, "train_s": train_s, "weight_update_s": update_s, "time": time.time()})
     if orchestrator.step % config.checkpoint_every == 0:
@@ -246,6 +248,7 @@ def batch_metrics(batch: Batch, counts: dict[str, int]) -> dict[str, Any]:
         "rollout_episodes": batch.rollout_episodes,
         "rollout_pass_rate": batch.rollout_passed / batch.rollout_episodes if batch.rollout_episodes else float("nan"),
         "episodes_trained": len(trajectories),
+        "groups": batch.group_ids,  # what this step trained (flywheel/rl/audit.py reads it)
         **counts,
     }
 

@@ -2,7 +2,8 @@
 publishes a folder so that a crash at any moment leaves either the old state or the new one.
 
     write_atomic(path, text)        temp file beside it, fsync, rename over it, fsync the folder
-    append_line(path, line)         one write of a whole line, fsync (and the folder's, on creation)
+    append_line(path, line)         one write of a whole line, on a line of its own, fsync (and the
+                                    folder's, on creation)
     publish_folder(tmp, final)      fsync every file and folder under tmp, rename, fsync the parent
     replace_folder(tmp, final)      the same over an existing folder, which moves to `displaced(final)`
                                     for the instant between the two renames
@@ -54,14 +55,19 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
 
 def append_line(path: str | Path, line: str) -> None:
     """Append `line` (a newline is added if it has none) in one write and fsync it. A crash can cut
-    only the last line of the file, so a reader skips a line that does not parse. Callers that append
-    to one file from several threads hold a lock around this: one write per line keeps lines whole
-    on a local filesystem, but the order of interleaved lines is theirs to decide."""
+    only the last line of the file, so a reader skips a line that does not parse; the first append
+    after such a cut starts on a line of its own (a newline first), so the record it writes is not
+    glued to the cut one and lost with it. Callers that append to one file from several threads
+    hold a lock around this: one write per line keeps lines whole on a local filesystem, but the
+    order of interleaved lines is theirs to decide."""
     path = Path(path)
     if not line.endswith("\n"):
         line += "\n"
     created = not path.exists()
-    with open(path, "ab") as f:
+    with open(path, "ab+") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end and os.pread(f.fileno(), 1, end - 1) != b"\n":  # the last line was cut by a crash
+            line = "\n" + line
         f.write(line.encode("utf-8"))
         f.flush()
         os.fsync(f.fileno())

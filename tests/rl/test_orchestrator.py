@@ -9,6 +9,7 @@ that drives them is the real one, `flywheel.rl.train.learn`, wired as `train` wi
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,8 @@ from flywheel.env.families import generate
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.engine import SamplingParams
 from flywheel.model.tokenizer import train_tokenizer
-from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig, OrchestratorStalled
+from flywheel.rl.audit import audit, lost_samples
+from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig, OrchestratorStalled, newest_version
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.train import resume
 
@@ -394,11 +396,50 @@ def test_a_run_killed_mid_rollout_resumes_with_its_in_flight_episodes(tmp_path, 
         if episode_id.split("/")[0] in progress["consumed"]:
             continue
         traj = finished[episode_id]  # the in-flight episode was finished, not dropped
+        if max(v for v, m in zip(state["versions"], state["loss_mask"], strict=True) if m) > progress["step"]:
+            continue  # sampled by a policy the kill lost, whose checkpoint was not written: played again
         assert traj["tokens"][: len(state["tokens"])] == state["tokens"]  # ... continuing from where it was
         resumed += 1
     assert resumed >= 1 and orch._counts["resumed_episodes"] >= 1
     lost = set(open_groups) - set(orch._consumed) - set(orch._groups)
     assert not lost  # every group open at the kill was trained on, filtered, or is still running
+
+
+def test_a_resume_at_an_older_checkpoint_plays_again_what_the_lost_policies_sampled(tmp_path, tasks, tokenizer,
+                                                                                    pool):
+    """The checkpoints of steps 2 and 3 are lost (a kill while they were written): the run resumes at
+    policy 1, while its records hold tokens of policies 2 and 3, whose weights are gone. Every
+    episode holding one plays again from its start, every group started under them starts again at
+    policy 1, and the run then trains on to step 5 with every invariant of flywheel/rl/audit.py held."""
+    run = tmp_path / "run"
+    cfg = config(max_staleness=1, max_steps=5, filter_zero_signal=False)
+    engine, learner = RandomLatencyEngine(tokenizer, tasks, seed=5, mean_delay_s=0.02), RecordingLearner(step_s=0.05)
+    with orchestrator(cfg, tasks, engine, learner, tokenizer, pool, run) as orch:
+        train(orch, learner, 1)
+        shutil.copytree(run / "state", tmp_path / "step-1")
+        train(orch, learner, 3)
+    shutil.rmtree(run / "state")
+    shutil.copytree(tmp_path / "step-1", run / "state")
+    assert lost_samples(run).resumes_at == 1 and lost_samples(run).records > 0
+    first_start = {}
+    for r in map(json.loads, (run / "groups.jsonl").read_text().splitlines()):
+        first_start.setdefault(r["group"], r["version"])
+
+    learner, engine = RecordingLearner(), RandomLatencyEngine(tokenizer, tasks, seed=6, mean_delay_s=0.02)
+    with orchestrator(cfg, tasks, engine, learner, tokenizer, pool, run) as orch:
+        assert resume(cfg, orch, learner, engine, RunFolder(run)) and learner.version == 1
+        with orch._cond:
+            assert all(g.start_version <= 1 for g in orch._groups.values())
+            assert all(newest_version(t) <= 1 for g in orch._groups.values() for t in g.results.values())
+            restarted = {g for g, v in first_start.items() if v > 1 and g not in orch._consumed}
+        assert restarted and orch.counts()["restarted_groups"] == len(restarted)
+        assert orch.counts()["rewound_episodes"] >= len(restarted)
+        records = [json.loads(line) for line in (run / "groups.jsonl").read_text().splitlines()]
+        assert {r["group"] for r in records if r.get("restarted_from", 0) > 1 and r["version"] == 1} == restarted
+        struck = [json.loads(line) for line in (run / "trajectories.jsonl").read_text().splitlines()]
+        assert any("discarded" in r for r in struck)
+        train(orch, learner, 5)
+    assert audit(run, [], max_staleness=1, group_size=cfg.group_size) == []
 
 
 def test_the_orchestrator_hands_out_batches_and_is_told_what_was_consumed_at_which_version(tmp_path, tasks,

@@ -13,36 +13,33 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import ray
-import torch
 
-from flywheel.agent.episode import EpisodeConfig, initial_prompt, opening
+from flywheel.agent.episode import EpisodeConfig
 from flywheel.env.families import task_set
 from flywheel.env.pool import PoolConfig
-from flywheel.model.chat import IM_END
-from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import EngineConfig, SamplingParams
-from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import Registry
-from flywheel.model.tokenizer import train_tokenizer
 from flywheel.report import build_report_data, render_report
+from flywheel.rl.audit import LostSamples, audit, trained_steps
 from flywheel.rl.cluster import ClusterConfig
 from flywheel.rl.orchestrator import OrchestratorStalled
 from flywheel.rl.ray_backend import ActorHung, RayRollouts
 from flywheel.rl.ray_engine import RayEngine, start_engine_actor
 from flywheel.rl.run_folder import RunFolder
-from flywheel.rl.sft import SFTConfig, train_sft
 from flywheel.rl.train import TrainConfig, train
+from tests.rl.fault_injection import ActorFaults, KilledRun, named_actors
+from tests.rl.question_policy import register_question_policy
 from tests.rl.ray_cluster import rollout_node, simulated_cluster
-
-SAY = "Which file?"
 
 
 @pytest.fixture(scope="module")
@@ -54,32 +51,12 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def registry_root(tmp_path_factory) -> Path:
-    """A tiny policy that answers every turn with a question (no tool call), so an episode is
-    `max_turns` turns with a saved state after each, then graded."""
-    torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("ray") / "registry"
-    tasks = task_set(["bugfix"], "train", 2, seed=100, difficulty=1)
-    tokenizer = train_tokenizer([initial_prompt(t) + SAY for t in tasks] * 4, vocab_size=300)
-    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
-    encoder = ConversationEncoder(tokenizer)
-    say = tokenizer(SAY + IM_END, add_special_tokens=False)["input_ids"]
-    examples = []
-    for task in tasks:  # four turns of the same question, each answered by the simulated user
-        tokens = encoder.encode(opening(task), encoder.tools)
-        mask = [0] * len(tokens)
-        for _ in range(4):
-            reply = encoder.user_reply(task.answer_question(SAY))
-            tokens, mask = tokens + say + reply, mask + [1] * len(say) + [0] * len(reply)
-        examples.append((tokens, mask))
-    train_sft(model, examples, SFTConfig(epochs=25, lr=3e-2, warmup_steps=1, batch_tokens=100_000),
-              tokenizer.pad_token_id)
-    with Registry(root) as registry:
-        registry.register(model, tokenizer, parent=None, aliases=["production"], note="asks questions")
-    return root
+    """A tiny policy that answers every turn with a question (tests/rl/question_policy.py)."""
+    return register_question_policy(tmp_path_factory.mktemp("ray") / "registry")
 
 
-def run_config(registry_root: Path, run_dir: Path, backend: str = "ray", steps: int = 4, **cluster) -> TrainConfig:
+def run_config(registry_root: Path, run_dir: Path, backend: str = "ray", steps: int = 4, checkpoint_every: int = 1,
+               **cluster) -> TrainConfig:
     cluster_keys = {"backend": backend}
     if backend == "ray":
         cluster_keys.update(rollout_workers=2, placement="STRICT_SPREAD", worker_cpus=0.2, learner_cpus=0.2,
@@ -91,7 +68,7 @@ def run_config(registry_root: Path, run_dir: Path, backend: str = "ray", steps: 
         "train_tasks_per_family": 2, "eval_tasks_per_family": 1, "eval_at_start": False, "threads": 1,
         "register_checkpoint": False,
         "orchestrator": {"group_size": 4, "groups_per_step": 2, "max_staleness": 1, "concurrency": 16,
-                         "max_steps": steps, "filter_zero_signal": False,
+                         "max_steps": steps, "filter_zero_signal": False, "checkpoint_every": checkpoint_every,
                          "episode": {"max_turns": 4, "max_tokens_per_turn": 24, "temperature": 0.5}},
         "learner": {"lr": 0.01, "temperature": 0.5},
         "engine": {"threads": 1},
@@ -104,36 +81,15 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def check_run(run_dir: Path, steps: int, staleness: int = 1) -> list[dict]:
-    """What every run must show: each step once, versions per generated token within the bound,
-    each episode recorded once, each trained group trained once and complete."""
-    metrics = rows(run_dir / "metrics.jsonl")
+def check_run(run_dir: Path, steps: int, staleness: int = 1, lost: Sequence[LostSamples] = ()) -> list[dict]:
+    """What every run must show: each step once, at the policy it made, within the staleness bound,
+    and every invariant of flywheel/rl/audit.py (`lost`: the samples of the policies its kills lost)."""
+    metrics = [row for _, row in sorted(trained_steps(RunFolder(run_dir)).items())]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert [m["policy_version"] for m in metrics] == list(range(1, steps + 1))
     assert max(m["staleness_max"] for m in metrics) <= staleness
-    records = rows(run_dir / "trajectories.jsonl")
-    episodes = [r["episode"] for r in records]
-    assert len(episodes) == len(set(episodes)), "an episode was recorded twice"
-    groups = {}
-    for r in records:
-        groups.setdefault(r["episode"].split("/")[0], []).append(r["trajectory"])
-        t = r["trajectory"]
-        generated = [v for v, m in zip(t["versions"], t["loss_mask"], strict=True) if m]
-        assert generated and min(generated) >= 0 and max(generated) <= steps
-        assert generated == sorted(generated), "a token's version went back in time"
-    started = rows(run_dir / "groups.jsonl")
-    for g in started:
-        if g["group"] in groups and len(groups[g["group"]]) == 4:
-            oldest = min(v for t in groups[g["group"]] for v, m in zip(t["versions"], t["loss_mask"], strict=True) if m)
-            assert oldest >= g["version"]
+    assert audit(run_dir, lost, max_staleness=staleness, group_size=4) == []
     return metrics
-
-
-def named_actors(prefix: str) -> list:
-    """The live actors whose name starts with `prefix` ("rollout-", "learner-"), by name."""
-    found = ray.util.list_named_actors(all_namespaces=True)
-    return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in sorted(found, key=lambda a: a["name"])
-            if a["name"].startswith(prefix)]
 
 
 def when_inflight(run_dir: Path, n: int, then, timeout_s: float = 120.0) -> threading.Thread:
@@ -234,25 +190,34 @@ def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_an
     assert sum(turns) / len(turns) >= 2, turns  # the episodes really had turn boundaries to resume from
 
 
-@pytest.mark.slow  # 55 s on the shared 2-core machine (load ~10)
-def test_a_killed_learner_resumes_from_its_last_checkpoint(cluster, registry_root, tmp_path):
-    run_dir, logs = tmp_path / "run", []
-
-    def kill_the_learner() -> None:
-        deadline = time.monotonic() + 120
-        while len(rows(run_dir / "metrics.jsonl")) < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        ray.kill(named_actors("learner-")[0])
-
-    watcher = threading.Thread(target=kill_the_learner, daemon=True)
-    watcher.start()
-    _, summary = train(run_config(registry_root, run_dir, steps=3, learner_restarts=1, rollout_workers=1),
-                       log=logs.append)
-    watcher.join(timeout=10)
-    assert any("the learner actor died" in line and "restarting from" in line for line in logs), logs
-    assert any(line.startswith(f"resumed {run_dir} at step") for line in logs), logs
-    check_run(run_dir, 3)  # each step once: the one the dead learner was on is trained by the new one
-    assert summary["steps"] == 3
+@pytest.mark.slow  # 65-75 s on the shared 2-core machine
+def test_kills_at_random_moments_keep_every_version_invariant(cluster, registry_root, tmp_path):
+    """The learner actor, a node's sandbox pool or a worker or an engine, and a whole node, killed in
+    a random order at random moments of one run (tests/rl/fault_injection.py): the learner once the
+    engines sample a policy whose checkpoint is not written yet (checkpoint_every = 2 makes that a
+    whole step), so its resume must forget what that policy sampled. The learner's death restarts
+    the run from its checkpoint, the rest heal in place, and every invariant of flywheel/rl/audit.py
+    holds on the records."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    kinds = ["learner", rng.choice(["pool", "worker", "engine"]), "node"]
+    rng.shuffle(kinds)
+    run_dir = tmp_path / "run"
+    faults = ActorFaults(run_dir, cluster, rng)
+    dealer = faults.start(kinds)
+    try:
+        _, summary = train(run_config(registry_root, run_dir, steps=6, checkpoint_every=2, learner_restarts=1,
+                                      rollout_workers=2), log=faults.log)
+    finally:
+        dealer.join(timeout=60)
+        for _ in range(faults.removed):
+            cluster.add_node(**rollout_node())
+        cluster.wait_for_nodes()
+    said = f"seed {seed}, faults {faults.faults}, errors {faults.errors}"
+    assert not faults.errors and [f.kind for f in faults.faults] == kinds, said
+    assert summary["steps"] == 6 and any(line.startswith(f"resumed {run_dir} at step") for line in faults.logs), said
+    assert len(faults.lost) == 1 and faults.lost[0].records > 0, said  # tokens of a lost policy to forget
+    check_run(run_dir, 6, lost=faults.lost)
 
 
 @pytest.mark.slow  # 33 s on the shared 2-core machine (load ~10)
@@ -394,3 +359,100 @@ def test_a_dead_worker_and_a_dead_engine_are_replaced_and_take_the_next_weights(
     assert set(first.versions[i] for i, m in enumerate(first.loss_mask) if m) == {0}
     for t in after:
         assert {v for v, m in zip(t.versions, t.loss_mask, strict=True) if m} == {1}
+
+
+@pytest.mark.slow  # 43 s on the shared 2-core machine
+def test_a_lost_node_s_worker_and_engine_are_replaced_where_there_is_room_and_on_a_node_that_joins(
+        cluster, registry_root):
+    """Two workers, one per rollout node (STRICT_SPREAD, each bundle taking its node's whole `rollout`).
+    Worker 0's node is removed: Ray places its bundle again on the free third rollout node, where a new
+    worker and engine start. That node is removed in turn: no node is free, so the replacement waits,
+    and starts on a node added afterwards. Each replacement is reported with the seconds it took, as
+    metrics.jsonl's `replacements` records them, and the fleet plays episodes at the end."""
+    model, tokenizer = Registry(registry_root).load("production")
+    config = ClusterConfig(backend="ray", rollout_workers=2, placement="STRICT_SPREAD", worker_cpus=0.2,
+                           engine_cpus=0.1, worker_resources={"rollout": 1}, actor_timeout_s=60, start_timeout_s=90)
+    task = task_set(["bugfix"], "train", 1, seed=100, difficulty=1)[0]
+    logs: list[str] = []
+    removed = 0
+
+    def remove_node_of(node_id: str) -> None:
+        nonlocal removed
+        cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == node_id))
+        removed += 1
+
+    def replaced(n: int, timeout_s: float = 150) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            counts = rollouts.counts()
+            if counts["workers_replaced"] == n and counts["engine_restarts"] == n:
+                return counts
+            time.sleep(0.5)
+        raise AssertionError(f"not replaced {n} times: {rollouts.counts()}; {logs}")
+
+    rollouts = RayRollouts(config, model, tokenizer, EngineConfig(threads=1), PoolConfig(warm=0), 0, log=logs.append)
+    try:
+        first = [w["node_id"] for w in rollouts.where]
+        remove_node_of(first[0])
+        replaced(1)
+        spare = rollouts.where[0]["node_id"]
+        assert spare not in first and rollouts.engine_where[0]["node_id"] == spare
+        reports = rollouts.replacements()
+        assert sorted(r["actor"] for r in reports) == ["inference engine 0", "rollout worker 0"], reports
+        assert all(r["node"] == spare[:8] and 0 < r["seconds"] < 150 for r in reports), reports
+        assert rollouts.replacements() == []  # each reported once
+
+        remove_node_of(spare)  # now no rollout node is free of the run's bundles
+        time.sleep(5)
+        assert rollouts.counts()["workers_replaced"] == 1  # no room: the replacement waits for its bundle
+        joined = cluster.add_node(**rollout_node())
+        cluster.wait_for_nodes()
+        removed -= 1
+        replaced(2)
+        assert rollouts.where[0]["node_id"] == rollouts.engine_where[0]["node_id"] == joined.node_id
+        reports = rollouts.replacements()
+        assert sorted(r["actor"] for r in reports) == ["inference engine 0", "rollout worker 0"], reports
+        assert all(r["seconds"] >= 5 for r in reports), reports  # from the death, not from the node's arrival
+        with ThreadPoolExecutor(2) as threads:  # one episode on each worker
+            played = list(threads.map(lambda g: rollouts(task, EpisodeConfig(max_turns=1, max_tokens_per_turn=8), g,
+                                                         None, lambda _: None, 0), ["g1", "g2"]))
+        assert all(t.generated_tokens for t in played) and rollouts.stats()["live_workers"] == 2
+    finally:
+        rollouts.close()
+        for _ in range(removed):
+            cluster.add_node(**rollout_node())
+        cluster.wait_for_nodes()
+
+
+@pytest.mark.slow  # 36-47 s on the shared 2-core machine
+def test_a_run_that_lost_a_node_mid_turn_exits_0(cluster, registry_root, tmp_path):
+    """`flywheel train` (the CLI, a process of its own, joined to the cluster) loses a rollout node
+    while episodes are mid-turn, and its replacement is still waiting for room when the run ends
+    (no node is free of the run's bundles). The run finishes, prints its summary and exits 0: the
+    replacement still starting is stopped and the driver's threads are done before Ray shuts down."""
+    run_dir = tmp_path / "run"
+    config = run_config(registry_root, run_dir, steps=4, rollout_workers=3, address=cluster.address,
+                        worker_resources={"rollout": 1})
+    killed = KilledRun(config, random.Random(0))
+    proc = killed.start()
+    removed = False
+    try:
+        deadline = time.monotonic() + 180
+        while not ((run_dir / "inflight").exists() and len(list((run_dir / "inflight").glob("*.json"))) >= 4):
+            assert proc.poll() is None and time.monotonic() < deadline, killed._log().read_text()[-3000:]
+            time.sleep(0.05)
+        worker = named_actors("rollout-")[0]
+        node_id = ray.get(worker.where.remote(), timeout=30)["node_id"]
+        cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == node_id))
+        removed = True
+        returncode = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if removed:
+            cluster.add_node(**rollout_node())
+            cluster.wait_for_nodes()
+    output = killed._log().read_text()
+    assert returncode == 0, output[-3000:]
+    assert '"steps": 4' in output and "is gone" in output, output[-3000:]
+    check_run(run_dir, 4)

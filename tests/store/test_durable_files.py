@@ -63,6 +63,19 @@ def test_append_line_adds_whole_lines_from_many_threads(tmp_path):
     assert path.read_text().endswith("\nno newline\n")
 
 
+def test_the_first_append_after_a_cut_line_starts_a_line_of_its_own(tmp_path):
+    """A crash that cut the last line (its newline never written) must not take the next record
+    with it: glued to the cut one, it would be one more line a reader skips."""
+    path = tmp_path / "log.jsonl"
+    append_line(path, json.dumps({"i": 0}))
+    with open(path, "ab") as f:
+        f.write(b'{"i": 1, "cut by a cra')  # what a kill mid-write leaves
+    append_line(path, json.dumps({"i": 2}))
+    append_line(path, json.dumps({"i": 3}))
+    lines = path.read_text().splitlines()
+    assert lines[0] == '{"i": 0}' and lines[1] == '{"i": 1, "cut by a cra' and lines[2:] == ['{"i": 2}', '{"i": 3}']
+
+
 def test_publish_folder_refuses_to_overwrite_and_replace_folder_swaps(tmp_path):
     tmp, final = tmp_path / "tmp", tmp_path / "v0"
     tmp.mkdir()

@@ -1,0 +1,249 @@
+"""Kills at random moments of a real `flywheel train` run, for tests/rl/test_faults.py, tests/rl/test_ray.py
+and bench/faults.py.
+
+    trial = KilledRun(config, rng).run(kills=3)     the driver (`python -m flywheel train`, a process of
+                                                    its own) SIGKILLed at random moments, restarted each time,
+                                                    then run to its end
+    trial.violations                                flywheel/rl/audit.py's verdict on the records
+    faults = ActorFaults(run_dir, cluster, rng)     on a Ray run in this process: a thread that kills the
+    faults.start(["learner", "pool", "node"])       learner actor, a rollout worker, an engine, a node's sandbox
+    train(config, log=faults.log)                   pool or a whole node, each at a random moment; `log` takes
+                                                    the lost samples when the learner's death restarts the run
+
+A kill moment is drawn as a step and a fraction of a step: the kill lands that far into the step
+after the drawn one has finished (steps are timed as the run goes), so kills fall across rollouts,
+the learner step, the weight update and the checkpoint's write alike. Before each restart the run
+folder's lost samples are taken (`lost_samples`): what the policies newer than the checkpoint
+sampled, which the resumed run must not train on. Nothing is mocked: the real CLI, engine,
+sandboxes, grading and Learner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flywheel.rl.audit import LostSamples, audit, lost_samples, trained_steps
+from flywheel.rl.run_folder import RunFolder
+from flywheel.rl.train import TrainConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def overrides(data: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    """A config's values as `flywheel train --set` items (TOML literals), tables flattened to dotted keys."""
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            yield from overrides(value, f"{prefix}{key}.")
+        elif value is not None:
+            yield f"{prefix}{key}={json.dumps(value)}"
+
+
+@dataclass
+class Kill:
+    kind: str  # "drawn": at a drawn moment; "lost policy": once a record holds a token newer than the checkpoint
+    after_step: int  # steps the run had finished when the kill's step began (the run's own count)
+    fraction: float  # how far into the next step it landed, in steps
+    at_s: float  # seconds since the driver started
+    resumes_at: int  # the policy version of the checkpoint the next start resumes at
+    lost_records: int  # records holding tokens of policies newer than that
+    recovery_s: float | None = None  # from the kill to the resumed run's next finished step
+
+
+@dataclass
+class KilledRun:
+    """One run of `config` whose driver is killed at random moments drawn from `rng`."""
+    config: TrainConfig
+    rng: random.Random
+    timeout_s: float = 300.0
+    kills: list[Kill] = field(default_factory=list)
+    lost: list[LostSamples] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.config.run_dir
+
+    def command(self) -> list[str]:
+        data = self.config.model_dump(mode="json", exclude_defaults=True)
+        return [sys.executable, "-m", "flywheel", "train", *(f"--set={item}" for item in overrides(data))]
+
+    def start(self) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        with open(self._log(), "w") as log:  # the child holds its own copy of the descriptor (its output: `_log()`)
+            return subprocess.Popen(self.command(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def run(self, kills: int, targeted: int = 0) -> KilledRun:
+        """Kill the driver `kills` times, then let it finish; raises if the last start fails or the run
+        hangs. The first `targeted` kills wait for the moment of a lost policy instead of a drawn one:
+        a record on disk holds a token newer than the checkpoint (the engines sample with a policy
+        whose checkpoint is not written yet)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self.timeout_s
+        run, killed_at = RunFolder(self.run_dir), None
+        while True:
+            proc, started = self.start(), time.monotonic()
+            lines = len(run.read("metrics.jsonl"))
+            done = len(trained_steps(run))
+            # the kill's step: one that leaves at least one to train after it, `fraction` of a step into it
+            after = self.rng.randrange(done, max(done + 1, self.config.orchestrator.max_steps - 1))
+            fraction, kill_at = self.rng.random(), None
+            last, aimed = len(self.kills) == kills, len(self.kills) < targeted
+            while proc.poll() is None:
+                now = time.monotonic()
+                if now > deadline:
+                    proc.kill()
+                    raise TimeoutError(f"the run did not finish within {self.timeout_s:.0f} s; see its logs")
+                if killed_at is not None and len(run.read("metrics.jsonl")) > lines:
+                    self.kills[-1].recovery_s = now - killed_at  # the resumed run's first step is done
+                    killed_at = None
+                if not last and kill_at is None and (lost_samples(self.run_dir).records if aimed else
+                                                     self._training(proc) and len(trained_steps(run)) >= after):
+                    kill_at = now + (0.0 if aimed else fraction * step_seconds(run))
+                if kill_at is not None and now >= kill_at:
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait()
+                    killed_at = time.monotonic()
+                    samples = lost_samples(self.run_dir)  # before the restart reads the folder
+                    self.lost.append(samples)
+                    self.kills.append(Kill("lost policy" if aimed else "drawn", after, fraction, killed_at - started,
+                                           samples.resumes_at, samples.records))
+                    break
+                time.sleep(0.02)
+            else:
+                if proc.returncode != 0:
+                    raise RuntimeError(f"the run exited {proc.returncode}; see {self.run_dir.parent}/*.log")
+                return self
+
+    def _training(self, proc: subprocess.Popen) -> bool:
+        """Whether this start of the driver has set up and resumed (its "training v..." line)."""
+        return "\ntraining v" in "\n" + self._log().read_text()
+
+    def _log(self) -> Path:
+        return self.run_dir.parent / f"{self.run_dir.name}-driver-{len(self.kills)}.log"
+
+    @property
+    def violations(self) -> list[str]:
+        o = self.config.orchestrator
+        return audit(self.run_dir, self.lost, o.staleness_bound, o.group_size)
+
+
+def step_seconds(run: RunFolder, default: float = 1.0) -> float:
+    """The run's median step so far (wall time between metrics lines), `default` before two lines."""
+    times = sorted(row["time"] for row in trained_steps(run).values() if "time" in row)
+    gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False) if b > a)
+    return gaps[len(gaps) // 2] if gaps else default
+
+
+# The named actors of a Ray run, by the prefix of their names (flywheel/rl/ray_backend.py, ray_fleet.py).
+ACTOR_PREFIX = {"learner": "learner-", "worker": "rollout-", "engine": "engine-", "pool": "sandbox-fleet-"}
+
+
+def named_actors(prefix: str) -> list:
+    """The live actors whose name starts with `prefix` ("rollout-", "learner-"), by name."""
+    import ray  # noqa: PLC0415 - only the Ray faults need it
+
+    found = ray.util.list_named_actors(all_namespaces=True)
+    return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in sorted(found, key=lambda a: a["name"])
+            if a["name"].startswith(prefix)]
+
+
+@dataclass
+class ActorFault:
+    kind: str  # learner, worker, engine, pool (a node's sandbox pool actor) or node (its raylet and all on it)
+    after_step: int  # steps the run had finished when it was dealt
+    at: float  # time.monotonic() when dealt
+    target: str  # the actor's name, or the node's id
+    recovery_s: float | None = None  # from the fault to the next finished step
+
+
+@dataclass
+class ActorFaults:
+    """Kills parts of a Ray run that `train` drives in this process, at random moments drawn from
+    `rng` (a step, then a fraction of a step into it; the learner once a record holds a token newer
+    than the checkpoint, the moment a lost policy costs the most). `removed` counts the nodes
+    removed, for the caller to add back. Pass `log` to `train`: when the learner's death restarts
+    the run, it takes the lost samples before the resume reads the folder."""
+    run_dir: Path
+    cluster: Any  # ray.cluster_utils.Cluster, for node faults
+    rng: random.Random
+    faults: list[ActorFault] = field(default_factory=list)
+    lost: list[LostSamples] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+    removed: int = 0  # nodes removed and not added back
+
+    def log(self, line: str) -> None:
+        self.logs.append(line)
+        if "restarting from" in line:  # the learner died: the run closed, and resumes after this returns
+            self.lost.append(lost_samples(self.run_dir))
+
+    def start(self, kinds: Sequence[str]) -> threading.Thread:
+        thread = threading.Thread(target=self._deal, args=(list(kinds),), name="faults", daemon=True)
+        thread.start()
+        return thread
+
+    def _deal(self, kinds: list[str]) -> None:
+        run = RunFolder(self.run_dir)
+        try:
+            for kind in kinds:
+                if kind == "learner":
+                    self._until(lambda: lost_samples(self.run_dir).records > 0)
+                else:
+                    after = len(trained_steps(run)) + self.rng.randrange(2)
+                    self._until(lambda after=after: len(trained_steps(run)) >= after and _playing(self.run_dir))
+                    time.sleep(self.rng.random() * step_seconds(run))
+                self.faults.append(ActorFault(kind, len(trained_steps(run)), time.monotonic(), self._kill(kind)))
+                lines = len(run.read("metrics.jsonl"))
+                self._until(lambda lines=lines: len(run.read("metrics.jsonl")) > lines)
+                self.faults[-1].recovery_s = time.monotonic() - self.faults[-1].at
+        except BaseException as exc:  # noqa: BLE001 - the test asserts on it
+            self.errors.append(exc)
+
+    def _until(self, ready: Any, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the run did not reach the moment of fault {len(self.faults) + 1} in time")
+            time.sleep(0.02)
+
+    def _kill(self, kind: str) -> str:
+        """Kill one live actor of `kind` (or the node of a live rollout worker); returns its name (node id)."""
+        import ray  # noqa: PLC0415
+
+        for _ in range(50):  # an actor that died a moment ago is still listed: draw another
+            found = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                           if a["name"].startswith(ACTOR_PREFIX["worker" if kind == "node" else kind]))
+            if not found:
+                time.sleep(0.2)
+                continue
+            name = self.rng.choice(found)
+            try:
+                actor = named_actors(name)[0]
+                if kind == "node":
+                    node_id = ray.get(actor.where.remote(), timeout=30)["node_id"]
+                    self.cluster.remove_node(next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id))
+                    self.removed += 1  # the caller adds it back, on its main thread (Ray's nodes set signal handlers)
+                    return node_id
+                ray.kill(actor, no_restart=True)
+                return name
+            except (ray.exceptions.RayActorError, ValueError, IndexError):
+                time.sleep(0.2)
+        raise RuntimeError(f"no live {kind} to kill")
+
+
+def _playing(run_dir: Path) -> bool:
+    """Whether episodes are in flight (a saved state exists): a fault then lands mid-episode."""
+    inflight = run_dir / "inflight"
+    return inflight.exists() and any(inflight.glob("*.json"))

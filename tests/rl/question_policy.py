@@ -1,0 +1,48 @@
+"""The tiny start policy of the Ray and fault tests: it asks the user a question every turn.
+
+A short SFT teaches a tiny MoE to answer each turn with "Which file?" (no tool call), so an episode
+is `max_turns` turns with a saved state after each, then graded: every episode has turn boundaries
+to resume from and to kill between. Built in a few seconds, once per test module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flywheel.agent.episode import initial_prompt, opening
+from flywheel.env.families import task_set
+from flywheel.model.chat import IM_END
+from flywheel.model.conversation import ConversationEncoder
+from flywheel.model.factory import ModelConfig, build_model
+from flywheel.model.registry import Registry
+from flywheel.model.tokenizer import train_tokenizer
+from flywheel.rl.sft import SFTConfig, train_sft
+
+SAY = "Which file?"
+
+
+def register_question_policy(root: Path) -> Path:
+    """A Registry at `root` whose `production` is the policy, for the 2 bugfix tasks (difficulty 1,
+    seed 100) that `train_tasks_per_family = 2` draws. Returns `root`."""
+    torch.manual_seed(0)
+    tasks = task_set(["bugfix"], "train", 2, seed=100, difficulty=1)
+    tokenizer = train_tokenizer([initial_prompt(t) + SAY for t in tasks] * 4, vocab_size=300)
+    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
+    encoder = ConversationEncoder(tokenizer)
+    say = tokenizer(SAY + IM_END, add_special_tokens=False)["input_ids"]
+    examples = []
+    for task in tasks:  # four turns of the same question, each answered by the simulated user
+        tokens = encoder.encode(opening(task), encoder.tools)
+        mask = [0] * len(tokens)
+        for _ in range(4):
+            reply = encoder.user_reply(task.answer_question(SAY))
+            tokens, mask = tokens + say + reply, mask + [1] * len(say) + [0] * len(reply)
+        examples.append((tokens, mask))
+    train_sft(model, examples, SFTConfig(epochs=25, lr=3e-2, warmup_steps=1, batch_tokens=100_000),
+              tokenizer.pad_token_id)
+    with Registry(root) as registry:
+        registry.register(model, tokenizer, parent=None, aliases=["production"], note="asks questions")
+    return root
