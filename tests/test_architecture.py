@@ -27,7 +27,7 @@ PACKAGE = REPO / "flywheel"
 STAGES = ("env", "model", "agent", "rl", "live")
 # Libraries that know no stage: they import only themselves, `extras` and `store` (the durable writes every
 # writer shares), and every stage but env may use them.
-LIBRARIES = ("config", "stats", "store", "report", "extras")
+LIBRARIES = ("config", "stats", "store", "report", "extras", "timing")
 
 
 def allowed_imports(unit: str) -> set[str]:

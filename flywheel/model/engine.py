@@ -65,6 +65,7 @@ from transformers.cache_utils import DynamicLayer
 
 from flywheel.model.decode import LeanDecoder
 from flywheel.model.vllm_server import VLLMConfig
+from flywheel.timing import timed
 
 
 @dataclass(frozen=True)
@@ -391,6 +392,8 @@ class LocalEngine:
         self._lean = LeanDecoder(model) if self.config.lean_decode and LeanDecoder.supports(model) else None
         self.steps = 0
         self.swaps = 0
+        self._counters = dict.fromkeys(("prefill_s", "prefill_tokens", "decode_s", "decode_tokens", "decode_steps",
+                                        "swap_s"), 0.0)  # `counters()`
         self._error: BaseException | None = None
         self._closed = False
         self._applying: threading.Event | None = None  # the weight update being applied
@@ -504,21 +507,21 @@ class LocalEngine:
         finally:
             DECODE_THREADS.idle(self)
 
+    def counters(self) -> dict[str, float]:
+        """What the loop has done since the engine started, cumulative: seconds and tokens of
+        prefills (`prefill_s`, `prefill_tokens`: tokens fed, not those reused from a kept session
+        or an identical prompt), of decode steps (`decode_s`, `decode_tokens`: one per row per
+        step, `decode_steps`), and of weight swaps (`swap_s`, KV rebuilt under the new weights
+        included). The training loop reads them around each step (`flywheel.timing.delta`)."""
+        return dict(self._counters)
+
     def _step(self) -> None:
+        c = self._counters
         while not self._weights.empty():
             weights, version, done = self._weights.get_nowait()
             self._applying = done  # if loading fails, the handler in `_loop` releases its waiter
-            self.model.load_state_dict(weights, strict=True)
-            if self._lean is not None:
-                self._lean.refresh()  # its fused weights are copies
-            self._version = version
-            self.swaps += 1
-            self._prompts.clear()  # computed under the old weights; a new group's prompt starts fresh
-            if self.config.kv_on_update == "recompute":
-                self._sessions.clear()  # their KV was computed under the old weights
-                self._compact()
-                if self._active:
-                    self._rebuild_cache()
+            with timed(c, "swap_s"):
+                self._swap(weights, version)
             done.set()
             self._applying = None
         for seq in self._drain_inbox():
@@ -528,11 +531,27 @@ class LocalEngine:
                and len(admitted) < self.config.max_prefill_per_step):
             admitted.append(heapq.heappop(self._pending)[2])
         if admitted:
-            self._admit(admitted)
+            with timed(c, "prefill_s"):
+                self._admit(admitted)
             self._admitting = []
-        self._compact()
-        if self._active:
-            self._decode()
+        if self._free or self._active:
+            with timed(c, "decode_s"):
+                self._compact()
+                if self._active:
+                    self._decode()
+
+    def _swap(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self.model.load_state_dict(weights, strict=True)
+        if self._lean is not None:
+            self._lean.refresh()  # its fused weights are copies
+        self._version = version
+        self.swaps += 1
+        self._prompts.clear()  # computed under the old weights; a new group's prompt starts fresh
+        if self.config.kv_on_update == "recompute":
+            self._sessions.clear()  # their KV was computed under the old weights
+            self._compact()
+            if self._active:
+                self._rebuild_cache()
 
     def _forward(self, input_ids: torch.Tensor, cache: _BatchCache, positions: torch.Tensor,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -639,6 +658,8 @@ class LocalEngine:
                 self.reused_tokens += sum(len(k[0]) for _, k in group)
                 order += [s for s, _ in group]
         seqs = order  # the rows of the new cache, in order
+        self._counters["prefill_tokens"] += sum(len(s.prompt) for s in seqs) - sum(
+            len(k[0]) for group in (extended, shared) for _, k in group if k is not None)  # fed, not reused
         logits = torch.cat([p[0] for p in parts])
         cache = parts[0][1] if len(parts) == 1 else _BatchCache.from_parts([p[1] for p in parts])
         for s in seqs:
@@ -665,6 +686,8 @@ class LocalEngine:
         last = torch.tensor([[s.tokens[-1]] for s in self._active], device=self._device)  # [batch, 1]
         logits = self._forward(last, self._cache, self._cache.positions.unsqueeze(1))
         self.steps += 1
+        self._counters["decode_steps"] += 1
+        self._counters["decode_tokens"] += len(self._active)
         self._sample(self._active, logits)
 
     def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:

@@ -55,6 +55,7 @@ from transformers import PreTrainedModel
 from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.rl.loss import LossConfig, loss_denominator, policy_loss
 from flywheel.rl.training import pack_batches, scored_logits, warmup_factor
+from flywheel.timing import timed
 
 
 class LearnerConfig(BaseModel):
@@ -349,8 +350,9 @@ class Learner:
         before the cap), is_truncated_frac / is_masked_frac, grad_norm (before clipping; token
         statistics over the steps taken), lr (of the last step taken), optimizer_steps, skipped_steps
         (non-finite, this call), skipped_steps_total, policy_version, staleness/<k> (generated
-        tokens k policy versions old), staleness_mean / _max, sequences, loss_tokens, tokens_per_s,
-        seconds."""
+        tokens k policy versions old), staleness_mean / _max, sequences, batch_tokens, loss_tokens, tokens_per_s,
+        seconds, and the seconds of its phases: learner_pack_s (micro-batches built), learner_proximal_s,
+        learner_forward_backward_s, learner_optimizer_s (grad clip and AdamW)."""
         if not trajectories:
             raise ValueError("train_step got no trajectories; wait for a batch before stepping")
         if len(advantages) != len(trajectories):
@@ -366,22 +368,25 @@ class Learner:
 
     def _train_step(self, trajectories: Sequence[Trajectory], advantages: Sequence[Advantage]) -> dict[str, float]:
         start = time.perf_counter()
+        seconds: dict[str, float] = {}  # the step's phases (`timed`), in the metrics as learner_<phase>
         config = self.config
         staleness = staleness_histogram(trajectories, self.version)
         masks = [self.loss_mask(t) for t in trajectories]
         device = next(self.model.parameters()).device
         n, k = len(trajectories), min(config.minibatches, len(trajectories))
         chunks = [range(j * n // k, (j + 1) * n // k) for j in range(k)]
-        minibatches = [self._micro_batches([trajectories[i] for i in c], [advantages[i] for i in c],
-                                           [masks[i] for i in c], device) for c in chunks]
+        with timed(seconds, "pack_s"):
+            minibatches = [self._micro_batches([trajectories[i] for i in c], [advantages[i] for i in c],
+                                               [masks[i] for i in c], device) for c in chunks]
 
         was_training = self.model.training
         self.model.train()  # same mode in the proximal and the training pass, so their logprobs agree exactly
         # One optimizer step per batch: the proximal policy is the weights that step starts from, so
         # its logprobs are the training forward's own (detached), and the separate pass is skipped.
         fused = config.ppo_epochs == 1 and len(minibatches) == 1
-        entropy = sum((proximal_pass(self.policy, mbs, config.temperature, self.ref_model, policy=not fused)
-                       for mbs in minibatches), torch.zeros((), device=device))
+        with timed(seconds, "proximal_s"):
+            entropy = sum((proximal_pass(self.policy, mbs, config.temperature, self.ref_model, policy=not fused)
+                           for mbs in minibatches), torch.zeros((), device=device))
         # Denominators stay on device: dividing by them forces no host sync.
         denominators = [self._reduce(sum((loss_denominator(b.mask, config.loss) for b in mbs),
                                          torch.zeros((), device=device))) for mbs in minibatches]
@@ -391,20 +396,24 @@ class Learner:
         skipped = 0
         for _ in range(config.ppo_epochs):
             for mbs, denominator in zip(minibatches, denominators, strict=True):
-                self.optimizer.zero_grad(set_to_none=True)
-                loss, stats = accumulate_gradients(self.policy, mbs, config.loss, config.temperature, denominator,
-                                                   proximal_here=fused)
-                loss = self._reduce(loss)  # the whole batch's loss: the same on every rank
-                entropy = entropy + stats.pop("entropy_sum", 0.0)
-                grad_norm = self._clip_grad_norm()
-                if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # the one host sync per step
-                    skipped += 1  # before the optimizer touches anything: weights and Adam moments stay as they were
+                with timed(seconds, "forward_backward_s"):
                     self.optimizer.zero_grad(set_to_none=True)
+                    loss, stats = accumulate_gradients(self.policy, mbs, config.loss, config.temperature, denominator,
+                                                       proximal_here=fused)
+                    loss = self._reduce(loss)  # the whole batch's loss: the same on every rank
+                entropy = entropy + stats.pop("entropy_sum", 0.0)
+                # on an accelerator the forward and backward finish here, at the host sync
+                with timed(seconds, "optimizer_s"):
+                    grad_norm = self._clip_grad_norm()
+                    finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))  # the one host sync per step
+                    if finite:
+                        for group in self.optimizer.param_groups:
+                            group["lr"] = self.lr_at(self.optimizer_steps + len(losses))
+                        self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                if not finite:
+                    skipped += 1  # before the optimizer touched anything: weights and Adam moments stay as they were
                     continue
-                for group in self.optimizer.param_groups:
-                    group["lr"] = self.lr_at(self.optimizer_steps + len(losses))
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
                 losses.append(loss)
                 grad_norms.append(grad_norm)
                 merge_stats(totals, stats)
@@ -422,8 +431,8 @@ class Learner:
         entropy = self._reduce(torch.as_tensor(entropy, dtype=torch.float32).cpu())
         loss_tokens = float(self._reduce(sum((b.mask.sum().cpu() for b in flat), torch.zeros(()))))
         totals = {k: self._reduce(v.cpu(), "max" if k == "is_weight_max" else "sum") for k, v in totals.items()}
-        return self._metrics(trajectories, staleness, totals, losses, grad_norms, entropy, loss_tokens, taken,
-                             skipped, elapsed) | mismatch
+        return (self._metrics(trajectories, staleness, totals, losses, grad_norms, entropy, loss_tokens, taken,
+                              skipped, elapsed) | mismatch | {f"learner_{k}": v for k, v in seconds.items()})
 
     def _metrics(self, trajectories: Sequence[Trajectory], staleness: dict[int, int], totals: dict[str, torch.Tensor],
                  losses: list[torch.Tensor], grad_norms: list[torch.Tensor], entropy: torch.Tensor,
@@ -455,6 +464,7 @@ class Learner:
             "skipped_steps_total": float(self.skipped_steps),
             "policy_version": float(self.version),
             "sequences": float(len(trajectories)),
+            "batch_tokens": float(batch_tokens),  # prompt and tool output included
             "loss_tokens": loss_tokens,
             # batch tokens (prompt included) per second of train_step
             "tokens_per_s": batch_tokens / max(elapsed, 1e-9),

@@ -272,6 +272,29 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_equals_a_full_forward(mode
         assert engine.reused_tokens == 0
 
 
+def test_the_engine_counts_the_tokens_it_prefills_and_decodes(model, other_weights, prompts):
+    """`counters()`: prefill tokens are those fed (a group's twin prompts count their last token
+    only), decode tokens one per row per step (a request's first token comes from its prefill), and
+    the seconds of each are counted; a ProcessEngine answers with its child's."""
+    lengths = [4, 7, 1, 5]
+    with engine_for(model, max_batch=8, prompt_cache=0) as engine:
+        wait_all([engine.submit(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, lengths, strict=False)],
+                 TIMEOUT_S)
+        c = engine.counters()
+        assert c["prefill_tokens"] == sum(len(p) for p in prompts[: len(lengths)])
+        assert c["decode_tokens"] == sum(n - 1 for n in lengths) and c["decode_steps"] >= max(lengths) - 1
+        assert c["prefill_s"] > 0 and c["decode_s"] > 0 and c["swap_s"] == 0
+        engine.update_weights(other_weights, 1, timeout_s=TIMEOUT_S)
+        assert engine.counters()["swap_s"] > 0
+    with engine_for(model, max_batch=8) as engine:  # the prompt cache: the twins feed their last token
+        wait_all([engine.submit(prompts[0], SamplingParams(max_tokens=2)) for _ in range(3)], TIMEOUT_S)
+        assert engine.counters()["prefill_tokens"] == len(prompts[0]) + 2
+    with ProcessEngine(model, EngineConfig(max_batch=4, prompt_cache=0)) as remote:
+        remote.generate(prompts[:2], SamplingParams(max_tokens=3))
+        c = remote.counters()
+        assert c["prefill_tokens"] == len(prompts[0]) + len(prompts[1]) and c["decode_tokens"] == 4
+
+
 def test_the_session_cache_keeps_only_the_most_recent(model, prompts):
     with engine_for(model, session_cache=2) as engine:
         gens = [engine.submit(p, SamplingParams(max_tokens=3, session=f"s{i}")).result(TIMEOUT_S)
