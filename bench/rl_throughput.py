@@ -28,10 +28,13 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -71,8 +74,21 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def run_once(config: TrainConfig, registry: Registry, checkpoint: int, seconds: float) -> dict[str, Any]:
-    """`learning_step` for `seconds` on `config`, as `flywheel.rl.train.train_once` runs it (no evals)."""
+def threads_cpu(process: psutil.Process) -> dict[str, float]:
+    """CPU seconds of this process's live Python threads since they started, by name (digits dropped:
+    `rollout_3` counts as `rollout_`)."""
+    times = {t.id: t.user_time + t.system_time for t in process.threads()}
+    out: dict[str, float] = {}
+    for thread in threading.enumerate():
+        name = thread.name.rstrip("0123456789")
+        out[name] = round(out.get(name, 0.0) + times.get(thread.native_id, 0.0), 1)
+    return out
+
+
+def run_once(config: TrainConfig, registry: Registry, checkpoint: int, seconds: float,
+             keep: Path | None = None) -> dict[str, Any]:
+    """`learning_step` for `seconds` on `config`, as `flywheel.rl.train.train_once` runs it (no evals);
+    `keep`: where to copy the run folder (metrics.jsonl, trajectories.jsonl) afterwards."""
     torch.set_num_threads(config.threads)
     engine_model, tokenizer = registry.load(checkpoint)
     learner_model, _ = registry.load(checkpoint)
@@ -103,11 +119,14 @@ def run_once(config: TrainConfig, registry: Registry, checkpoint: int, seconds: 
             engine_cpu = cpu_seconds(engine_process) - engine_cpu if engine_process else float("nan")
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             sandbox_cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+            by_thread = threads_cpu(me)
             used = psutil.cpu_times()
             machine_busy = sum(getattr(used, k) - getattr(machine, k) for k in ("user", "system", "nice", "irq",
                                                                                  "softirq"))
             run.wait_for_state()
-            orchestrator.close(wait=False)
+            orchestrator.close()  # episodes stop at their next turn boundary, before the engine goes
+        if keep is not None:
+            shutil.copytree(run_dir, keep, ignore=shutil.ignore_patterns("state", "inflight"))
     episodes = sum(m["episodes_trained"] for m in history)
     tokens = sum(m.get("batch_tokens", 0.0) for m in history)
     anatomy = {k: round(sum(m.get(k, 0.0) for m in history), 2) for k in sorted({k for m in history for k in m})
@@ -119,6 +138,7 @@ def run_once(config: TrainConfig, registry: Registry, checkpoint: int, seconds: 
             "tokens_trained": tokens, "episodes_per_min": round(episodes / wall * 60, 1),
             "tokens_per_min": round(tokens / wall * 60), "filtered_groups": history[-1]["filtered_groups"]
             if history else 0, "anatomy": anatomy, "cpu_s": {k: round(v, 1) for k, v in cpu.items()},
+            "cpu_s_by_thread": by_thread,
             "others_cpu_s": round(max(0.0, machine_busy - ours), 1),
             "engine_logprob_mismatch_max": max((m.get("engine_logprob_mismatch_max", float("nan")) for m in history),
                                                default=float("nan"))}
@@ -134,6 +154,7 @@ def main() -> None:
     parser.add_argument("--variant", action="append", type=variant, default=None,
                         help="name:key=value,... (overrides of the [train] config); default: 'demo:' alone")
     parser.add_argument("--set", action="append", default=[], help="an override for every variant")
+    parser.add_argument("--keep", type=Path, help="copy each run's folder here (<variant>-<repeat>/)")
     args = parser.parse_args()
     variants = args.variant or [("demo", [])]
     base = load_config(DemoConfig, args.config).train
@@ -147,7 +168,8 @@ def main() -> None:
         order = variants if r % 2 == 0 else list(reversed(variants))
         for name, overrides in order:
             log(f"run {r + 1}/{args.repeats}: {name} {overrides}")
-            result = run_once(with_overrides(base, overrides), registry, args.checkpoint, args.seconds)
+            keep = args.keep / f"{name}-{r}" if args.keep else None
+            result = run_once(with_overrides(base, overrides), registry, args.checkpoint, args.seconds, keep)
             log(f"  {name}: {result['episodes_per_min']} episodes/min, {result['tokens_per_min']:,} tokens/min, "
                 f"cpu {result['cpu_s']}, others {result['others_cpu_s']}")
             runs[name].append(result)

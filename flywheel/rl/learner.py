@@ -54,7 +54,7 @@ from transformers import PreTrainedModel
 
 from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.rl.loss import LossConfig, loss_denominator, policy_loss
-from flywheel.rl.training import pack_batches, scored_logits, warmup_factor
+from flywheel.rl.training import pack_batches, prefix_forward, scored_logits, shared_prefix_groups, warmup_factor
 from flywheel.timing import timed
 
 
@@ -82,6 +82,12 @@ class LearnerConfig(BaseModel):
     # a CPU with a busy engine (async mode on a laptop), give it the cores the engine does not use:
     # oversubscribed OpenMP threads wait for each other and both sides slow down.
     threads: int | None = Field(default=None, ge=1)
+    # Episodes of a batch that begin with the same tokens (a GRPO group's episodes of one task, whose
+    # first turns a confident policy samples alike: a third of the demo's batch tokens, half of the
+    # second episodes of a task whole) run their common prefix once (`shared_prefix_groups`): the
+    # same loss and gradient to float rounding, less work. False: every row computes all of its
+    # tokens (the path before it).
+    share_prefix: bool = True
     # keep: learn from truncated episodes with their reward; mask: give them no loss
     truncated: Literal["keep", "mask"] = "keep"
     seed: int = 0  # order of micro-batches
@@ -102,17 +108,24 @@ class MicroBatch:
     # logprob and the Learner's proximal one score the same weights and tokens, so their difference
     # is the engine/Learner mismatch (`engine_logprob_mismatch_*`), not policy drift
     on_policy: torch.Tensor | None = None
+    prefix: int = 0  # leading tokens every row shares, run once (`token_logprobs`); 0: none shared
 
 
 def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, temperature: float = 1.0,
-                   entropy: bool = False,
-                   scored: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   entropy: bool = False, scored: torch.Tensor | None = None,
+                   prefix: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 logprob [batch, seq] of each token given those before it, and if asked the entropy
     [batch, seq] of the distribution that predicted it. Nothing predicts token 0: its entries are 0.
 
     ids, attention: [batch, seq], right-padded, so positions are the natural ones.
     scored: [batch, seq] loss mask; when given, the output head runs only where it is 1 (the other
-    entries are 0; `flywheel.rl.training.scored_logits`)."""
+    entries are 0; `flywheel.rl.training.scored_logits`).
+    prefix: the number of leading tokens every row shares (with `scored`): they are run once
+    (`flywheel.rl.training.prefix_forward`), and the head once at the prefix's scored positions."""
+    if prefix:
+        if scored is None:
+            raise ValueError("a shared prefix needs `scored`: its head runs only at the positions it names")
+        return _shared_prefix_logprobs(model, ids, attention, temperature, entropy, scored, prefix)
     if scored is None:
         # [batch, seq-1, vocab]: position t predicts token t+1
         logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
@@ -120,10 +133,7 @@ def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.T
     else:
         hidden = model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state  # [batch, seq, hidden]
         logits, targets, where = scored_logits(model, hidden, ids, scored)  # [scored, vocab], [scored]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logp, ent = _picked(logits, targets, temperature, entropy)
 
     def full(values: torch.Tensor) -> torch.Tensor:  # back to [batch, seq], 0 where nothing was computed
         if scored is None:
@@ -132,13 +142,48 @@ def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.T
         out[:, 1:][where] = values
         return out
 
-    logp = full(picked - logz)
+    return full(logp), None if ent is None else full(ent)
+
+
+def _picked(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+            entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(logits / T) at `targets`, and if asked the distribution's entropy (no graph: a metric)."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
     if not entropy:
         return logp, None
     with torch.no_grad():  # a metric: no graph for it when the logprobs have one
         detached = logits.detach()
-        expected = (torch.softmax(detached, dim=-1) * detached).sum(-1)
-        return logp, full(logz.detach() - expected)
+        return logp, logz.detach() - (torch.softmax(detached, dim=-1) * detached).sum(-1)
+
+
+def _shared_prefix_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, temperature: float,
+                            entropy: bool, scored: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of rows whose first `p` tokens are the same. Tokens 1 .. p-1 are predicted
+    from the prefix alone: computed once and given to every row that scores them; token p onwards
+    from each row's own hidden states (the prefix's last one predicts each row's token p)."""
+    rows = ids.shape[0]
+    prefix_hidden, hidden = prefix_forward(model, ids[0, :p], ids[:, p:], attention[:, p:])  # [1, p, H], [rows, s, H]
+    union = (scored[:, :p] > 0).any(0, keepdim=True).to(scored.dtype)  # [1, p]: scored by some row
+    shared_logits, shared_targets, shared_where = scored_logits(model, prefix_hidden, ids[:1, :p], union)
+    # Each row's own predictions: from the prefix's last position on ([rows, 1 + s, H] from position p - 1).
+    own_hidden = torch.cat([prefix_hidden[:, -1:].expand(rows, -1, -1), hidden], dim=1)
+    own_scored = torch.nn.functional.pad(scored[:, p:], (1, 0))  # position p - 1's own token is not scored
+    own_logits, own_targets, own_where = scored_logits(model, own_hidden, ids[:, p - 1:], own_scored)
+    shared = _picked(shared_logits, shared_targets, temperature, entropy)
+    own = _picked(own_logits, own_targets, temperature, entropy)
+
+    def full(shared_values: torch.Tensor, own_values: torch.Tensor) -> torch.Tensor:  # [rows, seq], 0 unscored
+        head = torch.zeros((1, p - 1), dtype=own_values.dtype, device=own_values.device)
+        head[shared_where] = shared_values
+        tail = torch.zeros((rows, ids.shape[1] - p), dtype=own_values.dtype, device=own_values.device)
+        tail[own_where] = own_values
+        first = torch.zeros((rows, 1), dtype=own_values.dtype, device=own_values.device)
+        return torch.cat([first, torch.where(scored[:, 1:p] > 0, head, 0.0), tail], dim=1)
+
+    return full(shared[0], own[0]), None if shared[1] is None else full(shared[1], own[1])
 
 
 class ScoredPolicy(torch.nn.Module):
@@ -154,16 +199,16 @@ class ScoredPolicy(torch.nn.Module):
         self.policy = policy
 
     def forward(self, ids: torch.Tensor, attention: torch.Tensor, scored: torch.Tensor, temperature: float,
-                entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return token_logprobs(self.policy, ids, attention, temperature, entropy=entropy, scored=scored)
+                entropy: bool, prefix: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return token_logprobs(self.policy, ids, attention, temperature, entropy=entropy, scored=scored, prefix=prefix)
 
 
 def score(policy: PreTrainedModel | ScoredPolicy, b: MicroBatch, temperature: float,
           entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` of a micro-batch's loss tokens, through the ScoredPolicy root when there is one."""
     if isinstance(policy, ScoredPolicy):
-        return policy(b.ids, b.attention, b.mask, temperature, entropy)
-    return token_logprobs(policy, b.ids, b.attention, temperature, entropy=entropy, scored=b.mask)
+        return policy(b.ids, b.attention, b.mask, temperature, entropy, b.prefix)
+    return token_logprobs(policy, b.ids, b.attention, temperature, entropy=entropy, scored=b.mask, prefix=b.prefix)
 
 
 def staleness_histogram(trajectories: Sequence[Trajectory], version: int) -> dict[int, int]:
@@ -188,12 +233,25 @@ Advantage = float | Sequence[float]  # one for every token of a trajectory, or o
 def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[Advantage],
                        masks: Sequence[Sequence[int]],
                        micro_batch_tokens: int, rng: random.Random,
-                       device: torch.device | str = "cpu", version: int | None = None) -> list[MicroBatch]:
+                       device: torch.device | str = "cpu", version: int | None = None,
+                       share_prefix: bool = False) -> list[MicroBatch]:
     """Pack trajectories so that each micro-batch's padded size (rows x longest) is within the budget.
 
-    A trajectory longer than the budget gets a micro-batch of its own: a sequence is never split."""
+    A trajectory longer than the budget gets a micro-batch of its own: a sequence is never split.
+    share_prefix: trajectories that begin alike (`shared_prefix_groups`: a GRPO group's episodes of
+    one task whose first turns the policy sampled alike) form micro-batches of their own, their
+    common prefix run once; the others are packed as without it."""
+    groups = shared_prefix_groups([t.tokens for t in trajectories], micro_batch_tokens) if share_prefix else []
+    grouped = {i for rows, _ in groups for i in rows}
+    rest = [i for i in range(len(trajectories)) if i not in grouped]
+    packed = [[rest[j] for j in rows] for rows in pack_batches([len(trajectories[i].tokens) for i in rest],
+                                                                micro_batch_tokens, rng)]
+    layout = [(rows, 0) for rows in packed]
+    if groups:
+        layout += groups
+        rng.shuffle(layout)
     batches = []
-    for rows in pack_batches([len(t.tokens) for t in trajectories], micro_batch_tokens, rng):
+    for rows, prefix in layout:
         width = max(len(trajectories[i].tokens) for i in rows)
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -211,7 +269,8 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
             if version is not None:
                 on_policy[r, :n] = mask[r, :n] * (torch.tensor(t.versions) == version)
         batches.append(MicroBatch(ids.to(device), attention.to(device), mask.to(device), behaviour.to(device),
-                                  adv.to(device), on_policy=on_policy.to(device) if version is not None else None))
+                                  adv.to(device), on_policy=on_policy.to(device) if version is not None else None,
+                                  prefix=prefix))
     return batches
 
 
@@ -227,7 +286,7 @@ def proximal_pass(model: PreTrainedModel | ScoredPolicy, batches: Sequence[Micro
             b.logp_prox, ent = score(model, b, temperature, entropy=True)
             entropy += torch.where(b.mask > 0, ent, 0.0).sum()
         if ref_model is not None:
-            b.logp_ref, _ = token_logprobs(ref_model, b.ids, b.attention, temperature, scored=b.mask)
+            b.logp_ref, _ = token_logprobs(ref_model, b.ids, b.attention, temperature, scored=b.mask, prefix=b.prefix)
     return entropy
 
 
@@ -486,7 +545,7 @@ class Learner:
                        masks: Sequence[Sequence[int]], device: torch.device) -> list[MicroBatch]:
         """One minibatch's micro-batches (there: of this rank's share of it)."""
         return make_micro_batches(trajectories, advantages, masks, self.config.micro_batch_tokens, self._rng, device,
-                                  self.version)
+                                  self.version, self.config.share_prefix)
 
     def _parameter_groups(self) -> Any:
         """What AdamW optimizes (there: dense and expert parameters apart, on their own meshes)."""
