@@ -148,6 +148,11 @@ class EngineConfig(BaseModel):
     # so the decoupled loss's behaviour weight stays exact, and a swap costs nothing. On 2 cores,
     # recomputing took a quarter of an async rollout's engine time (bench/async_rl.py).
     kv_on_update: Literal["recompute", "keep"] = "recompute"
+    # Rows leave the batch and join it in place: a finished row's slot is filled by moving the last
+    # row into it, and newcomers no wider than the batch are written into the room that leaves
+    # (`_BatchCache.drop`, `append`). False: each change of the batch's rows copies its whole KV
+    # cache (the path before; on 2 cores those copies were a tenth of an RL rollout's engine time).
+    rows_in_place: bool = True
     # Run the engine in a process of its own (`process_engine.ProcessEngine`, through `start_engine`):
     # its decode loop then does not share the GIL with rollout threads and the learner.
     separate_process: bool = False
@@ -283,6 +288,8 @@ class _BatchCache:
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, width: int):
         self.layers, self.mask, self.width = layers, mask, width
         self.positions = mask[:, :width].sum(-1)  # [batch]
+        # What the rows are views of: rows `drop` removes leave room at the end for `append`.
+        self._buffers = (layers, mask, self.positions)
 
     @staticmethod
     def allocate(like: list[tuple[torch.Tensor, torch.Tensor]], batch: int, capacity: int) -> tuple[list, torch.Tensor]:
@@ -330,6 +337,39 @@ class _BatchCache:
         self.mask[index, shift : self.width] = part.mask[:, : part.width]
         self.positions[index] = part.positions
 
+    def drop(self, gone: list[int]) -> list[int]:
+        """Remove rows `gone` in place: the last rows that stay move into the places of those before
+        them (only their data moves, not the batch's), and the batch shrinks to the rows that stay,
+        views of the same buffers. Returns the new order: row i now holds what row order[i] held."""
+        rows, stay, gone_set = self.mask.shape[0], self.mask.shape[0] - len(gone), set(gone)
+        holes = [r for r in sorted(gone_set) if r < stay]
+        movers = [r for r in range(stay, rows) if r not in gone_set]
+        if holes:
+            dst, src = (torch.tensor(r, device=self.mask.device) for r in (holes, movers))
+            for k, v in self.layers:
+                k[dst, :, : self.width] = k[src, :, : self.width]
+                v[dst, :, : self.width] = v[src, :, : self.width]
+            self.mask[dst] = self.mask[src]
+            self.positions[dst] = self.positions[src]
+        self.layers = [(k[:stay], v[:stay]) for k, v in self.layers]
+        self.mask, self.positions = self.mask[:stay], self.positions[:stay]
+        order = list(range(stay))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        return order
+
+    def append(self, part: _BatchCache) -> bool:
+        """Add `part`'s rows after these, in place, where the buffers have room (rows dropped at the
+        end) and `part` is no wider; False, with nothing done, otherwise."""
+        layers, mask, positions = self._buffers
+        rows, new = self.mask.shape[0], part.mask.shape[0]
+        if rows + new > mask.shape[0] or part.width > self.width or mask.shape[1] != self.mask.shape[1]:
+            return False
+        self.layers = [(k[: rows + new], v[: rows + new]) for k, v in layers]
+        self.mask, self.positions = mask[: rows + new], positions[: rows + new]
+        self.place(part, list(range(rows, rows + new)))
+        return True
+
     def padding_columns(self) -> int:
         """Leading time columns that are padding in every row."""
         return int((self.mask[:, : self.width].sum(0) > 0).nonzero()[0])
@@ -344,6 +384,7 @@ class _BatchCache:
             v[:, :, : self.width] = ov[:, :, : self.width]
         mask[:, : self.width] = self.mask[:, : self.width]
         self.layers, self.mask = layers, mask
+        self._buffers = (layers, mask, self.positions)
 
     def row_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of one row's keys and values over time columns [start, end), per layer."""
@@ -673,7 +714,8 @@ class LocalEngine:
             self._free = self._free[len(seqs) :]
         else:
             self._compact()
-            self._cache = _BatchCache.from_parts([self._cache, cache]) if self._active else cache
+            if not (self._active and self.config.rows_in_place and self._cache.append(cache)):
+                self._cache = _BatchCache.from_parts([self._cache, cache]) if self._active else cache
             self._active.extend(seqs)
         self._sample(seqs, logits)
 
@@ -744,16 +786,26 @@ class LocalEngine:
             self._sessions.popitem(last=False)
 
     def _compact(self) -> None:
-        """Drop free rows, and leading padding once it is a quarter of the width (one copy each time).
+        """Drop free rows (in place: `_BatchCache.drop`; or with `rows_in_place` off, one copy of the
+        batch, leading padding trimmed too), and leading padding once it is a quarter of the width
+        (one copy).
 
         Deferred from `_retire` so that a newcomer admitted in the next step takes a free slot in place."""
         if self._cache is None or (not self._free and self._cache.padding_columns() * 4 < self._cache.width):
             return
-        free = set(self._free)
-        keep = [i for i in range(len(self._active)) if i not in free]
-        self._active = [self._active[i] for i in keep]
-        self._cache = self._cache.select(keep) if keep else None
-        self._free = []
+        if self._free and len(self._free) == len(self._active):
+            self._active, self._cache, self._free = [], None, []
+        elif self._free and self.config.rows_in_place:
+            order = self._cache.drop(self._free)
+            self._active, self._free = [self._active[i] for i in order], []
+            if self._cache.padding_columns() * 4 >= self._cache.width:
+                self._cache = self._cache.select(list(range(len(self._active))))
+        else:
+            free = set(self._free)
+            keep = [i for i in range(len(self._active)) if i not in free]
+            self._active = [self._active[i] for i in keep]
+            self._cache = self._cache.select(keep)
+            self._free = []
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         if not seq.future.done():
