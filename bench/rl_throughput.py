@@ -98,7 +98,7 @@ def run_once(config: TrainConfig, registry: Registry, checkpoint: int, seconds: 
             start_engine(engine_model, config.engine, checkpoint=registry.get(checkpoint).path) as engine, \
             SandboxPool(config.pool) as pool:
         learner = Learner(learner_model.train(), config.learner)
-        engine_process = psutil.Process(engine._process.pid) if hasattr(engine, "_process") else None
+        engine_process = psutil.Process(engine.pid) if getattr(engine, "pid", None) else None  # a ProcessEngine
         run = RunFolder(run_dir)
         with Orchestrator(config.orchestrator, tasks, engine, tokenizer, pool, run_dir,
                           version=lambda: learner.version) as orchestrator:

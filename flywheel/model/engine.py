@@ -20,7 +20,11 @@ The KV cache is left-padded: row i holds its tokens right-aligned, an attention 
 padding, and position ids count real tokens only, so rows of different lengths decode together.
 It is preallocated with headroom along time and written in place (`_KVLayer`), so a decode step
 moves only the new keys and values, not a copy of the whole cache as `DynamicCache`'s concat
-does; the cache is copied only when the batch changes shape (a row joins or leaves, a swap).
+does. Rows leave and join in place too (`EngineConfig.rows_in_place`): a finished row's slot takes
+the batch's last row, and a newcomer no wider than the batch is written into the room that leaves;
+the whole cache is copied only for a newcomer wider than the batch, when leading padding reaches a
+quarter of the width, and on a swap that rebuilds it. The engine's `counters()` say how its time
+went: prefill and decode tokens and seconds, weight swaps.
 Sampling is vectorized over the batch: no per-row Python sampling loop or per-row host syncs.
 
 Sessions (`SamplingParams.session`): an agent's next turn is its whole conversation again, which

@@ -156,6 +156,11 @@ class ProcessEngine:
     def version(self) -> int:
         return self._version
 
+    @property
+    def pid(self) -> int | None:
+        """The child process's id (to account its CPU time, as bench/rl_throughput.py does)."""
+        return self._process.pid
+
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]:
         check_request(prompt_ids, params, self._vocab)
         future: Future[Generation] = Future()

@@ -3,7 +3,9 @@
     train_step(trajectories, advantages)
       loss masks        each trajectory's loss_mask (zeroed for truncated episodes if truncated="mask")
       minibatches       `minibatches` contiguous chunks of the batch, one optimizer step each
-      micro-batches     each chunk packed into forwards of <= micro_batch_tokens padded tokens
+      micro-batches     each chunk packed into forwards of <= micro_batch_tokens padded tokens; episodes
+                        that begin alike (a group's episodes of one task) in forwards of their own that
+                        run the common prefix once (`share_prefix`)
       proximal pass     no-grad forward of every micro-batch under the current weights: logp_prox,
                         entropy (and logp_ref under the reference model when kl_coef > 0); skipped
                         when there is one optimizer step per batch (see below)
