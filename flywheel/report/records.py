@@ -86,9 +86,10 @@ class TrainStep(_Record):
     wait_s: float | None = None
     filtered_groups: int | None = None
     staleness: dict[int, float] = Field(default_factory=dict)  # learner steps behind -> generated tokens
-    # The step's anatomy (flywheel/rl/train.py `step_anatomy`): stage -> seconds, and stage -> tokens
-    seconds: dict[str, float] = Field(default_factory=dict)
-    tokens: dict[str, float] = Field(default_factory=dict)
+    # The step's anatomy (flywheel/rl/train.py `step_anatomy`): stage -> seconds (`time/<stage>`), and
+    # stage -> tokens (`tokens/<stage>`); not `seconds`, which is the Learner's step alone
+    stage_seconds: dict[str, float] = Field(default_factory=dict)
+    stage_tokens: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -103,9 +104,8 @@ class TrainStep(_Record):
                          if (m := _STALENESS_KEY.fullmatch(k)) and isinstance(v, int | float) and math.isfinite(v)}
             if histogram:
                 gathered["staleness"] = histogram
-        for kind in ("seconds", "tokens"):
+        for kind, prefix in (("stage_seconds", "time"), ("stage_tokens", "tokens")):
             if kind not in data:
-                prefix = "time" if kind == "seconds" else "tokens"
                 found = {m.group(2): v for k, v in data.items() if (m := _ANATOMY_KEY.fullmatch(k))
                          and m.group(1) == prefix and isinstance(v, int | float) and math.isfinite(v)}
                 if found:

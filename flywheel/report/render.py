@@ -212,24 +212,24 @@ def _training_section(runs: Sequence[TrainingRun]) -> str:
 def _anatomy_charts(runs: Sequence[TrainingRun]) -> list[str]:
     """Each step's anatomy (the last run's that has one): the loop's wall time by stage, the engine's
     wall time behind it, the episodes' seconds summed, and the engine's tokens per second."""
-    run = next((r for r in reversed(runs) if any(s.seconds for s in r.steps)), None)
+    run = next((r for r in reversed(runs) if any(s.stage_seconds for s in r.steps)), None)
     if run is None:
         return []
-    steps = [s for s in run.steps if s.seconds]
+    steps = [s for s in run.steps if s.stage_seconds]
     xs = [s.step for s in steps]
 
     def layers(stages: dict[str, str]) -> list[Layer]:
-        return [Layer(label, [s.seconds.get(stage) for s in steps], color=PALETTE[i % len(PALETTE)])
+        return [Layer(label, [s.stage_seconds.get(stage) for s in steps], color=PALETTE[i % len(PALETTE)])
                 for i, (stage, label) in enumerate(stages.items())]
 
     def rate(kind: str) -> list[tuple[float, float | None]]:
-        seconds = [(s.step, s.tokens.get(f"engine_{kind}"), s.seconds.get(f"engine_{kind}")) for s in steps]
+        seconds = [(s.step, s.stage_tokens.get(f"engine_{kind}"), s.stage_seconds.get(f"engine_{kind}")) for s in steps]
         return [(x, tokens / t if tokens is not None and t else None) for x, tokens, t in seconds]
 
     name = f" ({run.name})" if len(runs) > 1 else ""
     charts = [stacked_chart(f"Where the wall time of each step went{name}", xs, layers(LOOP_STAGES),
                             x_label="learner step", y_label="seconds", unit=" s")]
-    if any("engine_decode" in s.seconds for s in steps):
+    if any("engine_decode" in s.stage_seconds for s in steps):
         charts += [stacked_chart(f"Engine wall time behind each step{name}", xs, layers(ENGINE_STAGES),
                                  x_label="learner step", y_label="seconds", unit=" s"),
                    line_chart(f"Engine throughput{name}", [Series("decode", rate("decode")),

@@ -19,6 +19,7 @@ def write_training_run(folder: Path, steps: int = 6, torn_last_line: bool = Fals
             row = {"loss": 0.1, "step": step, "policy_version": step, "reward_mean": 0.1 * step,
                    "pass_rate": 0.05 * step, "tokens_per_s": 1000.0 + 10 * step, "staleness_max": step % 2,
                    "staleness_mean": 0.4, "train_s": 0.5, "wait_s": 0.1, "filtered_groups": 0,
+                   "seconds": 0.48,  # the Learner's own (its train_step), beside the anatomy's time/<stage>
                    "time": T0 + step,
                    "staleness/0": 300.0, "staleness/1": 100.0 * (step % 2),
                    "kl": math.nan if step == 2 else 0.01,  # NaN as json.dumps writes it: NaN
