@@ -95,7 +95,7 @@ from flywheel.env.task import Task
 from flywheel.model.engine import EngineConfig, Generation, LocalEngine, SamplingParams
 from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import Registry
-from flywheel.rl.learner import Learner, LearnerConfig
+from flywheel.rl.learner import Learner, LearnerConfig, staleness_histogram
 from flywheel.rl.orchestrator import Orchestrator, OrchestratorConfig
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.train import learning_step
@@ -202,10 +202,11 @@ class ModeledLearner:
         self.version, self.s_per_token = 0, s_per_token
 
     def train_step(self, trajectories, advantages) -> dict[str, float]:
+        staleness = staleness_histogram(trajectories, self.version)  # what the Learner reports
         tokens = sum(len(t.tokens) for t in trajectories)
         time.sleep(tokens * self.s_per_token)
         self.version += 1
-        return {"tokens_per_s": 1.0 / self.s_per_token}
+        return {"tokens_per_s": 1.0 / self.s_per_token, "staleness_max": float(max(staleness, default=0))}
 
     def weights(self) -> dict:
         return {}

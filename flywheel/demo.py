@@ -229,6 +229,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         "pass_rate_after_simulated_rl": rl_summary.get("pass_rate_end"),
         "simulated_rl_lift": rl_summary.get("lift"),
         "simulated_rl_steps": rl_summary.get("steps"),
+        "simulated_rl_anatomy": rl_summary.get("anatomy", {}),  # where its steps' time went, summed
         "cycles": [{"cycle": r.cycle, "decision": r.decision, "reason": r.reason,
                     "production": r.production, "production_after": r.production_after,
                     "candidate": r.candidate}
@@ -248,6 +249,8 @@ def print_summary(summary: dict[str, Any], reports: list[Any]) -> None:
     print("\n=== summary ===")
     print(f"held-out pass rate: bootstrap {summary['pass_rate_bootstrap']:.3f} -> after simulated RL "
           f"{summary['pass_rate_after_simulated_rl']:.3f} ({summary['simulated_rl_steps']} steps)")
+    if summary.get("simulated_rl_anatomy"):
+        print(anatomy_line(summary["simulated_rl_anatomy"]))
     print(f"{'cycle':>5}  {'decision':<12} {'production':>10}  {'candidate':>9}  reason")
     for r in reports:
         print(f"{r.cycle:>5}  {r.decision:<12} {f'v{r.production}->v{r.production_after}':>10}  "
@@ -255,6 +258,30 @@ def print_summary(summary: dict[str, Any], reports: list[Any]) -> None:
     print(f"traffic: {summary['traffic']['sessions']} sessions, {summary['traffic']['completions']} completions")
     print(f"report: {summary['report']}   ({summary['timings']['total_s']:.0f} s in all)")
     print(summary["outcome"])
+
+
+def anatomy_line(a: dict[str, float]) -> str:
+    """Simulated RL's steps summed (flywheel/rl/train.py `anatomy_totals`): what they trained per
+    minute, where the loop's wall time went, the engine's work behind it and the episodes' tool calls,
+    grading and sandboxes (seconds summed over episodes, which run at once)."""
+    def s(stage: str) -> float:
+        return a.get(f"time/{stage}", 0.0)
+
+    learner = s("learner_forward_backward") + s("learner_optimizer") + s("learner_other")
+    line = (f"simulated RL trained {a.get('episodes_trained', 0):.0f} episodes "
+            f"({a.get('episodes_per_min', 0):.0f}/min), "
+            f"{a.get('tokens_trained', 0):,.0f} tokens ({a.get('tokens_per_min', 0):,.0f}/min); its steps' "
+            f"{s('step'):.0f} s: waiting for rollouts {s('wait_rollouts'):.0f} s, on the staleness bound "
+            f"{s('wait_staleness'):.0f} s, Learner {learner:.0f} s (forward+backward "
+            f"{s('learner_forward_backward'):.0f}, optimizer {s('learner_optimizer'):.0f}), weight push "
+            f"{s('weight_push'):.0f} s, checkpoint {s('checkpoint'):.0f} s")
+    if "tokens/engine_decode" in a:
+        decode, prefill = a["tokens/engine_decode"], a["tokens/engine_prefill"]
+        line += (f"; the engine: decode {decode:,.0f} tokens in {s('engine_decode'):.0f} s "
+                 f"({decode / max(s('engine_decode'), 1e-9):,.0f}/s), prefill {prefill:,.0f} in "
+                 f"{s('engine_prefill'):.0f} s, idle {s('engine_idle'):.0f} s")
+    return (line + f"; episodes (summed): tool calls {s('episode_tools'):.0f} s, grading {s('episode_grade'):.0f} s, "
+            f"sandbox creation {s('episode_sandbox'):.0f} s")
 
 
 def outcome_line(summary: dict[str, Any], reports: list[Any]) -> str:

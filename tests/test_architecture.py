@@ -28,7 +28,7 @@ PACKAGE = REPO / "flywheel"
 STAGES = ("env", "model", "agent", "rl", "live")
 # Libraries that know no stage: they import only themselves, `extras` and `store` (the durable writes every
 # writer shares), and every stage but env may use them. `api` is the OpenAI wire both servers and the SDK speak.
-LIBRARIES = ("config", "stats", "store", "report", "extras", "api")
+LIBRARIES = ("config", "stats", "store", "report", "extras", "api", "timing")
 
 
 def allowed_imports(unit: str) -> set[str]:

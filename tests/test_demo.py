@@ -11,12 +11,19 @@ from types import SimpleNamespace
 import pytest
 
 from flywheel.agent.evaluate import gain_needed, paired_lift
-from flywheel.demo import _cached_bootstrap, _start_report, cache_refusal, detectable_change, outcome_line
+from flywheel.demo import (
+    _cached_bootstrap,
+    _start_report,
+    anatomy_line,
+    cache_refusal,
+    detectable_change,
+    outcome_line,
+)
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import CANDIDATE, PRODUCTION, Registry
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.bootstrap import BootstrapConfig
-from flywheel.rl.train import TrainConfig
+from flywheel.rl.train import TrainConfig, anatomy_totals
 from flywheel.rl.train import eval_tasks as train_eval_tasks
 
 TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, num_experts=4,
@@ -163,3 +170,16 @@ def test_the_detectable_change_is_what_arms_of_that_size_find_significant_four_t
                        [float(rng.random() < 0.5 + shift / 2) for _ in range(40)], 0.95).verdict == "better"
                for _ in range(400))
     assert 0.72 < hits / 400 < 0.88
+
+
+def test_the_summary_sums_where_simulated_rls_time_went():
+    steps = [{"time/step": 10.0, "time/wait_rollouts": 4.0, "time/learner_forward_backward": 5.0,
+              "time/engine_decode": 6.0, "tokens/engine_decode": 24_000.0, "tokens/engine_prefill": 3_000.0,
+              "time/engine_prefill": 1.0, "time/episode_grade": 30.0, "episodes_trained": 32, "batch_tokens": 20_000.0}
+             ] * 3
+    totals = anatomy_totals(steps)
+    assert totals["time/step"] == 30.0 and totals["tokens/engine_decode"] == 72_000.0
+    assert totals["episodes_per_min"] == 96 / 0.5 and totals["tokens_per_min"] == 60_000 / 0.5
+    line = anatomy_line(totals)
+    assert "96 episodes (192/min)" in line and "waiting for rollouts 12 s" in line and "Learner 15 s" in line
+    assert "decode 72,000 tokens in 18 s (4,000/s)" in line and "grading 90 s" in line

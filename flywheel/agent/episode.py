@@ -42,6 +42,7 @@ from flywheel.env.tools import Toolbox, ToolConfig
 from flywheel.model.chat import IM_END, SYSTEM_PROMPT, parse_assistant, render_messages, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import Engine, SamplingParams
+from flywheel.timing import timed
 
 
 class EpisodeConfig(BaseModel):
@@ -138,7 +139,9 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
     every turn asks the engine with `priority` (lower first when requests queue)."""
     config = config or EpisodeConfig()
     start = time.perf_counter()
-    timings = {"generate_s": 0.0, "tools_s": 0.0, "grade_s": 0.0}
+    # wall seconds of this episode's turns (waiting for the engine included), tool calls, grading and
+    # sandbox creation: the rollout side of the RL step's anatomy (flywheel/rl/train.py)
+    timings = {"generate_s": 0.0, "tools_s": 0.0, "grade_s": 0.0, "sandbox_s": 0.0}
     rec = _Recorder()
     encoder = ConversationEncoder(tokenizer)
 
@@ -175,7 +178,8 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
             workspace={p: base64.b64encode(d).decode() for p, d in snap.files.items()},
         ))
 
-    box = pool.acquire(files, environment=task_environment(task))
+    with timed(timings, "sandbox_s"):
+        box = pool.acquire(files, environment=task_environment(task))
     try:
         with Toolbox(box, config.tools) as tools:
             while turns < config.max_turns:
@@ -184,14 +188,13 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                     break
                 params = SamplingParams(config.temperature, config.top_p, min(budget, config.max_tokens_per_turn),
                                         stop_token_ids=stop, session=session, priority=priority)
-                t0 = time.perf_counter()
                 try:
-                    gen = engine.submit(rec.tokens, params).result(timeout=config.generation_timeout_s)
+                    with timed(timings, "generate_s"):
+                        gen = engine.submit(rec.tokens, params).result(timeout=config.generation_timeout_s)
                 except FutureTimeout:
                     raise EngineTimeout(f"the engine did not answer turn {turns + 1} of {task.id} within "
                                         f"{config.generation_timeout_s:.0f} s (episode.generation_timeout_s); "
                                         "is its loop alive?") from None
-                timings["generate_s"] += time.perf_counter() - t0
                 turn_start = len(rec.tokens)
                 rec.generated(gen.token_ids, gen.logprobs, gen.versions)
                 turns += 1
@@ -206,9 +209,8 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                     rec.context(encoder.user_reply(task.answer_question(content)))
                     checkpoint()
                     continue
-                t0 = time.perf_counter()
-                results = tools.execute(calls)
-                timings["tools_s"] += time.perf_counter() - t0
+                with timed(timings, "tools_s"):
+                    results = tools.execute(calls)
                 n_calls += len(calls)
                 invalid = sum(not c.valid for c in calls)
                 n_invalid += invalid
@@ -239,9 +241,8 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
     elif status == Status.TRUNCATED and config.truncated_reward is not None:
         reward = parts["truncated_reward"] = config.truncated_reward
     else:
-        t0 = time.perf_counter()
-        graded = grade(task, final, config.grade)
-        timings["grade_s"] = time.perf_counter() - t0
+        with timed(timings, "grade_s"):
+            graded = grade(task, final, config.grade)
         parts.update(graded.parts)
         reward, outcome = graded.reward, graded.outcome
     penalty = min(config.max_invalid_penalty, config.invalid_call_penalty * n_invalid)

@@ -85,8 +85,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -129,6 +128,7 @@ from flywheel.report import render_cycle
 from flywheel.rl.learner import Learner, LearnerConfig
 from flywheel.rl.tracking import Tracker, TrackingConfig
 from flywheel.store.files import write_atomic
+from flywheel.timing import timed
 
 if TYPE_CHECKING:
     from flywheel.live.server import LiveServer
@@ -534,39 +534,30 @@ class LiveCycle:
         elif state.stage == "started":
             self._gather_and_train(state, registry, store)
         elif state.stage == "trained":
-            with self._timed(state, "gate_s"):
+            with timed(state.timings, "gate_s"):
                 self._run_gate(state, registry)
         elif state.stage == "gated":
-            with self._timed(state, "deploy_s"):
+            with timed(state.timings, "deploy_s"):
                 self._deploy(state)
         elif state.stage == "deployed":
-            with self._timed(state, "ab_s"):
+            with timed(state.timings, "ab_s"):
                 self._measure(state, store)
         elif state.stage == "decided":
-            with self._timed(state, "apply_s"):
+            with timed(state.timings, "apply_s"):
                 self._apply(state, store)
             if self.config.orgs.enabled and state.cutoff is not None and state.decision != "abandoned":
-                with self._timed(state, "orgs_s"):
+                with timed(state.timings, "orgs_s"):
                     self._orgs(state, registry, store)
             state.stage = "done"
 
-    @contextmanager
-    def _timed(self, state: CycleState, name: str) -> Iterator[None]:
-        """Add the seconds of the block to state.timings[name] (a resumed stage adds up both attempts)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            state.timings[name] = state.timings.get(name, 0.0) + time.perf_counter() - start
-
     def _gather_and_train(self, state: CycleState, registry: Registry, store: LiveStore) -> None:
-        with self._timed(state, "gather_s"):
+        with timed(state.timings, "gather_s"):
             gathered = self._gather(state, store)
         if gathered is None:
             return
         batch, served = gathered
         state.served = served
-        with self._timed(state, "train_s"):
+        with timed(state.timings, "train_s"):
             self._train(state, registry, batch)
 
     def _train(self, state: CycleState, registry: Registry, batch: OnPolicyBatch) -> None:

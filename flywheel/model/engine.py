@@ -20,7 +20,11 @@ The KV cache is left-padded: row i holds its tokens right-aligned, an attention 
 padding, and position ids count real tokens only, so rows of different lengths decode together.
 It is preallocated with headroom along time and written in place (`_KVLayer`), so a decode step
 moves only the new keys and values, not a copy of the whole cache as `DynamicCache`'s concat
-does; the cache is copied only when the batch changes shape (a row joins or leaves, a swap).
+does. Rows leave and join in place too (`EngineConfig.rows_in_place`): a finished row's slot takes
+the batch's last row, and a newcomer no wider than the batch is written into the room that leaves;
+the whole cache is copied only for a newcomer wider than the batch, when leading padding reaches a
+quarter of the width, and on a swap that rebuilds it. The engine's `counters()` say how its time
+went: prefill and decode tokens and seconds, weight swaps.
 Sampling is vectorized over the batch: no per-row Python sampling loop or per-row host syncs.
 
 Sessions (`SamplingParams.session`): an agent's next turn is its whole conversation again, which
@@ -65,6 +69,7 @@ from transformers.cache_utils import DynamicLayer
 
 from flywheel.model.decode import LeanDecoder
 from flywheel.model.vllm_server import VLLMConfig
+from flywheel.timing import timed
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,11 @@ class EngineConfig(BaseModel):
     # so the decoupled loss's behaviour weight stays exact, and a swap costs nothing. On 2 cores,
     # recomputing took a quarter of an async rollout's engine time (bench/async_rl.py).
     kv_on_update: Literal["recompute", "keep"] = "recompute"
+    # Rows leave the batch and join it in place: a finished row's slot is filled by moving the last
+    # row into it, and newcomers no wider than the batch are written into the room that leaves
+    # (`_BatchCache.drop`, `append`). False: each change of the batch's rows copies its whole KV
+    # cache (the path before; on 2 cores those copies were a tenth of an RL rollout's engine time).
+    rows_in_place: bool = True
     # Run the engine in a process of its own (`process_engine.ProcessEngine`, through `start_engine`):
     # its decode loop then does not share the GIL with rollout threads and the learner.
     separate_process: bool = False
@@ -282,6 +292,8 @@ class _BatchCache:
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, width: int):
         self.layers, self.mask, self.width = layers, mask, width
         self.positions = mask[:, :width].sum(-1)  # [batch]
+        # What the rows are views of: rows `drop` removes leave room at the end for `append`.
+        self._buffers = (layers, mask, self.positions)
 
     @staticmethod
     def allocate(like: list[tuple[torch.Tensor, torch.Tensor]], batch: int, capacity: int) -> tuple[list, torch.Tensor]:
@@ -329,6 +341,39 @@ class _BatchCache:
         self.mask[index, shift : self.width] = part.mask[:, : part.width]
         self.positions[index] = part.positions
 
+    def drop(self, gone: list[int]) -> list[int]:
+        """Remove rows `gone` in place: the last rows that stay move into the places of those before
+        them (only their data moves, not the batch's), and the batch shrinks to the rows that stay,
+        views of the same buffers. Returns the new order: row i now holds what row order[i] held."""
+        rows, stay, gone_set = self.mask.shape[0], self.mask.shape[0] - len(gone), set(gone)
+        holes = [r for r in sorted(gone_set) if r < stay]
+        movers = [r for r in range(stay, rows) if r not in gone_set]
+        if holes:
+            dst, src = (torch.tensor(r, device=self.mask.device) for r in (holes, movers))
+            for k, v in self.layers:
+                k[dst, :, : self.width] = k[src, :, : self.width]
+                v[dst, :, : self.width] = v[src, :, : self.width]
+            self.mask[dst] = self.mask[src]
+            self.positions[dst] = self.positions[src]
+        self.layers = [(k[:stay], v[:stay]) for k, v in self.layers]
+        self.mask, self.positions = self.mask[:stay], self.positions[:stay]
+        order = list(range(stay))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        return order
+
+    def append(self, part: _BatchCache) -> bool:
+        """Add `part`'s rows after these, in place, where the buffers have room (rows dropped at the
+        end) and `part` is no wider; False, with nothing done, otherwise."""
+        layers, mask, positions = self._buffers
+        rows, new = self.mask.shape[0], part.mask.shape[0]
+        if rows + new > mask.shape[0] or part.width > self.width or mask.shape[1] != self.mask.shape[1]:
+            return False
+        self.layers = [(k[: rows + new], v[: rows + new]) for k, v in layers]
+        self.mask, self.positions = mask[: rows + new], positions[: rows + new]
+        self.place(part, list(range(rows, rows + new)))
+        return True
+
     def padding_columns(self) -> int:
         """Leading time columns that are padding in every row."""
         return int((self.mask[:, : self.width].sum(0) > 0).nonzero()[0])
@@ -343,6 +388,7 @@ class _BatchCache:
             v[:, :, : self.width] = ov[:, :, : self.width]
         mask[:, : self.width] = self.mask[:, : self.width]
         self.layers, self.mask = layers, mask
+        self._buffers = (layers, mask, self.positions)
 
     def row_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of one row's keys and values over time columns [start, end), per layer."""
@@ -391,6 +437,8 @@ class LocalEngine:
         self._lean = LeanDecoder(model) if self.config.lean_decode and LeanDecoder.supports(model) else None
         self.steps = 0
         self.swaps = 0
+        self._counters = dict.fromkeys(("prefill_s", "prefill_tokens", "decode_s", "decode_tokens", "decode_steps",
+                                        "swap_s"), 0.0)  # `counters()`
         self._error: BaseException | None = None
         self._closed = False
         self._applying: threading.Event | None = None  # the weight update being applied
@@ -504,21 +552,21 @@ class LocalEngine:
         finally:
             DECODE_THREADS.idle(self)
 
+    def counters(self) -> dict[str, float]:
+        """What the loop has done since the engine started, cumulative: seconds and tokens of
+        prefills (`prefill_s`, `prefill_tokens`: tokens fed, not those reused from a kept session
+        or an identical prompt), of decode steps (`decode_s`, `decode_tokens`: one per row per
+        step, `decode_steps`), and of weight swaps (`swap_s`, KV rebuilt under the new weights
+        included). The training loop reads them around each step (`flywheel.timing.delta`)."""
+        return dict(self._counters)
+
     def _step(self) -> None:
+        c = self._counters
         while not self._weights.empty():
             weights, version, done = self._weights.get_nowait()
             self._applying = done  # if loading fails, the handler in `_loop` releases its waiter
-            self.model.load_state_dict(weights, strict=True)
-            if self._lean is not None:
-                self._lean.refresh()  # its fused weights are copies
-            self._version = version
-            self.swaps += 1
-            self._prompts.clear()  # computed under the old weights; a new group's prompt starts fresh
-            if self.config.kv_on_update == "recompute":
-                self._sessions.clear()  # their KV was computed under the old weights
-                self._compact()
-                if self._active:
-                    self._rebuild_cache()
+            with timed(c, "swap_s"):
+                self._swap(weights, version)
             done.set()
             self._applying = None
         for seq in self._drain_inbox():
@@ -528,11 +576,27 @@ class LocalEngine:
                and len(admitted) < self.config.max_prefill_per_step):
             admitted.append(heapq.heappop(self._pending)[2])
         if admitted:
-            self._admit(admitted)
+            with timed(c, "prefill_s"):
+                self._admit(admitted)
             self._admitting = []
-        self._compact()
-        if self._active:
-            self._decode()
+        if self._free or self._active:
+            with timed(c, "decode_s"):
+                self._compact()
+                if self._active:
+                    self._decode()
+
+    def _swap(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self.model.load_state_dict(weights, strict=True)
+        if self._lean is not None:
+            self._lean.refresh()  # its fused weights are copies
+        self._version = version
+        self.swaps += 1
+        self._prompts.clear()  # computed under the old weights; a new group's prompt starts fresh
+        if self.config.kv_on_update == "recompute":
+            self._sessions.clear()  # their KV was computed under the old weights
+            self._compact()
+            if self._active:
+                self._rebuild_cache()
 
     def _forward(self, input_ids: torch.Tensor, cache: _BatchCache, positions: torch.Tensor,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -639,6 +703,8 @@ class LocalEngine:
                 self.reused_tokens += sum(len(k[0]) for _, k in group)
                 order += [s for s, _ in group]
         seqs = order  # the rows of the new cache, in order
+        self._counters["prefill_tokens"] += sum(len(s.prompt) for s in seqs) - sum(
+            len(k[0]) for group in (extended, shared) for _, k in group if k is not None)  # fed, not reused
         logits = torch.cat([p[0] for p in parts])
         cache = parts[0][1] if len(parts) == 1 else _BatchCache.from_parts([p[1] for p in parts])
         for s in seqs:
@@ -652,7 +718,8 @@ class LocalEngine:
             self._free = self._free[len(seqs) :]
         else:
             self._compact()
-            self._cache = _BatchCache.from_parts([self._cache, cache]) if self._active else cache
+            if not (self._active and self.config.rows_in_place and self._cache.append(cache)):
+                self._cache = _BatchCache.from_parts([self._cache, cache]) if self._active else cache
             self._active.extend(seqs)
         self._sample(seqs, logits)
 
@@ -665,6 +732,8 @@ class LocalEngine:
         last = torch.tensor([[s.tokens[-1]] for s in self._active], device=self._device)  # [batch, 1]
         logits = self._forward(last, self._cache, self._cache.positions.unsqueeze(1))
         self.steps += 1
+        self._counters["decode_steps"] += 1
+        self._counters["decode_tokens"] += len(self._active)
         self._sample(self._active, logits)
 
     def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
@@ -721,16 +790,26 @@ class LocalEngine:
             self._sessions.popitem(last=False)
 
     def _compact(self) -> None:
-        """Drop free rows, and leading padding once it is a quarter of the width (one copy each time).
+        """Drop free rows (in place: `_BatchCache.drop`; or with `rows_in_place` off, one copy of the
+        batch, leading padding trimmed too), and leading padding once it is a quarter of the width
+        (one copy).
 
         Deferred from `_retire` so that a newcomer admitted in the next step takes a free slot in place."""
         if self._cache is None or (not self._free and self._cache.padding_columns() * 4 < self._cache.width):
             return
-        free = set(self._free)
-        keep = [i for i in range(len(self._active)) if i not in free]
-        self._active = [self._active[i] for i in keep]
-        self._cache = self._cache.select(keep) if keep else None
-        self._free = []
+        if self._free and len(self._free) == len(self._active):
+            self._active, self._cache, self._free = [], None, []
+        elif self._free and self.config.rows_in_place:
+            order = self._cache.drop(self._free)
+            self._active, self._free = [self._active[i] for i in order], []
+            if self._cache.padding_columns() * 4 >= self._cache.width:
+                self._cache = self._cache.select(list(range(len(self._active))))
+        else:
+            free = set(self._free)
+            keep = [i for i in range(len(self._active)) if i not in free]
+            self._active = [self._active[i] for i in keep]
+            self._cache = self._cache.select(keep)
+            self._free = []
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         if not seq.future.done():

@@ -6,6 +6,7 @@
     update_weights(w, v) ──── ("update", id, w, v) ──pipe──> LocalEngine.update_weights
                       <────── ("updated", id, error) <─────┘
     params.on_token <───────── ("token", id, token, logprob) <── on_token, as each is sampled
+    counters() ────────────── ("counters", id) ───────> LocalEngine.counters(): prefill/decode tokens, seconds
     a reader thread in the parent completes the futures and calls the requests' on_token
 
 Why a process: the decode loop of a small model is mostly Python (module calls, the dispatcher),
@@ -104,6 +105,8 @@ def _serve(conn: Any, model_class: type, model_config: Any, state: dict[str, tor
                     engine.submit(prompt, params).add_done_callback(lambda f, rid=rid: reply(rid, f))
                 except Exception as exc:  # noqa: BLE001 -- the parent checked it; anything left is reported
                     _send(conn, lock, ("error", rid, EngineError(str(exc))))
+            elif kind == "counters":
+                _send(conn, lock, ("counters", message[1], engine.counters()))
             elif kind == "update":  # applied by the loop at a step boundary; meanwhile keep taking requests
                 threading.Thread(target=update, args=message[1:], daemon=True).start()
             elif kind == "close":
@@ -126,7 +129,7 @@ class ProcessEngine:
         self._send_lock = threading.Lock()
         self._futures: dict[int, Future[Generation]] = {}
         self._on_token: dict[int, Any] = {}  # request id -> its params.on_token (streamed requests)
-        self._updates: dict[int, Future[None]] = {}
+        self._updates: dict[int, Future[Any]] = {}  # weight updates and counters asked for, by id
         self._ids = itertools.count()
         self._error: str | None = None
         self._closed = False
@@ -152,6 +155,11 @@ class ProcessEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def pid(self) -> int | None:
+        """The child process's id (to account its CPU time, as bench/rl_throughput.py does)."""
+        return self._process.pid
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]:
         check_request(prompt_ids, params, self._vocab)
@@ -184,6 +192,20 @@ class ProcessEngine:
             raise EngineError(f"weight update to version {version} not acknowledged within {timeout_s + 5.0:.0f} s; "
                               "the engine process is stuck") from None
         self._version = version
+
+    def counters(self, timeout_s: float = 30.0) -> dict[str, float]:
+        """The child's `LocalEngine.counters()`, asked over the pipe (answered between its requests)."""
+        reply: Future[dict[str, float]] = Future()
+        with self._lock:
+            self._check_alive()
+            uid = next(self._ids)
+            self._updates[uid] = reply
+        self._send(("counters", uid))
+        try:
+            return reply.result(timeout=timeout_s)
+        except TimeoutError:
+            raise EngineError(f"engine counters not answered within {timeout_s:.0f} s; the engine process is "
+                              "stuck") from None
 
     def close(self) -> None:
         with self._lock:
@@ -261,6 +283,11 @@ class ProcessEngine:
                     done.set_result(None)
                 elif done is not None:
                     done.set_exception(message[2])
+            elif kind == "counters":
+                with self._lock:
+                    reply = self._updates.pop(message[1], None)
+                if reply is not None:
+                    reply.set_result(message[2])
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:

@@ -45,6 +45,7 @@ from pydantic import (
 
 _RECORD = ConfigDict(extra="ignore")
 _STALENESS_KEY = re.compile(r"staleness/(\d+)")
+_ANATOMY_KEY = re.compile(r"(time|tokens)/(\w+)")
 CYCLE_DIR = re.compile(r"cycle-(\d+)")
 CYCLE_DIR_FILES = ("report.json", "state.json")  # in a CYCLE_DIR, the first present is read
 
@@ -85,17 +86,31 @@ class TrainStep(_Record):
     wait_s: float | None = None
     filtered_groups: int | None = None
     staleness: dict[int, float] = Field(default_factory=dict)  # learner steps behind -> generated tokens
+    # The step's anatomy (flywheel/rl/train.py `step_anatomy`): stage -> seconds (`time/<stage>`), and
+    # stage -> tokens (`tokens/<stage>`); not `seconds`, which is the Learner's step alone
+    stage_seconds: dict[str, float] = Field(default_factory=dict)
+    stage_tokens: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
     def _histogram(cls, data: Any) -> Any:
-        """The Learner writes its histogram as flat keys `staleness/<k>`; gather them."""
-        if isinstance(data, Mapping) and "staleness" not in data:
+        """The Learner writes its histogram as flat keys `staleness/<k>`, the loop its anatomy as
+        `time/<stage>` and `tokens/<stage>`; gather them."""
+        if not isinstance(data, Mapping):
+            return data
+        gathered: dict[str, Any] = {}
+        if "staleness" not in data:
             histogram = {int(m.group(1)): v for k, v in data.items()
                          if (m := _STALENESS_KEY.fullmatch(k)) and isinstance(v, int | float) and math.isfinite(v)}
             if histogram:
-                return {**data, "staleness": histogram}
-        return data
+                gathered["staleness"] = histogram
+        for kind, prefix in (("stage_seconds", "time"), ("stage_tokens", "tokens")):
+            if kind not in data:
+                found = {m.group(2): v for k, v in data.items() if (m := _ANATOMY_KEY.fullmatch(k))
+                         and m.group(1) == prefix and isinstance(v, int | float) and math.isfinite(v)}
+                if found:
+                    gathered[kind] = found
+        return {**data, **gathered} if gathered else data
 
 
 class FamilyEval(_Record):

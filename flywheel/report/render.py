@@ -31,6 +31,7 @@ from flywheel.report.svg import (
     WARN,
     Bar,
     IntervalRow,
+    Layer,
     Mark,
     Series,
     bar_chart,
@@ -38,6 +39,7 @@ from flywheel.report.svg import (
     format_value,
     interval_chart,
     line_chart,
+    stacked_chart,
 )
 from flywheel.store.files import write_atomic
 
@@ -48,6 +50,16 @@ _SMALL = 380  # width of the charts shown several to a row
 # Versions are Registry versions (vN) everywhere in the report; inside a simulated-RL run, progress
 # is counted in learner steps, step 0 being the start checkpoint (the Learner's `policy_version`).
 _STEP_AXIS = "learner step (0: the start checkpoint)"
+# A step's anatomy as metrics.jsonl holds it (`time/<stage>`, flywheel/rl/train.py `LOOP_STAGES` and
+# `ROLLOUT_STAGES`, same names in the same order), with what the report calls each stage.
+LOOP_STAGES = {"wait_rollouts": "waiting for complete groups", "wait_staleness": "waiting on the staleness bound",
+               "learner_forward_backward": "Learner forward + backward", "learner_optimizer": "Learner optimizer",
+               "learner_other": "Learner, other", "weight_push": "weight push", "checkpoint": "checkpoint",
+               "loop_other": "loop, other"}
+ENGINE_STAGES = {"engine_prefill": "prefill", "engine_decode": "decode", "engine_swap": "weight swap",
+                 "engine_idle": "idle"}
+EPISODE_STAGES = {"episode_generate": "waiting for the engine", "episode_tools": "tool calls",
+                  "episode_grade": "grading", "episode_sandbox": "sandbox creation"}
 
 CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 0; color: #222;
@@ -191,9 +203,41 @@ def _training_section(runs: Sequence[TrainingRun]) -> str:
         line_chart("Learner throughput", throughput, x_label="learner step", y_label="tokens / s"),
     ]
     charts += _fleet_charts(runs)
+    charts += _anatomy_charts(runs)
     table = _table(["run", "learner steps", "held-out pass rate at the start (step 0)", "at the end",
                     "change (paired, 95% CI)"], [_training_row(r) for r in runs], numeric=(1,))
     return _section("Simulated RL", table + _charts(charts), "training")
+
+
+def _anatomy_charts(runs: Sequence[TrainingRun]) -> list[str]:
+    """Each step's anatomy (the last run's that has one): the loop's wall time by stage, the engine's
+    wall time behind it, the episodes' seconds summed, and the engine's tokens per second."""
+    run = next((r for r in reversed(runs) if any(s.stage_seconds for s in r.steps)), None)
+    if run is None:
+        return []
+    steps = [s for s in run.steps if s.stage_seconds]
+    xs = [s.step for s in steps]
+
+    def layers(stages: dict[str, str]) -> list[Layer]:
+        return [Layer(label, [s.stage_seconds.get(stage) for s in steps], color=PALETTE[i % len(PALETTE)])
+                for i, (stage, label) in enumerate(stages.items())]
+
+    def rate(kind: str) -> list[tuple[float, float | None]]:
+        seconds = [(s.step, s.stage_tokens.get(f"engine_{kind}"), s.stage_seconds.get(f"engine_{kind}")) for s in steps]
+        return [(x, tokens / t if tokens is not None and t else None) for x, tokens, t in seconds]
+
+    name = f" ({run.name})" if len(runs) > 1 else ""
+    charts = [stacked_chart(f"Where the wall time of each step went{name}", xs, layers(LOOP_STAGES),
+                            x_label="learner step", y_label="seconds", unit=" s")]
+    if any("engine_decode" in s.stage_seconds for s in steps):
+        charts += [stacked_chart(f"Engine wall time behind each step{name}", xs, layers(ENGINE_STAGES),
+                                 x_label="learner step", y_label="seconds", unit=" s"),
+                   line_chart(f"Engine throughput{name}", [Series("decode", rate("decode")),
+                                                           Series("prefill", rate("prefill"))],
+                              x_label="learner step", y_label="tokens / s")]
+    charts.append(stacked_chart(f"Episode-seconds behind each step, summed over its episodes{name}", xs,
+                                layers(EPISODE_STAGES), x_label="learner step", y_label="seconds", unit=" s"))
+    return charts
 
 
 FLEET_CHARTS = (("live_sandboxes", "Live sandboxes per node (Ray)", "sandboxes"),

@@ -1,4 +1,5 @@
-"""Charts as inline SVG strings: a line chart (with bands and marks), an interval chart, a bar chart.
+"""Charts as inline SVG strings: a line chart (with bands and marks), an interval chart, a bar chart,
+a stacked bar chart.
 
     svg = line_chart("Held-out pass rate", [Series("run", [(0, 0.2), (10, 0.4)], band=[(0, 0.1, 0.3), ...])],
                      x_label="step", y_range=(0, 1))
@@ -15,8 +16,8 @@ left out; a line breaks at them rather than joining across. A chart without any 
 
 Data marks carry classes, which the tests and the dashboard test read back from the DOM:
 `circle.point` (a data point, with data-series, data-x, data-y), `path.line`, `path.band`,
-`rect.bar`, `line.interval`, `path.mark` (an event such as an alarm, plus its own class),
-`text.empty` (a chart with no data).
+`rect.bar`, `rect.stacked` (with data-series, data-x, data-value), `line.interval`, `path.mark`
+(an event such as an alarm, plus its own class), `text.empty` (a chart with no data).
 """
 
 from __future__ import annotations
@@ -161,6 +162,15 @@ class Bar:
     value: float | None
     color: str | None = None
     tooltip: str = ""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of a stacked chart: a value for each x (None or not finite: nothing there)."""
+
+    name: str
+    values: Sequence[float | None]
+    color: str | None = None  # None: the next palette colour
 
 
 @dataclass
@@ -435,3 +445,46 @@ def bar_chart(title: str, bars: Sequence[Bar], *, x_label: str = "", y_label: st
                            f'height="{_n(max(bottom - top, 0.5))}" fill="{color}"><title>'
                            f'{escape(b.tooltip or f"{b.label}: {format_value(b.value)}")}</title></rect>')
     return frame.svg("bar-chart")
+
+
+def stacked_chart(title: str, xs: Sequence[float], layers: Sequence[Layer], *, x_label: str = "", y_label: str = "",
+                  unit: str = "", width: int = WIDTH, height: int = HEIGHT, empty_message: str = "no data yet") -> str:
+    """One bar per x, made of the layers' values stacked bottom up in the order given: a whole and
+    its parts (a step's seconds by stage). Negative values are left out, as a part cannot be."""
+    def part(layer: Layer, i: int) -> float:
+        value = layer.values[i] if i < len(layer.values) else None
+        return value if finite(value) and value > 0 else 0.0
+
+    totals = [sum(part(layer, i) for layer in layers) for i in range(len(xs))]
+    if not any(totals):
+        return empty_chart(title, empty_message, width)
+    frame = _Frame(title, width, height)
+    colors = [layer.color or PALETTE[i % len(PALETTE)] for i, layer in enumerate(layers)]
+    _legend(frame, [(layer.name, c, "line") for layer, c in zip(layers, colors, strict=True)
+                    if any(part(layer, i) for i in range(len(xs)))])
+    x0, y0, x1, y1 = frame.plot
+    ticks = nice_ticks(0.0, max(totals))
+    sy = LinearScale((ticks[0], ticks[-1]), (y1, y0))
+    _y_axis(frame, sy, ticks)
+    _axis_label(frame, x_label, y_label)
+    slot = (x1 - x0) / len(xs)
+    every = max(1, math.ceil(len(xs) * 40 / (x1 - x0)))  # label every k-th bar when they would overlap
+    for i, x in enumerate(xs):
+        cx = x0 + slot * (i + 0.5)
+        if i % every == 0:
+            frame.parts.append(f'<text class="tick" x="{_n(cx)}" y="{_n(y1 + 15)}" text-anchor="middle" '
+                               f'fill="#555">{escape(format_value(x, 6))}</text>')
+        base = 0.0
+        for layer, color in zip(layers, colors, strict=True):
+            value = part(layer, i)
+            if not value:
+                continue
+            top, bottom = sy(base + value), sy(base)
+            base += value
+            frame.parts.append(
+                f'<rect class="stacked" data-series="{escape(layer.name)}" data-x="{x:.6g}" '
+                f'data-value="{value:.6g}" x="{_n(cx - slot * 0.4)}" y="{_n(top)}" width="{_n(slot * 0.8)}" '
+                f'height="{_n(max(bottom - top, 0.5))}" fill="{color}"><title>{escape(layer.name)} at '
+                f'{escape(format_value(x, 6))}: {escape(format_value(value))}{escape(unit)} of '
+                f'{escape(format_value(totals[i]))}{escape(unit)}</title></rect>')
+    return frame.svg("stacked-chart")

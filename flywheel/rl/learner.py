@@ -3,7 +3,9 @@
     train_step(trajectories, advantages)
       loss masks        each trajectory's loss_mask (zeroed for truncated episodes if truncated="mask")
       minibatches       `minibatches` contiguous chunks of the batch, one optimizer step each
-      micro-batches     each chunk packed into forwards of <= micro_batch_tokens padded tokens
+      micro-batches     each chunk packed into forwards of <= micro_batch_tokens padded tokens; episodes
+                        that begin alike (a group's episodes of one task) in forwards of their own that
+                        run the common prefix once (`share_prefix`)
       proximal pass     no-grad forward of every micro-batch under the current weights: logp_prox,
                         entropy (and logp_ref under the reference model when kl_coef > 0); skipped
                         when there is one optimizer step per batch (see below)
@@ -54,7 +56,8 @@ from transformers import PreTrainedModel
 
 from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.rl.loss import LossConfig, loss_denominator, policy_loss
-from flywheel.rl.training import pack_batches, scored_logits, warmup_factor
+from flywheel.rl.training import pack_batches, prefix_forward, scored_logits, shared_prefix_groups, warmup_factor
+from flywheel.timing import timed
 
 
 class LearnerConfig(BaseModel):
@@ -81,6 +84,12 @@ class LearnerConfig(BaseModel):
     # a CPU with a busy engine (async mode on a laptop), give it the cores the engine does not use:
     # oversubscribed OpenMP threads wait for each other and both sides slow down.
     threads: int | None = Field(default=None, ge=1)
+    # Episodes of a batch that begin with the same tokens (a GRPO group's episodes of one task, whose
+    # first turns a confident policy samples alike: a third of the demo's batch tokens, half of the
+    # second episodes of a task whole) run their common prefix once (`shared_prefix_groups`): the
+    # same loss and gradient to float rounding, less work. False: every row computes all of its
+    # tokens (the path before it).
+    share_prefix: bool = True
     # keep: learn from truncated episodes with their reward; mask: give them no loss
     truncated: Literal["keep", "mask"] = "keep"
     seed: int = 0  # order of micro-batches
@@ -101,17 +110,24 @@ class MicroBatch:
     # logprob and the Learner's proximal one score the same weights and tokens, so their difference
     # is the engine/Learner mismatch (`engine_logprob_mismatch_*`), not policy drift
     on_policy: torch.Tensor | None = None
+    prefix: int = 0  # leading tokens every row shares, run once (`token_logprobs`); 0: none shared
 
 
 def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, temperature: float = 1.0,
-                   entropy: bool = False,
-                   scored: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   entropy: bool = False, scored: torch.Tensor | None = None,
+                   prefix: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 logprob [batch, seq] of each token given those before it, and if asked the entropy
     [batch, seq] of the distribution that predicted it. Nothing predicts token 0: its entries are 0.
 
     ids, attention: [batch, seq], right-padded, so positions are the natural ones.
     scored: [batch, seq] loss mask; when given, the output head runs only where it is 1 (the other
-    entries are 0; `flywheel.rl.training.scored_logits`)."""
+    entries are 0; `flywheel.rl.training.scored_logits`).
+    prefix: the number of leading tokens every row shares (with `scored`): they are run once
+    (`flywheel.rl.training.prefix_forward`), and the head once at the prefix's scored positions."""
+    if prefix:
+        if scored is None:
+            raise ValueError("a shared prefix needs `scored`: its head runs only at the positions it names")
+        return _shared_prefix_logprobs(model, ids, attention, temperature, entropy, scored, prefix)
     if scored is None:
         # [batch, seq-1, vocab]: position t predicts token t+1
         logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
@@ -119,10 +135,7 @@ def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.T
     else:
         hidden = model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state  # [batch, seq, hidden]
         logits, targets, where = scored_logits(model, hidden, ids, scored)  # [scored, vocab], [scored]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logp, ent = _picked(logits, targets, temperature, entropy)
 
     def full(values: torch.Tensor) -> torch.Tensor:  # back to [batch, seq], 0 where nothing was computed
         if scored is None:
@@ -131,13 +144,48 @@ def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.T
         out[:, 1:][where] = values
         return out
 
-    logp = full(picked - logz)
+    return full(logp), None if ent is None else full(ent)
+
+
+def _picked(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+            entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(logits / T) at `targets`, and if asked the distribution's entropy (no graph: a metric)."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
     if not entropy:
         return logp, None
     with torch.no_grad():  # a metric: no graph for it when the logprobs have one
         detached = logits.detach()
-        expected = (torch.softmax(detached, dim=-1) * detached).sum(-1)
-        return logp, full(logz.detach() - expected)
+        return logp, logz.detach() - (torch.softmax(detached, dim=-1) * detached).sum(-1)
+
+
+def _shared_prefix_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, temperature: float,
+                            entropy: bool, scored: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of rows whose first `p` tokens are the same. Tokens 1 .. p-1 are predicted
+    from the prefix alone: computed once and given to every row that scores them; token p onwards
+    from each row's own hidden states (the prefix's last one predicts each row's token p)."""
+    rows = ids.shape[0]
+    prefix_hidden, hidden = prefix_forward(model, ids[0, :p], ids[:, p:], attention[:, p:])  # [1, p, H], [rows, s, H]
+    union = (scored[:, :p] > 0).any(0, keepdim=True).to(scored.dtype)  # [1, p]: scored by some row
+    shared_logits, shared_targets, shared_where = scored_logits(model, prefix_hidden, ids[:1, :p], union)
+    # Each row's own predictions: from the prefix's last position on ([rows, 1 + s, H] from position p - 1).
+    own_hidden = torch.cat([prefix_hidden[:, -1:].expand(rows, -1, -1), hidden], dim=1)
+    own_scored = torch.nn.functional.pad(scored[:, p:], (1, 0))  # position p - 1's own token is not scored
+    own_logits, own_targets, own_where = scored_logits(model, own_hidden, ids[:, p - 1:], own_scored)
+    shared = _picked(shared_logits, shared_targets, temperature, entropy)
+    own = _picked(own_logits, own_targets, temperature, entropy)
+
+    def full(shared_values: torch.Tensor, own_values: torch.Tensor) -> torch.Tensor:  # [rows, seq], 0 unscored
+        head = torch.zeros((1, p - 1), dtype=own_values.dtype, device=own_values.device)
+        head[shared_where] = shared_values
+        tail = torch.zeros((rows, ids.shape[1] - p), dtype=own_values.dtype, device=own_values.device)
+        tail[own_where] = own_values
+        first = torch.zeros((rows, 1), dtype=own_values.dtype, device=own_values.device)
+        return torch.cat([first, torch.where(scored[:, 1:p] > 0, head, 0.0), tail], dim=1)
+
+    return full(shared[0], own[0]), None if shared[1] is None else full(shared[1], own[1])
 
 
 class ScoredPolicy(torch.nn.Module):
@@ -153,16 +201,16 @@ class ScoredPolicy(torch.nn.Module):
         self.policy = policy
 
     def forward(self, ids: torch.Tensor, attention: torch.Tensor, scored: torch.Tensor, temperature: float,
-                entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return token_logprobs(self.policy, ids, attention, temperature, entropy=entropy, scored=scored)
+                entropy: bool, prefix: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return token_logprobs(self.policy, ids, attention, temperature, entropy=entropy, scored=scored, prefix=prefix)
 
 
 def score(policy: PreTrainedModel | ScoredPolicy, b: MicroBatch, temperature: float,
           entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` of a micro-batch's loss tokens, through the ScoredPolicy root when there is one."""
     if isinstance(policy, ScoredPolicy):
-        return policy(b.ids, b.attention, b.mask, temperature, entropy)
-    return token_logprobs(policy, b.ids, b.attention, temperature, entropy=entropy, scored=b.mask)
+        return policy(b.ids, b.attention, b.mask, temperature, entropy, b.prefix)
+    return token_logprobs(policy, b.ids, b.attention, temperature, entropy=entropy, scored=b.mask, prefix=b.prefix)
 
 
 def staleness_histogram(trajectories: Sequence[Trajectory], version: int) -> dict[int, int]:
@@ -187,12 +235,25 @@ Advantage = float | Sequence[float]  # one for every token of a trajectory, or o
 def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[Advantage],
                        masks: Sequence[Sequence[int]],
                        micro_batch_tokens: int, rng: random.Random,
-                       device: torch.device | str = "cpu", version: int | None = None) -> list[MicroBatch]:
+                       device: torch.device | str = "cpu", version: int | None = None,
+                       share_prefix: bool = False) -> list[MicroBatch]:
     """Pack trajectories so that each micro-batch's padded size (rows x longest) is within the budget.
 
-    A trajectory longer than the budget gets a micro-batch of its own: a sequence is never split."""
+    A trajectory longer than the budget gets a micro-batch of its own: a sequence is never split.
+    share_prefix: trajectories that begin alike (`shared_prefix_groups`: a GRPO group's episodes of
+    one task whose first turns the policy sampled alike) form micro-batches of their own, their
+    common prefix run once; the others are packed as without it."""
+    groups = shared_prefix_groups([t.tokens for t in trajectories], micro_batch_tokens) if share_prefix else []
+    grouped = {i for rows, _ in groups for i in rows}
+    rest = [i for i in range(len(trajectories)) if i not in grouped]
+    packed = [[rest[j] for j in rows] for rows in pack_batches([len(trajectories[i].tokens) for i in rest],
+                                                                micro_batch_tokens, rng)]
+    layout = [(rows, 0) for rows in packed]
+    if groups:
+        layout += groups
+        rng.shuffle(layout)
     batches = []
-    for rows in pack_batches([len(t.tokens) for t in trajectories], micro_batch_tokens, rng):
+    for rows, prefix in layout:
         width = max(len(trajectories[i].tokens) for i in rows)
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -210,7 +271,8 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
             if version is not None:
                 on_policy[r, :n] = mask[r, :n] * (torch.tensor(t.versions) == version)
         batches.append(MicroBatch(ids.to(device), attention.to(device), mask.to(device), behaviour.to(device),
-                                  adv.to(device), on_policy=on_policy.to(device) if version is not None else None))
+                                  adv.to(device), on_policy=on_policy.to(device) if version is not None else None,
+                                  prefix=prefix))
     return batches
 
 
@@ -226,7 +288,7 @@ def proximal_pass(model: PreTrainedModel | ScoredPolicy, batches: Sequence[Micro
             b.logp_prox, ent = score(model, b, temperature, entropy=True)
             entropy += torch.where(b.mask > 0, ent, 0.0).sum()
         if ref_model is not None:
-            b.logp_ref, _ = token_logprobs(ref_model, b.ids, b.attention, temperature, scored=b.mask)
+            b.logp_ref, _ = token_logprobs(ref_model, b.ids, b.attention, temperature, scored=b.mask, prefix=b.prefix)
     return entropy
 
 
@@ -349,8 +411,9 @@ class Learner:
         before the cap), is_truncated_frac / is_masked_frac, grad_norm (before clipping; token
         statistics over the steps taken), lr (of the last step taken), optimizer_steps, skipped_steps
         (non-finite, this call), skipped_steps_total, policy_version, staleness/<k> (generated
-        tokens k policy versions old), staleness_mean / _max, sequences, loss_tokens, tokens_per_s,
-        seconds."""
+        tokens k policy versions old), staleness_mean / _max, sequences, batch_tokens, loss_tokens, tokens_per_s,
+        seconds, and the seconds of its phases: learner_pack_s (micro-batches built), learner_proximal_s,
+        learner_forward_backward_s, learner_optimizer_s (grad clip and AdamW)."""
         if not trajectories:
             raise ValueError("train_step got no trajectories; wait for a batch before stepping")
         if len(advantages) != len(trajectories):
@@ -366,22 +429,25 @@ class Learner:
 
     def _train_step(self, trajectories: Sequence[Trajectory], advantages: Sequence[Advantage]) -> dict[str, float]:
         start = time.perf_counter()
+        seconds: dict[str, float] = {}  # the step's phases (`timed`), in the metrics as learner_<phase>
         config = self.config
         staleness = staleness_histogram(trajectories, self.version)
         masks = [self.loss_mask(t) for t in trajectories]
         device = next(self.model.parameters()).device
         n, k = len(trajectories), min(config.minibatches, len(trajectories))
         chunks = [range(j * n // k, (j + 1) * n // k) for j in range(k)]
-        minibatches = [self._micro_batches([trajectories[i] for i in c], [advantages[i] for i in c],
-                                           [masks[i] for i in c], device) for c in chunks]
+        with timed(seconds, "pack_s"):
+            minibatches = [self._micro_batches([trajectories[i] for i in c], [advantages[i] for i in c],
+                                               [masks[i] for i in c], device) for c in chunks]
 
         was_training = self.model.training
         self.model.train()  # same mode in the proximal and the training pass, so their logprobs agree exactly
         # One optimizer step per batch: the proximal policy is the weights that step starts from, so
         # its logprobs are the training forward's own (detached), and the separate pass is skipped.
         fused = config.ppo_epochs == 1 and len(minibatches) == 1
-        entropy = sum((proximal_pass(self.policy, mbs, config.temperature, self.ref_model, policy=not fused)
-                       for mbs in minibatches), torch.zeros((), device=device))
+        with timed(seconds, "proximal_s"):
+            entropy = sum((proximal_pass(self.policy, mbs, config.temperature, self.ref_model, policy=not fused)
+                           for mbs in minibatches), torch.zeros((), device=device))
         # Denominators stay on device: dividing by them forces no host sync.
         denominators = [self._reduce(sum((loss_denominator(b.mask, config.loss) for b in mbs),
                                          torch.zeros((), device=device))) for mbs in minibatches]
@@ -391,20 +457,24 @@ class Learner:
         skipped = 0
         for _ in range(config.ppo_epochs):
             for mbs, denominator in zip(minibatches, denominators, strict=True):
-                self.optimizer.zero_grad(set_to_none=True)
-                loss, stats = accumulate_gradients(self.policy, mbs, config.loss, config.temperature, denominator,
-                                                   proximal_here=fused)
-                loss = self._reduce(loss)  # the whole batch's loss: the same on every rank
-                entropy = entropy + stats.pop("entropy_sum", 0.0)
-                grad_norm = self._clip_grad_norm()
-                if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # the one host sync per step
-                    skipped += 1  # before the optimizer touches anything: weights and Adam moments stay as they were
+                with timed(seconds, "forward_backward_s"):
                     self.optimizer.zero_grad(set_to_none=True)
+                    loss, stats = accumulate_gradients(self.policy, mbs, config.loss, config.temperature, denominator,
+                                                       proximal_here=fused)
+                    loss = self._reduce(loss)  # the whole batch's loss: the same on every rank
+                entropy = entropy + stats.pop("entropy_sum", 0.0)
+                # on an accelerator the forward and backward finish here, at the host sync
+                with timed(seconds, "optimizer_s"):
+                    grad_norm = self._clip_grad_norm()
+                    finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))  # the one host sync per step
+                    if finite:
+                        for group in self.optimizer.param_groups:
+                            group["lr"] = self.lr_at(self.optimizer_steps + len(losses))
+                        self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                if not finite:
+                    skipped += 1  # before the optimizer touched anything: weights and Adam moments stay as they were
                     continue
-                for group in self.optimizer.param_groups:
-                    group["lr"] = self.lr_at(self.optimizer_steps + len(losses))
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
                 losses.append(loss)
                 grad_norms.append(grad_norm)
                 merge_stats(totals, stats)
@@ -422,8 +492,8 @@ class Learner:
         entropy = self._reduce(torch.as_tensor(entropy, dtype=torch.float32).cpu())
         loss_tokens = float(self._reduce(sum((b.mask.sum().cpu() for b in flat), torch.zeros(()))))
         totals = {k: self._reduce(v.cpu(), "max" if k == "is_weight_max" else "sum") for k, v in totals.items()}
-        return self._metrics(trajectories, staleness, totals, losses, grad_norms, entropy, loss_tokens, taken,
-                             skipped, elapsed) | mismatch
+        return (self._metrics(trajectories, staleness, totals, losses, grad_norms, entropy, loss_tokens, taken,
+                              skipped, elapsed) | mismatch | {f"learner_{k}": v for k, v in seconds.items()})
 
     def _metrics(self, trajectories: Sequence[Trajectory], staleness: dict[int, int], totals: dict[str, torch.Tensor],
                  losses: list[torch.Tensor], grad_norms: list[torch.Tensor], entropy: torch.Tensor,
@@ -455,6 +525,7 @@ class Learner:
             "skipped_steps_total": float(self.skipped_steps),
             "policy_version": float(self.version),
             "sequences": float(len(trajectories)),
+            "batch_tokens": float(batch_tokens),  # prompt and tool output included
             "loss_tokens": loss_tokens,
             # batch tokens (prompt included) per second of train_step
             "tokens_per_s": batch_tokens / max(elapsed, 1e-9),
@@ -476,7 +547,7 @@ class Learner:
                        masks: Sequence[Sequence[int]], device: torch.device) -> list[MicroBatch]:
         """One minibatch's micro-batches (there: of this rank's share of it)."""
         return make_micro_batches(trajectories, advantages, masks, self.config.micro_batch_tokens, self._rng, device,
-                                  self.version)
+                                  self.version, self.config.share_prefix)
 
     def _parameter_groups(self) -> Any:
         """What AdamW optimizes (there: dense and expert parameters apart, on their own meshes)."""

@@ -68,7 +68,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -83,6 +83,11 @@ from flywheel.env.task import Task
 from flywheel.model.engine import Engine
 from flywheel.rl.advantages import AdvantageConfig
 from flywheel.rl.run_folder import RunFolder
+from flywheel.timing import delta, timed
+
+# An episode's timed stages (`run_episode`'s timings): turns (waiting for the engine included), tool
+# calls, grading, sandbox creation
+EPISODE_STAGES = ("generate_s", "tools_s", "grade_s", "sandbox_s")
 
 
 class OrchestratorConfig(BaseModel):
@@ -212,6 +217,13 @@ class Batch:
     # dynamic sampling, which drops all-pass groups (0.25 there where held-out sampled was 0.47).
     rollout_episodes: int
     rollout_passed: int
+    # Where the rollouts' time went since the previous batch: the caller's wait in `next_batch`, for
+    # complete groups (`wait_rollouts_s`) or for a group the staleness bound makes it wait for
+    # (`wait_staleness_s`); `episode_<stage>` summed over the episodes finished since then
+    # (`EPISODE_STAGES`: episode-seconds, concurrent episodes add up past the wall time); the
+    # engine's `engine_<counter>` (`LocalEngine.counters`) and `engine_idle_s`, the wall time it
+    # was not prefilling, decoding or swapping (episodes in their tools, or none admitted).
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def group_ids(self) -> list[str]:
@@ -250,6 +262,9 @@ class Orchestrator:
         self._error: BaseException | None = None
         self._filtered_in_a_row = 0
         self._rollouts = {"episodes": 0, "passed": 0}  # since the previous batch, see `Batch`
+        self._episode_s = dict.fromkeys(EPISODE_STAGES, 0.0)  # summed over the episodes since then, `Batch.seconds`
+        self._engine_reading: dict[str, float] | None = None  # the engine's counters at the previous batch
+        self._last_batch_at = time.perf_counter()
         self._workers = ThreadPoolExecutor(config.concurrency, thread_name_prefix="rollout")
         self._closed = False
         self.step = 0  # batches consumed: the learner steps taken, resumed ones included
@@ -263,18 +278,21 @@ class Orchestrator:
             raise RuntimeError(f"groups {self._handed_out} were handed out and not reported consumed; call "
                                "consumed(batch.group_ids, version) after training on a batch, before the next")
         deadline = time.monotonic() + self.config.stall_timeout_s
+        waits: dict[str, float] = {"wait_rollouts_s": 0.0, "wait_staleness_s": 0.0}
         with self._cond:
             self._admit()
             while True:
                 if self._error is not None:
                     raise OrchestratorStalled(f"a rollout worker failed: {self._error!r}") from self._error
-                groups = self._ready_batch()
+                groups, blocked_by = self._ready_batch()
                 if groups is not None:
                     self._filtered_in_a_row = 0
                     self._handed_out = [g.id for g in groups]
                     rollouts, self._rollouts = self._rollouts, {"episodes": 0, "passed": 0}
-                    return Batch(tuple(ReadyGroup(g.id, g.start_version, tuple(g.trajectories())) for g in groups),
-                                 rollouts["episodes"], rollouts["passed"])
+                    episode_s, self._episode_s = self._episode_s, dict.fromkeys(EPISODE_STAGES, 0.0)
+                    batch = Batch(tuple(ReadyGroup(g.id, g.start_version, tuple(g.trajectories())) for g in groups),
+                                  rollouts["episodes"], rollouts["passed"])
+                    break
                 if self._filtered_in_a_row > self.config.zero_signal_patience * self.config.groups_per_step:
                     raise OrchestratorStalled(
                         f"{self._filtered_in_a_row} groups in a row had equal rewards (no signal): the tasks are all "
@@ -284,7 +302,24 @@ class Orchestrator:
                 if time.monotonic() > deadline:
                     raise OrchestratorStalled(f"no learner batch for {self.config.stall_timeout_s:.0f} s: "
                                               f"{self._describe()}; check the engine and the sandbox pool")
-                self._cond.wait(timeout=1.0)
+                with timed(waits, f"wait_{blocked_by}_s"):
+                    self._cond.wait(timeout=1.0)
+        # outside the lock: a ProcessEngine's counters are a round trip to its process
+        return replace(batch, seconds={**waits, **{f"episode_{k}": v for k, v in episode_s.items()},
+                                                   **self._engine_since_last_batch()})
+
+    def _engine_since_last_batch(self) -> dict[str, float]:
+        """The engine's prefills, decode steps, swaps and idle time since the previous batch (its
+        `counters()`; nothing for an engine without them: vLLM, Ray's)."""
+        counters = getattr(self.engine, "counters", None)
+        now = time.perf_counter()
+        interval, self._last_batch_at = now - self._last_batch_at, now
+        if counters is None:
+            return {}
+        reading = counters()
+        done, self._engine_reading = delta(reading, self._engine_reading), reading
+        busy = done["prefill_s"] + done["decode_s"] + done["swap_s"]
+        return {**{f"engine_{k}": v for k, v in done.items()}, "engine_idle_s": max(0.0, interval - busy)}
 
     def consumed(self, group_ids: Sequence[str], version: int) -> None:
         """The groups of the last batch were trained on, and the policy is now at `version`: they leave
@@ -418,20 +453,22 @@ class Orchestrator:
 
     # ---- forming batches --------------------------------------------------------------------------
 
-    def _ready_batch(self) -> list[_Group] | None:
-        """B complete groups, oldest first, including every group that must be trained on now."""
+    def _ready_batch(self) -> tuple[list[_Group] | None, Literal["staleness", "rollouts"]]:
+        """B complete groups, oldest first, including every group that must be trained on now; or
+        None and what holds the batch back: a group the staleness bound makes the learner wait for,
+        or too few complete groups."""
         self._filter_zero_signal()
         v, bound = self.version(), self.config.staleness_bound
         unfinished_due = [g for g in self._groups.values() if g.start_version + bound <= v and not g.complete]
         complete = sorted((g for g in self._groups.values() if g.complete), key=lambda g: (g.start_version, g.id))
         due = [g for g in complete if g.start_version + bound <= v]
         if unfinished_due:
-            return None  # moving to v + 1 now would leave them staler than the bound
+            return None, "staleness"  # moving to v + 1 now would leave them staler than the bound
         if self.config.mode == "sync" and any(not g.complete for g in self._groups.values()):
-            return None
+            return None, "rollouts"
         if len(complete) < self.config.groups_per_step:
-            return None
-        return due + [g for g in complete if g not in due][: max(0, self.config.groups_per_step - len(due))]
+            return None, "rollouts"
+        return due + [g for g in complete if g not in due][: max(0, self.config.groups_per_step - len(due))], "rollouts"
 
     def _filter_zero_signal(self) -> None:
         for g in list(self._groups.values()):
@@ -522,6 +559,8 @@ class Orchestrator:
         with self._cond:
             group.results[index] = traj
             group.running.pop(index, None)
+            for stage in EPISODE_STAGES:
+                self._episode_s[stage] += traj.timings.get(stage, 0.0)
             self._counts["episodes"] += 1
             self._counts["failed_episodes"] += traj.status in (Status.SANDBOX_ERROR, Status.ABORTED, Status.TOOL_ERROR)
             self._cond.notify_all()

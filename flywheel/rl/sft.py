@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from flywheel.rl.training import pack_batches, scored_logits, warmup_factor
+from flywheel.rl.training import pack_batches, prefix_forward, scored_logits, warmup_factor
 
 
 class SFTConfig(BaseModel):
@@ -120,18 +120,10 @@ def masked_ce_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor
     ids, mask, attn, weights: [batch, seq]. Right padding, so positions are the natural ones.
     prefix: [prefix_len] tokens that precede every row (loss-free, see `shared_prefix_length`); run
     once, its keys and values are broadcast to all rows."""
-    decoder = model.base_model
     if prefix is None:
-        hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state  # [batch, seq, hidden]
+        hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state  # [batch, seq, hidden]
     else:
-        batch, width, p = ids.shape[0], ids.shape[1], prefix.shape[0]
-        cache = decoder(input_ids=prefix[None], use_cache=True).cache
-        for layer in cache.layers:  # [1, kv_heads, p, head_dim] -> [batch, ...] as a view: no copy, gradients sum
-            layer.keys = layer.keys.expand(batch, -1, -1, -1)
-            layer.values = layer.values.expand(batch, -1, -1, -1)
-        full_attn = torch.cat([attn.new_ones((batch, p)), attn], dim=1)  # [batch, p + seq]
-        positions = torch.arange(p, p + width).expand(batch, -1)  # [batch, seq]
-        hidden = decoder(input_ids=ids, attention_mask=full_attn, position_ids=positions, cache=cache).last_hidden_state
+        _, hidden = prefix_forward(model, prefix, ids, attn)  # the prefix carries no loss: only the rows' own
     weights = mask.float() if weights is None else weights * attn
     logits, targets, where = scored_logits(model, hidden, ids, weights)
     nll = torch.nn.functional.cross_entropy(logits, targets, reduction="none")

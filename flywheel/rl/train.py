@@ -35,7 +35,7 @@ staleness is the difference of two of them. A run's policy 5 is not registry v5.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -58,6 +58,7 @@ from flywheel.rl.learner import Learner, LearnerConfig
 from flywheel.rl.orchestrator import Batch, EpisodeRunner, Orchestrator, OrchestratorConfig
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.tracking import Tracker, TrackingConfig, eval_table
+from flywheel.timing import timed
 
 
 class RolloutConfig(BaseModel):
@@ -147,47 +148,99 @@ def step_line(m: dict[str, Any]) -> str:
     # leaves out all-pass groups, so it reads lower)
     return (f"step {m['step']:>3}  policy {m['policy_version']}  reward {m['reward_mean']:+.3f}  "
             f"pass {m['rollout_pass_rate']:.2f} (trained {m['pass_rate']:.2f})  "
-            f"{m.get('tokens_per_s', 0.0):,.0f} tok/s  staleness ≤{m['staleness_max']}  "
+            f"{m.get('tokens_per_s', 0.0):,.0f} tok/s  staleness ≤{m['staleness_max']:.0f}  "
             f"wait {m['wait_s']:.1f}s train {m['train_s']:.1f}s  filtered {m['filtered_groups']}")
 
 
 def learning_step(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Learner, engine: Engine,
                   run: RunFolder) -> dict[str, Any]:
     """One step of the loop: a batch of rollouts, its advantages, a Learner step, the new weights to
-    the Engine, a checkpoint. Returns the step's metrics (also appended to run/metrics.jsonl)."""
-    t0 = time.perf_counter()
-    batch = orchestrator.next_batch()  # blocks until B complete groups within the staleness bound
-    wait_s = time.perf_counter() - t0
-    trajectories = batch.trajectories()
-    advantages = config.advantages.for_trajectories(trajectories)
-    # A sandbox failure or an abort is not the policy's doing: recorded, but no gradient.
-    advantages = [a if t.status not in (Status.SANDBOX_ERROR, Status.ABORTED) else 0.0
-                  for a, t in zip(advantages, trajectories, strict=True)]
-    oldest = [t.version_span()[0] for t in trajectories if t.generated_tokens]
-    staleness = learner.version - min(oldest) if oldest else 0
+    the Engine, a checkpoint. Returns the step's metrics (also appended to run/metrics.jsonl), with
+    its anatomy (`step_anatomy`): where the wall time behind the step went."""
+    seconds: dict[str, float] = {}
+    with timed(seconds, "step_s"):
+        with timed(seconds, "wait_s"):
+            batch = orchestrator.next_batch()  # blocks until B complete groups within the staleness bound
+        trajectories = batch.trajectories()
+        advantages = config.advantages.for_trajectories(trajectories)
+        # A sandbox failure or an abort is not the policy's doing: recorded, but no gradient.
+        advantages = [a if t.status not in (Status.SANDBOX_ERROR, Status.ABORTED) else 0.0
+                      for a, t in zip(advantages, trajectories, strict=True)]
 
-    t0 = time.perf_counter()
-    metrics = dict(learner.train_step(trajectories, advantages))
-    train_s = time.perf_counter() - t0
+        with timed(seconds, "train_s"):
+            metrics = dict(learner.train_step(trajectories, advantages))  # its staleness_max: the batch's
 
-    t0 = time.perf_counter()
-    engine.update_weights(learner.weights(), learner.version, timeout_s=config.weight_update_timeout_s)
-    update_s = time.perf_counter() - t0
-    orchestrator.consumed(batch.group_ids, learner.version)
+        with timed(seconds, "weight_update_s"):
+            engine.update_weights(learner.weights(), learner.version, timeout_s=config.weight_update_timeout_s)
+        orchestrator.consumed(batch.group_ids, learner.version)
 
-    counts = orchestrator.counts()
-    metrics.update(batch_metrics(batch, counts))
+        counts = orchestrator.counts()
+        metrics.update(batch_metrics(batch, counts))
+        due = orchestrator.step % config.checkpoint_every == 0
+        with timed(seconds, "checkpoint_s"):  # the state copied, the previous save waited for; written meanwhile
+            state = snapshot(learner) if due else None
+            run.wait_for_state()
     if replaced := orchestrator.replacements():  # Ray: dead workers and engines replaced during the step
         metrics["replacements"] = replaced
-    metrics.update({"step": orchestrator.step, "policy_version": learner.version, "staleness_max": staleness,
-                    "wait_s": wait_s, "train_s": train_s, "weight_update_s": update_s, "time": time.time()})
-    if orchestrator.step % config.checkpoint_every == 0:
+    metrics.update({"step": orchestrator.step, "policy_version": learner.version, **seconds,
+                    **step_anatomy(batch, metrics, seconds), "time": time.time()})
+    if state is not None:
         # written while the next step runs, the metrics line after it (the previous save landed first)
-        run.save_state_later(snapshot(learner), orchestrator.progress(counts), then=("metrics.jsonl", metrics))
+        run.save_state_later(state, orchestrator.progress(counts), then=("metrics.jsonl", metrics))
     else:
-        run.wait_for_state()  # the lines stay in step order
-        run.append("metrics.jsonl", metrics)
+        run.append("metrics.jsonl", metrics)  # after the previous save's line: the lines stay in step order
     return metrics
+
+
+# The stages of a step's anatomy, in metrics.jsonl as `time/<stage>` (seconds) and `tokens/<stage>`.
+# The training loop's own, which add up to `time/step` (its wall time): waiting for complete groups,
+# waiting for a group the staleness bound holds the step for, the Learner's phases, the weight push,
+# the checkpoint, and the rest (advantages, bookkeeping). The rollouts': the engine's busy and idle
+# seconds between two batches (a wall-time split of its one loop), and the episodes' tool calls,
+# grading and sandbox creation, summed over the episodes finished in that time (episode-seconds).
+LOOP_STAGES = ("wait_rollouts", "wait_staleness", "learner_forward_backward", "learner_optimizer", "learner_other",
+               "weight_push", "checkpoint", "loop_other")
+ROLLOUT_STAGES = ("engine_prefill", "engine_decode", "engine_swap", "engine_idle", "episode_tools", "episode_grade",
+                  "episode_sandbox", "episode_generate")
+
+
+def step_anatomy(batch: Batch, learner_metrics: Mapping[str, Any], seconds: Mapping[str, float]) -> dict[str, float]:
+    """Where the wall time behind a step went (`LOOP_STAGES`, `ROLLOUT_STAGES`), from the loop's
+    `timed` seconds, the Learner's phases and the batch's rollout seconds (`Batch.seconds`); engine
+    stages only where the engine counts them (not vLLM's or Ray's)."""
+    rollouts = batch.seconds
+    learner_fb = learner_metrics.get("learner_forward_backward_s", 0.0) + learner_metrics.get("learner_proximal_s", 0.0)
+    learner_opt = learner_metrics.get("learner_optimizer_s", 0.0)
+    loop = {"wait_rollouts": rollouts.get("wait_rollouts_s", 0.0),
+            "wait_staleness": rollouts.get("wait_staleness_s", 0.0),
+            "learner_forward_backward": learner_fb, "learner_optimizer": learner_opt,
+            "learner_other": max(0.0, seconds["train_s"] - learner_fb - learner_opt),
+            "weight_push": seconds["weight_update_s"], "checkpoint": seconds["checkpoint_s"]}
+    loop["loop_other"] = max(0.0, seconds["step_s"] - sum(loop.values()))
+    out = {f"time/{k}": v for k, v in loop.items()}
+    out["time/step"] = seconds["step_s"]
+    for stage in ROLLOUT_STAGES:
+        if f"{stage}_s" in rollouts:
+            out[f"time/{stage}"] = rollouts[f"{stage}_s"]
+    if "engine_decode_tokens" in rollouts:
+        out["tokens/engine_prefill"] = rollouts["engine_prefill_tokens"]
+        out["tokens/engine_decode"] = rollouts["engine_decode_tokens"]
+        out["engine_decode_steps"] = rollouts["engine_decode_steps"]  # decode_tokens / steps: the mean batch
+    return out
+
+
+def anatomy_totals(steps: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The steps' anatomy summed (`time/<stage>` seconds, `tokens/<stage>`), with the episodes and
+    tokens they trained and those per minute of the steps' wall time (`time/step`): the figures
+    that a smaller batch cannot inflate, as it would steps per minute."""
+    totals = {k: sum(float(m.get(k, 0.0)) for m in steps)
+              for k in dict.fromkeys(k for m in steps for k in m if k.startswith(("time/", "tokens/")))}
+    episodes = sum(m.get("episodes_trained", 0) for m in steps)
+    tokens = sum(m.get("batch_tokens", 0.0) for m in steps)
+    minutes = totals.get("time/step", 0.0) / 60
+    return {**totals, "episodes_trained": float(episodes), "tokens_trained": tokens,
+            "episodes_per_min": episodes / minutes if minutes else 0.0,
+            "tokens_per_min": tokens / minutes if minutes else 0.0}
 
 
 def snapshot(learner: Any) -> Callable[[], dict[str, Any]]:
@@ -374,12 +427,14 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
             f"G={orch_config.group_size} over {orch_config.tasks_per_group} task(s), B={orch_config.groups_per_step}, "
             f"max_staleness={orch_config.staleness_bound}")
         fleet = FleetLog(cluster, run, log)  # Ray: fleet.jsonl, off the step's path
+        stepped: list[dict[str, Any]] = []  # this process's steps (a resumed run's earlier ones are not here)
         try:
             while orchestrator.step < orch_config.max_steps:
                 if config.time_budget_s is not None and time.perf_counter() - start > config.time_budget_s:
                     log(f"time budget of {config.time_budget_s:.0f} s reached at step {orchestrator.step}")
                     break
                 step_metrics = learning_step(orch_config, orchestrator, learner, engine, run)
+                stepped.append(step_metrics)
                 tracker.log(step_metrics, step_metrics["step"])
                 log(step_line(step_metrics))
                 fleet.after_step(orchestrator.step)
@@ -399,7 +454,8 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
                "pass_rate_start": evals[0]["pass_rate"] if evals and evals[0]["step"] == 0 else float("nan"),
                "pass_rate_end": final["pass_rate"],
                # the paired change on the held-out tasks, start -> end (None without a start eval)
-               "lift": paired_lift(evals[0], final) if evals and evals[0]["step"] == 0 else None}
+               "lift": paired_lift(evals[0], final) if evals and evals[0]["step"] == 0 else None,
+               "anatomy": anatomy_totals(stepped)}
     checkpoint = None
     if config.register_checkpoint and orchestrator.step > 0:
         metrics = {"eval_pass_rate": final["pass_rate"], "eval_valid_tool_call_rate": final["valid_tool_call_rate"],

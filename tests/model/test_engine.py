@@ -22,6 +22,7 @@ from flywheel.model.engine import (
     Generation,
     LocalEngine,
     SamplingParams,
+    _BatchCache,
     _DecodeThreads,
     sample_tokens,
     wait_all,
@@ -272,6 +273,29 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_equals_a_full_forward(mode
         assert engine.reused_tokens == 0
 
 
+def test_the_engine_counts_the_tokens_it_prefills_and_decodes(model, other_weights, prompts):
+    """`counters()`: prefill tokens are those fed (a group's twin prompts count their last token
+    only), decode tokens one per row per step (a request's first token comes from its prefill), and
+    the seconds of each are counted; a ProcessEngine answers with its child's."""
+    lengths = [4, 7, 1, 5]
+    with engine_for(model, max_batch=8, prompt_cache=0) as engine:
+        wait_all([engine.submit(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, lengths, strict=False)],
+                 TIMEOUT_S)
+        c = engine.counters()
+        assert c["prefill_tokens"] == sum(len(p) for p in prompts[: len(lengths)])
+        assert c["decode_tokens"] == sum(n - 1 for n in lengths) and c["decode_steps"] >= max(lengths) - 1
+        assert c["prefill_s"] > 0 and c["decode_s"] > 0 and c["swap_s"] == 0
+        engine.update_weights(other_weights, 1, timeout_s=TIMEOUT_S)
+        assert engine.counters()["swap_s"] > 0
+    with engine_for(model, max_batch=8) as engine:  # the prompt cache: the twins feed their last token
+        wait_all([engine.submit(prompts[0], SamplingParams(max_tokens=2)) for _ in range(3)], TIMEOUT_S)
+        assert engine.counters()["prefill_tokens"] == len(prompts[0]) + 2
+    with ProcessEngine(model, EngineConfig(max_batch=4, prompt_cache=0)) as remote:
+        remote.generate(prompts[:2], SamplingParams(max_tokens=3))
+        c = remote.counters()
+        assert c["prefill_tokens"] == len(prompts[0]) + len(prompts[1]) and c["decode_tokens"] == 4
+
+
 def test_the_session_cache_keeps_only_the_most_recent(model, prompts):
     with engine_for(model, session_cache=2) as engine:
         gens = [engine.submit(p, SamplingParams(max_tokens=3, session=f"s{i}")).result(TIMEOUT_S)
@@ -282,8 +306,8 @@ def test_the_session_cache_keeps_only_the_most_recent(model, prompts):
         assert engine.reused_tokens == len(prompts[2]) + len(gens[2].token_ids) - 1
 
 
-@pytest.mark.parametrize("lean_decode", [True, False])
-def test_continuous_batching_matches_one_at_a_time_greedy(model, prompts, lean_decode):
+@pytest.mark.parametrize(("lean_decode", "rows_in_place"), [(True, True), (False, True), (True, False)])
+def test_continuous_batching_matches_one_at_a_time_greedy(model, prompts, lean_decode, rows_in_place):
     lengths = [5, 30, 9, 17, 3, 24, 12]
     # A stop token that greedy decoding reaches mid-way in some sequences but not all.
     free = [greedy_reference(model, p, n).token_ids for p, n in zip(prompts, lengths, strict=True)]
@@ -292,7 +316,8 @@ def test_continuous_batching_matches_one_at_a_time_greedy(model, prompts, lean_d
     assert {"stop", "length"} == {g.finish_reason for g in expected}
 
     # 7 requests: most wait
-    with engine_for(model, max_batch=3, max_prefill_per_step=2, lean_decode=lean_decode) as engine:
+    with engine_for(model, max_batch=3, max_prefill_per_step=2, lean_decode=lean_decode,
+                    rows_in_place=rows_in_place) as engine:
         futures = [engine.submit(p, SamplingParams(temperature=0, max_tokens=n, stop_token_ids=(stop,)))
                    for p, n in zip(prompts, lengths, strict=True)]
         gens = wait_all(futures, TIMEOUT_S)
@@ -303,6 +328,49 @@ def test_continuous_batching_matches_one_at_a_time_greedy(model, prompts, lean_d
             assert got.token_ids[-1] == stop and stop not in got.token_ids[:-1]
         else:
             assert len(got.token_ids) == n
+
+
+def test_rows_leave_and_join_the_batch_in_place_with_each_rows_own_cache():
+    """`drop` moves the last rows into the places of those that leave, and `append` writes newcomers
+    into the room that leaves: every row keeps exactly its keys, values, mask and position, as the
+    copying `select` and `from_parts` give them."""
+    g = torch.Generator().manual_seed(0)
+
+    def cache(rows: int, width: int, lengths: list[int]) -> _BatchCache:
+        layers, mask = _BatchCache.allocate([(torch.empty(0, 2, 0, 4), torch.empty(0, 2, 0, 4))] * 2, rows, 64)
+        for k, v in layers:
+            k.copy_(torch.randn(k.shape, generator=g))
+            v.copy_(torch.randn(v.shape, generator=g))
+        for r, n in enumerate(lengths):
+            mask[r, width - n : width] = 1
+        return _BatchCache(layers, mask, width)
+
+    def rows_of(c: _BatchCache) -> list[tuple]:  # each row's real tokens, right-aligned
+        out = []
+        for r in range(c.mask.shape[0]):
+            real = c.mask[r, : c.width] > 0
+            out.append((int(c.positions[r]), [(k[r, :, : c.width][:, real], v[r, :, : c.width][:, real])
+                                              for k, v in c.layers]))
+        return out
+
+    def same(a: list[tuple], b: list[tuple]) -> None:
+        assert [p for p, _ in a] == [p for p, _ in b]
+        for (_, la), (_, lb) in zip(a, b, strict=True):
+            for (ka, va), (kb, vb) in zip(la, lb, strict=True):
+                assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+    batch = cache(6, 20, [20, 5, 12, 17, 9, 14])
+    before = rows_of(batch)
+    order = batch.drop([1, 4])
+    assert sorted(order) == [0, 2, 3, 5] and batch.mask.shape[0] == 4
+    same(rows_of(batch), [before[i] for i in order])
+    newcomer = cache(2, 11, [11, 6])
+    assert batch.append(newcomer) and batch.mask.shape[0] == 6
+    same(rows_of(batch), [before[i] for i in order] + rows_of(newcomer))
+    assert not batch.append(cache(1, 30, [30]))  # wider than the batch: the caller copies (from_parts)
+    assert not batch.append(newcomer)  # no room left
+    copied = _BatchCache.from_parts([batch.select(list(range(6))), cache(1, 30, [30])])
+    assert copied.mask.shape[0] == 7 and copied.width == 30
 
 
 def test_mixed_greedy_and_sampled_rows_share_a_batch(model, prompts):

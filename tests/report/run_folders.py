@@ -19,9 +19,18 @@ def write_training_run(folder: Path, steps: int = 6, torn_last_line: bool = Fals
             row = {"loss": 0.1, "step": step, "policy_version": step, "reward_mean": 0.1 * step,
                    "pass_rate": 0.05 * step, "tokens_per_s": 1000.0 + 10 * step, "staleness_max": step % 2,
                    "staleness_mean": 0.4, "train_s": 0.5, "wait_s": 0.1, "filtered_groups": 0,
+                   "seconds": 0.48,  # the Learner's own (its train_step), beside the anatomy's time/<stage>
                    "time": T0 + step,
                    "staleness/0": 300.0, "staleness/1": 100.0 * (step % 2),
-                   "kl": math.nan if step == 2 else 0.01}  # NaN as json.dumps writes it: NaN
+                   "kl": math.nan if step == 2 else 0.01,  # NaN as json.dumps writes it: NaN
+                   # the step's anatomy (train.py `step_anatomy`)
+                   "time/wait_rollouts": 0.08, "time/wait_staleness": 0.02 * (step % 2), "time/checkpoint": 0.01,
+                   "time/learner_forward_backward": 0.3, "time/learner_optimizer": 0.1, "time/learner_other": 0.1,
+                   "time/weight_push": 0.05, "time/loop_other": 0.0, "time/step": 0.64 + 0.02 * (step % 2),
+                   "time/engine_prefill": 0.1, "time/engine_decode": 0.4, "time/engine_swap": 0.01,
+                   "time/engine_idle": 0.15, "time/episode_tools": 1.5, "time/episode_grade": 2.0,
+                   "time/episode_sandbox": 0.3, "time/episode_generate": 6.0,
+                   "tokens/engine_prefill": 2000.0, "tokens/engine_decode": 1600.0 * step}
             f.write(json.dumps(row) + "\n")
         if torn_last_line:
             f.write('{"step": 99, "rew')  # a line still being appended

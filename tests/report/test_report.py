@@ -6,6 +6,7 @@ import json
 import re
 from html.parser import HTMLParser
 
+import pytest
 from run_folders import T0, cycle, write_cycle, write_training_run
 
 from flywheel.report import (
@@ -21,6 +22,7 @@ from flywheel.report import (
 )
 from flywheel.report.data import merged_monitors
 from flywheel.report.records import ABRecord, GateDecisionRecord, GateRecord, MonitorRecord
+from flywheel.report.render import ENGINE_STAGES, EPISODE_STAGES, LOOP_STAGES
 
 
 class Elements(HTMLParser):
@@ -61,8 +63,9 @@ def test_report_draws_every_view_from_a_demo_folder(demo_folder):
     assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched from elsewhere
     assert "<script" not in page  # the static report needs none
     dom = Elements(page)
-    # simulated RL: 6 steps of reward, 3 evals of 3 lines (all + 2 families), staleness max, throughput
-    assert dom.count("point", "training") == 6 + 3 * 3 + 6 + 6
+    # simulated RL: 6 steps of reward, 3 evals of 3 lines (all + 2 families), staleness max, throughput, the
+    # engine's decode and prefill tokens/s
+    assert dom.count("point", "training") == 6 + 3 * 3 + 6 + 6 + 2 * 6
     assert dom.count("band", "training") == 1
     assert dom.count("bar", "training") == 2  # tokens 0 and 1 versions behind
     # cycles: each check across 2 cycles, the latest cycle's gate (2 checks) and A/B (2 metrics), then cycle 1's
@@ -95,7 +98,7 @@ def test_partial_inputs_render_what_there_is(tmp_path):
     gated.update(ab=None, monitor=None, alarms=[], blocking_alarms=[], decision="rejected")
     write_cycle(type(cycle(1)).model_validate(gated), tmp_path / "cycles")
     dom = Elements(render_report(tmp_path).read_text())
-    assert dom.count("point", "training") == 6 + 6 + 6
+    assert dom.count("point", "training") == 6 + 6 + 6 + 2 * 6  # no eval: reward, staleness, the throughputs
     assert "no data yet" in " ".join(dom.texts.get("training", []))  # the held-out chart
     assert "not computed" in dom.text("cycles") and "no A/B test" in dom.text("cycles")
     assert "no data yet" in dom.text("monitors")
@@ -317,3 +320,23 @@ def test_a_ray_runs_fleet_is_drawn_per_node_and_a_local_run_has_no_fleet_charts(
     assert set(chart_points(page, "Sandbox admission queue wait")) == {"node 7bddd57a", "node 0c1e2f3a"}
     assert chart_points(page, "Sandboxes created per second per node")
     assert build_report_data([run])["training"][0]["fleet"][0]["nodes"]["7bddd57a"]["live_sandboxes"] == 1
+
+
+def test_each_steps_anatomy_is_drawn_stacked_with_the_stage_names_the_loop_writes(tmp_path):
+    page = render_report(write_training_run(tmp_path / "run", steps=4)).read_text()
+    loop = next(svg for svg in page.split("<svg")[1:] if 'aria-label="Where the wall time' in svg)
+    dom = Elements("<svg" + loop.split("</svg>")[0])
+    parts: dict[float, float] = {}
+    for tag, attributes, _ in dom.found:
+        if tag == "rect" and "stacked" in attributes.get("class", ""):
+            step = float(attributes["data-x"])
+            parts[step] = parts.get(step, 0.0) + float(attributes["data-value"])
+    assert parts == pytest.approx({1: 0.66, 2: 0.64, 3: 0.66, 4: 0.64})  # the parts add up to time/step
+    for title in ("Engine wall time behind each step", "Engine throughput", "Episode-seconds behind each step"):
+        assert f'aria-label="{title}' in page
+    assert chart_points(page, "Engine throughput")["decode"] == [1.0, 2.0, 3.0, 4.0]
+    # the report's stage names are the loop's (report/ may not import rl/, so they are written twice)
+    from flywheel.rl import train  # noqa: PLC0415  (torch: only this test imports it, here)
+
+    assert tuple(LOOP_STAGES) == train.LOOP_STAGES
+    assert set(ENGINE_STAGES) | set(EPISODE_STAGES) == set(train.ROLLOUT_STAGES)

@@ -10,6 +10,7 @@ import pytest
 from flywheel.report.svg import (
     Bar,
     IntervalRow,
+    Layer,
     LinearScale,
     Mark,
     RefLine,
@@ -20,6 +21,7 @@ from flywheel.report.svg import (
     interval_chart,
     line_chart,
     nice_ticks,
+    stacked_chart,
 )
 
 NS = {"s": "http://www.w3.org/2000/svg"}
@@ -95,6 +97,7 @@ def test_text_is_escaped_everywhere():
     lambda: line_chart("all NaN", [Series("a", [(0, math.nan), (1, None), (math.inf, 1.0)])]),
     lambda: interval_chart("nothing", []),
     lambda: bar_chart("nothing", [Bar("0", None), Bar("1", math.nan)]),
+    lambda: stacked_chart("nothing", [1, 2], [Layer("a", [None, math.nan]), Layer("b", [0.0, -1.0])]),
 ])
 def test_no_finite_data_says_no_data_yet(chart):
     root = parse(chart())
@@ -150,3 +153,18 @@ def test_bars_grow_from_zero_in_proportion_to_their_values():
     assert math.isclose(heights["0"] / heights["1"], 3.0, rel_tol=1e-3)
     assert math.isclose(heights["0"] / heights["2"], 6.0, rel_tol=1e-3)
     assert float(bars["2"].get("y")) >= float(bars["0"].get("y")) + heights["0"] - 0.01  # below the zero line
+
+
+def test_stacked_bars_pile_each_steps_parts_in_order_to_its_total():
+    root = parse(stacked_chart("seconds", [1, 2, 3], [Layer("wait", [2.0, 1.0, None]), Layer("train", [1.0, 3.0, 4.0]),
+                                                      Layer("never", [0.0, 0.0, 0.0])]))
+    rects = by_class(root, "stacked")
+    assert [(r.get("data-x"), r.get("data-series"), float(r.get("data-value"))) for r in rects] == [
+        ("1", "wait", 2.0), ("1", "train", 1.0), ("2", "wait", 1.0), ("2", "train", 3.0), ("3", "train", 4.0)]
+    # each layer sits on the one below it, heights in proportion to the values
+    wait, train = rects[0], rects[1]
+    assert math.isclose(float(train.get("y")) + float(train.get("height")), float(wait.get("y")), abs_tol=0.02)
+    assert math.isclose(float(wait.get("height")) / float(train.get("height")), 2.0, rel_tol=1e-3)
+    assert math.isclose(float(rects[4].get("height")), float(rects[2].get("height")) + float(rects[3].get("height")),
+                        abs_tol=0.05)  # step 3's 4 s is as tall as step 2's 1 + 3
+    assert "never" not in ET.tostring(by_class(root, "legend")[0], encoding="unicode")  # an all-zero layer

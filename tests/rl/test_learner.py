@@ -24,6 +24,7 @@ from flywheel.rl.learner import (
 )
 from flywheel.rl.loss import LossConfig, loss_denominator
 from flywheel.rl.sft import masked_ce_loss
+from flywheel.rl.training import shared_prefix_groups
 
 TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, num_experts=4,
                    experts_per_token=2, moe_intermediate_size=32)
@@ -189,6 +190,75 @@ def test_micro_batching_by_token_budget_gives_the_gradient_of_one_batch(tokenize
         torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-6)
     naive, _ = gradient(40, shared_denominator=False)
     assert any(not torch.allclose(naive[n], whole[n], rtol=1e-3, atol=1e-5) for n in whole)
+
+
+def sibling(model, t: Trajectory, keep: int, length: int, seed: int, version: int = 0) -> Trajectory:
+    """An episode of the same task that began as `t` did: its first `keep` tokens, then its own
+    (generated from there on), with behaviour logprobs from `model` itself."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = t.tokens[:keep] + torch.randint(0, model.config.vocab_size, (length - keep,), generator=g).tolist()
+    mask = t.loss_mask[:keep] + [1] * (length - keep)
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, ids, torch.ones_like(ids))
+    return t.model_copy(update={"tokens": tokens, "loss_mask": mask, "versions": [version if m else -1 for m in mask],
+                                "logprobs": [lp if m else 0.0 for lp, m in zip(logp[0].tolist(), mask, strict=True)]})
+
+
+def shared_batch(model) -> list[Trajectory]:
+    """Two tasks' episodes as a GRPO group holds them: one task's first two episodes identical (a
+    confident policy), a third alike for their first 41 tokens, the other task's two alike for
+    their first 36; and an episode that shares nothing."""
+    first, other = trajectory(model, 60, seed=3), trajectory(model, 50, seed=4)
+    return [first, first.model_copy(update={"group_id": "g2"}), sibling(model, first, 41, 57, seed=5),
+            other, sibling(model, other, 36, 44, seed=6), trajectory(model, 30, seed=7)]
+
+
+def test_episodes_that_begin_alike_run_their_common_prefix_once_with_the_same_logprobs(model):
+    batch = shared_batch(model)
+    def groups(budget: int, **kwargs) -> list[tuple[list[int], int]]:
+        return sorted((sorted(rows), p) for rows, p in shared_prefix_groups([t.tokens for t in batch], budget,
+                                                                             **kwargs))
+
+    assert groups(1024) == [([0, 1, 2], 41), ([3, 4], 36)]
+    assert groups(90) == [([0, 1], 59), ([3, 4], 36)]  # 41 + 3 x 19 > 90: the identical two alone, to token 59
+    assert groups(1024, min_shared=37) == [([0, 1, 2], 41)]
+    mbs = make_micro_batches(batch, [0.0] * 6, [t.loss_mask for t in batch], 1024, random.Random(0),
+                             share_prefix=True)
+    assert sorted(b.prefix for b in mbs) == [0, 36, 41] and sum(b.ids.shape[0] for b in mbs) == 6
+    for b in mbs:
+        if b.prefix:
+            shared, shared_entropy = token_logprobs(model, b.ids, b.attention, entropy=True, scored=b.mask,
+                                                    prefix=b.prefix)
+            alone, alone_entropy = token_logprobs(model, b.ids, b.attention, entropy=True, scored=b.mask)
+            torch.testing.assert_close(shared, alone, rtol=0, atol=1e-5)
+            torch.testing.assert_close(shared_entropy, alone_entropy, rtol=0, atol=1e-5)
+            assert torch.equal(shared[b.mask == 0], torch.zeros_like(shared[b.mask == 0]))
+
+
+def test_a_shared_prefix_gives_the_step_of_every_row_computed_alone(tokenizer):
+    """share_prefix changes the work, not the step: the same loss, gradient norm, statistics and
+    weights after it, with stale tokens and per-token advantages in the shared part."""
+    model = build_model(TINY, tokenizer)
+    batch = shared_batch(model)
+    batch[1] = batch[1].model_copy(update={"versions": [1 if m else -1 for m in batch[1].loss_mask],
+                                           "logprobs": [lp - 0.2 if m else 0.0 for lp, m in
+                                                        zip(batch[1].logprobs, batch[1].loss_mask, strict=True)]})
+    advantages = [1.0, -0.5, [0.3] * 20 + [-0.8] * 37, -1.2, 0.7, 0.4]
+    results = {}
+    for share in (True, False):
+        learner = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-2, share_prefix=share, micro_batch_tokens=256))
+        learner.version = 1
+        metrics = learner.train_step(batch, advantages)
+        results[share] = metrics, params(learner.model)
+    (shared, shared_weights), (alone, alone_weights) = results[True], results[False]
+    for key in ("loss", "grad_norm", "entropy", "is_weight_mean", "loss_tokens", "engine_logprob_mismatch_max"):
+        assert shared[key] == pytest.approx(alone[key], rel=1e-5, abs=1e-6), key
+    for name, weight in alone_weights.items():  # Adam's step is lr-sized (1e-2) even where a gradient is ~0,
+        torch.testing.assert_close(shared_weights[name], weight, rtol=1e-5, atol=1e-5)  # where rounding shows
+    # the on-policy episode's behaviour logprobs are the model's own less 0.2: recomputed through the
+    # shared prefix to within 1e-5 of that
+    assert shared["engine_logprob_mismatch_max"] == pytest.approx(0.2, abs=1e-5)
 
 
 def test_one_step_per_batch_takes_the_proximal_logprobs_from_its_own_forward(tokenizer):

@@ -178,6 +178,25 @@ def test_staleness_never_exceeds_the_bound(tmp_path_factory, tasks, tokenizer, p
     assert max(engine.turn_versions) >= 3  # the engine got the new versions
 
 
+@pytest.mark.parametrize("max_staleness", [0, 3])
+def test_the_learners_wait_is_split_into_waiting_for_rollouts_and_for_the_staleness_bound(tmp_path, tasks, tokenizer,
+                                                                                          pool, max_staleness):
+    """At bound 0 every group is due at the version it started at, so every wait is the bound's; at 3
+    no group of a 3-step run comes due, so every wait is for complete groups. The episodes' tool
+    calls, grading and sandbox creation are summed into each batch."""
+    engine, learner = RandomLatencyEngine(tokenizer, tasks, seed=5, mean_delay_s=0.02), RecordingLearner()
+    with orchestrator(config(max_staleness=max_staleness, max_steps=3), tasks, engine, learner, tokenizer, pool,
+                      tmp_path) as orch:
+        history = train(orch, learner)
+    by_bound = sum(m["time/wait_staleness"] for m in history)
+    for_groups = sum(m["time/wait_rollouts"] for m in history)
+    assert (by_bound > 0 and for_groups == 0) if max_staleness == 0 else (by_bound == 0 and for_groups > 0)
+    for m in history:
+        assert m["time/wait_staleness"] + m["time/wait_rollouts"] <= m["wait_s"]
+        assert m["time/episode_grade"] > 0 and m["time/episode_sandbox"] > 0 and m["time/episode_tools"] > 0
+        assert "time/engine_decode" not in m  # a fake engine counts nothing
+
+
 def test_async_rollouts_continue_under_new_weights(tmp_path, tasks, tokenizer, pool):
     """Partial rollouts: episodes started under one version finish under the next, and both are recorded."""
     engine = RandomLatencyEngine(tokenizer, tasks, seed=3, mean_delay_s=0.02)

@@ -183,7 +183,11 @@ def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_an
     ray_records, local_records = rows(run_dir / "trajectories.jsonl"), rows(tmp_path / "local" / "trajectories.jsonl")
     assert set(ray_records[0]) == set(local_records[0])
     assert set(ray_records[0]["trajectory"]) == set(local_records[0]["trajectory"])
-    assert set(local_metrics[0]) - set(ray_metrics[0]) == set()
+    # the step's anatomy counts the engine's tokens and seconds where it runs here (LocalEngine.counters)
+    assert set(local_metrics[0]) - set(ray_metrics[0]) == {"time/engine_prefill", "time/engine_decode",
+                                                           "time/engine_swap", "time/engine_idle",
+                                                           "tokens/engine_prefill", "tokens/engine_decode",
+                                                           "engine_decode_steps"}
     assert set(ray_metrics[0]) - set(local_metrics[0]) == {"failover_episodes", "engine_restarts", "engine_resubmits",
                                                            "workers_replaced"}
     turns = [t["trajectory"]["turns"] for t in ray_records]

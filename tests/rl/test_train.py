@@ -20,7 +20,7 @@ from flywheel.cli import main
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import Registry
 from flywheel.model.tokenizer import train_tokenizer
-from flywheel.rl.train import TrainConfig, eval_tasks, train
+from flywheel.rl.train import LOOP_STAGES, TrainConfig, eval_tasks, train
 from tests.agent.test_evaluate import episode
 from tests.rl.broken_call_policy import broken_call_policy
 
@@ -70,6 +70,13 @@ tensorboard = true
     assert first < untouched - 0.02  # the start really does emit broken calls, and pays for them
     assert last > first + 0.02, [round(s["reward_mean"], 3) for s in steps]
     assert max(s["staleness_max"] for s in steps) <= 1
+    # Each step's anatomy: the loop's stages add up to its wall time, and the engine's prefill and
+    # decode behind it are counted (tokens/s of each from the tokens and seconds).
+    for s in steps:
+        assert sum(s[f"time/{k}"] for k in LOOP_STAGES) == pytest.approx(s["time/step"], rel=1e-6)
+        assert s["time/learner_forward_backward"] > 0 and s["time/learner_optimizer"] > 0
+        assert s["time/engine_prefill"] + s["time/engine_decode"] + s["time/engine_idle"] > 0
+    assert sum(s["tokens/engine_decode"] for s in steps) > 0 and sum(s["tokens/engine_prefill"] for s in steps) > 0
     with Registry(tmp_path / "registry") as registry:
         (_, _, trained) = registry.list()
         assert trained.version == 2 and trained.parent == 1 and trained.metrics["train_steps"] == 10
