@@ -338,11 +338,9 @@ class TextCompletionResponse(BaseModel):
 
 
 def openai_tool_call(call: Any) -> dict[str, Any]:
-    out = {"id": call.id, "type": "function",
-           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
-    if call.error is not None:
-        out["error"] = call.error  # not OpenAI's: the reason the call is invalid (answer it with this)
-    return out
+    """A valid call as OpenAI sends it (an invalid one goes to the client as text: model/chat.py `client_view`)."""
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[float], tokenizer: Any,

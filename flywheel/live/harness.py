@@ -87,7 +87,7 @@ from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import Sandbox, SandboxError
 from flywheel.env.task import Task
 from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
-from flywheel.model.chat import IM_END, parse_assistant, tools_in_prompt
+from flywheel.model.chat import IM_END, client_view, parse_assistant, tools_in_prompt
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import Engine, EngineError, Generation, SamplingParams
 
@@ -129,7 +129,7 @@ def _canonical(message: dict[str, Any]) -> tuple[Any, ...]:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except ValueError:  # not JSON, or an integer past int()'s 4,300 digits
                 pass  # kept as the string: it matches only the same string
         calls.append((call["function"]["name"], json.dumps(args, sort_keys=True)))
     return message["role"], message.get("content") or "", tuple(calls)
@@ -427,9 +427,11 @@ class HarnessServer:
             answer = self.tokenizer.decode(generation.token_ids, skip_special_tokens=False)
             completion_id = f"chatcmpl-{uuid.uuid4().hex}"
             content, calls, unknown = self._calls(answer, declared, completion_id)
-            message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-            if calls:
-                message["tool_calls"] = [openai_tool_call(c) for c in calls]
+            # Only calls the harness can dispatch go out as tool_calls; the ledger counts every call.
+            content, sent_calls = client_view(answer, content, calls) if calls else (content, [])
+            message: dict[str, Any] = {"role": "assistant", "content": content or (None if sent_calls else "")}
+            if sent_calls:
+                message["tool_calls"] = [openai_tool_call(c) for c in sent_calls]
             segment_index = episode.ledger.record(plan, generation, messages, message, calls)
         served = ServedCompletion(
             id=completion_id, segment=segment_index, prompt_ids=list(prompt_ids),
@@ -444,7 +446,7 @@ class HarnessServer:
                 episode.stopped = exc
                 raise ApiError(503, "this episode was stopped (its run is shutting down); end the harness",
                                "server_error", "episode_stopped") from None
-        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
+        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if sent_calls else "stop")
         counts = usage(len(prompt_ids), len(generation.token_ids))
         head = {"id": completion_id, "created": int(time.time()), "model": req.model,
                 "system_fingerprint": f"flywheel-v{generation.versions[-1] if generation.versions else -1}",

@@ -51,7 +51,7 @@ from flywheel.api.streaming import DONE, sse
 from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
 from flywheel.live.deploy import NotServed
 from flywheel.live.records import BACKGROUND, INTERACTIVE, Completion, CompletionToolCall, storable
-from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, parse_assistant, tools_in_prompt
+from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, client_view, parse_assistant, tools_in_prompt
 from flywheel.model.conversation import PromptTooLong
 from flywheel.model.engine import EngineError, SamplingParams
 
@@ -60,7 +60,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_VERSION_NAME = re.compile(r"v(\d{1,9})")  # 9 digits: int() and SQLite take it
+# ASCII digits only (re's \d also takes "٠", an Arabic-Indic zero, which int() reads as 0); 9 digits:
+# int() and SQLite take it.
+_VERSION_NAME = re.compile(r"v([0-9]{1,9})")
 _HEADER_SAFE_ID = re.compile(rf"[!-~]{{1,{MAX_ID_CHARS}}}")
 
 
@@ -427,7 +429,9 @@ class _Call:
             schemas = {t["function"]["name"]: t for t in req.tools or []}
             content, calls = parse_assistant(answer, call_id_prefix=f"call_{self.id[9:21]}", schemas=schemas)
             calls = [_storable_call(c) for c in calls]
-        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
+        # The client is sent only calls it can dispatch; the record keeps every call (client_view says why).
+        content, sent_calls = client_view(answer, content, calls) if calls else (content, [])
+        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if sent_calls else "stop")
         completion = Completion(
             id=self.id, session_id=self.session_id, user_id=self.user_id, version=lease.version,
             prompt_ids=self.prompt_ids, completion_ids=generation.token_ids, logprobs=generation.logprobs,
@@ -445,9 +449,9 @@ class _Call:
             raise ApiError(400, str(exc)) from None
         server.metrics.completion(lease.version, lease.arm, len(self.prompt_ids), len(generation.token_ids),
                                   self.engine_ms / 1000)
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-        if calls:
-            message["tool_calls"] = [openai_tool_call(c) for c in calls]
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if sent_calls else "")}
+        if sent_calls:
+            message["tool_calls"] = [openai_tool_call(c) for c in sent_calls]
         if req.top_logprobs and generation.top_logprobs is None:
             raise ApiError(400, f"v{lease.version}'s engine does not return top_logprobs; leave top_logprobs unset",
                            param="top_logprobs")
