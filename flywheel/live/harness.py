@@ -79,7 +79,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from flywheel.agent.episode import EpisodeConfig, EpisodeState
 from flywheel.agent.trajectory import INVALID_CALL_PENALTY, Status, Trajectory
 from flywheel.api.errors import ApiError, describe_errors, install_error_handlers
-from flywheel.api.http import RunningServer, read_body
+from flywheel.api.http import RunningServer, read_body, unless_client_left
 from flywheel.api.records import openai_tool_call, parse_chat, usage
 from flywheel.api.streaming import stream_message
 from flywheel.env.grading import GradeConfig, grade
@@ -390,7 +390,9 @@ class HarnessServer:
                            "HarnessServer.start gave", "authentication_error", "invalid_api_key")
         return episode
 
-    async def complete(self, episode: HarnessEpisode, body: bytes) -> Response:
+    async def complete(self, episode: HarnessEpisode, body: bytes, request: Request) -> Response:
+        """One turn: a harness that leaves before its answer cancels the engine request, and nothing
+        of the turn enters the ledger (a generation nobody received is no training turn)."""
         received = time.perf_counter()
         req = parse_chat(body)
         if req.tool_choice == "none":
@@ -413,10 +415,12 @@ class HarnessServer:
             params = SamplingParams(
                 temperature=self.config.temperature if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, max_tokens=min(max_tokens, budget),
-                stop_token_ids=self._stop, session=f"{episode.id}-{id(plan.segment)}", priority=episode.priority)
+                stop_token_ids=self._stop, session=f"{episode.id}-{id(plan.segment)}", priority=episode.priority,
+                seed=req.seed)
             t0 = time.perf_counter()
             try:
-                generation = await asyncio.wrap_future(self.engine.submit(prompt_ids, params))
+                future = self.engine.submit(prompt_ids, params)
+                generation = await unless_client_left(request, asyncio.wrap_future(future), future.cancel)
             except EngineError as exc:
                 raise ApiError(503, f"the engine failed ({exc}); retry later", "server_error",
                                "engine_failed") from None
@@ -486,7 +490,9 @@ class HarnessServer:
                     f"({', '.join(declared) or 'none'})")))
         return content, calls, unknown
 
-    def execute(self, episode: HarnessEpisode, body: bytes) -> dict[str, Any]:
+    def execute(self, episode: HarnessEpisode, body: bytes, cancel: threading.Event | None = None) -> dict[str, Any]:
+        """Run the command in the episode's sandbox; `cancel` (its client left) kills it, the sandbox
+        staying usable for the next."""
         try:
             req = _ExecRequest.model_validate_json(body)
         except ValidationError as exc:
@@ -496,7 +502,7 @@ class HarnessServer:
         timeout = min(req.timeout_s or self.config.exec_timeout_s, self.config.exec_timeout_s)
         t0 = time.perf_counter()
         try:
-            result = episode.sandbox.run(command, timeout_s=timeout)
+            result = episode.sandbox.run(command, timeout_s=timeout, cancel=cancel)
         except SandboxError as exc:
             raise ApiError(409, f"the episode's sandbox failed: {exc}", code="sandbox_error") from None
         episode.exec_s += time.perf_counter() - t0
@@ -510,7 +516,7 @@ class HarnessServer:
         @app.post("/episodes/{episode_id}/v1/chat/completions")
         async def chat_completions(episode_id: str, request: Request) -> Response:
             episode = self._episode(episode_id, request)
-            return await self.complete(episode, await read_body(request, 4 << 20))
+            return await self.complete(episode, await read_body(request, 4 << 20), request)
 
         @app.get("/episodes/{episode_id}/v1/models")
         async def models(episode_id: str, request: Request) -> dict[str, Any]:
@@ -522,8 +528,10 @@ class HarnessServer:
         async def execute(episode_id: str, request: Request) -> Response:
             episode = self._episode(episode_id, request)
             body = await read_body(request, 2 << 20)
-            return Response(json.dumps(await run_in_threadpool(self.execute, episode, body)),
-                            media_type="application/json")
+            cancel = threading.Event()
+            result = await unless_client_left(request, run_in_threadpool(self.execute, episode, body, cancel),
+                                              cancel.set)
+            return Response(json.dumps(result), media_type="application/json")
 
         return app
 

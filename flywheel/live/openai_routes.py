@@ -31,7 +31,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
 from flywheel.api.errors import ApiError
-from flywheel.api.http import json_body, json_reply, read_body
+from flywheel.api.http import json_body, json_reply, read_body, unless_client_left
 from flywheel.api.records import (
     MAX_ID_CHARS,
     ChatCompletionResponse,
@@ -54,6 +54,7 @@ from flywheel.live.records import BACKGROUND, INTERACTIVE, Completion, Completio
 from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, client_view, parse_assistant, tools_in_prompt
 from flywheel.model.conversation import PromptTooLong
 from flywheel.model.engine import EngineError, SamplingParams
+from flywheel.store.database import StoreUnavailable
 
 if TYPE_CHECKING:
     from flywheel.live.server import LiveServer, ServeConfig
@@ -194,7 +195,10 @@ async def complete_chat(server: LiveServer, request: Request, body: bytes) -> Re
             include_usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(_stream_choices(calls, queues, include_usage),
                                      media_type="text/event-stream", headers=call.headers())
-        generations = [await c.generation() for c in calls]
+        # A client that leaves before its answer cancels the engine requests (the engine drops them at
+        # its next step): a generation nobody received is never stored, so never a training turn.
+        generations = await unless_client_left(request, asyncio.gather(*(c.generation() for c in calls)),
+                                               lambda: [c.future.cancel() for c in calls])
     finally:
         if not released:
             router.release(lease)
@@ -447,6 +451,8 @@ class _Call:
             await run_in_threadpool(server.store.add_completion, completion)
         except ValueError as exc:  # a value the checks before generation missed: refused, nothing stored
             raise ApiError(400, str(exc)) from None
+        except StoreUnavailable as exc:  # as an ApiError, so a stream carries it as its last chunk
+            raise ApiError.store_unavailable(exc) from None
         server.metrics.completion(lease.version, lease.arm, len(self.prompt_ids), len(generation.token_ids),
                                   self.engine_ms / 1000)
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if sent_calls else "")}
@@ -555,6 +561,8 @@ async def _stream_choices(calls: list[_Call], queues: list[asyncio.Queue[tuple[i
     finally:
         for task in pumps:
             task.cancel()
+        for call in calls:  # the client left mid-stream: its engine requests stop (done ones are unaffected)
+            call.future.cancel()
     for task in pumps:  # a failure other than the API errors the stream already carries
         if not task.cancelled() and task.exception() is not None:
             raise task.exception()

@@ -244,6 +244,11 @@ class Registry:
             merged = json.loads(row[0]) | {name: float(value) for name, value in metrics.items()}
             self._db.execute("UPDATE checkpoints SET metrics = ? WHERE version = ?", (json.dumps(merged), version))
 
+    def ping(self) -> None:
+        """StoreUnavailable unless the index answers now (it reconnects by itself: flywheel/store)."""
+        with self._db_lock:
+            self._db.ping()
+
     def close(self) -> None:
         with self._db_lock:
             self._db.close()

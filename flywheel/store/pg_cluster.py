@@ -16,9 +16,11 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -51,10 +53,31 @@ class ThrowawayCluster:
 
     def start(self) -> ThrowawayCluster:
         self._run("initdb", "-D", str(self.data), "-U", SUPERUSER, "-A", "trust", "-E", "UTF8", "--no-locale")
+        self.restart()
+        return self
+
+    def restart(self) -> None:
+        """Start the server on the cluster's data (after `kill`: crash recovery replays the WAL first)."""
         options = (f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self.folder} "
                    "-c fsync=on -c synchronous_commit=on -c max_connections=200")
         self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.folder / "server.log"), "-w", "start")
-        return self
+
+    def kill(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL the postmaster and every process it started, as a crash of the database host's
+        PostgreSQL would (what was in its WAL buffers and not yet flushed is lost), and wait until
+        none is left, so that `restart` can start it again."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        pids = [postmaster, *_children(postmaster)]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        while any(Path(f"/proc/{pid}").exists() for pid in pids):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PostgreSQL's processes {pids} outlived SIGKILL for {timeout_s} s")
+            time.sleep(0.005)
 
     def stop(self) -> None:
         if (self.data / "postmaster.pid").exists():
@@ -88,6 +111,19 @@ def new_schema_url(base_url: str) -> str:
         conn.execute(f"CREATE SCHEMA {name}")
     separator = "&" if "?" in base_url else "?"
     return f"{base_url}{separator}options=-csearch_path%3D{name}"
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (the postmaster's backends, its WAL writer, ...)."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it exited meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(Path(stat).parent.name))
+    return found
 
 
 def _free_port() -> int:

@@ -303,7 +303,7 @@ def test_keys_and_scopes(live):
         assert (r.status_code, r.json()["error"]["code"]) == (status, code), (method, path, auth)
     with pytest.raises(openai.AuthenticationError):
         client(url, key="wrong").models.list()
-    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "store": "ok", "registry": "ok"}
     assert client(url, key="admin-key").models.list().data[0].id == "flywheel"
 
 

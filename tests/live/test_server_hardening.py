@@ -248,7 +248,7 @@ def test_an_error_response_keeps_the_connection_usable(live, registry_root, tmp_
     response = conn.getresponse()
     assert response.status == 413 and response.getheader("connection") == "close"
     assert json.loads(response.read())["error"]["code"] == "body_too_large"
-    assert request_on(conn, "GET", "/health") == (200, {"status": "ok"})
+    assert request_on(conn, "GET", "/health") == (200, {"status": "ok", "store": "ok", "registry": "ok"})
     conn.close()
 
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
@@ -260,7 +260,8 @@ def test_an_error_response_keeps_the_connection_usable(live, registry_root, tmp_
         status, body = request_on(conn, "POST", "/v1/chat/completions", json.dumps(ok_request()).encode())
         assert status == 500 and "engine bug" in body["error"]["message"] and body["error"]["type"] == "server_error"
         sock = conn.sock
-        assert request_on(conn, "GET", "/health") == (200, {"status": "ok"}) and conn.sock is sock
+        assert request_on(conn, "GET", "/health") == (200, {"status": "ok", "store": "ok", "registry": "none"})
+        assert conn.sock is sock
         conn.close()
 
 
