@@ -192,11 +192,12 @@ class ServeConfig(BaseModel):
     # FULL fsyncs each commit: an acknowledged event survives power loss. NORMAL survives a crash of
     # the server only and saves about 1 ms per committed batch.
     synchronous: Literal["NORMAL", "FULL"] = "FULL"
-    # Completions are committed before their response is sent. FULL: a 200 means stored, whatever is
-    # killed (the server, PostgreSQL, the host's power); concurrent completions share one commit's
-    # fsync (group commit, flywheel/live/store.py), so throughput is kept. NORMAL saves that wait
-    # (1-5 ms of latency) but a kill -9 of PostgreSQL may lose completions already answered.
-    completions_synchronous: Literal["NORMAL", "FULL"] = "FULL"
+    # Completions are committed before their response is sent, concurrent ones in one commit (group
+    # commit, flywheel/live/store.py). None: what makes a 200 survive a kill -9 of the server or the
+    # database, per backend: FULL on PostgreSQL (NORMAL there is synchronous_commit off, which lost
+    # answered completions when PostgreSQL was killed), NORMAL on SQLite (FULL also survives a power
+    # loss, at an fsync per commit: ~1-4 ms of latency, fewer completions/s at low concurrency).
+    completions_synchronous: Literal["NORMAL", "FULL"] | None = None
     require_known_completion: bool = True  # refuse events naming a completion this store never served
     threads: int = Field(default=2, ge=1)  # torch threads for the engines
     engine: EngineConfig = Field(default_factory=EngineConfig)
