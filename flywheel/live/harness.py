@@ -30,8 +30,12 @@ client's tools rendered in its prompt and its calls validated against them. The 
 was trained on flywheel's own tools without schemas in the prompt: its calls are validated against
 those, `HarnessConfig.tool_aliases` maps a declared tool to the flywheel tool that does the same
 (mini-swe-agent's `bash` is `run_command`: same `command` argument), and a call of a flywheel tool
-the client did not declare comes back invalid with the reason; each response names the declared
+the client did not declare is an invalid call in the ledger; each response names the declared
 tools the model does not know (`flywheel.unknown_tools`). The tokens recorded are the model's own.
+Only calls the harness can dispatch come back as `tool_calls`; an invalid one (unparsable, cut at
+max_tokens, undeclared) comes back as text (flywheel/model/chat.py `client_view`) and still counts,
+with its penalty, in the episode's trajectory. A harness that leaves mid-turn (its connection
+closed) cancels the turn: nothing of it enters the ledger; an `exec` whose client left is killed.
 
 Departures from the built-in runner (flywheel/agent/episode.py): a segment is a Trajectory of its
 own, and every segment carries the episode's whole reward (below). Weight swaps happen inside the

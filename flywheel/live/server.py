@@ -81,10 +81,17 @@ becomes a content chunk (text before a tool call's markup; the calls follow as t
 once parsed); the completion is stored before the last chunk, which carries `flywheel.ttft_ms`,
 the time from the request to its first token. `stop` sequences cut the answer where one first
 appears in the sampled text (openai_routes.py's `_Call._stopped`): the Completion keeps the
-shortest prefix of sampled tokens that holds it, and the text ends before it. A tool call the
-model wrote badly is still returned in `tool_calls` (name "?" when it could not be read) with an
-extra `error` field, and recorded as invalid: a client answers it with the error, as the episode
-runner does, and nothing is dropped.
+shortest prefix of sampled tokens that holds it, and the text ends before it. Only calls a client
+can dispatch come back in `tool_calls`: one the model wrote badly (unparsable, cut at max_tokens,
+naming a tool the request did not declare, arguments its schema refuses) comes back as text after
+the prose, with finish reason `stop` or `length` (standard clients, the OpenAI Agents SDK among
+them, end a run on an undeclared tool), and the Completion records it as an invalid call, which
+costs its reward the broken-call penalty: nothing is dropped (flywheel/model/chat.py `client_view`).
+
+A client that leaves before its answer costs nothing: its engine requests are cancelled, nothing is
+stored (a generation nobody received is no training turn), and /metrics counts a 499, not a 500.
+The store being unreachable (PostgreSQL restarting) is a 503 with Retry-After, and /health answers
+503 until it is back; the store reconnects by itself (flywheel/live/store.py).
 
 `tool_choice: "none"` leaves the tools out of the prompt and returns whatever the model writes as
 its text, with no tool call. The Completion records the temperature and top-p it was sampled with.
