@@ -34,8 +34,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     if length is not None:
         if not (length.isascii() and length.isdigit()):  # "²".isdigit(), yet int("²") fails
             raise ApiError(400, "Content-Length is not a number")
-        if int(length) > limit:
-            raise ApiError(413, f"body of {length} bytes exceeds the limit of {limit}; send less per request",
+        if len(length.lstrip("0")) > 18 or int(length) > limit:  # int() refuses 4,300 digits and more
+            raise ApiError(413, f"body of {length[:40]} bytes exceeds the limit of {limit}; send less per request",
                            code="body_too_large")
     body = bytearray()
     async for chunk in request.stream():

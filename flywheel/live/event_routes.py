@@ -34,7 +34,7 @@ def events_router(server: LiveServer) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/events", response_model=None, openapi_extra=json_body(EventBatch),
-                 responses=json_reply(EventsResponse, 400, 401, 403, 413))
+                 responses=json_reply(EventsResponse, 400, 401, 403, 413, 503))
     async def events(request: Request) -> Response:
         server.authorize(request, "events")
         body = await read_body(request, server.config.max_body_bytes)
