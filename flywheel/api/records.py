@@ -287,6 +287,9 @@ class _Served(BaseModel):
     # Declared tools a model trained on flywheel's own (no `tools_in_prompt`) does not know: it never
     # saw their schemas and will not call them.
     unknown_tools: list[str] | None = None
+    # Calls the model wrote that no client could dispatch (unparsable, cut off, an undeclared tool,
+    # arguments the schema refuses): sent as text, not `tool_calls`, and recorded as invalid calls.
+    invalid_tool_calls: int | None = None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -365,6 +365,7 @@ class _Call:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.first_token_s: float | None = None
         self.engine_ms = 0.0
+        self.invalid_calls: int | None = None  # once parsed: the calls the client got as text, not tool_calls
 
         def done(_: Any) -> None:  # the engine is done with it, whatever became of the client
             self.engine_ms = (time.perf_counter() - engine_started) * 1000
@@ -391,6 +392,8 @@ class _Call:
                   "engine_ms": round(self.engine_ms, 3)}
         if self.first_token_s is not None:
             served["ttft_ms"] = round((self.first_token_s - self.started) * 1000, 3)
+        if self.invalid_calls is not None:
+            served["invalid_tool_calls"] = self.invalid_calls
         if self.req.tools and not tools_in_prompt(self.lease.tokenizer):
             unknown = sorted({t["function"]["name"] for t in self.req.tools} - TOOL_SCHEMAS.keys())
             if unknown:
@@ -435,6 +438,7 @@ class _Call:
             calls = [_storable_call(c) for c in calls]
         # The client is sent only calls it can dispatch; the record keeps every call (client_view says why).
         content, sent_calls = client_view(answer, content, calls) if calls else (content, [])
+        self.invalid_calls = len(calls) - len(sent_calls)
         finish = "length" if generation.finish_reason == "length" else ("tool_calls" if sent_calls else "stop")
         completion = Completion(
             id=self.id, session_id=self.session_id, user_id=self.user_id, version=lease.version,

@@ -148,7 +148,7 @@ def test_valid_tool_calls_come_back_in_openai_format_and_invalid_ones_as_text(tm
         stored = server.store.completion(resp.id)  # the record keeps every call, with its error
         assert [c.valid for c in stored.tool_calls] == [True, False, False] and stored.finish_reason == "tool_calls"
         assert "must be a string" in stored.tool_calls[1].error and "bad JSON" in stored.tool_calls[2].error
-        assert stored.content == message.content
+        assert stored.content == message.content and resp.model_extra["flywheel"]["invalid_tool_calls"] == 2
 
         # Streamed, the same calls arrive as tool_call deltas.
         chunks = list(api.chat.completions.create(model="flywheel", messages=MESSAGES, tools=tool_schemas(),
