@@ -31,7 +31,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
 from flywheel.api.errors import ApiError
-from flywheel.api.http import json_body, json_reply, read_body
+from flywheel.api.http import json_body, json_reply, read_body, unless_client_left
 from flywheel.api.records import (
     MAX_ID_CHARS,
     ChatCompletionResponse,
@@ -51,16 +51,19 @@ from flywheel.api.streaming import DONE, sse
 from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
 from flywheel.live.deploy import NotServed
 from flywheel.live.records import BACKGROUND, INTERACTIVE, Completion, CompletionToolCall, storable
-from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, parse_assistant, tools_in_prompt
+from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, client_view, parse_assistant, tools_in_prompt
 from flywheel.model.conversation import PromptTooLong
 from flywheel.model.engine import EngineError, SamplingParams
+from flywheel.store.database import StoreUnavailable
 
 if TYPE_CHECKING:
     from flywheel.live.server import LiveServer, ServeConfig
 
 log = logging.getLogger(__name__)
 
-_VERSION_NAME = re.compile(r"v(\d{1,9})")  # 9 digits: int() and SQLite take it
+# ASCII digits only (re's \d also takes "٠", an Arabic-Indic zero, which int() reads as 0); 9 digits:
+# int() and SQLite take it.
+_VERSION_NAME = re.compile(r"v([0-9]{1,9})")
 _HEADER_SAFE_ID = re.compile(rf"[!-~]{{1,{MAX_ID_CHARS}}}")
 
 
@@ -192,7 +195,10 @@ async def complete_chat(server: LiveServer, request: Request, body: bytes) -> Re
             include_usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(_stream_choices(calls, queues, include_usage),
                                      media_type="text/event-stream", headers=call.headers())
-        generations = [await c.generation() for c in calls]
+        # A client that leaves before its answer cancels the engine requests (the engine drops them at
+        # its next step): a generation nobody received is never stored, so never a training turn.
+        generations = await unless_client_left(request, asyncio.gather(*(c.generation() for c in calls)),
+                                               lambda: [c.future.cancel() for c in calls])
     finally:
         if not released:
             router.release(lease)
@@ -359,6 +365,7 @@ class _Call:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.first_token_s: float | None = None
         self.engine_ms = 0.0
+        self.invalid_calls: int | None = None  # once parsed: the calls the client got as text, not tool_calls
 
         def done(_: Any) -> None:  # the engine is done with it, whatever became of the client
             self.engine_ms = (time.perf_counter() - engine_started) * 1000
@@ -385,6 +392,8 @@ class _Call:
                   "engine_ms": round(self.engine_ms, 3)}
         if self.first_token_s is not None:
             served["ttft_ms"] = round((self.first_token_s - self.started) * 1000, 3)
+        if self.invalid_calls is not None:
+            served["invalid_tool_calls"] = self.invalid_calls
         if self.req.tools and not tools_in_prompt(self.lease.tokenizer):
             unknown = sorted({t["function"]["name"] for t in self.req.tools} - TOOL_SCHEMAS.keys())
             if unknown:
@@ -427,7 +436,10 @@ class _Call:
             schemas = {t["function"]["name"]: t for t in req.tools or []}
             content, calls = parse_assistant(answer, call_id_prefix=f"call_{self.id[9:21]}", schemas=schemas)
             calls = [_storable_call(c) for c in calls]
-        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
+        # The client is sent only calls it can dispatch; the record keeps every call (client_view says why).
+        content, sent_calls = client_view(answer, content, calls) if calls else (content, [])
+        self.invalid_calls = len(calls) - len(sent_calls)
+        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if sent_calls else "stop")
         completion = Completion(
             id=self.id, session_id=self.session_id, user_id=self.user_id, version=lease.version,
             prompt_ids=self.prompt_ids, completion_ids=generation.token_ids, logprobs=generation.logprobs,
@@ -443,11 +455,13 @@ class _Call:
             await run_in_threadpool(server.store.add_completion, completion)
         except ValueError as exc:  # a value the checks before generation missed: refused, nothing stored
             raise ApiError(400, str(exc)) from None
+        except StoreUnavailable as exc:  # as an ApiError, so a stream carries it as its last chunk
+            raise ApiError.store_unavailable(exc) from None
         server.metrics.completion(lease.version, lease.arm, len(self.prompt_ids), len(generation.token_ids),
                                   self.engine_ms / 1000)
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-        if calls:
-            message["tool_calls"] = [openai_tool_call(c) for c in calls]
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if sent_calls else "")}
+        if sent_calls:
+            message["tool_calls"] = [openai_tool_call(c) for c in sent_calls]
         if req.top_logprobs and generation.top_logprobs is None:
             raise ApiError(400, f"v{lease.version}'s engine does not return top_logprobs; leave top_logprobs unset",
                            param="top_logprobs")
@@ -551,6 +565,8 @@ async def _stream_choices(calls: list[_Call], queues: list[asyncio.Queue[tuple[i
     finally:
         for task in pumps:
             task.cancel()
+        for call in calls:  # the client left mid-stream: its engine requests stop (done ones are unaffected)
+            call.future.cancel()
     for task in pumps:  # a failure other than the API errors the stream already carries
         if not task.cancelled() and task.exception() is not None:
             raise task.exception()

@@ -227,18 +227,37 @@ def parse_assistant(text: str, call_id_prefix: str = "call",
     return content, calls
 
 
+def client_view(answer: str, content: str, calls: Sequence[ToolCall]) -> tuple[str, list[ToolCall]]:
+    """What an OpenAI client is sent of a parsed answer (`content`, `calls` = parse_assistant(answer),
+    possibly renamed or re-checked): the valid calls as `tool_calls`, and as text the prose followed
+    by the markup of each call the client could not dispatch (unparsable, cut at max_tokens, an
+    undeclared tool, arguments its schema refuses).
+
+    Why: OpenAI's contract is that a tool call names a declared tool with arguments that parse;
+    standard clients (the OpenAI Agents SDK) end the run on any other ("Tool ? not found"). The
+    invalid call is the model's all the same: the served record keeps every call with its error, and
+    the broken-call penalty is taken from there."""
+    raw = [m.group(0) for m in _CALL_RE.finditer(answer.removesuffix(IM_END))]
+    withheld = [text for text, call in zip(raw, calls, strict=True) if not call.valid]
+    if not withheld:
+        return content, list(calls)
+    return "\n".join(part for part in (content, *withheld) if part), [c for c in calls if c.valid]
+
+
 def parse_call(body: str, call_id: str, schemas: Mapping[str, dict[str, Any]] | None = None) -> ToolCall:
     try:
         payload = json.loads(body)
     except json.JSONDecodeError as exc:
         return ToolCall(call_id, "?", {}, error=f"bad JSON in tool call: {exc.msg} at char {exc.pos}")
+    except ValueError as exc:  # an integer past Python's int-string conversion limit (4,300 digits)
+        return ToolCall(call_id, "?", {}, error=f"bad JSON in tool call: {exc}")
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         return ToolCall(call_id, "?", {}, error='a tool call must be {"name": ..., "arguments": {...}}')
     name, arguments = payload["name"], payload.get("arguments", {})
     if isinstance(arguments, str):  # some models double-encode the arguments
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON (JSONDecodeError), or an integer past int()'s 4,300 digits
             return ToolCall(call_id, name, {}, error="arguments is a string that is not JSON")
     error = validate_arguments(name, arguments, schemas)
     return ToolCall(call_id, name, arguments if isinstance(arguments, dict) else {}, error=error)

@@ -68,7 +68,9 @@ PRODUCTION = "production"
 CANDIDATE = "candidate"
 METADATA_FILE = "flywheel.json"
 _ALIAS = re.compile(r"[a-z0-9_-]+")
-_VERSION_REF = re.compile(r"v?(\d+)")
+# ASCII digits only (re's \d also takes "٠", an Arabic-Indic zero, which int() reads as 0), and no
+# more than a version can have (int() refuses 4,300 digits; such a ref is looked up as an alias).
+_VERSION_REF = re.compile(r"v?([0-9]{1,18})")
 _TMP_PREFIX = ".tmp-"
 
 SCHEMA = [
@@ -242,6 +244,11 @@ class Registry:
             merged = json.loads(row[0]) | {name: float(value) for name, value in metrics.items()}
             self._db.execute("UPDATE checkpoints SET metrics = ? WHERE version = ?", (json.dumps(merged), version))
 
+    def ping(self) -> None:
+        """StoreUnavailable unless the index answers now (it reconnects by itself: flywheel/store)."""
+        with self._db_lock:
+            self._db.ping()
+
     def close(self) -> None:
         with self._db_lock:
             self._db.close()
@@ -346,7 +353,7 @@ class Registry:
         )
 
     def _version_dirs(self) -> Iterator[Path]:
-        return (p for p in self.checkpoints_dir.iterdir() if p.is_dir() and re.fullmatch(r"v\d+", p.name))
+        return (p for p in self.checkpoints_dir.iterdir() if p.is_dir() and re.fullmatch(r"v[0-9]+", p.name))
 
 
 def _show(ref: int | str) -> str:
@@ -356,6 +363,6 @@ def _show(ref: int | str) -> str:
 def _check_alias(alias: str) -> None:
     if not _ALIAS.fullmatch(alias):
         raise ValueError(f"alias {alias!r} must match [a-z0-9_-]+, e.g. {PRODUCTION!r} or {CANDIDATE!r}")
-    if _VERSION_REF.fullmatch(alias):
+    if re.fullmatch(r"v?[0-9]+", alias):  # any length: a ref of too many digits must not find an alias
         raise ValueError(f"alias {alias!r} reads as a version number; pick a name, e.g. {CANDIDATE!r}")
 
