@@ -9,6 +9,7 @@
     flywheel bootstrap    [--config configs/bootstrap.toml] [--set sft.epochs=1]
     flywheel eval         --checkpoint production --split eval --json
     flywheel registry list|show|promote [V] [--alias production] [--root runs/registry]
+    flywheel model import PATH [--dtype bfloat16] [--chat-template FILE] [--alias production]
     flywheel train        [--config configs/train.toml] [--set orchestrator.max_staleness=2]
     flywheel serve        [--config configs/serve.toml] [--set port=8001]
     flywheel live         [--config configs/live.toml] [--set cycles=3]
@@ -129,6 +130,9 @@ def cmd_registry(args: argparse.Namespace) -> int:
         if args.action == "show":
             ckpt = registry.get(args.ref)
             print(json.dumps(ckpt.model_dump(mode="json"), indent=2))
+            recorded = {k: v for k, v in registry.info(ckpt.version).items() if k in ("source", "chat_format")}
+            if recorded:  # an imported model: where it came from and the chat format it speaks
+                print(json.dumps(recorded, indent=2))
             for path in sorted(p for p in ckpt.path.rglob("*") if p.is_file()):
                 print(f"{path.stat().st_size:>12,}  {path.relative_to(ckpt.path)}")
             return 0
@@ -145,6 +149,20 @@ def cmd_registry(args: argparse.Namespace) -> int:
             metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(c.metrics.items()))
             print(f"{f'v{c.version}':>7} {parent:>6}  {created:<19}  {','.join(c.aliases):<22} "
                   f"{_short(metrics, 80)}".rstrip())
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    """`flywheel model import PATH`: a Hugging Face folder or a GGUF file as the Registry's next version."""
+    from flywheel.model.importer import import_model  # noqa: PLC0415
+    from flywheel.model.registry import Registry  # noqa: PLC0415
+
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    with Registry(Path(args.root), url=args.url) as registry:
+        checkpoint = import_model(args.source, registry, dtype=args.dtype, chat_template=template,
+                                  aliases=args.alias, note=args.note)
+    print(f"registered v{checkpoint.version}{' as ' + ', '.join(args.alias) if args.alias else ''} at "
+          f"{checkpoint.path}")
     return 0
 
 
@@ -424,6 +442,19 @@ def build_parser() -> argparse.ArgumentParser:
     registry.add_argument("--url", default=None, help="the index's database when not root/registry.sqlite "
                           "(postgresql://...): the live loop's loop.store.registry_url")
     registry.set_defaults(func=cmd_registry)
+
+    model = sub.add_parser("model", help="bring your own model: import a Hugging Face folder or a GGUF file")
+    model.add_argument("action", choices=["import"])
+    model.add_argument("source", help="a model folder (config.json, weights, tokenizer) or a .gguf file")
+    model.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                       help="the weights' dtype in the registry (a GGUF is dequantized to it)")
+    model.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template, for a model whose tokenizer has none (or the wrong one)")
+    model.add_argument("--alias", action="append", default=[], help="aliases to point at it (e.g. production)")
+    model.add_argument("--note", default="", help="the version's note (default: where it came from)")
+    model.add_argument("--root", default="runs/registry", help="the registry folder")
+    model.add_argument("--url", default=None, help="the index's database when not root/registry.sqlite")
+    model.set_defaults(func=cmd_model)
 
     store = sub.add_parser("store", help="the live store's and the registry's database: upgrade its schema")
     store.add_argument("action", choices=["migrate"])
