@@ -87,7 +87,7 @@ from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import Sandbox, SandboxError
 from flywheel.env.task import Task
 from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
-from flywheel.model.chat import IM_END, parse_assistant, tools_in_prompt
+from flywheel.model.chat import tools_in_prompt
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import Engine, EngineError, Generation, SamplingParams
 
@@ -145,7 +145,7 @@ class Segment:
     versions: list[int] = field(default_factory=list)
     prompt_len: int = 0
     messages: list[tuple[Any, ...]] = field(default_factory=list)  # canonical messages the tokens stand for
-    closed: bool = True  # the last generated turn ended with <|im_end|>
+    closed: bool = True  # the last generated turn ended with its end token (<|im_end|>, <|eot_id|>)
     turns: int = 0
     tool_calls: int = 0
     invalid_tool_calls: int = 0
@@ -310,7 +310,7 @@ class HarnessServer:
         self.reads_tools = tools_in_prompt(tokenizer)
         self.episodes: dict[str, HarnessEpisode] = {}
         self._lock = threading.Lock()
-        self._stop = (tokenizer.convert_tokens_to_ids(IM_END),)
+        self._stop = self.encoder.stop_ids
         self.app = self._create_app()
         self.base_url = ""  # set by `serve`
 
@@ -465,11 +465,11 @@ class HarnessServer:
         """(content, calls as the client sees them, declared tools the model does not know)."""
         prefix = f"call_{completion_id[9:21]}"
         if self.reads_tools:  # the client's schemas were in the prompt: its calls are checked against them
-            content, calls = parse_assistant(answer, call_id_prefix=prefix, schemas=declared)
+            content, calls = self.encoder.format.parse(answer, call_id_prefix=prefix, schemas=declared)
             return content, calls, []
         aliases = {own: client for client, own in self.config.tool_aliases.items() if client in declared}
         unknown = sorted(n for n in declared if n not in TOOL_SCHEMAS and n not in self.config.tool_aliases)
-        content, own_calls = parse_assistant(answer, call_id_prefix=prefix)
+        content, own_calls = self.encoder.format.parse(answer, call_id_prefix=prefix)
         calls = []
         for call in own_calls:
             if not call.valid:

@@ -52,7 +52,7 @@ from itertools import pairwise
 from typing import Any
 
 from flywheel.model.chat import Pieces, joined, tool_schemas, tools_in_prompt
-from flywheel.model.formats import format_of
+from flywheel.model.formats import format_of, stop_ids
 from flywheel.model.tokenizer import encode_text
 
 
@@ -75,7 +75,7 @@ class ConversationEncoder:
         self._token_strings = tuple(strings)
         self._token_re = re.compile("|".join(map(re.escape, strings)))
         # The ids of the format's end token(s): a generated turn stops at any of them.
-        self.stop_ids = tuple(tokenizer.convert_tokens_to_ids(list(self.format.stop_tokens)))
+        self.stop_ids = stop_ids(tokenizer)
         # The tool schemas this tokenizer's model reads in its prompts (None: it was trained without).
         self.tools = tool_schemas() if tools_in_prompt(tokenizer) else None
         self._cache: OrderedDict[str, list[int]] = OrderedDict()  # least recently used first

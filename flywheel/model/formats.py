@@ -89,6 +89,11 @@ def format_of(tokenizer: Any) -> ChatFormat:
     return record_format(tokenizer)
 
 
+def stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The ids of the tokens that end a generated assistant turn in `tokenizer`'s chat format."""
+    return tuple(tokenizer.convert_tokens_to_ids(list(format_of(tokenizer).stop_tokens)))
+
+
 def record_format(tokenizer: Any) -> ChatFormat:
     """Detect the format of `tokenizer`'s template (module docstring), record it on the tokenizer
     (saved with it), and return it. UnknownChatFormat when none matches."""
