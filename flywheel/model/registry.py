@@ -164,15 +164,24 @@ class Registry:
         """The version's flywheel.json: what was recorded at registration (an import's source and chat format)."""
         return json.loads((self.get(ref).path / METADATA_FILE).read_text())
 
-    def load(self, ref: int | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    def load(self, ref: int | str,
+             dtype: torch.dtype | str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        """The version as a plain model (in `dtype`; None: float32) and its tokenizer. A general LoRA
+        adapter version comes merged onto its base (flywheel/model/adapters.py); an organization's
+        adapter is refused: it is served on its base by the organization's own router."""
         from flywheel.model.factory import load_pretrained  # noqa: PLC0415  (keeps torch out of `registry list`)
 
         checkpoint = self.get(ref)
         if checkpoint.base is not None:
-            raise ValueError(f"v{checkpoint.version} is a LoRA adapter of v{checkpoint.base} for "
-                             f"{checkpoint.org_id!r}, not full weights; apply it on its base "
-                             "(flywheel.live.orgs.load_adapted)")
-        return load_pretrained(checkpoint.path)
+            if checkpoint.org_id:
+                raise ValueError(f"v{checkpoint.version} is a LoRA adapter of v{checkpoint.base} for "
+                                 f"{checkpoint.org_id!r}, not full weights; apply it on its base "
+                                 "(flywheel.model.adapters.load_adapted)")
+            from flywheel.model.adapters import load_adapted, merged  # noqa: PLC0415  (peft only when asked)
+
+            adapter, tokenizer = load_adapted(self, checkpoint.version, dtype=dtype)
+            return merged(adapter), tokenizer
+        return load_pretrained(checkpoint.path, dtype=dtype)
 
     def state_dict(self, ref: int | str) -> dict[str, torch.Tensor]:
         """Weights keyed as `model.state_dict()` is, ready for `Engine.update_weights`.
