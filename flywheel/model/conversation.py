@@ -1,12 +1,15 @@
-"""The one conversation encoder: chat messages to token ids, for episodes, SFT and the server.
+"""The one conversation encoder: chat messages to token ids, for episodes, SFT, the server and the
+harness ledger.
 
-Three callers, one way of turning a conversation into ids, so that what SFT trains on, what an
+Every caller, one way of turning a conversation into ids, so that what SFT trains on, what an
 episode feeds the engine and what the server prompts with are token for token the same:
 
-    encode(messages, tools)        a prompt: the turns `chat.render_turns` yields, then the
-                                   assistant header (the server; an episode's opening)
-    user_reply(text)               what follows a generated <|im_end|>: the user's turn and the
-    tool_reply(contents)           next header, or the tool results and the next header (episodes)
+    encode(messages, tools)        a prompt: the turns the format renders, then the assistant
+                                   header (the server; an episode's opening)
+    user_reply(text)               what follows a generated end token (<|im_end|>, <|eot_id|>): the
+    tool_reply(contents)           user's turn and the next header, or the tool results and the
+                                   next header (episodes)
+    continuation(messages)         the same for whatever a harness client sends next
     conversation(messages)         a whole demonstration as (tokens, loss mask): its opening as a
                                    prompt, each assistant body as the model writes it, each
                                    answer as an episode appends it (SFT)
