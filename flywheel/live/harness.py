@@ -33,7 +33,7 @@ those, `HarnessConfig.tool_aliases` maps a declared tool to the flywheel tool th
 the client did not declare is an invalid call in the ledger; each response names the declared
 tools the model does not know (`flywheel.unknown_tools`). The tokens recorded are the model's own.
 Only calls the harness can dispatch come back as `tool_calls`; an invalid one (unparsable, cut at
-max_tokens, undeclared) comes back as text (flywheel/model/chat.py `client_view`) and still counts,
+max_tokens, undeclared) comes back as text (`ChatFormat.client_view`, flywheel/model/chat.py) and still counts,
 with its penalty, in the episode's trajectory. A harness that leaves mid-turn (its connection
 closed) cancels the turn: nothing of it enters the ledger; an `exec` whose client left is killed.
 
@@ -91,7 +91,7 @@ from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import Sandbox, SandboxError
 from flywheel.env.task import Task
 from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
-from flywheel.model.chat import IM_END, client_view, parse_assistant, tools_in_prompt
+from flywheel.model.chat import tools_in_prompt
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import Engine, EngineError, Generation, SamplingParams
 
@@ -149,7 +149,7 @@ class Segment:
     versions: list[int] = field(default_factory=list)
     prompt_len: int = 0
     messages: list[tuple[Any, ...]] = field(default_factory=list)  # canonical messages the tokens stand for
-    closed: bool = True  # the last generated turn ended with <|im_end|>
+    closed: bool = True  # the last generated turn ended with its end token (<|im_end|>, <|eot_id|>)
     turns: int = 0
     tool_calls: int = 0
     invalid_tool_calls: int = 0
@@ -314,7 +314,7 @@ class HarnessServer:
         self.reads_tools = tools_in_prompt(tokenizer)
         self.episodes: dict[str, HarnessEpisode] = {}
         self._lock = threading.Lock()
-        self._stop = (tokenizer.convert_tokens_to_ids(IM_END),)
+        self._stop = self.encoder.stop_ids
         self.app = self._create_app()
         self.base_url = ""  # set by `serve`
 
@@ -436,7 +436,7 @@ class HarnessServer:
             completion_id = f"chatcmpl-{uuid.uuid4().hex}"
             content, calls, unknown = self._calls(answer, declared, completion_id)
             # Only calls the harness can dispatch go out as tool_calls; the ledger counts every call.
-            content, sent_calls = client_view(answer, content, calls) if calls else (content, [])
+            content, sent_calls = self.encoder.format.client_view(answer, content, calls) if calls else (content, [])
             message: dict[str, Any] = {"role": "assistant", "content": content or (None if sent_calls else "")}
             if sent_calls:
                 message["tool_calls"] = [openai_tool_call(c) for c in sent_calls]
@@ -475,11 +475,11 @@ class HarnessServer:
         """(content, calls as the client sees them, declared tools the model does not know)."""
         prefix = f"call_{completion_id[9:21]}"
         if self.reads_tools:  # the client's schemas were in the prompt: its calls are checked against them
-            content, calls = parse_assistant(answer, call_id_prefix=prefix, schemas=declared)
+            content, calls = self.encoder.format.parse(answer, call_id_prefix=prefix, schemas=declared)
             return content, calls, []
         aliases = {own: client for client, own in self.config.tool_aliases.items() if client in declared}
         unknown = sorted(n for n in declared if n not in TOOL_SCHEMAS and n not in self.config.tool_aliases)
-        content, own_calls = parse_assistant(answer, call_id_prefix=prefix)
+        content, own_calls = self.encoder.format.parse(answer, call_id_prefix=prefix)
         calls = []
         for call in own_calls:
             if not call.valid:

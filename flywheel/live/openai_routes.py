@@ -51,9 +51,10 @@ from flywheel.api.streaming import DONE, sse
 from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
 from flywheel.live.deploy import NotServed
 from flywheel.live.records import BACKGROUND, INTERACTIVE, Completion, CompletionToolCall, storable
-from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, client_view, parse_assistant, tools_in_prompt
+from flywheel.model.chat import ChatFormat, tools_in_prompt
 from flywheel.model.conversation import PromptTooLong
 from flywheel.model.engine import EngineError, SamplingParams
+from flywheel.model.formats import format_of, stop_ids
 from flywheel.store.database import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -129,8 +130,8 @@ async def complete_chat(server: LiveServer, request: Request, body: bytes) -> Re
     released = False
     try:
         tools = req.tools if req.tools and req.tool_choice != "none" else None
-        forced = _forced_call(req, tools)
         encoder = server.encoder(lease.version, lease.tokenizer)
+        forced = _forced_call(req, tools, encoder.format)
         max_tokens = requested_max_tokens(server.config, req)
         # Off the event loop: a large prompt's tokenization must not stall every other request.
         try:
@@ -243,7 +244,7 @@ async def complete_text(server: LiveServer, request: Request, body: bytes) -> Re
             raise context_too_long(server.config, str(len(prompt_ids)), max_tokens)
         params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                 top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens,
-                                stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),), seed=req.seed)
+                                stop_token_ids=stop_ids(tokenizer), seed=req.seed)
         engine_started = time.perf_counter()
         try:
             generation = await asyncio.wrap_future(lease.engine.submit(prompt_ids, params))
@@ -261,7 +262,7 @@ async def complete_text(server: LiveServer, request: Request, body: bytes) -> Re
     completion = Completion(
         id=completion_id, session_id=session_id, user_id=user_id, version=lease.version, prompt_ids=prompt_ids,
         completion_ids=generation.token_ids, logprobs=generation.logprobs,
-        latency_ms=(time.perf_counter() - started) * 1000, content=text.removesuffix(IM_END),
+        latency_ms=(time.perf_counter() - started) * 1000, content=format_of(tokenizer).strip_end(text),
         finish_reason=finish, arm=lease.arm, created_at=created, request_meta={**meta, "endpoint": "completions"},
         temperature=params.temperature, top_p=params.top_p)
     try:
@@ -326,11 +327,11 @@ def sampling_params(config: ServeConfig, req: ChatRequest, prompt_len: int, toke
         raise context_too_long(config, str(prompt_len), max_tokens)
     temperature = 1.0 if req.temperature is None else req.temperature
     return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                          max_tokens=max_tokens, stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),),
+                          max_tokens=max_tokens, stop_token_ids=stop_ids(tokenizer),
                           seed=req.seed, top_logprobs=req.top_logprobs or 0)
 
 
-def _forced_call(req: ChatRequest, tools: list[dict[str, Any]] | None) -> str:
+def _forced_call(req: ChatRequest, tools: list[dict[str, Any]] | None, chat_format: ChatFormat) -> str:
     """The opening of the assistant turn that `tool_choice` forces ("" for auto and none)."""
     choice = req.tool_choice
     if choice is None or choice in ("auto", "none"):
@@ -339,12 +340,12 @@ def _forced_call(req: ChatRequest, tools: list[dict[str, Any]] | None) -> str:
         raise ApiError(400, "tool_choice asks for a tool call but the request declares no tools; add `tools` or "
                        "leave tool_choice unset", param="tool_choice")
     if choice == "required":
-        return f"{TOOL_CALL_OPEN}\n"
+        return chat_format.forced_call(None)
     names = [t["function"]["name"] for t in tools]
     if choice.function.name not in names:
         raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the declared tools "
                        f"({', '.join(names)})", param="tool_choice")
-    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(choice.function.name)}, "arguments": '
+    return chat_format.forced_call(choice.function.name)
 
 
 class _Call:
@@ -363,6 +364,7 @@ class _Call:
         self.org_id, self.session_kind = org_id, session_kind
         router = router or server.router  # an organization's own Router leased it, when it has one
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.format = format_of(lease.tokenizer)  # the served model's chat format: how its calls are written
         self.first_token_s: float | None = None
         self.engine_ms = 0.0
         self.invalid_calls: int | None = None  # once parsed: the calls the client got as text, not tool_calls
@@ -431,13 +433,13 @@ class _Call:
         generation, text = self._stopped(generation)
         answer = self.forced + text
         if req.tool_choice == "none":  # no tool call, whatever the model wrote: its text is the answer
-            content, calls = answer.removesuffix(IM_END), []
+            content, calls = self.format.strip_end(answer), []
         else:
             schemas = {t["function"]["name"]: t for t in req.tools or []}
-            content, calls = parse_assistant(answer, call_id_prefix=f"call_{self.id[9:21]}", schemas=schemas)
+            content, calls = self.format.parse(answer, call_id_prefix=f"call_{self.id[9:21]}", schemas=schemas)
             calls = [_storable_call(c) for c in calls]
         # The client is sent only calls it can dispatch; the record keeps every call (client_view says why).
-        content, sent_calls = client_view(answer, content, calls) if calls else (content, [])
+        content, sent_calls = self.format.client_view(answer, content, calls) if calls else (content, [])
         self.invalid_calls = len(calls) - len(sent_calls)
         finish = "length" if generation.finish_reason == "length" else ("tool_calls" if sent_calls else "stop")
         completion = Completion(
@@ -502,12 +504,12 @@ class _Call:
             ids.append(item[0])
             pending.append(item)
             text = self.forced + tokenizer.decode(ids, skip_special_tokens=False)
-            visible = text.removesuffix(IM_END)
+            visible = self.format.strip_end(text)
             if self.req.stop:  # nothing past a stop sequence, nor what may yet become one
                 hits = [i for x in self.req.stop if (i := visible.find(x)) >= 0]
                 visible = visible[:min(hits)] if hits else visible[:len(visible) - max(map(len, self.req.stop)) + 1]
             if self.req.tool_choice != "none":  # what follows a call's opening is the call, not content
-                visible = visible.split(TOOL_CALL_OPEN, 1)[0].rstrip("\n")
+                visible = self.format.visible_content(visible)
             if len(visible) > len(sent) and visible.startswith(sent) and "\ufffd" not in visible[len(sent):]:
                 yield event({"content": visible[len(sent):]})
                 sent = visible

@@ -86,7 +86,7 @@ can dispatch come back in `tool_calls`: one the model wrote badly (unparsable, c
 naming a tool the request did not declare, arguments its schema refuses) comes back as text after
 the prose, with finish reason `stop` or `length` (standard clients, the OpenAI Agents SDK among
 them, end a run on an undeclared tool), and the Completion records it as an invalid call, which
-costs its reward the broken-call penalty: nothing is dropped (flywheel/model/chat.py `client_view`).
+costs its reward the broken-call penalty: nothing is dropped (`ChatFormat.client_view` in flywheel/model/chat.py).
 
 A client that leaves before its answer costs nothing: its engine requests are cancelled, nothing is
 stored (a generation nobody received is no training turn), and /metrics counts a 499, not a 500.
@@ -110,6 +110,7 @@ import hashlib
 import logging
 import os
 import socket
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Literal
@@ -207,6 +208,9 @@ class ServeConfig(BaseModel):
     completions_synchronous: Literal["NORMAL", "FULL"] | None = None
     require_known_completion: bool = True  # refuse events naming a completion this store never served
     threads: int = Field(default=2, ge=1)  # torch threads for the engines
+    # The served weights in memory: bfloat16 halves a pretrained model's memory and its decode's reads,
+    # at the cost of logprobs that differ from a float32 Learner's (the cycle trains in float32).
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     engine: EngineConfig = Field(default_factory=EngineConfig)
     dashboard: DashboardConfig = Field(default_factory=DashboardConfig)
 
@@ -318,7 +322,7 @@ class LiveServer:
         registry = Registry(where.registry_root, url=where.registry_url)
         store = open_store(config)
         deployment = deployment_from_registry(registry, _resume_fraction(store, registry, config.candidate_fraction))
-        router = Router(registry_loader(registry, config.engine), deployment)
+        router = Router(registry_loader(registry, config.engine, config.dtype), deployment)
         store.record_deployment(deployment.production, deployment.candidate, deployment.candidate_fraction,
                                 "serve start", replica_name(config))
         return cls(config, router, store, registry)
@@ -586,15 +590,22 @@ def open_store(config: ServeConfig) -> LiveStore:
                      require_known_completion=config.require_known_completion)
 
 
-def registry_loader(registry: Registry, engine: EngineConfig) -> EngineLoader:
+def registry_loader(registry: Registry, engine: EngineConfig, dtype: str = "float32") -> EngineLoader:
     """Load a version from the Registry into its own engine: a LocalEngine, one in a process of its
     own (`engine.separate_process`: its decode loop then never waits on the server's GIL, and still
-    streams), or vLLM servers on its checkpoint folder (`engine.backend = "vllm"`)."""
+    streams), or vLLM servers on its checkpoint folder (`engine.backend = "vllm"`; a LoRA version's
+    folder holds only its adapter, so vLLM gets it merged onto its base, written out once)."""
 
     def load(version: int) -> tuple[Engine, Any]:
-        model, tokenizer = registry.load(version)
+        model, tokenizer = registry.load(version, dtype=dtype)  # a LoRA version comes merged onto its base
         if engine.backend == "vllm":
-            return start_engine(None, engine, version=version, checkpoint=registry.get(version).path), tokenizer
+            checkpoint = registry.get(version)
+            folder = checkpoint.path
+            if checkpoint.base is not None:
+                from flywheel.model.adapters import export_merged  # noqa: PLC0415  (peft only when asked)
+
+                folder = export_merged(registry, version, Path(tempfile.mkdtemp(prefix=f"flywheel-v{version}-")) / "m")
+            return start_engine(None, engine, version=version, checkpoint=folder), tokenizer
         return start_engine(model, engine, version=version), tokenizer
 
     return load
