@@ -46,6 +46,10 @@ Prefills run the model's `transformers` forward; decode steps of a Qwen3 or Qwen
 `Engine` is the small interface; `LocalEngine` implements it in-process, `ProcessEngine`
 (`flywheel.model.process_engine`) runs a LocalEngine in a child process. An OpenAI-compatible
 HTTP engine (vLLM, SGLang) can implement the same four methods.
+
+Why one file of about 870 lines: one background loop owns the model, the KV cache and the batch;
+admission, decoding, the weight swap and the counters all run on that thread and share its state,
+so the loop reads top to bottom here rather than across modules that would each need its locks.
 """
 
 from __future__ import annotations

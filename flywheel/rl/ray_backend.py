@@ -38,8 +38,9 @@ Faults:
   `alive` call, so its death is noticed before an episode is sent to it. A new worker takes the
   dead one's place (`workers_replaced`, and its time in metrics.jsonl's `replacements`) in the
   dead one's bundle, which Ray places again on a live node with room when the node died (or on a
-  node that joins later); it is tried until it starts. Until then the others carry the load,
-  and when none is left the run stops with an error that says so.
+  node that joins later); it is tried until it starts. Until then the others carry the load;
+  with none left, episodes and the weight push wait for a replacement that is starting (up to
+  `start_timeout_s`), and when none is coming the run stops with an error that says so.
 - An engine that dies: its in-flight requests go to another engine as prompt + tokens so far
   (`engine_resubmits`), the driver starts a new engine with the latest weights in its place
   (`engine_restarts`) and hands it to every worker. An engine that sends no token within
@@ -68,6 +69,10 @@ What it does not cover:
 - Weights travel through the object store, not a collective: fine for the tiny default (8 MB per
   update); a billion-parameter policy wants NCCL broadcast between learner and engines.
 - Engines rebuild the model from the driver's state dict; they do not read the Registry.
+
+Why one file of about 820 lines: the driver's view of its actors is one piece of state (who is alive,
+who is being replaced, the latest weights a replacement must load) under one lock, and each fault
+path reads and writes all of it; split, the invariants between those fields would cross files.
 """
 
 from __future__ import annotations
@@ -364,6 +369,8 @@ class RayRollouts:
         self._worker_args = (tokenizer, pool)
         self._tag = uuid.uuid4().hex[:6]
         self._lock = threading.Lock()
+        self._worker_ready = threading.Condition(self._lock)  # a worker replaced, or a replacement given up
+        self._replacing: set[int] = set()  # workers whose replacement is starting: `_acquire` waits for one
         self._closing = False
         self._counts = {"failover_episodes": 0, "engine_restarts": 0, "workers_replaced": 0}
         self._replaced: list[dict[str, Any]] = []  # replacements since the last `replacements()` call
@@ -403,9 +410,9 @@ class RayRollouts:
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]:
         with self._lock:
-            alive = sorted(self._alive)
-            if not alive:
+            if not self._a_worker_lives():
                 raise NoWorkersLeft("every rollout worker is dead; restart the run (it resumes) with live nodes")
+            alive = sorted(self._alive)
             i = alive[self._next % len(alive)]
             self._next += 1
         return self.workers[i].generate.remote(list(prompt_ids), params).future()
@@ -417,7 +424,7 @@ class RayRollouts:
         engine whose worker is dead or not yet replaced keeps up too (other workers' requests go there)."""
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(dict(weights))
         with self._lock:
-            if not self._alive:
+            if not self._a_worker_lives():
                 raise NoWorkersLeft(f"no rollout worker is left to take the weights of policy {version}; restart the "
                                     "run on a cluster with live nodes (it resumes from its last checkpoint)")
             # an engine being replaced is not here: its replacement is brought to this version before it serves
@@ -450,6 +457,7 @@ class RayRollouts:
         core worker that is shut down ends the process with an error, after a run that succeeded)."""
         with self._lock:
             self._closing = True  # deaths from here on are ours: nothing is replaced
+            self._worker_ready.notify_all()
             attempts = list(self._attempts)
         self._closed.set()
         for actor in self.workers + self.engines + attempts:
@@ -552,10 +560,18 @@ class RayRollouts:
 
     # ---- internals ------------------------------------------------------------------------------------
 
+    def _a_worker_lives(self) -> bool:
+        """Whether a rollout worker is alive, called holding the lock. With none alive but a replacement
+        starting (the last node died while another worker's replacement still imported torch), it waits
+        for that one, as long as a start may take (cluster.start_timeout_s)."""
+        self._worker_ready.wait_for(lambda: self._alive or not self._replacing or self._closing,
+                                    timeout=self.cluster.start_timeout_s)
+        return bool(self._alive)
+
     def _acquire(self) -> tuple[int, Any, str]:
         """The least loaded live worker: its index, its actor handle and its actor id."""
         with self._lock:
-            if not self._alive:
+            if not self._a_worker_lives():
                 raise NoWorkersLeft(f"all {len(self.workers)} rollout workers are dead; restart the run on a cluster "
                                     "with live nodes (it resumes from run/inflight/)")
             i = min(self._alive, key=lambda j: (self._load[j], j))
@@ -573,6 +589,8 @@ class RayRollouts:
                 return
             self._alive.discard(i)
             closing = self._closing
+            if not closing:
+                self._replacing.add(i)
         self.log(f"{self._describe(i)} is gone ({type(exc).__name__}); {len(self._alive)} rollout workers left")
         if not closing:
             self._spawn(lambda: self._replace_worker(i), f"replace-worker-{i}")
@@ -618,11 +636,18 @@ class RayRollouts:
                     return None
                 self.workers[i], self.where[i] = worker, where
                 self._alive.add(i)
+                self._replacing.discard(i)
+                self._worker_ready.notify_all()
                 self._counts["workers_replaced"] += 1
                 self._watch[worker.alive.remote()] = ("worker", i, worker)
             return worker, where
 
-        done = self._until_replaced(f"rollout worker {i}", since, attempt)
+        try:
+            done = self._until_replaced(f"rollout worker {i}", since, attempt)
+        finally:
+            with self._lock:
+                self._replacing.discard(i)
+                self._worker_ready.notify_all()
         if done is not None:
             self.log(f"rollout worker {done[1]['sizing']} replaces {describe(old, 'rollout worker')}")
 

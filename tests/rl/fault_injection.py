@@ -222,25 +222,26 @@ class ActorFaults:
         """Kill one live actor of `kind` (or the node of a live rollout worker); returns its name (node id)."""
         import ray  # noqa: PLC0415
 
-        for _ in range(50):  # an actor that died a moment ago is still listed: draw another
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline:  # an actor that died a moment ago is still listed: try the next
             found = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                            if a["name"].startswith(ACTOR_PREFIX["worker" if kind == "node" else kind]))
-            if not found:
-                time.sleep(0.2)
-                continue
-            name = self.rng.choice(found)
-            try:
-                actor = named_actors(name)[0]
-                if kind == "node":
-                    node_id = ray.get(actor.where.remote(), timeout=30)["node_id"]
-                    self.cluster.remove_node(next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id))
-                    self.removed += 1  # the caller adds it back, on its main thread (Ray's nodes set signal handlers)
-                    return node_id
-                ray.kill(actor, no_restart=True)
-                return name
-            except (ray.exceptions.RayActorError, ValueError, IndexError):
-                time.sleep(0.2)
-        raise RuntimeError(f"no live {kind} to kill")
+            for name in self.rng.sample(found, len(found)):
+                try:
+                    actor = named_actors(name)[0]
+                    if kind == "node":
+                        # a replacement still starting (importing torch) answers only once started
+                        node_id = ray.get(actor.where.remote(), timeout=2)["node_id"]
+                        node = next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id)
+                        self.cluster.remove_node(node)
+                        self.removed += 1  # the caller adds it back on its main thread (Ray nodes set signal handlers)
+                        return node_id
+                    ray.kill(actor, no_restart=True)
+                    return name
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError, IndexError):
+                    continue  # the next one
+            time.sleep(0.2)
+        raise RuntimeError(f"no live {kind} to kill in 60 s")
 
 
 def _playing(run_dir: Path) -> bool:
