@@ -243,10 +243,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return launch_distributed_train(config, args)
     if config.dist is None or int(os.environ.get("RANK", "0")) == 0:  # torchrun's other ranks only follow
         write_resolved(config, config.run_dir)
-    harness = None
-    if config.rollout.harness != "builtin":  # an external agent program plays the episodes
-        from flywheel.live.harness import harness_runner as harness  # noqa: PLC0415
-    _, summary = train(config, harness=harness)
+    _, summary = train(config)
     if summary:
         print(json.dumps(summary, indent=2))
     return 0
