@@ -2,8 +2,9 @@
 it pins openai < 3): it builds a verifiers Env over flywheel's OpenEnv server, one task per seed,
 and plays an episode end to end with verifiers' reply parsing and reward record (`FlywheelEnv`:
 verifiers' OpenEnvEnv, whose 0.4 run() works with no openenv-core release). The model is scripted
-(as ScriptedEngine is in the harness tests): its replies are the JSON actions that apply the task's fix, then finish; the
-reward verifiers records is flywheel's grade, 1.0. A reply of nothing usable ends the run unrewarded."""
+(as ScriptedEngine is in the harness tests): its replies are the JSON actions that apply the task's
+fix, then finish; the reward verifiers records is flywheel's grade, 1.0. A reply of nothing usable
+ends the run unrewarded."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ for task, replies in zip(tasks, ("fix", "empty")):
     asyncio.run(env.run(task, Agents(player)))
     first = player.seen[0]
     from verifiers.v1.tasksets.openenv import OpenEnvEnv
-    results.append({"type": type(env).__name__, "is_openenv_env": isinstance(env, OpenEnvEnv), "reset": task.data.reset, "task_id": first["observation"]["task_id"],
+    results.append({"type": type(env).__name__, "is_openenv_env": isinstance(env, OpenEnvEnv),
+                    "reset": task.data.reset, "task_id": first["observation"]["task_id"],
                     "expected_id": flywheel_task.id, "schema": sorted(first["action_schema"]["properties"]),
                     "rewards": player.trace.rewards, "stopped": player.trace.stopped, "turns": len(player.seen)})
 print(json.dumps(results))
