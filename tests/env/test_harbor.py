@@ -4,7 +4,8 @@ imported back, and graded in the jail by its own tests/test.sh and reward file, 
 flywheel's grader gives the same workspace; its solution/solve.sh solves it; a reward file the
 agent planted counts for nothing. A Harbor-native task (test.sh reading /app, writing
 /logs/verifier/reward.txt) is graded in the jail; Harbor's own template task, which needs Docker
-(FROM ubuntu), is refused with the line that needs it."""
+(FROM ubuntu), is refused with the line that needs it. A real-repository task (pip requirements,
+pytest node ids) exports with its requirements in /env/site and its pytest control files kept."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import pytest
 from flywheel.cli import main
 from flywheel.env.families import generate
 from flywheel.env.grading import grade
-from flywheel.env.harbor import NotBuildable, folder_name, import_task
+from flywheel.env.harbor import NotBuildable, export_task, folder_name, import_task
 from flywheel.env.sandbox import Sandbox, Snapshot
+from flywheel.env.task import Task, TaskMetadata
 
 REPO = Path(__file__).resolve().parents[2]
 ECOSYSTEM_PYTHON = REPO / ".venv-ecosystem" / "bin" / "python"
@@ -58,8 +60,21 @@ def test_an_exported_task_is_read_by_harbor_and_graded_back_by_its_own_test_sh(t
                  "--out", str(out)]) == 0
     (task,) = generate("bugfix", "train", 1, seed=3)
     folder = out / folder_name(task)
-    read = json.loads(subprocess.run([str(ECOSYSTEM_PYTHON), "-c", HARBOR_READS, str(folder)], check=True,
-                                     capture_output=True, text=True, timeout=120).stdout)
+    # A real-repository task's shape (SWE-bench, mined): pip requirements and pytest node ids.
+    repo_task = Task(id="swebench/demo__pkg-1", family="swebench", split="eval", instruction="Fix pkg.",
+                     files={"pkg/__init__.py": "X = 1\n", "conftest.py": "", "tests/test_a.py": "def test_x(): pass\n"},
+                     hidden_tests={"tests/test_a.py": "def test_x(): assert 1\n"}, test_command="pytest",
+                     metadata=TaskMetadata(difficulty=2), environment=("pytest==8.4.1",),
+                     fail_to_pass=("tests/test_a.py::test_x",))
+    repo_folder = export_task(repo_task, out)
+    read = json.loads(subprocess.run([str(ECOSYSTEM_PYTHON), "-c", HARBOR_READS, str(folder), str(repo_folder)],
+                                     check=True, capture_output=True, text=True, timeout=120).stdout)
+    assert read[repo_folder.name]["valid"] and read[repo_folder.name]["metadata"]["family"] == "swebench"
+    dockerfile = (repo_folder / "environment" / "Dockerfile").read_text()
+    assert "pip install --no-cache-dir --target /env/site -r /tmp/requirements.txt" in dockerfile
+    spec = json.loads((repo_folder / "tests" / "grading.json").read_text())
+    assert spec["pytest"] and spec["ids"] == ["tests/test_a.py::test_x"] and spec["files"] == ["tests/test_a.py"]
+    assert (repo_folder / "tests" / "control" / "conftest.py").exists()
     harbor_task = read[folder.name]
     assert harbor_task["valid"] and harbor_task["instruction"].strip() == task.instruction.strip()
     assert harbor_task["test"].endswith("tests/test.sh") and harbor_task["solve"].endswith("solution/solve.sh")
