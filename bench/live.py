@@ -40,7 +40,7 @@ whole answer's time (the baseline: without streaming the first byte arrives with
 sampled token relayed to the server over the ProcessEngine's pipe.
 
 Harness: one bugfix task played by the built-in runner and by mini-swe-agent through the harness
-endpoint (flywheel/live/harness.py), both with the same scripted answers (`--harness-turns` test
+endpoint (flywheel/rl/harness/server.py), both with the same scripted answers (`--harness-turns` test
 runs, then the end), so the engine costs nothing and the figures are the loops' own:
 `harness_overhead_per_turn_ms` is the harness's request-to-request time per turn (the command
 through sandbox_exec, HTTP, litellm, the agent) less the built-in runner's time per turn;
@@ -540,7 +540,8 @@ def bench_harness(turns: int) -> dict:
     runner on the same task with the same scripted answers: `turns` commands, then the end."""
     from flywheel.agent.episode import EpisodeConfig, initial_prompt, run_episode  # noqa: PLC0415
     from flywheel.env.pool import PoolConfig, SandboxPool  # noqa: PLC0415
-    from flywheel.live.harness import HarnessConfig, HarnessServer, run_harness_episode  # noqa: PLC0415
+    from flywheel.rl.harness.program import HarnessProgram, run_harness_episode  # noqa: PLC0415
+    from flywheel.rl.harness.server import HarnessConfig, HarnessServer  # noqa: PLC0415
 
     task = generate("bugfix", "train", 1, seed=5, difficulty=1)[0]
 
@@ -562,7 +563,8 @@ def bench_harness(turns: int) -> dict:
         server = HarnessServer(engine, tokenizer, pool, HarnessConfig(max_tokens=16384, max_turns=turns + 2))
         with server.serve(), tempfile.TemporaryDirectory(prefix="flywheel-bench-harness-") as work:
             started = time.perf_counter()
-            result = run_harness_episode(server, task, Path(work), step_limit=turns + 2)
+            result = run_harness_episode(server, task, HarnessProgram(preset="mini-swe-agent"), Path(work),
+                                         max_turns=turns + 2)
             harness_s = time.perf_counter() - started
     if result.harness_exit_code != 0 or result.breaks or result.commands != turns + 1:
         raise RuntimeError(f"the harness episode did not run as scripted: {result.harness_output[-1500:]}")

@@ -57,6 +57,19 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         print(f"{len(bugs)} validated mined tasks in {path} "
               f"({sum(b.split() == 'eval' for b in bugs)} eval)")
         return 0
+    if args.action == "import":  # Harbor task folders -> Task records (flywheel/env/harbor.py)
+        from flywheel.env.harbor import import_task  # noqa: PLC0415
+
+        if not args.task_id:
+            raise ValueError("give the Harbor task folder: flywheel tasks import PATH [--out tasks.jsonl]; a folder "
+                             "of task folders imports each")
+        root = Path(args.task_id)
+        folders = [root] if (root / "task.toml").is_file() else sorted(p for p in root.iterdir()
+                                                                         if (p / "task.toml").is_file())
+        imported = [import_task(folder) for folder in folders]
+        write_tasks(Path(args.out), imported)
+        print(f"imported {len(imported)} Harbor tasks to {args.out}")
+        return 0
     if args.action == "show":
         task = get_task(args.task_id)
         print(f"# {task.id}  (family {task.family}, split {task.split}, difficulty {task.metadata.difficulty})")
@@ -81,7 +94,12 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         if args.org is not None:  # a simulated organization's battery: the same bugs in its codebase
             rules = _house_rules(args.org, Path(args.population))
             tasks = [rules.adapt(task) for task in tasks]
-        if args.format == "swebench":  # real-repository tasks as SWE-bench instances
+        if args.format == "harbor":  # a Harbor task folder per task, in the folder --out
+            from flywheel.env.harbor import export_task  # noqa: PLC0415
+
+            for task in tasks:
+                export_task(task, out)
+        elif args.format == "swebench":  # real-repository tasks as SWE-bench instances
             from flywheel.env.swebench import task_instance, write_instances  # noqa: PLC0415
 
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -243,10 +261,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return launch_distributed_train(config, args)
     if config.dist is None or int(os.environ.get("RANK", "0")) == 0:  # torchrun's other ranks only follow
         write_resolved(config, config.run_dir)
-    harness = None
-    if config.rollout.harness != "builtin":  # an external agent program plays the episodes
-        from flywheel.live.harness import harness_runner as harness  # noqa: PLC0415
-    _, summary = train(config, harness=harness)
+    _, summary = train(config)
     if summary:
         print(json.dumps(summary, indent=2))
     return 0
@@ -437,16 +452,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     tasks = sub.add_parser("tasks", help="look at the task families")
-    tasks.add_argument("action", choices=["list", "show", "export", "build"])
-    tasks.add_argument("task_id", nargs="?", help="with `show`: the task id, as `list` prints it")
+    tasks.add_argument("action", choices=["list", "show", "export", "import", "build"])
+    tasks.add_argument("task_id", nargs="?", help="with `show`: the task id, as `list` prints it; with `import`: a "
+                       "Harbor task folder, or a folder of them")
     tasks.add_argument("--family", default="bugfix", help=f"one of {', '.join(FAMILIES)}, humaneval, mined")
     tasks.add_argument("--split", default="train", choices=SPLITS)
     tasks.add_argument("--n", type=int, default=10)
     tasks.add_argument("--seed", type=int, default=0)
     tasks.add_argument("--difficulty", type=int, choices=[1, 2, 3])
-    tasks.add_argument("--out", default="tasks.jsonl", help="with `export`: the JSONL file to write")
-    tasks.add_argument("--format", choices=["flywheel", "swebench"], default="flywheel",
-                       help="with `export`: Task records, or SWE-bench instances (real-repository tasks)")
+    tasks.add_argument("--out", default="tasks.jsonl", help="with `export`: the JSONL file to write (a folder with "
+                       "--format harbor); with `import`: the JSONL file of the imported Task records")
+    tasks.add_argument("--format", choices=["flywheel", "swebench", "harbor"], default="flywheel",
+                       help="with `export`: Task records, SWE-bench instances (real-repository tasks), or Harbor task "
+                       "folders (any family)")
     tasks.add_argument("--org", default=None, help="with `export`: a simulated organization's tasks (bugfix "
                        "rewritten into its house rules, from --population): its eval battery, orgs.batteries.<org>")
     tasks.add_argument("--population", default="configs/population.toml",

@@ -8,7 +8,7 @@
     http.py       body limits, the OpenAPI document's helpers, and a server on a background thread
 
 Both servers speak it: the live server (flywheel/live/server.py and its routers) and the harness
-server (flywheel/live/harness.py), and the SDK (flywheel/client.py) sends its events. It knows no
+server (flywheel/rl/harness/server.py), and the SDK (flywheel/client.py) sends its events. It knows no
 stage: nothing here imports the rest of flywheel, so a program that only sends events imports this
 package and httpx, not the server's stage.
 """

@@ -63,6 +63,9 @@ class Task(BaseModel):
     environment: tuple[str, ...] = ()
     fail_to_pass: tuple[str, ...] = ()
     pass_to_pass: tuple[str, ...] = ()
+    # Who grades: flywheel's supervisor over `hidden_tests` (grading.py), or an imported Harbor task's
+    # own tests/test.sh and the reward file it writes (harbor.py; its tests are `hidden_tests`).
+    grader: Literal["flywheel", "harbor"] = "flywheel"
 
     @property
     def graded_by_pytest(self) -> bool:
@@ -91,6 +94,8 @@ class Task(BaseModel):
         fields: list = [self.family, self.instruction, files, self.hidden_tests]
         if self.graded_by_pytest or self.environment:  # absent from the keys of the generated families
             fields += [self.environment, self.fail_to_pass, self.pass_to_pass]
+        if self.grader != "flywheel":
+            fields.append(self.grader)
         body = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 

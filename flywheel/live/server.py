@@ -23,7 +23,7 @@ that puts the routes together. The routes, one module per audience, each opening
 endpoints in detail: flywheel/live/openai_routes.py [inference], event_routes.py [events],
 admin_routes.py [admin], dashboard_routes.py [dashboard]. The wire itself (OpenAI's request and
 response records, errors, streaming chunks, body limits) is flywheel/api, which the harness server
-(flywheel/live/harness.py) speaks too.
+(flywheel/rl/harness/server.py) speaks too.
 
 Keys: `Authorization: Bearer KEY`; each key has scopes (`inference`, `events`, `admin`, `dashboard`)
 from the config's `[keys]` table. No or unknown key: 401; a key without the endpoint's scope: 403.

@@ -146,7 +146,7 @@ class ConversationEncoder:
         """What follows a generated turn when a client sends `messages` after it: what the template
         puts after the end token (or, for a turn cut at its token cap, `closed=False`, the end token
         too), the messages' turns, then the next assistant header. The harness endpoint
-        (flywheel/live/harness.py) appends these to the tokens it served instead of re-rendering
+        (flywheel/rl/harness/server.py) appends these to the tokens it served instead of re-rendering
         the conversation; for one user message or one run of tool results they are `user_reply`'s
         and `tool_reply`'s ids."""
         return self._encode_pieces(self.format.continuation_pieces(messages, closed))

@@ -31,7 +31,7 @@ What unblocks what:
 What goes in and out is plain: tasks, an Engine and a SandboxPool to run episodes on, a getter of
 the current policy version (the Orchestrator never holds a Learner, so it can run as a Ray actor),
 and optionally a `runner` that plays an episode elsewhere (`flywheel.rl.ray_backend`: on a rollout
-worker actor of a Ray cluster; `flywheel.live.harness.HarnessRunner`: an external agent program
+worker actor of a Ray cluster; `flywheel.rl.harness.program.HarnessRunner`: an external agent program
 against a per-episode OpenAI endpoint) with `run_episode`'s contract: same task, resume state, `on_turn`
 at every turn boundary on this side, one Trajectory back;
 out come `Batch` records (groups of `Trajectory`), in come `consumed(group ids, version)` calls, and
@@ -156,7 +156,7 @@ class EpisodeRunner(Protocol):
     when it runs here); `on_turn` is called in the caller's process at every turn boundary, and an
     exception it raises stops the episode. Its state is what a resumed run continues from; None
     where the episode cannot be resumed mid-way (an external harness program,
-    `flywheel.live.harness.HarnessRunner`, which also calls it while its program runs, so that a
+    `flywheel.rl.harness.program.HarnessRunner`, which also calls it while its program runs, so that a
     shutdown stops it promptly): a killed run plays it again from its start. May have
     `counts() -> dict[str, int]` (added to `Orchestrator.counts`) and `replacements()`
     (`Orchestrator.replacements`)."""

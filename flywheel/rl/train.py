@@ -7,7 +7,7 @@
 1. tasks: the training task set; the start checkpoint loaded twice, one copy for the Engine
    (sampling), one for the Learner
 2. rollouts: the Orchestrator runs G episodes per task in sandboxes while the loop learns (the
-   built-in loop, or an external harness program: `rollout.harness`), and hands over a batch of
+   built-in loop, or an external harness program: `[rollout.harness]`), and hands over a batch of
    B complete groups whose staleness is within the bound (`next_batch`)
 3. advantages: group-relative, zero for episodes the sandbox or an abort spoiled
 4. Learner step: one policy update on the batch (version v -> v + 1)
@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flywheel.agent.evaluate import evaluate, paired_lift, passed
 from flywheel.agent.trajectory import Status
@@ -55,6 +55,7 @@ from flywheel.model.registry import Checkpoint, Registry
 from flywheel.rl.advantages import outcome_tied
 from flywheel.rl.cluster import ClusterConfig, LearnerLost, LocalCluster, start_cluster
 from flywheel.rl.distributed import DistConfig, follow_training, init_distributed, leading
+from flywheel.rl.harness.program import HarnessProgram, harness_runner
 from flywheel.rl.learner import Learner, LearnerConfig
 from flywheel.rl.lora import LoraLearner
 from flywheel.rl.orchestrator import Batch, EpisodeRunner, Orchestrator, OrchestratorConfig
@@ -64,21 +65,23 @@ from flywheel.timing import timed
 
 
 class RolloutConfig(BaseModel):
-    """Who plays the training episodes. "builtin": flywheel's own loop (flywheel/agent/episode.py).
-    "mini-swe-agent": that third-party harness, unmodified, against a per-episode OpenAI endpoint
-    that records the exact tokens (flywheel/live/harness.py), with the same limits
-    (`orchestrator.episode`), admission, staleness bound and weight swaps. A harness costs a
-    program start per episode (6 s of CPU for litellm's imports, measured) and a process per
-    command; the held-out evals stay the built-in loop's, so they compare with every other run's."""
+    """Who plays the training episodes. No `[rollout.harness]` (or `harness = "builtin"`): flywheel's
+    own loop (flywheel/agent/episode.py). A harness: that program, unmodified, against a per-episode
+    OpenAI endpoint that records the exact tokens (flywheel/rl/harness/), with the same limits
+    (`orchestrator.episode`), admission, staleness bound and weight swaps; `harness = "mini-swe-agent"`
+    is short for `[rollout.harness] preset = "mini-swe-agent"`. A harness costs a program start per
+    episode (6 s of CPU for litellm's imports, measured) and a process per command; the held-out
+    evals stay the built-in loop's, so they compare with every other run's."""
 
     model_config = ConfigDict(extra="forbid")
-    harness: Literal["builtin", "mini-swe-agent"] = "builtin"
+    harness: HarnessProgram | None = None
 
-
-# Builds the runner of harness episodes for `rollout.harness`: (harness name, engine, tokenizer,
-# pool, episode limits, folder for the harness's files) -> a context manager holding the runner.
-# The CLI passes `flywheel.live.harness.harness_runner`; rl/ may not import live/, which serves it.
-HarnessFactory = Callable[..., AbstractContextManager[EpisodeRunner]]
+    @field_validator("harness", mode="before")
+    @classmethod
+    def _named(cls, value: Any) -> Any:
+        if value == "builtin":
+            return None
+        return {"preset": value} if isinstance(value, str) else value
 
 
 class TrainConfig(BaseModel):
@@ -118,8 +121,8 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _sampling_matches_learning(self) -> TrainConfig:
-        if self.rollout.harness != "builtin" and self.cluster.backend != "local":
-            raise ValueError(f"rollout.harness = {self.rollout.harness!r} runs its programs on this machine: set "
+        if self.rollout.harness is not None and self.cluster.backend != "local":
+            raise ValueError("[rollout.harness] runs its programs on this machine: set "
                              "cluster.backend = 'local' (Ray rollout workers play the built-in loop only)")
         sampled = self.orchestrator.episode.temperature
         if sampled > 0 and self.learner.temperature != sampled:
@@ -341,22 +344,18 @@ def resume(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Lear
     return orchestrator.resume(progress)
 
 
-def episode_runner(config: TrainConfig, cluster: Any, engine: Engine, tokenizer, pool: SandboxPool,
-                   harness: HarnessFactory | None) -> AbstractContextManager[EpisodeRunner | None]:
+def episode_runner(config: TrainConfig, cluster: Any, engine: Engine, tokenizer,
+                   pool: SandboxPool) -> AbstractContextManager[EpisodeRunner | None]:
     """Who plays the episodes: the cluster's runner (None: the Orchestrator's own threads), or the
-    `rollout.harness` program's, built by `harness`."""
-    if config.rollout.harness == "builtin":
+    `[rollout.harness]` program's, each episode's files in run_dir/harness."""
+    if config.rollout.harness is None:
         return nullcontext(cluster.runner(engine))
-    if harness is None:
-        raise ValueError(f"rollout.harness = {config.rollout.harness!r} needs its runner: run `flywheel train`, or "
-                         "pass harness=flywheel.live.harness.harness_runner to train()")
-    return harness(config.rollout.harness, engine, tokenizer, pool, config.orchestrator.episode,
-                   config.run_dir / "harness")
+    return harness_runner(config.rollout.harness, engine, tokenizer, pool, config.orchestrator.episode,
+                          config.run_dir / "harness")
 
 
 def train(config: TrainConfig, log: Callable[[str], None] = print,
-          start_report: Mapping[str, Any] | None = None,
-          harness: HarnessFactory | None = None) -> tuple[Checkpoint | None, dict[str, Any]]:
+          start_report: Mapping[str, Any] | None = None) -> tuple[Checkpoint | None, dict[str, Any]]:
     """`train_once`, restarted from the run's last checkpoint when a Ray learner actor dies
     (`cluster.learner_restarts` times): the resume path of a killed local run.
 
@@ -370,7 +369,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print,
             return None, {}
     for restart in range(config.cluster.learner_restarts + 1):
         try:
-            return train_once(config, log, start_report, harness)
+            return train_once(config, log, start_report)
         except LearnerLost as exc:
             if restart == config.cluster.learner_restarts:
                 raise
@@ -389,13 +388,12 @@ def learner_for(config: TrainConfig, cluster: Any, model: Any, start: int) -> Ab
 
 
 def train_once(config: TrainConfig, log: Callable[[str], None] = print,
-               start_report: Mapping[str, Any] | None = None,
-               harness: HarnessFactory | None = None) -> tuple[Checkpoint | None, dict[str, Any]]:
+               start_report: Mapping[str, Any] | None = None) -> tuple[Checkpoint | None, dict[str, Any]]:
     """The RL loop (module docstring). `start_report`: the start checkpoint's held-out eval that the
     caller already played on these eval tasks (the demo passes the bootstrap's); it is recorded as the
     eval at step 0 instead of being played again, so every run's eval.jsonl starts at its start.
-    `harness`: what plays `rollout.harness` episodes (`HarnessFactory`); the held-out evals stay
-    the built-in loop's, so they compare with every other run's."""
+    Episodes of a `[rollout.harness]` are its program's; the held-out evals stay the built-in loop's,
+    so they compare with every other run's."""
     torch.set_num_threads(config.threads)
     start = time.perf_counter()
     config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -431,7 +429,7 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
             cluster.engine(engine_model, tokenizer, config.engine, config.pool, version=learner.version,
                            checkpoint=parent.path) as engine, \
             SandboxPool(config.pool) as pool, \
-            episode_runner(config, cluster, engine, tokenizer, pool, harness) as runner, \
+            episode_runner(config, cluster, engine, tokenizer, pool) as runner, \
             Orchestrator(orch_config, tasks, engine, tokenizer, pool, config.run_dir,
                          version=lambda: learner.version, runner=runner) as orchestrator:
         if resume(orch_config, orchestrator, learner, engine, run):

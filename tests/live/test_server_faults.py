@@ -27,12 +27,12 @@ from tiny_serving import KEYS, make_registry
 
 from flywheel.env.families import generate
 from flywheel.env.pool import PoolConfig, SandboxPool
-from flywheel.live.harness import HarnessServer
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.settings import LoopConfig, StoreConfig
 from flywheel.live.store import LiveStore
 from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.registry import Registry
+from flywheel.rl.harness.server import HarnessServer
 from flywheel.store.pg_cluster import ThrowawayCluster, server_binaries
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

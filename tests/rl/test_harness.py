@@ -1,7 +1,8 @@
-"""Harness rollouts: mini-swe-agent, unmodified, plays flywheel episodes through the per-episode
-endpoint; its commands run in the episode's real sandbox; the trajectory holds exactly the tokens
-the engine saw and sampled; the Learner trains on it. And the token ledger on its own: an identical
-resend extends one segment, a rewritten history starts a new one and is counted."""
+"""Harness rollouts: each preset of `[rollout.harness]` (mini-swe-agent, the OpenAI Agents SDK),
+unmodified, plays flywheel episodes through the per-episode endpoint; its commands run in the
+episode's real sandbox; the trajectory holds exactly the tokens the engine saw and sampled; the
+Learner trains on it. The config refuses what it cannot run. And the token ledger on its own: an
+identical resend extends one segment, a rewritten history starts a new one and is counted."""
 
 from __future__ import annotations
 
@@ -11,21 +12,22 @@ import os
 
 import pytest
 import torch
-from tiny_serving import TINY, corpus
 
 from flywheel.agent.episode import initial_prompt
 from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.env.families import generate
 from flywheel.env.pool import PoolConfig, SandboxPool
-from flywheel.live.harness import HarnessConfig, HarnessServer, TokenLedger, run_harness_episode
-from flywheel.live.sandbox_exec import parse_bwrap_args
 from flywheel.model.chat import IM_END, SYSTEM_PROMPT
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import EngineConfig, Generation, LocalEngine
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.tokenizer import train_tokenizer
+from flywheel.rl.harness.program import HarnessProgram, run_harness_episode
+from flywheel.rl.harness.sandbox_exec import parse_bwrap_args
+from flywheel.rl.harness.server import HarnessConfig, HarnessServer, TokenLedger
 from flywheel.rl.learner import Learner, LearnerConfig
 from tests.agent.test_episode import call
+from tests.live.tiny_serving import TINY, corpus
 
 try:
     import minisweagent  # noqa: F401  (the third-party harness under test: the dev extra installs it)
@@ -35,6 +37,7 @@ except ImportError:
     HAVE_MINI = False
 needs_mini = pytest.mark.skipif(not HAVE_MINI and os.environ.get("FLYWHEEL_CI") != "1",
                                 reason="mini-swe-agent is not installed: pip install -e '.[dev]'")
+MINI = HarnessProgram(preset="mini-swe-agent")
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +163,7 @@ def test_mini_swe_agent_solves_a_task_in_the_sandbox_in_one_exact_segment(task, 
     engine = ScriptedEngine(tokenizer, turns)
     server = HarnessServer(engine, tokenizer, pool, HarnessConfig(max_tokens_per_turn=2048, max_tokens=16384))
     with server.serve():
-        result = run_harness_episode(server, task, tmp_path, step_limit=6)
+        result = run_harness_episode(server, task, MINI, tmp_path, max_turns=6)
     assert result.harness_exit_code == 0, result.harness_output
     # Every command ran in the episode's jail (its workspace is /workspace), and the fix was graded there.
     observations = [m["content"] for m in json.loads((tmp_path / "mini.traj.json").read_text())["messages"]
@@ -182,6 +185,58 @@ def test_mini_swe_agent_solves_a_task_in_the_sandbox_in_one_exact_segment(task, 
     assert [c["completion_ids"] for c in result.completions] == engine.sampled
 
 
+@pytest.mark.slow  # 14-36 s on the shared 2-core machine (load ~15): the SDK's imports in its program
+def test_the_openai_agents_sdk_preset_solves_a_task_in_the_sandbox_in_one_exact_segment(task, tokenizer, pool,
+                                                                                        tmp_path):
+    pytest.importorskip("agents", reason="the OpenAI Agents SDK (openai-agents, the dev extra)")
+    (edit,) = task.reference_edits
+    fixed = task.files[edit.path].replace(edit.old, edit.new)
+    write = f"echo {base64.b64encode(fixed.encode()).decode()} | base64 -d > {edit.path}"
+    turns = [call("bash", command="pwd; ls") + IM_END, call("bash", command=write) + IM_END,
+             call("bash", command=task.test_command) + IM_END, "Fixed: the tests pass." + IM_END]
+    engine = ScriptedEngine(tokenizer, turns)
+    server = HarnessServer(engine, tokenizer, pool, HarnessConfig(max_tokens_per_turn=2048, max_tokens=16384))
+    with server.serve():
+        result = run_harness_episode(server, task, HarnessProgram(preset="openai-agents"), tmp_path, max_turns=6)
+    assert result.harness_exit_code == 0, result.harness_output
+    assert json.loads((tmp_path / "agents_sdk.json").read_text()) == {"exit_status": "Finished"}
+    assert result.commands == 3 and result.breaks == 0
+    (traj,) = result.trajectories
+    assert traj.status == Status.FINISHED and traj.all_passed and traj.reward == pytest.approx(1.0)
+    assert traj.turns == 4 and traj.tool_calls == 3 and traj.invalid_tool_calls == 0
+    # The commands ran in the jail: the first one's output, as the SDK sent it back, names /workspace.
+    assert "/workspace" in tokenizer.decode(engine.prompts[1][len(engine.prompts[0]):])
+    for prompt in engine.prompts:  # token in, token out, as for mini-swe-agent
+        assert traj.tokens[: len(prompt)] == prompt
+    assert [t for t, m in zip(traj.tokens, traj.loss_mask, strict=True) if m] == [i for ids in engine.sampled
+                                                                                  for i in ids]
+    assert {v for v, m in zip(traj.versions, traj.loss_mask, strict=True) if m} == {3}
+
+
+def test_a_harness_config_is_checked_when_read():
+    from flywheel.rl.train import TrainConfig  # noqa: PLC0415
+
+    # A command of your own: its templates filled per episode; the preset's fields overridden one by one.
+    own = HarnessProgram(command=["{python}", "agent.py", "--url", "{base_url}", "--turns", "{max_turns}"],
+                         env={"HOME": "{workdir}"}, tool_aliases={"shell": "run_command"})
+    argv, env = own.argv_env({"python": "py", "base_url": "http://h/v1", "max_turns": "3", "workdir": "/w"})
+    assert argv == ["py", "agent.py", "--url", "http://h/v1", "--turns", "3"] and env["HOME"] == "/w"
+    mini = HarnessProgram(preset="mini-swe-agent", tool_aliases={"sh": "run_command"})
+    assert mini.command == MINI.command and mini.tool_aliases == {"sh": "run_command"}
+    # The short form names a preset; "builtin" is no harness.
+    short = TrainConfig.model_validate({"rollout": {"harness": "openai-agents"}}).rollout.harness
+    assert short.preset == "openai-agents" and short.status_file == "agents_sdk.json"
+    assert TrainConfig.model_validate({"rollout": {"harness": "builtin"}}).rollout.harness is None
+    with pytest.raises(ValueError, match="names \\['base_ur'\\].*placeholders are base_url"):
+        HarnessProgram(command=["agent", "{base_ur}"])
+    with pytest.raises(ValueError, match="needs a command"):
+        HarnessProgram()
+    with pytest.raises(ValueError, match="preset"):
+        HarnessProgram(preset="aider")
+    with pytest.raises(ValueError, match="cluster.backend = 'local'"):
+        TrainConfig.model_validate({"rollout": {"harness": "mini-swe-agent"}, "cluster": {"backend": "ray"}})
+
+
 @pytest.mark.slow  # 10 s on the shared 2-core machine (load ~10)
 @needs_mini
 def test_mini_swe_agent_with_the_embedded_model_yields_exact_records_the_learner_trains_on(task, pool, tmp_path):
@@ -193,7 +248,7 @@ def test_mini_swe_agent_with_the_embedded_model_yields_exact_records_the_learner
     server = HarnessServer(engine, embedded, pool, HarnessConfig(max_tokens_per_turn=24))
     try:
         with server.serve():
-            result = run_harness_episode(server, task, tmp_path, step_limit=3)
+            result = run_harness_episode(server, task, MINI, tmp_path, max_turns=3)
     finally:
         engine.close()
     assert result.completions, result.harness_output
@@ -282,7 +337,7 @@ def test_the_embedded_model_calls_its_own_tool_for_a_declared_alias_and_names_un
 @pytest.mark.slow  # 14 s on the shared 2-core machine (load ~10)
 @needs_mini
 def test_flywheel_train_plays_mini_swe_agent_episodes_under_the_staleness_bound(tmp_path):
-    """`rollout.harness = "mini-swe-agent"`: the Orchestrator admits, bounds and trains harness
+    """`[rollout.harness] preset = "mini-swe-agent"`: the Orchestrator admits, bounds and trains harness
     episodes as it does built-in ones; their records are the exact tokens the engine sampled (the
     Learner rescores the start policy's tokens to the engine's logprobs), every token keeps the
     version that sampled it, and the episodes in flight at the end are stopped, not left running."""
@@ -307,8 +362,8 @@ eval_tasks_per_family = 1
 eval_at_start = false
 threads = 1
 
-[rollout]
-harness = "mini-swe-agent"
+[rollout.harness]
+preset = "mini-swe-agent"
 
 [orchestrator]
 group_size = 2

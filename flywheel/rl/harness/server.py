@@ -1,4 +1,4 @@
-"""Harness rollouts: any agent program that speaks the OpenAI chat API plays a flywheel episode.
+"""The harness endpoint: any agent program that speaks the OpenAI chat API plays a flywheel episode.
 
     HarnessServer(engine, tokenizer, pool)          one app, many episodes, on loopback
       start(task) ──> HarnessEpisode: a sandbox holding the task's files, an id and a key
@@ -9,9 +9,7 @@
       finish(id) ──> grade the workspace with the hidden tests ──> HarnessResult: one Trajectory
                      per segment, the completions served, the count of history breaks
 
-    run_harness_episode(server, task, workdir)      start, run the harness program, finish
-    HarnessRunner / harness_runner                  the Orchestrator's runner: `flywheel train`
-                                                    with rollout.harness = "mini-swe-agent"
+Which program plays, and how it is started, is flywheel/rl/harness/program.py (`[rollout.harness]`).
 
 Token fidelity (`TokenLedger`). A harness resends the whole conversation every turn. The ledger
 keeps, per segment, the token ids the engine saw and produced and the messages they stand for
@@ -61,18 +59,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 import shlex
-import subprocess
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -80,7 +73,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flywheel.agent.episode import EpisodeConfig, EpisodeState
+from flywheel.agent.episode import EpisodeConfig
 from flywheel.agent.trajectory import INVALID_CALL_PENALTY, Status, Trajectory
 from flywheel.api.errors import ApiError, describe_errors, install_error_handlers
 from flywheel.api.http import RunningServer, read_body, unless_client_left
@@ -546,168 +539,4 @@ class HarnessServer:
         return running
 
 
-# ---- mini-swe-agent, configured by its own settings
-
-
-def mini_swe_agent_command(episode: HarnessEpisode, workdir: Path, step_limit: int = 8,
-                           model_name: str = "flywheel") -> tuple[list[str], dict[str, str]]:
-    """(argv, environment) that run mini-swe-agent, unmodified, on `episode`.
-
-    Its model is litellm's OpenAI-compatible client with the episode's base URL and key; its
-    environment is its own `bubblewrap` one with `executable` set to this interpreter and
-    `wrapper_args` to `-m flywheel.live.sandbox_exec`, so every command it runs goes to the
-    episode's sandbox. The default agent (not the interactive one) runs with no terminal."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    config = {
-        "agent": {"step_limit": step_limit, "cost_limit": 0},
-        "model": {"model_class": "litellm", "model_name": f"openai/{model_name}", "cost_tracking": "ignore_errors",
-                  "model_kwargs": {"api_base": f"{episode.url}/v1", "api_key": episode.key, "drop_params": True}},
-        "environment": {"environment_class": "bubblewrap", "cwd": "/workspace", "executable": sys.executable,
-                        "wrapper_args": ["-m", "flywheel.live.sandbox_exec", "--url", episode.url,
-                                         "--key", episode.key, "--"]},
-    }
-    config_path = workdir / "flywheel.yaml"
-    config_path.write_text(json.dumps(config, indent=2))  # JSON is YAML
-    # mini.yaml: mini-swe-agent's own prompts, as its `mini` command uses them; ours only overrides.
-    argv = [sys.executable, "-m", "minisweagent.run.mini", "-c", "mini.yaml",
-            "-c", str(config_path), "--agent-class", "default", "--exit-immediately", "-t", episode.task.instruction,
-            "-o", str(workdir / "mini.traj.json")]
-    env = {**os.environ, "MSWEA_CONFIGURED": "true", "MSWEA_GLOBAL_CONFIG_DIR": str(workdir / "mswea"),
-           "MSWEA_SILENT_STARTUP": "1", "MSWEA_COST_TRACKING": "ignore_errors",
-           # litellm reads its model price list from disk, not the network; no retries hide an error
-           "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
-                                                     os.environ.get("PYTHONPATH", "")) if p)}
-    return argv, env
-
-
-def run_harness_episode(server: HarnessServer, task: Task, workdir: Path, step_limit: int = 8, group_id: str = "",
-                        priority: int = 0, on_turn: Callable[[], None] | None = None) -> HarnessResult:
-    """Play `task` with mini-swe-agent as the agent loop: start, run it to its end, grade, build.
-
-    `on_turn` is called after every served turn and about once a second while the program runs;
-    what it raises ends the program (its whole process group), releases the sandbox ungraded and
-    is raised here: how a run that shuts down stops it without waiting for its next turn."""
-    episode = server.start(task, group_id=group_id, priority=priority, on_turn=on_turn)
-    argv, env = mini_swe_agent_command(episode, workdir, step_limit)
-    deadline = time.monotonic() + server.config.harness_timeout_s
-    # Its own session, so that stopping it also stops the sandbox_exec commands it has running.
-    proc = subprocess.Popen(argv, env=env, cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    output, status = "", Status.FINISHED
-    try:
-        while True:
-            try:
-                output, _ = proc.communicate(timeout=1.0)
-                break
-            except subprocess.TimeoutExpired:
-                if on_turn is not None and episode.stopped is None:
-                    on_turn()
-                if episode.stopped is not None or time.monotonic() > deadline:
-                    os.killpg(proc.pid, 9)
-                    output, _ = proc.communicate()
-                    status = Status.TRUNCATED
-                    break
-    except BaseException:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-        server.abandon(episode.id)
-        raise
-    if episode.stopped is not None:
-        server.abandon(episode.id)
-        raise episode.stopped
-    code = proc.returncode if status == Status.FINISHED else None
-    if status == Status.TRUNCATED:
-        output = f"harness killed after {server.config.harness_timeout_s:.0f} s: {output[-2000:]}"
-    elif code != 0:
-        status = Status.ABORTED
-    else:
-        status = _mini_status(workdir / "mini.traj.json")
-    output = output[-4000:]
-    result = server.finish(episode.id, status, "" if status != Status.ABORTED else output[-500:])
-    result.harness_exit_code, result.harness_output = code, output
-    return result
-
-
-# mini-swe-agent's exit statuses (its trajectory's info.exit_status) as the built-in runner's: out of
-# steps or time is a truncation (graded all the same), repeated unparseable answers a tool error.
-_MINI_STATUS = {"LimitsExceeded": Status.TRUNCATED, "TimeExceeded": Status.TRUNCATED,
-                "RepeatedFormatError": Status.TOOL_ERROR}
-
-
-def _mini_status(trajectory: Path) -> Status:
-    try:
-        exit_status = json.loads(trajectory.read_text()).get("info", {}).get("exit_status", "")
-    except (OSError, json.JSONDecodeError):
-        return Status.FINISHED  # exited 0 without its record: nothing says it stopped short
-    return _MINI_STATUS.get(exit_status, Status.FINISHED)
-
-
-class HarnessRunner:
-    """The Orchestrator's `EpisodeRunner` for harness episodes: each episode is a mini-swe-agent
-    program playing against its own endpoint of one `HarnessServer`, scheduled, admitted and
-    staleness-bounded like a built-in episode (flywheel/rl/orchestrator.py).
-
-    - Versions: weight swaps happen inside the Engine between tokens, as for any request; a turn in
-      flight when the Learner steps keeps sampling under the new weights, and every token keeps the
-      version that sampled it (a partial rollout).
-    - One Trajectory per episode, as the Orchestrator's groups compare one reward per member: the
-      episode's last segment (its final turns, carrying the episode's reward). Earlier segments, cut
-      off by a rewritten history, are counted (`harness_dropped_segments`), not trained on.
-    - Turn boundaries: `on_turn` is called at the start, after every served turn and about once a
-      second while the program runs, with no state (None): a harness program cannot be resumed
-      mid-episode, so a killed run plays an unfinished harness episode again from its start. What
-      `on_turn` raises (the Orchestrator's shutdown) ends the program and is raised to the
-      Orchestrator. A program that hangs is bounded by `HarnessConfig.harness_timeout_s` (then
-      truncated and graded), not by the Orchestrator's `episode_timeout_s`, which these calls reset.
-    - Each episode's mini-swe-agent files (its config, its own trajectory) are in `workdir/<group>-<i>`.
-    """
-
-    def __init__(self, server: HarnessServer, workdir: Path):
-        self.server, self.workdir = server, Path(workdir)
-        self._counts = {"harness_episodes": 0, "harness_breaks": 0, "harness_dropped_segments": 0}
-        self._lock = threading.Lock()
-        self._played = 0
-
-    def __call__(self, task: Task, config: EpisodeConfig, group_id: str, resume: EpisodeState | None,
-                 on_turn: Callable[[EpisodeState | None], None], priority: int) -> Trajectory:
-        on_turn(None)  # the episode's first boundary: a run already shutting down starts no program
-        with self._lock:
-            self._played += 1
-            workdir = self.workdir / f"{group_id}-{self._played}"
-        result = run_harness_episode(self.server, task, workdir, step_limit=config.max_turns, group_id=group_id,
-                                     priority=priority, on_turn=lambda: on_turn(None))
-        with self._lock:
-            self._counts["harness_episodes"] += 1
-            self._counts["harness_breaks"] += result.breaks
-            self._counts["harness_dropped_segments"] += max(0, len(result.trajectories) - 1)
-        if result.trajectories:
-            return result.trajectories[-1]
-        # The program ended before asking the model anything: an episode with no tokens, no gradient.
-        error = f"the harness served no turn (exit code {result.harness_exit_code}): {result.harness_output[-300:]}"
-        return Trajectory(task_id=task.id, family=task.family, tokens=[], loss_mask=[], logprobs=[], versions=[],
-                          prompt_len=0, status=Status.ABORTED, reward=0.0, reward_parts={}, turns=0, tool_calls=0,
-                          invalid_tool_calls=0, asked_question=False, group_id=group_id, error=error)
-
-    def counts(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
-
-@contextmanager
-def harness_runner(name: str, engine: Engine, tokenizer: Any, pool: SandboxPool, episode: EpisodeConfig,
-                   workdir: Path) -> Iterator[HarnessRunner]:
-    """A running HarnessServer on loopback over `engine` and `pool` with `episode`'s limits, and its
-    runner for the Orchestrator (`flywheel train` with `rollout.harness = "mini-swe-agent"`)."""
-    if name != "mini-swe-agent":  # the harnesses `RolloutConfig.harness` names (flywheel/rl/train.py)
-        raise ValueError(f"unknown harness {name!r}: flywheel runs mini-swe-agent")
-    server = HarnessServer(engine, tokenizer, pool, HarnessConfig.for_episode(episode))
-    try:
-        with server.serve():
-            yield HarnessRunner(server, workdir)
-    finally:
-        server.close()
-
-
-__all__ = ["HarnessConfig", "HarnessEpisode", "HarnessResult", "HarnessRunner", "HarnessServer",
-           "Segment", "TokenLedger", "harness_runner", "mini_swe_agent_command", "run_harness_episode"]
+__all__ = ["Break", "HarnessConfig", "HarnessEpisode", "HarnessResult", "HarnessServer", "Segment", "TokenLedger"]

@@ -1,13 +1,13 @@
 """A `bwrap`-shaped command that runs a harness's shell commands in its episode's flywheel sandbox.
 
-    python -m flywheel.live.sandbox_exec --url URL --key KEY -- [bwrap options] bash -c COMMAND
+    python -m flywheel.rl.harness.sandbox_exec --url URL --key KEY -- [bwrap options] bash -c COMMAND
 
 An external agent harness that can wrap its commands in bubblewrap (mini-swe-agent's `bubblewrap`
 environment: `executable` and `wrapper_args` in its config) is pointed at this module instead of
 `bwrap`. It reads what the harness asked for from the bwrap-style argument list (the command after
 `bash -c` or `sh -c`, each `--setenv NAME VALUE`; the mounts and `--chdir` it names are ignored:
 the episode's workspace is the jail's `/workspace`), posts it to the episode's `exec` endpoint
-(flywheel/live/harness.py), prints the output and exits with the command's exit code, as bwrap
+(flywheel/rl/harness/server.py), prints the output and exits with the command's exit code, as bwrap
 would. The command runs in flywheel's own jail (its limits, its workspace), never on this host.
 
 Standard library only: the harness pays one interpreter start and one loopback request per command.
