@@ -317,7 +317,9 @@ class HarnessServer:
               on_turn: Callable[[], None] | None = None) -> HarnessEpisode:
         """A fresh episode of `task`: a sandbox holding its files, an id for the URL, a key."""
         sandbox = self.pool.acquire(task.files)
-        episode = HarnessEpisode(id=uuid.uuid4().hex[:16], key=secrets.token_urlsafe(24), task=task, sandbox=sandbox,
+        # hex: a key goes into argv templates (`--api-key {api_key}`), where one starting with "-" (as
+        # base64url keys do, 1 in 64) would read as an option
+        episode = HarnessEpisode(id=uuid.uuid4().hex[:16], key=secrets.token_hex(24), task=task, sandbox=sandbox,
                                  ledger=TokenLedger(self.encoder), started=time.perf_counter(), group_id=group_id,
                                  priority=priority, on_turn=on_turn)
         episode.url = f"{self.base_url}/episodes/{episode.id}"
