@@ -517,7 +517,7 @@ class Learner:
             "is_weight_mean": per_token("is_weight_sum"),
             "is_weight_max": float(totals["is_weight_max"]) if totals else nan,
             "is_truncated_frac": per_token("is_capped") if config.loss.behaviour_mode == "truncate" else 0.0,
-            "is_masked_frac": per_token("is_capped") if config.loss.behaviour_mode == "mask" else 0.0,
+            "is_masked_frac": per_token("is_capped") if config.loss.behaviour_mode in ("mask", "band") else 0.0,
             "grad_norm": float(torch.stack(grad_norms).mean()) if grad_norms else nan,  # before clipping
             "lr": self.optimizer.param_groups[0]["lr"],  # of the last step taken
             "optimizer_steps": float(taken),
