@@ -88,6 +88,11 @@ class LossConfig(BaseModel):
     # token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio (needs seq-mean-token-mean and
     # clip ranges near 1e-3); steadier on MoE where single tokens' ratios jump when their routing flips
     ratio_level: Literal["token", "sequence"] = "token"
+    # Routing replay (R3, `flywheel.model.routing`): the Learner's forwards route each position that predicted a
+    # sampled token to the experts the engine chose there, so the engine/Learner ratio measures the policy, not
+    # a routing flip. Needs episodes recorded with `episode.routed_experts` (the local engine) and turns off
+    # `share_prefix` (its shared prefix is one row, the recorded routing is per episode).
+    routing_replay: bool = False
     kl_coef: float = Field(default=0.0, ge=0)  # > 0 needs a reference model (the Learner's ref_model)
     # token-mean: long answers weigh more per sequence
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
