@@ -46,7 +46,8 @@ model's 1e-6), in float32 and bfloat16; after each step the new weights go to tw
 kind, one by full state dict, the other by `WeightDelta` (`flywheel.model.weight_delta`), pushes
 alternated A/B: `LocalEngine` in this process, `ProcessEngine` (pickled over a pipe) and a Ray
 `EngineActor` (the object store; `--no-ray` skips it). Per setting: bytes per update (tensor
-bytes, and the pickled message for the process engine), update seconds (median), and whether the
+bytes, and the pickled message for the process engine), update seconds (median; a delta's include
+computing it against the last weights sent), and whether the
 two engines' weights are bit-identical after every step. vLLM reloads a folder of safetensors and
 has no delta path here.
 
@@ -347,12 +348,12 @@ def _weight_delta_setting(model, dtype, lr: float, sequences: list[list[int]], s
         optimizer.step()
         weights = {k: v.detach() for k, v in policy.state_dict().items()}
         for kind in kinds:
-            delta = senders[kind].delta(weights, version)
             order = ("full", "delta") if version % 2 else ("delta", "full")  # A/B: load shifts hit both
             for side in order:
-                payload = weights if side == "full" else delta
-                t = time.perf_counter()
-                _push(kind, engines[kind][side], payload, version)
+                t = time.perf_counter()  # a delta's time includes comparing the weights with the last sent
+                if side == "delta":
+                    delta = senders[kind].delta(weights, version)
+                _push(kind, engines[kind][side], weights if side == "full" else delta, version)
                 seconds[kind][side].append(time.perf_counter() - t)
         sent.append(delta.nbytes)
         pickled.append(len(pickle.dumps(delta, protocol=pickle.HIGHEST_PROTOCOL)))

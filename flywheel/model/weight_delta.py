@@ -15,7 +15,8 @@ the engine's weights after a delta are bit-identical to those after a full push 
 the version it was, so that each delta states the version it applies to: an engine at another
 version (restarted, or its update lost) refuses it, and the sender sends a full update instead.
 
-Measured (`bench/engine.py --weight-deltas`): see docs/moe-rl.md.
+Measured (`bench/engine.py --weight-deltas`, docs/moe-rl.md): bf16 at lr 1e-6 sends 5.7% of the bytes;
+float32 AdamW moves every weight, and on one host the comparison costs more than the copy it saves.
 """
 
 from __future__ import annotations

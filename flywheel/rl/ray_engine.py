@@ -197,7 +197,8 @@ class RayEngine:
                         # the resubmitted prompt starts with the original one: its routing's positions are the same
                         return Generation(ids[:before] + gen.token_ids, logprobs[:before] + gen.logprobs,
                                           versions[:before] + gen.versions, gen.finish_reason,
-                                          gen.top_logprobs, gen.routed_experts, gen.routed_from)
+                                          gen.top_logprobs if not before else None, gen.routed_experts,
+                                          gen.routed_from)
                     _, chunk_ids, chunk_logprobs, chunk_versions = item
                     ids += chunk_ids
                     logprobs += chunk_logprobs

@@ -118,8 +118,9 @@ class TrainConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the weights in memory (learner and engine)
     # Push only the weights that changed since the engine's last update (`flywheel.model.weight_delta`):
     # bit-identical results, fewer bytes copied and sent where most weights keep their bits between steps
-    # (bf16 at a pretrained model's learning rate); in float32 AdamW moves nearly every weight and the delta is
-    # about a full push plus the cost of comparing. Keeps a copy of the last weights sent. Local engines only.
+    # (bf16 at a pretrained model's learning rate: 5.7% of the bytes, bench/engine.py --weight-deltas); in float32
+    # AdamW moves every weight and the delta is a full push plus the cost of comparing, which on one host exceeds the
+    # copy it saves (docs/moe-rl.md). Keeps a copy of the last weights sent. Local engines only.
     weight_deltas: bool = False
 
     @model_validator(mode="after")
