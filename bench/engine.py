@@ -40,6 +40,19 @@ run (no GPU here).
 
     nice -n 10 python bench/engine.py --vllm --requests 64 --repeats 1   # ~10 min on 2 loaded cores
 
+`--weight-deltas` runs only the weight-push comparison: the embedded default trained by AdamW on
+rollout-like token sequences (LM loss, lr `--delta-lrs`: the tiny model's 1e-4 and a pretrained
+model's 1e-6), in float32 and bfloat16; after each step the new weights go to two engines of each
+kind, one by full state dict, the other by `WeightDelta` (`flywheel.model.weight_delta`), pushes
+alternated A/B: `LocalEngine` in this process, `ProcessEngine` (pickled over a pipe) and a Ray
+`EngineActor` (the object store; `--no-ray` skips it). Per setting: bytes per update (tensor
+bytes, and the pickled message for the process engine), update seconds (median; a delta's include
+computing it against the last weights sent), and whether the
+two engines' weights are bit-identical after every step. vLLM reloads a folder of safetensors and
+has no delta path here.
+
+    python bench/engine.py --weight-deltas            # ~2-4 min on 2 cores
+
 `speedup_lean_decode` replays the `multi_turn` conversations (with sessions) decoding through
 `decode.LeanDecoder` and through the `transformers` forward (`EngineConfig.lean_decode`).
 """
@@ -47,9 +60,11 @@ run (no GPU here).
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import os
+import pickle
 import random
 import shutil
 import statistics
@@ -58,6 +73,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import ray
 import torch
 from transformers import GenerationConfig
 
@@ -72,7 +88,10 @@ from flywheel.model.chat import (
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model, parameter_count
+from flywheel.model.process_engine import ProcessEngine
 from flywheel.model.tokenizer import train_tokenizer
+from flywheel.model.weight_delta import DeltaSender, WeightDelta
+from flywheel.rl.ray_engine import EngineActor
 from flywheel.sim.expert import ScriptedExpert, demonstration_messages, run_policy
 
 FAMILIES = ("bugfix", "implement", "crossfile", "ambiguous", "humaneval")
@@ -285,6 +304,108 @@ def compare(model, prompts, lengths, batch, params, pad_id, repeats: int = 1) ->
     return out
 
 
+def bench_weight_deltas(args, model, tokenizer, prompt_pool: list[list[int]]) -> dict:
+    """Full pushes against deltas, per dtype and learning rate, through three engine kinds (docstring)."""
+    kinds = ["in_process", "process"] + ([] if args.no_ray else ["ray"])
+    if "ray" in kinds:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        # "local": a cluster of its own even where another runs on this machine
+        ray.init(address="local", num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False,
+                 log_to_driver=False)
+    report: dict = {"model": {"parameters": parameter_count(model)}, "steps": args.delta_steps, "settings": {}}
+    sequences = [p[:256] for p in prompt_pool[:8]]
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for lr in (float(x) for x in args.delta_lrs.split(",")):
+                name = f"{str(dtype).removeprefix('torch.')}_lr{lr:g}"
+                log(f"weight deltas: {name} ...")
+                report["settings"][name] = _weight_delta_setting(model, dtype, lr, sequences, args.delta_steps, kinds,
+                                                                 tokenizer)
+    finally:
+        if "ray" in kinds:
+            ray.shutdown()
+    return report
+
+
+def _weight_delta_setting(model, dtype, lr: float, sequences: list[list[int]], steps: int, kinds: list[str],
+                          tokenizer) -> dict:
+    policy = copy.deepcopy(model).to(dtype).train()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95))
+    start = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    engines: dict[str, dict[str, object]] = {}
+    for kind in kinds:
+        engines[kind] = {side: _delta_engine(kind, policy, start, tokenizer) for side in ("full", "delta")}
+    senders = {kind: DeltaSender() for kind in kinds}
+    for sender in senders.values():
+        sender.delta(start, 0)  # the engines start from these weights
+    seconds: dict[str, dict[str, list[float]]] = {k: {"full": [], "delta": []} for k in kinds}
+    sent, pickled, full_pickled = [], [], 0
+    full_bytes = sum(t.numel() * t.element_size() for t in start.values())
+    for version in range(1, steps + 1):
+        batch = torch.tensor([s[:128] + [0] * (128 - len(s[:128])) for s in sequences])
+        optimizer.zero_grad()
+        policy(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        weights = {k: v.detach() for k, v in policy.state_dict().items()}
+        for kind in kinds:
+            order = ("full", "delta") if version % 2 else ("delta", "full")  # A/B: load shifts hit both
+            for side in order:
+                t = time.perf_counter()  # a delta's time includes comparing the weights with the last sent
+                if side == "delta":
+                    delta = senders[kind].delta(weights, version)
+                _push(kind, engines[kind][side], weights if side == "full" else delta, version)
+                seconds[kind][side].append(time.perf_counter() - t)
+        sent.append(delta.nbytes)
+        pickled.append(len(pickle.dumps(delta, protocol=pickle.HIGHEST_PROTOCOL)))
+        full_pickled = len(pickle.dumps(dict(weights), protocol=pickle.HIGHEST_PROTOCOL))
+    exact = engines["in_process"]["full"].model.state_dict()
+    identical = all(torch.equal(exact[k].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                engines["in_process"]["delta"].model.state_dict()[k].view(
+                                    torch.int16 if dtype == torch.bfloat16 else torch.int32)) for k in exact)
+    for kind in kinds:
+        for side in ("full", "delta"):
+            _close(kind, engines[kind][side])
+    return {
+        "full_update_bytes": full_bytes,
+        "delta_update_bytes_mean": round(statistics.mean(sent)),
+        "delta_fraction_mean": round(statistics.mean(sent) / full_bytes, 4),
+        "full_pickled_bytes": full_pickled, "delta_pickled_bytes_mean": round(statistics.mean(pickled)),
+        "update_s_median": {kind: {side: round(statistics.median(v), 4) for side, v in sides.items()}
+                            for kind, sides in seconds.items()},
+        "bit_identical_in_process": identical,
+    }
+
+
+def _delta_engine(kind: str, policy, state: dict, tokenizer):
+    model = copy.deepcopy(policy).eval()
+    model.load_state_dict(state)
+    if kind == "in_process":
+        return LocalEngine(model, EngineConfig())
+    if kind == "process":
+        return ProcessEngine(model, EngineConfig())
+    actor = ray.remote(EngineActor).options(max_concurrency=4).remote(
+        "bench", type(model), model.config, {k: v.clone() for k, v in model.state_dict().items()}, EngineConfig(), 0,
+        tokenizer)
+    ray.get(actor.where.remote())
+    return actor
+
+
+def _push(kind: str, engine, payload, version: int) -> None:
+    if kind == "ray":  # the driver puts the update in the store once; the actor fetches and applies it
+        ray.get(engine.update_weights.remote(ray.put(payload if isinstance(payload, WeightDelta) else dict(payload)),
+                                             version, 60.0))
+    else:
+        engine.update_weights(payload, version)
+
+
+def _close(kind: str, engine) -> None:
+    if kind == "ray":
+        ray.get(engine.close.remote())
+        ray.kill(engine)
+    else:
+        engine.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per side")
@@ -305,6 +426,10 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the interpreter of vLLM's env")
     parser.add_argument("--vllm-compile", action="store_true",
                         help="with --vllm: let vLLM compile the model (minutes of start-up on 2 cores), not eager")
+    parser.add_argument("--weight-deltas", action="store_true", help="only the weight-push comparison (docstring)")
+    parser.add_argument("--delta-lrs", default="1e-4,1e-6", help="with --weight-deltas: AdamW learning rates")
+    parser.add_argument("--delta-steps", type=int, default=4, help="with --weight-deltas: updates per setting")
+    parser.add_argument("--no-ray", action="store_true", help="with --weight-deltas: skip the Ray engine actor")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
@@ -329,6 +454,11 @@ def main() -> None:
         return ([rng.choice(prompt_pool) for _ in range(n)],
                 [fixed or rng.choice(turn_lengths) for _ in range(n)])
 
+    if args.weight_deltas:
+        report = bench_weight_deltas(args, model, tokenizer, prompt_pool)
+        report["total_s"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(report, indent=2))
+        return
     if args.vllm:
         report = bench_vllm(args, tokenizer, draw, params)
         report["total_s"] = round(time.perf_counter() - t0, 1)

@@ -80,6 +80,20 @@ def test_train_refuses_a_learner_that_scores_at_another_temperature_than_was_sam
     assert config.learner.temperature == config.orchestrator.episode.temperature == 0.5
 
 
+def test_train_refuses_moe_rl_settings_the_run_could_not_honour():
+    with pytest.raises(ConfigError, match="orchestrator.episode.routed_experts = true"):
+        load_config(TrainConfig, CONFIGS / "train.toml", ["learner.loss.routing_replay=true"])
+    with pytest.raises(ConfigError, match="streams"):
+        load_config(TrainConfig, CONFIGS / "train.toml", ["learner.loss.routing_replay=true",
+                                                          "orchestrator.episode.routed_experts=true",
+                                                          'engine.backend="vllm"'])
+    with pytest.raises(ConfigError, match="weight_deltas is wired for the local engines"):
+        load_config(TrainConfig, CONFIGS / "train.toml", ["weight_deltas=true", 'cluster.backend="ray"'])
+    config = load_config(TrainConfig, CONFIGS / "train.toml", ["learner.loss.routing_replay=true", "weight_deltas=true",
+                                                               "orchestrator.episode.routed_experts=true"])
+    assert config.learner.loss.routing_replay and config.weight_deltas
+
+
 def test_resolved_config_is_written(tmp_path):
     config = load_config(DemoConfig, None, ["bootstrap.seed=4"])
     out = write_resolved(config, tmp_path / "run")

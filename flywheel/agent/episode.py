@@ -57,6 +57,10 @@ class EpisodeConfig(BaseModel):
     max_invalid_penalty: float = 0.5
     generation_timeout_s: float = 600.0  # an engine that does not answer a turn in time fails the episode loudly
     truncated_reward: float | None = None  # None: grade the workspace anyway; a number: use it instead
+    # Record each generated token's experts (`Trajectory.routed_experts`) for the Learner's routing
+    # replay (`loss.routing_replay`, which needs it): layers x top-k ints per generated token kept in
+    # the trajectory and in every saved episode state
+    routed_experts: bool = False
     grade: GradeConfig = GradeConfig()
     tools: ToolConfig = ToolConfig()
 
@@ -93,6 +97,7 @@ class EpisodeState(BaseModel):
     asked_question: bool
     broken_turns: list[tuple[int, int, int]] = Field(default_factory=list)
     failed_turns: list[tuple[int, int, int]] = Field(default_factory=list)
+    routed_experts: list[list[int]] | None = None  # as Trajectory's
     workspace: dict[str, str]  # path -> base64 of the file's bytes (exact for any content)
     timings: dict[str, float] = Field(default_factory=dict)
 
@@ -103,11 +108,12 @@ class EpisodeState(BaseModel):
 class _Recorder:
     """Accumulates the per-token arrays of one episode."""
 
-    def __init__(self) -> None:
+    def __init__(self, routed: bool = False) -> None:
         self.tokens: list[int] = []
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.routed: list[list[int]] | None = [] if routed else None  # Trajectory.routed_experts
         self.broken_turns: list[tuple[int, int, int]] = []  # [start, end, invalid calls] of generated turns
         self.failed_turns: list[tuple[int, int, int]] = []  # [start, end, failed calls]: valid calls the tool refused
 
@@ -116,12 +122,25 @@ class _Recorder:
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
+        if self.routed is not None:
+            self.routed += [[] for _ in ids]
 
-    def generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+    def generated(self, ids: list[int], logprobs: list[float], versions: list[int],
+                  routed: list[list[int]] | None = None, routed_from: int = 0) -> None:
+        """A turn's generated tokens; routed: the engine's routing of positions routed_from .. (the
+        newest token's excluded: never fed), `Generation.routed_experts`."""
         self.tokens += ids
         self.mask += [1] * len(ids)
         self.logprobs += logprobs
         self.versions += versions
+        if self.routed is not None:
+            self.routed += [[] for _ in ids]
+            if routed is None or routed_from + len(routed) != len(self.tokens) - 1:
+                raise ValueError(f"the engine returned routed experts for {'no' if routed is None else len(routed)} "
+                                 f"positions from {routed_from}, not up to the sequence's last fed position "
+                                 f"{len(self.tokens) - 2}; episode.routed_experts needs an engine that records them "
+                                 "(the local engine)")
+            self.routed[routed_from : routed_from + len(routed)] = routed
 
     def broken(self, turn_start: int, invalid_calls: int) -> None:
         """The turn generated from `turn_start` to the end so far made `invalid_calls` invalid calls."""
@@ -142,7 +161,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
     # wall seconds of this episode's turns (waiting for the engine included), tool calls, grading and
     # sandbox creation: the rollout side of the RL step's anatomy (flywheel/rl/train.py)
     timings = {"generate_s": 0.0, "tools_s": 0.0, "grade_s": 0.0, "sandbox_s": 0.0}
-    rec = _Recorder()
+    rec = _Recorder(config.routed_experts)
     encoder = ConversationEncoder(tokenizer)
 
     turns = n_calls = n_invalid = invalid_streak = 0
@@ -157,6 +176,9 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
         rec.tokens, rec.mask = list(resume.tokens), list(resume.loss_mask)
         rec.logprobs, rec.versions = list(resume.logprobs), list(resume.versions)
         rec.broken_turns, rec.failed_turns = list(resume.broken_turns), list(resume.failed_turns)
+        if rec.routed is not None:  # a state saved without them: its tokens so far are routed by the Learner
+            rec.routed = (list(resume.routed_experts) if resume.routed_experts is not None
+                          else [[] for _ in resume.tokens])
         prompt_len, files, group_id = resume.prompt_len, resume.files(), resume.group_id or group_id
         turns, n_calls, n_invalid = resume.turns, resume.tool_calls, resume.invalid_tool_calls
         invalid_streak, asked = resume.invalid_streak, resume.asked_question
@@ -174,7 +196,8 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
             task_id=task.id, group_id=group_id, tokens=rec.tokens, loss_mask=rec.mask, logprobs=rec.logprobs,
             versions=rec.versions, prompt_len=prompt_len, turns=turns, tool_calls=n_calls, invalid_tool_calls=n_invalid,
             invalid_streak=invalid_streak, asked_question=asked, broken_turns=rec.broken_turns,
-            failed_turns=rec.failed_turns, timings=dict(timings, total_s=earlier_s + time.perf_counter() - start),
+            failed_turns=rec.failed_turns, routed_experts=rec.routed,
+            timings=dict(timings, total_s=earlier_s + time.perf_counter() - start),
             workspace={p: base64.b64encode(d).decode() for p, d in snap.files.items()},
         ))
 
@@ -187,7 +210,8 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                 if budget <= 0:
                     break
                 params = SamplingParams(config.temperature, config.top_p, min(budget, config.max_tokens_per_turn),
-                                        stop_token_ids=stop, session=session, priority=priority)
+                                        stop_token_ids=stop, session=session, priority=priority,
+                                        routed_experts=config.routed_experts)
                 try:
                     with timed(timings, "generate_s"):
                         gen = engine.submit(rec.tokens, params).result(timeout=config.generation_timeout_s)
@@ -196,7 +220,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                                         f"{config.generation_timeout_s:.0f} s (episode.generation_timeout_s); "
                                         "is its loop alive?") from None
                 turn_start = len(rec.tokens)
-                rec.generated(gen.token_ids, gen.logprobs, gen.versions)
+                rec.generated(gen.token_ids, gen.logprobs, gen.versions, gen.routed_experts, gen.routed_from)
                 turns += 1
                 if gen.finish_reason == "aborted":
                     status, error = Status.ABORTED, "generation aborted"
@@ -253,4 +277,5 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
         versions=rec.versions, prompt_len=prompt_len, status=status, reward=reward - penalty, reward_parts=parts,
         turns=turns, tool_calls=n_calls, invalid_tool_calls=n_invalid, asked_question=asked, outcome=outcome,
         broken_turns=rec.broken_turns, failed_turns=rec.failed_turns, timings=timings, group_id=group_id, error=error,
+        routed_experts=rec.routed,
     )

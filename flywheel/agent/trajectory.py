@@ -6,6 +6,11 @@ Per-token arrays all have the length of `tokens`:
 - `versions`   the version of the weights that generated each token (-1 where the mask is 0): in
                training data the policy version (learner steps since the run's start checkpoint);
                the live gate's eval episodes carry the Registry version their engine serves
+- `routed_experts`  optional (`EpisodeConfig.routed_experts`): for each token, the experts every
+               MoE layer chose when the engine fed it, flat ([layer 0's k ids, layer 1's, ...],
+               `flywheel.model.routing`); [] where nothing was recorded (the last token, never fed;
+               positions an engine that died had fed); the Learner replays them
+               (`LossConfig.routing_replay`)
 
 The reward and what happened are kept apart, so that a field says one thing:
 - `reward_parts`  the additive terms of `reward`: they sum to it (checked). Simulated RL has the
@@ -47,6 +52,20 @@ LEGACY_PARTS = frozenset({"tests_passed_frac", "timed_out", "visible_tests_modif
 PARTS_TOLERANCE = 1e-9  # the parts are summed in another order than the reward was: the last bits may differ
 
 
+def check_routing(name: str, routed: list[list[int]], loss_mask: list[int]) -> None:
+    """Raise ValueError unless `routed` is one entry per token, each [] or of one common width of
+    expert ids >= 0."""
+    if len(routed) != len(loss_mask):
+        raise ValueError(f"trajectory {name}: routed_experts has {len(routed)} entries, tokens {len(loss_mask)}")
+    widths = {len(r) for r in routed if r}
+    if len(widths) > 1:
+        raise ValueError(f"trajectory {name}: routed_experts entries have widths {sorted(widths)}; every recorded "
+                         "token holds layers x top-k ids of one model")
+    for i, r in enumerate(routed):
+        if r and min(r) < 0:
+            raise ValueError(f"trajectory {name}: token {i} has routed_experts {r}, an expert id below 0")
+
+
 class Status(StrEnum):
     FINISHED = "finished"  # the agent called finish
     TRUNCATED = "truncated"  # ran out of turns or tokens
@@ -78,6 +97,7 @@ class Trajectory(BaseModel):
     timings: dict[str, float] = Field(default_factory=dict)
     group_id: str = ""  # episodes of one task sampled together (GRPO group)
     error: str = ""  # what went wrong, for sandbox_error / aborted
+    routed_experts: list[list[int]] | None = None  # per token; see the module docstring
 
     @model_validator(mode="after")
     def _equal_lengths(self) -> Trajectory:
@@ -86,6 +106,8 @@ class Trajectory(BaseModel):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"trajectory {self.task_id}: {name} has {len(getattr(self, name))} entries, tokens "
                                  f"{n}")
+        if self.routed_experts is not None:
+            check_routing(self.task_id, self.routed_experts, self.loss_mask)
         for kind, spans in (("broken", self.broken_turns), ("failed", self.failed_turns)):
             for start, end, calls in spans:
                 if not (0 <= start < end <= n) or calls < 1 or not all(self.loss_mask[start:end]):

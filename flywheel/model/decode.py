@@ -48,6 +48,9 @@ class LeanDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
+        # a list: each MoE layer of the next `step` appends its top-k ids [rows, k] (the engine's
+        # routing record, `flywheel.model.routing`); None: nothing kept
+        self.routing: list[torch.Tensor] | None = None
         rotary = model.model.rotary_emb
         self.inv_freq, self.rope_scale = rotary.inv_freq.float(), float(rotary.attention_scaling)
         self.refresh()
@@ -110,6 +113,8 @@ class LeanDecoder:
             return F.linear(F.silu(gate) * up, w["down"])
         probs = torch.softmax(F.linear(h, w["router"]), dim=-1, dtype=torch.float32)
         top, index = torch.topk(probs, w["top_k"], dim=-1)  # [rows, k]
+        if self.routing is not None:
+            self.routing.append(index)
         if w["norm_topk"]:
             top = top / top.sum(-1, keepdim=True)
         top = top.to(h.dtype)

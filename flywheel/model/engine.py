@@ -60,8 +60,9 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal, Protocol
@@ -72,7 +73,9 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from flywheel.model.decode import LeanDecoder
+from flywheel.model.routing import record_routing, routing_width
 from flywheel.model.vllm_server import VLLMConfig
+from flywheel.model.weight_delta import WeightDelta
 from flywheel.timing import timed
 
 
@@ -101,6 +104,10 @@ class SamplingParams:
     # Also return, at each sampled position, the k most likely tokens and their logprobs under the
     # same distribution as the sampled token's (OpenAI's top_logprobs; 0: none, at most 20).
     top_logprobs: int = 0
+    # Also return the experts each MoE layer chose at every position this request fed through the model
+    # (`Generation.routed_experts`, `flywheel.model.routing`): what the Learner replays with
+    # `loss.routing_replay`. Costs a host copy of [rows, layers x k] ids per step.
+    routed_experts: bool = False
 
 
 @dataclass
@@ -111,6 +118,12 @@ class Generation:
     finish_reason: str  # "stop" (a stop token, included in token_ids), "length" or "aborted"
     # SamplingParams.top_logprobs > 0: per generated token, the (token id, logprob) of the k most likely
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # SamplingParams.routed_experts: for each position p from `routed_from` to the last fed one (the prompt's
+    # and the generated tokens' but the newest, which was never fed), [layer 0's k expert ids, layer 1's, ...]
+    # chosen with token p as input. Positions before `routed_from` came from KV computed for an earlier
+    # request of the session, whose own record has them.
+    routed_experts: list[list[int]] | None = None
+    routed_from: int = 0
 
 
 class Engine(Protocol):
@@ -190,6 +203,13 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, vocab: int)
                          "encode prompts with this model's tokenizer")
 
 
+def check_delta(weights: Mapping[str, torch.Tensor] | WeightDelta, version: int) -> None:
+    """Raise ValueError for a `WeightDelta` made against other weights than the engine's `version`."""
+    if isinstance(weights, WeightDelta) and weights.base_version is not None and weights.base_version != version:
+        raise ValueError(f"weight delta is against version {weights.base_version}, the engine holds {version}; send "
+                         "a full update (DeltaSender.reset)")
+
+
 class _DecodeThreads:
     """The intra-op thread count while any engine is busy, restored when all are idle
     (EngineConfig.threads). Called from the engines' loop threads."""
@@ -233,6 +253,8 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # params.top_logprobs > 0
+    routed: list[list[int]] = field(default_factory=list)  # params.routed_experts: Generation.routed_experts
+    routed_from: int = 0
 
     @property
     def generated(self) -> list[int]:
@@ -439,6 +461,10 @@ class LocalEngine:
         empty = torch.empty(0, kv_heads, 0, head_dim, dtype=model.dtype, device=self._device)
         self._layer_shapes = [(empty, empty)] * text.num_hidden_layers  # templates for `_BatchCache.allocate`
         self._lean = LeanDecoder(model) if self.config.lean_decode and LeanDecoder.supports(model) else None
+        self._routing_width = routing_width(model)
+        self._last_routing: torch.Tensor | None = None  # [batch, new, layers * k] of the last recording `_forward`
+        # prompt cache key -> the routing of its tokens but the last (as the KV kept in `_prompts`)
+        self._prompt_routing: dict[tuple[int, ...], list[list[int]]] = {}
         self.steps = 0
         self.swaps = 0
         self._counters = dict.fromkeys(("prefill_s", "prefill_tokens", "decode_s", "decode_tokens", "decode_steps",
@@ -458,6 +484,9 @@ class LocalEngine:
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]:
         self._check_alive()
         check_request(prompt_ids, params, self._vocab)
+        if params.routed_experts and not self._routing_width:
+            raise ValueError(f"routed_experts asked of a {type(self.model).__name__}, which has no MoE router: "
+                             "routing replay is for mixtures of experts")
         seq = _Sequence(list(prompt_ids), params, Future())
         self._inbox.put(seq)
         self._wake.set()
@@ -469,9 +498,12 @@ class LocalEngine:
         futures = [self.submit(p, params) for p in prompts]
         return [f.result() for f in futures]
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, timeout_s: float = 60.0) -> None:
-        """Swap weights at the next step boundary; in-flight sequences resume under them."""
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | WeightDelta, version: int,
+                       timeout_s: float = 60.0) -> None:
+        """Swap weights at the next step boundary; in-flight sequences resume under them. A
+        `WeightDelta` is applied in place and must be against this engine's version."""
         self._check_alive()
+        check_delta(weights, self._version)
         done = threading.Event()
         self._weights.put((weights, version, done))
         self._wake.set()
@@ -589,13 +621,17 @@ class LocalEngine:
                 if self._active:
                     self._decode()
 
-    def _swap(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        self.model.load_state_dict(weights, strict=True)
+    def _swap(self, weights: Mapping[str, torch.Tensor] | WeightDelta, version: int) -> None:
+        if isinstance(weights, WeightDelta):
+            weights.apply(self.model.state_dict())
+        else:
+            self.model.load_state_dict(weights, strict=True)
         if self._lean is not None:
             self._lean.refresh()  # its fused weights are copies
         self._version = version
         self.swaps += 1
         self._prompts.clear()  # computed under the old weights; a new group's prompt starts fresh
+        self._prompt_routing.clear()
         if self.config.kv_on_update == "recompute":
             self._sessions.clear()  # their KV was computed under the old weights
             self._compact()
@@ -603,29 +639,36 @@ class LocalEngine:
                 self._rebuild_cache()
 
     def _forward(self, input_ids: torch.Tensor, cache: _BatchCache, positions: torch.Tensor,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
+                 mask: torch.Tensor | None = None, record: bool = False) -> torch.Tensor:
         """One model call appending to `cache`. input_ids, positions and mask (None: all real) [batch, new].
         Returns the last logits [batch, vocab]. A decode step (one new token, all real) goes through
-        the lean decoder when there is one."""
+        the lean decoder when there is one. record: keep each fed position's experts in
+        `_last_routing` [batch, new, layers * k]."""
         new = input_ids.shape[1]
         cache.reserve(new)
         cache.mask[:, cache.width : cache.width + new] = 1 if mask is None else mask
         if self._lean is not None and new == 1 and mask is None:  # a decode step
+            self._lean.routing = [] if record else None
             logits = self._lean.step(input_ids[:, 0], cache.layers, cache.mask[:, : cache.width + 1], positions[:, 0],
                                      cache.width)
+            calls, self._lean.routing = self._lean.routing, None
         else:
-            out = self.model(input_ids=input_ids, attention_mask=cache.mask[:, : cache.width + new],
-                             position_ids=positions,
-                             cache=cache.hf_cache(), use_cache=True, logits_to_keep=1)
+            with record_routing(self.model) if record else _no_record() as calls:
+                out = self.model(input_ids=input_ids, attention_mask=cache.mask[:, : cache.width + new],
+                                 position_ids=positions,
+                                 cache=cache.hf_cache(), use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1, :]
+        if record:  # each call's ids are [batch * new, k], row-major
+            self._last_routing = torch.cat([c.view(input_ids.shape[0], new, -1) for c in calls], dim=-1)
         cache.width += new
         cache.positions += new if mask is None else mask.sum(-1)
         return logits.float()
 
-    def _prefill(self, rows: list[list[int]], kept: list[tuple[list[int], list]] | None = None
-                 ) -> tuple[torch.Tensor, _BatchCache]:
+    def _prefill(self, rows: list[list[int]], kept: list[tuple[list[int], list]] | None = None,
+                 record: bool = False) -> tuple[torch.Tensor, _BatchCache]:
         """Run left-padded `rows` through the model into a new cache of their own; with `kept`, on
-        top of each row's kept KV (right-aligned before its new tokens, the padding between masked)."""
+        top of each row's kept KV (right-aligned before its new tokens, the padding between masked).
+        record: as `_forward`'s."""
         pasts = kept or [([], [])] * len(rows)
         past = max(len(tokens) for tokens, _ in pasts)
         width = max(len(r) for r in rows)
@@ -644,7 +687,7 @@ class LocalEngine:
         ids, mask = ids.to(self._device), mask.to(self._device)
         # [batch, width]: each row's positions continue from its past; padding gets a position but is masked
         positions = cache.positions.unsqueeze(1) + (mask.cumsum(-1) - 1).clamp(min=0)
-        return self._forward(ids, cache, positions, mask), cache
+        return self._forward(ids, cache, positions, mask, record), cache
 
     def _kept(self, seq: _Sequence) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """The session's kept KV if `seq`'s prompt extends its tokens (it is used up either way)."""
@@ -674,7 +717,8 @@ class LocalEngine:
                 continue
             self._prompts[s.prompt_key] = (s.prompt[:-1], cache.row_kv(row, width - n - 1, width - 1))
             while len(self._prompts) > self.config.prompt_cache:
-                self._prompts.popitem(last=False)
+                gone, _ = self._prompts.popitem(last=False)
+                self._prompt_routing.pop(gone, None)
 
     def _admit(self, seqs: list[_Sequence]) -> None:
         kept = [self._kept(s) for s in seqs]
@@ -692,18 +736,23 @@ class LocalEngine:
                 firsts.add(s.prompt_key)
         # Separate prefills: a short new part beside a long fresh prompt would be padded to its width.
         parts, order = [], []
+        record = any(s.params.routed_experts for s in seqs)
         if fresh:
-            parts.append(self._prefill([s.prompt for s in fresh]))
+            parts.append(self._prefill([s.prompt for s in fresh], record=record))
             self._keep_prompts(fresh, parts[-1][1])
+            self._keep_routing(fresh, [0] * len(fresh))
             order += fresh
         shared = [(s, self._same_prompt(s)) for s in twins]
         alone = [s for s, k in shared if k is None]  # its twin's KV was not kept (a one-token prompt, or evicted)
         if alone:
-            parts.append(self._prefill([s.prompt for s in alone]))
+            parts.append(self._prefill([s.prompt for s in alone], record=record))
+            self._keep_routing(alone, [0] * len(alone))
             order += alone
         for group in (extended, [(s, k) for s, k in shared if k is not None]):
             if group:
-                parts.append(self._prefill([s.prompt[len(k[0]) :] for s, k in group], [k for _, k in group]))
+                parts.append(self._prefill([s.prompt[len(k[0]) :] for s, k in group], [k for _, k in group],
+                                           record=record))
+                self._keep_routing([s for s, _ in group], [len(k[0]) for _, k in group])
                 self.reused_tokens += sum(len(k[0]) for _, k in group)
                 order += [s for s, _ in group]
         seqs = order  # the rows of the new cache, in order
@@ -734,11 +783,32 @@ class LocalEngine:
     def _decode(self) -> None:
         assert self._cache is not None
         last = torch.tensor([[s.tokens[-1]] for s in self._active], device=self._device)  # [batch, 1]
-        logits = self._forward(last, self._cache, self._cache.positions.unsqueeze(1))
+        record = any(s.params.routed_experts for s in self._active)
+        logits = self._forward(last, self._cache, self._cache.positions.unsqueeze(1), record=record)
         self.steps += 1
         self._counters["decode_steps"] += 1
         self._counters["decode_tokens"] += len(self._active)
+        if record:
+            for s, row in zip(self._active, self._last_routing[:, 0].tolist(), strict=True):
+                if s.params.routed_experts:
+                    s.routed.append(row)
         self._sample(self._active, logits)
+
+    def _keep_routing(self, seqs: list[_Sequence], past: list[int]) -> None:
+        """After a recording prefill of `seqs` (rows of `_last_routing`, left-padded), each asking one's
+        routing of the positions it fed, from `past` (tokens whose KV it reused) on; a twin of a kept
+        prompt takes that prompt's routing for the tokens it reused."""
+        if not any(s.params.routed_experts for s in seqs):
+            return
+        rows = self._last_routing.tolist()  # [rows, width, layers * k]
+        for s, start, row in zip(seqs, past, rows, strict=True):
+            fed = len(s.prompt) - start
+            s.routed, s.routed_from = row[len(row) - fed :], start
+            earlier = self._prompt_routing.get(s.prompt_key) if start else None
+            if earlier is not None and len(earlier) == start:
+                s.routed, s.routed_from = earlier + s.routed, 0
+            if start == 0 and s.prompt_key in self._prompts:  # its KV was kept for twins: its routing too
+                self._prompt_routing.setdefault(s.prompt_key, s.routed[:-1])
 
     def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         """Sample one token for each of `seqs` (rows of `logits`), then retire finished rows."""
@@ -821,7 +891,13 @@ class LocalEngine:
     def _finish(self, seq: _Sequence, reason: str) -> None:
         if not seq.future.done():
             seq.future.set_result(Generation(seq.generated, seq.logprobs, seq.versions, reason,
-                                             seq.top if seq.params.top_logprobs else None))
+                                             seq.top if seq.params.top_logprobs else None,
+                                             seq.routed if seq.params.routed_experts else None, seq.routed_from))
+
+
+@contextmanager
+def _no_record() -> Iterator[list[torch.Tensor]]:
+    yield []
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence[float],

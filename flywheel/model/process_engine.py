@@ -49,8 +49,10 @@ from flywheel.model.engine import (
     Generation,
     LocalEngine,
     SamplingParams,
+    check_delta,
     check_request,
 )
+from flywheel.model.weight_delta import WeightDelta
 
 
 def _send(conn: Any, lock: threading.Lock, message: tuple) -> None:
@@ -178,9 +180,11 @@ class ProcessEngine:
         futures = [self.submit(p, params) for p in prompts]
         return [f.result() for f in futures]
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, timeout_s: float = 60.0) -> None:
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | WeightDelta, version: int,
+                       timeout_s: float = 60.0) -> None:
+        check_delta(weights, self._version)
         done: Future[None] = Future()
-        state = {k: v.detach() for k, v in weights.items()}
+        state = weights if isinstance(weights, WeightDelta) else {k: v.detach() for k, v in weights.items()}
         with self._lock:
             self._check_alive()
             uid = next(self._ids)

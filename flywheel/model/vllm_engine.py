@@ -171,6 +171,11 @@ class VLLMEngine:
         if self._closed:
             raise EngineError("engine is closed; build a new one")
         check_request(prompt_ids, params, self._vocab)
+        if params.routed_experts:
+            raise ValueError("routed_experts (routing replay) is not available with engine.backend = 'vllm': the "
+                             "installed vLLM (0.32) returns routed experts only in a non-streamed completion, and "
+                             "this engine streams every request (each token stamped with the weights' version "
+                             "across in-flight updates); use the local engine or set loss.routing_replay = false")
         if len(prompt_ids) + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
                              f"servers' max_model_len {self.config.max_model_len}; raise engine.vllm.max_model_len")

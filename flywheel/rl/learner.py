@@ -37,11 +37,16 @@ of a broken tool call on the turn that made it, `flywheel.rl.advantages`); minib
 contiguous chunks of the batch in the order given, the same in every epoch (episodes of one GRPO
 group stay together), not reshuffled; the learning rate is constant after an optional linear
 warmup, a function of the optimizer steps taken (`lr_at`), so there is no scheduler state to resume.
+
+Routing replay (`loss.routing_replay`, `flywheel.model.routing`): every forward of the step (the
+proximal pass and the training forwards) routes the positions that predicted sampled tokens to the
+experts the engine recorded there; the router is still trained through its probabilities at them.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import time
 from collections import Counter
@@ -55,6 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel
 
 from flywheel.agent.trajectory import Status, Trajectory
+from flywheel.model.routing import replay_routing, routing_width
 from flywheel.rl.loss import LossConfig, loss_denominator, policy_loss
 from flywheel.rl.training import pack_batches, prefix_forward, scored_logits, shared_prefix_groups, warmup_factor
 from flywheel.timing import timed
@@ -111,6 +117,9 @@ class MicroBatch:
     # is the engine/Learner mismatch (`engine_logprob_mismatch_*`), not policy drift
     on_policy: torch.Tensor | None = None
     prefix: int = 0  # leading tokens every row shares, run once (`token_logprobs`); 0: none shared
+    # [batch, seq, layers * k] long: the engine's experts to replay at each position (-1: the router's own
+    # choice), `loss.routing_replay`; None: no replay
+    experts: torch.Tensor | None = None
 
 
 def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, temperature: float = 1.0,
@@ -207,7 +216,11 @@ class ScoredPolicy(torch.nn.Module):
 
 def score(policy: PreTrainedModel | ScoredPolicy, b: MicroBatch, temperature: float,
           entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_logprobs` of a micro-batch's loss tokens, through the ScoredPolicy root when there is one."""
+    """`token_logprobs` of a micro-batch's loss tokens, through the ScoredPolicy root when there is one,
+    with the engine's routing replayed where the micro-batch holds it."""
+    if b.experts is not None:
+        with replay_routing(policy, b.experts):
+            return score(policy, dataclasses.replace(b, experts=None), temperature, entropy)
     if isinstance(policy, ScoredPolicy):
         return policy(b.ids, b.attention, b.mask, temperature, entropy, b.prefix)
     return token_logprobs(policy, b.ids, b.attention, temperature, entropy=entropy, scored=b.mask, prefix=b.prefix)
@@ -236,13 +249,17 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
                        masks: Sequence[Sequence[int]],
                        micro_batch_tokens: int, rng: random.Random,
                        device: torch.device | str = "cpu", version: int | None = None,
-                       share_prefix: bool = False) -> list[MicroBatch]:
+                       share_prefix: bool = False, routing: int = 0) -> list[MicroBatch]:
     """Pack trajectories so that each micro-batch's padded size (rows x longest) is within the budget.
 
     A trajectory longer than the budget gets a micro-batch of its own: a sequence is never split.
     share_prefix: trajectories that begin alike (`shared_prefix_groups`: a GRPO group's episodes of
     one task whose first turns the policy sampled alike) form micro-batches of their own, their
-    common prefix run once; the others are packed as without it."""
+    common prefix run once; the others are packed as without it.
+    routing: the model's layers x top-k (`routing_width`) to replay the trajectories' recorded
+    experts (`MicroBatch.experts`); 0: none. Replay and share_prefix exclude each other."""
+    if routing and share_prefix:
+        raise ValueError("routing replay needs each episode's own forward: set learner.share_prefix = false")
     groups = shared_prefix_groups([t.tokens for t in trajectories], micro_batch_tokens) if share_prefix else []
     grouped = {i for rows, _ in groups for i in rows}
     rest = [i for i in range(len(trajectories)) if i not in grouped]
@@ -261,6 +278,7 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
         behaviour = torch.zeros((len(rows), width), dtype=torch.float32)
         adv = torch.zeros((len(rows), width), dtype=torch.float32)
         on_policy = torch.zeros((len(rows), width), dtype=torch.float32)
+        experts = torch.full((len(rows), width, routing), -1, dtype=torch.long) if routing else None
         for r, i in enumerate(rows):
             t, n = trajectories[i], len(trajectories[i].tokens)
             ids[r, :n] = torch.tensor(t.tokens)
@@ -270,10 +288,27 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
             adv[r, :n] = torch.tensor(advantages[i], dtype=torch.float32)  # a number broadcasts over the row
             if version is not None:
                 on_policy[r, :n] = mask[r, :n] * (torch.tensor(t.versions) == version)
+            if experts is not None:
+                _place_routing(t, experts[r], routing)
         batches.append(MicroBatch(ids.to(device), attention.to(device), mask.to(device), behaviour.to(device),
                                   adv.to(device), on_policy=on_policy.to(device) if version is not None else None,
-                                  prefix=prefix))
+                                  prefix=prefix, experts=None if experts is None else experts.to(device)))
     return batches
+
+
+def _place_routing(t: Trajectory, row: torch.Tensor, width: int) -> None:
+    """Write `t`'s recorded experts into `row` [seq, width] (position i: token i's)."""
+    if t.routed_experts is None:
+        raise ValueError(f"trajectory {t.task_id} has no routed_experts but loss.routing_replay is on: record them "
+                         "with episode.routed_experts = true (the local engine)")
+    recorded = [(i, e) for i, e in enumerate(t.routed_experts) if e]
+    if not recorded:
+        return
+    if len(recorded[0][1]) != width:
+        raise ValueError(f"trajectory {t.task_id} records {len(recorded[0][1])} experts per token, the model routes "
+                         f"{width} (layers x top-k): it was sampled from another architecture")
+    positions = torch.tensor([i for i, _ in recorded])
+    row[positions] = torch.tensor([e for _, e in recorded], dtype=torch.long)
 
 
 @torch.no_grad()
@@ -382,6 +417,9 @@ class Learner:
         if config.loss.kl_coef > 0 and ref_model is None:
             raise ValueError(f"loss.kl_coef={config.loss.kl_coef} needs a reference model: pass ref_model "
                              "(e.g. the version-0 checkpoint) or set loss.kl_coef=0")
+        if config.loss.routing_replay and not routing_width(model):
+            raise ValueError(f"loss.routing_replay needs a mixture of experts; {type(model).__name__} has no MoE "
+                             "router: set loss.routing_replay = false")
         self.model = model
         self.config = config
         self.ref_model = (ref_model.eval().requires_grad_(False) if ref_model is not None and config.loss.kl_coef > 0
@@ -517,7 +555,7 @@ class Learner:
             "is_weight_mean": per_token("is_weight_sum"),
             "is_weight_max": float(totals["is_weight_max"]) if totals else nan,
             "is_truncated_frac": per_token("is_capped") if config.loss.behaviour_mode == "truncate" else 0.0,
-            "is_masked_frac": per_token("is_capped") if config.loss.behaviour_mode == "mask" else 0.0,
+            "is_masked_frac": per_token("is_capped") if config.loss.behaviour_mode in ("mask", "band") else 0.0,
             "grad_norm": float(torch.stack(grad_norms).mean()) if grad_norms else nan,  # before clipping
             "lr": self.optimizer.param_groups[0]["lr"],  # of the last step taken
             "optimizer_steps": float(taken),
@@ -546,8 +584,10 @@ class Learner:
     def _micro_batches(self, trajectories: Sequence[Trajectory], advantages: Sequence[Advantage],
                        masks: Sequence[Sequence[int]], device: torch.device) -> list[MicroBatch]:
         """One minibatch's micro-batches (there: of this rank's share of it)."""
+        replay = self.config.loss.routing_replay
         return make_micro_batches(trajectories, advantages, masks, self.config.micro_batch_tokens, self._rng, device,
-                                  self.version, self.config.share_prefix)
+                                  self.version, self.config.share_prefix and not replay,
+                                  routing_width(self.model) if replay else 0)
 
     def _parameter_groups(self) -> Any:
         """What AdamW optimizes (there: dense and expert parameters apart, on their own meshes)."""

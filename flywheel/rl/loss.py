@@ -10,9 +10,20 @@ the start of the batch). Per generated token t with advantage A:
     w_t = exp(logp_prox_t - logp_behaviour_t)             off-policy correction, a constant
     w_t = min(w_t, cap)              behaviour_mode="truncate" (TIS, Yao et al. 2025)
     drop t if w_t > cap              behaviour_mode="mask"
+    drop t unless floor <= w_t <= cap     behaviour_mode="band" (IcePop, Ling team 2025: masked IS)
     pg_t = -w_t * min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A)     clip-higher (DAPO, Yu et al. 2025)
     kl_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1          k3 estimator, if a reference is given
     loss_t = pg_t + kl_coef * kl_t
+
+With `ratio_level="sequence"` (GSPO, Zheng et al. 2025) the trust region is the sequence's:
+every token of sequence i takes its length-normalised ratio
+
+    s_i  = exp(mean over i's loss tokens of (logp_t - logp_prox_t))
+    r_t  = sg(s_i) * exp(logp_t - sg(logp_t))     (GSPO-token: value s_i, gradient s_i dlogp_t)
+
+so one token's ratio cannot leave the band alone, and a sequence is clipped whole. On a
+mixture of experts the token ratios are noisy (a token's routing can flip between two policies);
+their geometric mean over the sequence is much less so, which is why GSPO was made for MoE RL.
 
 then aggregated over tokens with loss mask 1:
 
@@ -37,6 +48,16 @@ Departures from the papers:
 - Log-ratios are clamped to [-20, 20] before exponentiating, so an extreme token gives a large
   finite number instead of inf (a clamped token has no gradient). NaN is not clamped: it
   propagates to the loss, and the Learner then skips the step.
+- "band" is IcePop's masking applied to w_t, the proximal-over-behaviour ratio. IcePop's k_t
+  is the training engine over the inference engine at the *same* weights; here the behaviour
+  logprob may also be some versions older (async rollouts), so the band also masks stale tokens
+  that drifted; with `max_staleness = 0` the two agree. Masked tokens stay in the denominator,
+  as in "mask".
+- GSPO's sampling policy is its old policy; here the two are apart (decoupled PPO), so the
+  sequence ratio is taken against the proximal policy and the behaviour weight stays per token
+  (truncated, masked or banded as configured), not a sequence-level weight. GSPO needs
+  `aggregation="seq-mean-token-mean"` (its objective averages sequences) and its clip ranges are
+  those of a geometric mean, far narrower than a token's: the paper uses 3e-4 and 4e-4.
 - Truncated episodes are not this function's concern: the Learner zeroes their loss mask or keeps
   them (`LearnerConfig.truncated`), and a reward override for them is set where episodes are
   graded (`EpisodeConfig.truncated_reward`).
@@ -59,8 +80,19 @@ class LossConfig(BaseModel):
     # collapsing
     clip_high: float = Field(default=0.28, gt=0)
     behaviour_cap: float = 2.0  # cap on pi_prox / pi_behaviour; higher = less bias from stale tokens, more variance
-    # truncate: weight min(w, cap); mask: drop tokens with w > cap
-    behaviour_mode: Literal["truncate", "mask"] = "truncate"
+    # truncate: weight min(w, cap); mask: drop tokens with w > cap; band: drop tokens outside [floor, cap]
+    # (IcePop): also drops tokens the engine found far likelier than the Learner, which truncation keeps at full
+    # weight; more dropped tokens (smaller steps) for less bias from engine/learner mismatch
+    behaviour_mode: Literal["truncate", "mask", "band"] = "truncate"
+    behaviour_floor: float = Field(default=0.5, gt=0, le=1)  # band's lower edge (IcePop's alpha; its beta is the cap)
+    # token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio (needs seq-mean-token-mean and
+    # clip ranges near 1e-3); steadier on MoE where single tokens' ratios jump when their routing flips
+    ratio_level: Literal["token", "sequence"] = "token"
+    # Routing replay (R3, `flywheel.model.routing`): the Learner's forwards route each position that predicted a
+    # sampled token to the experts the engine chose there, so the engine/Learner ratio measures the policy, not
+    # a routing flip. Needs episodes recorded with `episode.routed_experts` (the local engine) and turns off
+    # `share_prefix` (its shared prefix is one row, the recorded routing is per episode).
+    routing_replay: bool = False
     kl_coef: float = Field(default=0.0, ge=0)  # > 0 needs a reference model (the Learner's ref_model)
     # token-mean: long answers weigh more per sequence
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
@@ -70,6 +102,9 @@ class LossConfig(BaseModel):
         if self.behaviour_cap < 1.0:
             raise ValueError(f"behaviour_cap={self.behaviour_cap} would shrink on-policy tokens (weight 1); "
                              "set loss.behaviour_cap >= 1 (2 is the TIS default)")
+        if self.ratio_level == "sequence" and self.aggregation != "seq-mean-token-mean":
+            raise ValueError("ratio_level='sequence' (GSPO) averages sequences: set loss.aggregation="
+                             "'seq-mean-token-mean'")
         return self
 
 
@@ -84,7 +119,10 @@ def behaviour_weights(logp_prox: torch.Tensor, logp_behaviour: torch.Tensor, mas
     if config.behaviour_mode == "truncate":
         return raw, raw.clamp(max=config.behaviour_cap), on.float()
     # a NaN weight is kept, so that it reaches the loss and the step is skipped
-    kept = on & ~(raw > config.behaviour_cap)
+    outside = raw > config.behaviour_cap
+    if config.behaviour_mode == "band":
+        outside = outside | (raw < config.behaviour_floor)
+    kept = on & ~outside
     return raw, torch.where(kept, raw, 0.0), kept.float()
 
 
@@ -109,7 +147,7 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
 
     The statistics are detached 0-dim tensors, sums over loss tokens so that micro-batches add up
     (divide by `tokens`): tokens, clipped_low, clipped_high, is_weight_sum, is_capped (truncated or
-    masked), kl_sum; and is_weight_max."""
+    masked or out of the band), kl_sum; and is_weight_max."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)  # [batch, 1], broadcast over the sequence
     if logp.shape != mask.shape or logp_prox.shape != mask.shape or logp_behaviour.shape != mask.shape:
@@ -123,8 +161,11 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
     advantages = torch.where(on, advantages.float().detach().expand(mask.shape), 0.0)  # [batch, seq]
     raw_w, w, kept = behaviour_weights(logp_prox, logp_behaviour, mask, config)
     # where, not multiply: a masked position's inf or NaN must not leak into the loss or its gradient
-    log_ratio = torch.where(on, logp - logp_prox.detach().float(), 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    ratio = log_ratio.exp()  # [batch, seq]
+    log_ratio = torch.where(on, logp - logp_prox.detach().float(), 0.0)
+    if config.ratio_level == "sequence":
+        seq_log = log_ratio.sum(dim=1, keepdim=True) / on.float().sum(dim=1, keepdim=True).clamp(min=1)  # [batch, 1]
+        log_ratio = torch.where(on, seq_log.detach() + logp - logp.detach(), 0.0)
+    ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # [batch, seq]
     clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
     pg = -w * torch.minimum(ratio * advantages, clipped * advantages)
     per_token = torch.where(kept > 0, pg, 0.0)
@@ -155,7 +196,8 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
             "clipped_high": (onf * ((advantages > 0) & (ratio_d > 1 + config.clip_high)).float()).sum(),
             "is_weight_sum": torch.where(on, raw_w, 0.0).sum(),
             "is_weight_max": torch.where(on, raw_w, 0.0).amax() if on.numel() else torch.zeros(()),
-            "is_capped": (onf * (raw_w > config.behaviour_cap).float()).sum(),
+            "is_capped": (onf * (1 - kept) if config.behaviour_mode != "truncate"
+                          else onf * (raw_w > config.behaviour_cap).float()).sum(),
             "kl_sum": torch.where(on, kl.detach(), 0.0).sum(),
         }
     return loss, stats

@@ -194,8 +194,11 @@ class RayEngine:
                             for token, lp in zip(gen.token_ids[len(ids) - before:], gen.logprobs[len(ids) - before:],
                                                  strict=True):
                                 on_token(token, lp)
+                        # the resubmitted prompt starts with the original one: its routing's positions are the same
                         return Generation(ids[:before] + gen.token_ids, logprobs[:before] + gen.logprobs,
-                                          versions[:before] + gen.versions, gen.finish_reason)
+                                          versions[:before] + gen.versions, gen.finish_reason,
+                                          gen.top_logprobs if not before else None, gen.routed_experts,
+                                          gen.routed_from)
                     _, chunk_ids, chunk_logprobs, chunk_versions = item
                     ids += chunk_ids
                     logprobs += chunk_logprobs
@@ -207,10 +210,13 @@ class RayEngine:
                 self._died(i, engine)
                 with self._cond:
                     self.resubmits += 1
+                # its engine died with the routing of this request's positions: none recorded
+                routed = (dict(routed_experts=[], routed_from=len(prompt) + len(ids) - 1) if params.routed_experts
+                          else {})
                 if ids and ids[-1] in params.stop_token_ids:
-                    return Generation(ids, logprobs, versions, "stop")
+                    return Generation(ids, logprobs, versions, "stop", **routed)
                 if len(ids) >= params.max_tokens:
-                    return Generation(ids, logprobs, versions, "length")
+                    return Generation(ids, logprobs, versions, "length", **routed)
 
     def _pick(self) -> tuple[int, Any, dict[str, Any]]:
         """The home engine if it lives, else the live others in turn; none: wait for a replacement."""

@@ -52,6 +52,7 @@ from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.adapters import LoraConfig, start_lora
 from flywheel.model.engine import Engine, EngineConfig
 from flywheel.model.registry import Checkpoint, Registry
+from flywheel.model.weight_delta import DeltaPush
 from flywheel.rl.advantages import outcome_tied
 from flywheel.rl.cluster import ClusterConfig, LearnerLost, LocalCluster, start_cluster
 from flywheel.rl.distributed import DistConfig, follow_training, init_distributed, leading
@@ -118,6 +119,12 @@ class TrainConfig(BaseModel):
     # on the full one. Starting from an adapter version continues its adapter. None: full weights.
     lora: LoraConfig | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the weights in memory (learner and engine)
+    # Push only the weights that changed since the engine's last update (`flywheel.model.weight_delta`):
+    # bit-identical results, fewer bytes copied and sent where most weights keep their bits between steps
+    # (bf16 at a pretrained model's learning rate: 5.7% of the bytes, bench/engine.py --weight-deltas); in float32
+    # AdamW moves every weight and the delta is a full push plus the cost of comparing, which on one host exceeds the
+    # copy it saves (docs/moe-rl.md). Keeps a copy of the last weights sent. Local engines only.
+    weight_deltas: bool = False
 
     @model_validator(mode="after")
     def _sampling_matches_learning(self) -> TrainConfig:
@@ -131,6 +138,16 @@ class TrainConfig(BaseModel):
                              "every "
                              "token would carry a spurious importance weight; set learner.temperature = "
                              "orchestrator.episode.temperature")
+        if self.weight_deltas and (self.cluster.backend != "local" or self.engine.backend != "local"):
+            raise ValueError("weight_deltas is wired for the local engines (in-process or engine.separate_process): "
+                             "set cluster.backend = 'local' and engine.backend = 'local', or weight_deltas = false")
+        if self.learner.loss.routing_replay and not self.orchestrator.episode.routed_experts:
+            raise ValueError("learner.loss.routing_replay replays the experts the engine chose: set "
+                             "orchestrator.episode.routed_experts = true so that episodes record them")
+        if self.learner.loss.routing_replay and self.engine.backend == "vllm":
+            raise ValueError("learner.loss.routing_replay needs the local engine's routing record: the installed "
+                             "vLLM returns routed experts only in non-streamed completions (flywheel streams); set "
+                             "engine.backend = 'local' or turn routing replay off")
         if self.lora is not None and (self.dist is not None or self.cluster.backend != "local"):
             raise ValueError("lora trains in this process: remove [dist] and set cluster.backend = \"local\" (a "
                              "LoRA adapter of a small pretrained model fits one process)")
@@ -185,6 +202,8 @@ def learning_step(config: OrchestratorConfig, orchestrator: Orchestrator, learne
 
         with timed(seconds, "weight_update_s"):
             engine.update_weights(learner.weights(), learner.version, timeout_s=config.weight_update_timeout_s)
+        if (sent := getattr(engine, "last_update_bytes", None)) is not None:  # weight_deltas: what the push carried
+            metrics["weight_update_bytes"] = float(sent)
         orchestrator.consumed(batch.group_ids, learner.version)
 
         counts = orchestrator.counts()
@@ -432,6 +451,8 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
             episode_runner(config, cluster, engine, tokenizer, pool) as runner, \
             Orchestrator(orch_config, tasks, engine, tokenizer, pool, config.run_dir,
                          version=lambda: learner.version, runner=runner) as orchestrator:
+        if config.weight_deltas:
+            engine = DeltaPush(engine)
         if resume(orch_config, orchestrator, learner, engine, run):
             log(f"resumed {config.run_dir} at step {orchestrator.step} (policy {learner.version})")
         elif start_report is not None:

@@ -15,6 +15,7 @@ from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.chat import IM_END, render_messages, tool_schemas
 from flywheel.model.engine import EngineConfig, Generation, LocalEngine, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
+from flywheel.model.routing import record_routing
 from flywheel.model.tokenizer import train_tokenizer
 
 
@@ -163,11 +164,21 @@ def test_real_model_episode_logprobs_match_one_forward_pass_over_the_trajectory(
     config = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                          num_experts=4, experts_per_token=2, moe_intermediate_size=64)
     model = build_model(config, tokenizer)
+    saved = []
     with LocalEngine(model, EngineConfig(max_batch=4)) as engine:
-        traj = run_episode(task, engine, tokenizer, pool, EpisodeConfig(max_turns=3, max_tokens_per_turn=40))
+        traj = run_episode(task, engine, tokenizer, pool,
+                           EpisodeConfig(max_turns=3, max_tokens_per_turn=40, routed_experts=True),
+                           on_turn=saved.append)
     assert traj.generated_tokens > 0 and len(traj.tokens) <= EpisodeConfig().max_tokens
-    with torch.no_grad():
+    with torch.no_grad(), record_routing(model) as routing:
         logits = model(input_ids=torch.tensor([traj.tokens])).logits[0]
+    # every position the engine fed (over the turns of one session, when there are several) was routed as in one
+    # forward (routing replay); the last token was never fed
+    assert traj.routed_experts[-1] == []
+    want = torch.cat(routing, -1)[:-1].view(-1, 2, 2).sort(-1).values
+    assert torch.equal(torch.tensor(traj.routed_experts[:-1]).view(-1, 2, 2).sort(-1).values, want)
+    for state in saved:  # what a resumed episode starts from
+        assert all(e == traj.routed_experts[i] for i, e in enumerate(state.routed_experts) if e)
     logp = torch.log_softmax(logits.float(), -1)
     positions = [i for i, m in enumerate(traj.loss_mask) if m]
     recomputed = torch.stack([logp[i - 1, traj.tokens[i]] for i in positions])

@@ -145,7 +145,7 @@ def test_on_policy_gradient_is_the_vanilla_policy_gradient(shape, aggregation):
 
 
 @settings(max_examples=40, deadline=None)
-@given(batch_st, st.sampled_from(["token-mean", "seq-mean-token-mean"]), st.sampled_from(["truncate", "mask"]),
+@given(batch_st, st.sampled_from(["token-mean", "seq-mean-token-mean"]), st.sampled_from(["truncate", "mask", "band"]),
        st.integers(1, 3))
 def test_micro_batches_with_the_shared_denominator_add_up_to_the_whole(shape, aggregation, mode, parts):
     logp, adv, mask = random_batch(*shape)
@@ -157,3 +157,71 @@ def test_micro_batches_with_the_shared_denominator_add_up_to_the_whole(shape, ag
     pieces = [policy_loss(logp[i::parts], prox[i::parts], behaviour[i::parts], adv[i::parts], mask[i::parts], config,
                           denominator=denominator)[0] for i in range(parts)]
     assert sum(pieces).item() == pytest.approx(whole.item(), rel=1e-5, abs=1e-6)  # float32 inside
+
+
+def off_policy_batch(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Three sequences of 6 positions, position 0 prompt; ratios spread wide enough to clip and leave a band."""
+    g = torch.Generator().manual_seed(seed)
+    behaviour = -torch.rand(3, 6, generator=g, dtype=torch.float64) * 3
+    prox = behaviour + torch.randn(3, 6, generator=g, dtype=torch.float64) * 0.8
+    logp = prox + torch.randn(3, 6, generator=g, dtype=torch.float64) * 0.3
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 0]], dtype=torch.float64)
+    return logp, prox, behaviour, torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64), mask
+
+
+def test_gspo_matches_the_papers_objective_and_gradient():
+    """GSPO (Zheng et al. 2025, eq. 5-7) on the same tensors: J = 1/G sum_i min(s_i A_i, clip(s_i) A_i),
+    s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|); on-policy behaviour (w = 1), so pi_old is the proximal policy."""
+    logp, prox, _, adv, mask = off_policy_batch()
+    config = LossConfig(ratio_level="sequence", aggregation="seq-mean-token-mean", clip_low=0.1, clip_high=0.1)
+    ours_logp = logp.clone().requires_grad_()
+    loss, stats = policy_loss(ours_logp, prox, prox, adv, mask, config)
+    loss.backward()
+
+    ref_logp = logp.clone().requires_grad_()
+    terms = []
+    for i in range(3):
+        on = mask[i] > 0
+        s = torch.exp((ref_logp[i][on] - prox[i][on]).sum() / on.sum())
+        terms.append(torch.minimum(s * adv[i], s.clamp(1 - 0.1, 1 + 0.1) * adv[i]))
+    reference = -torch.stack(terms).mean()
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    torch.testing.assert_close(ours_logp.grad, ref_logp.grad.double())
+    # the batch clips at least one whole sequence, and unclipped ones give a nonzero gradient
+    assert stats["clipped_low"].item() + stats["clipped_high"].item() > 0
+    assert ours_logp.grad.abs().sum() > 0
+    # the token-level ratio gives another objective on the same tensors
+    token = policy_loss(logp, prox, prox, adv, mask, config.model_copy(update={"ratio_level": "token"}))[0]
+    assert token.item() != pytest.approx(loss.item())
+    with pytest.raises(ValidationError, match="seq-mean-token-mean"):
+        LossConfig(ratio_level="sequence")
+
+
+def test_band_mode_matches_icepop():
+    """IcePop (Ling team 2025): J = 1/G sum_i 1/|y_i| sum_t M(k_t) min(r_t A, clip(r_t) A), with
+    k_t = pi_train / pi_infer and M(k) = k inside [alpha, beta], 0 outside."""
+    logp, prox, behaviour, adv, mask = off_policy_batch(1)
+    alpha, beta = 0.5, 1.8
+    config = LossConfig(behaviour_mode="band", behaviour_floor=alpha, behaviour_cap=beta,
+                        aggregation="seq-mean-token-mean", clip_low=0.2, clip_high=0.28)
+    ours_logp = logp.clone().requires_grad_()
+    loss, stats = policy_loss(ours_logp, prox, behaviour, adv, mask, config)
+    loss.backward()
+
+    ref_logp = logp.clone().requires_grad_()
+    k = torch.exp(prox - behaviour)
+    m = torch.where((k >= alpha) & (k <= beta), k, 0.0)
+    r = torch.exp(ref_logp - prox)
+    per_token = m * torch.minimum(r * adv[:, None], r.clamp(0.8, 1.28) * adv[:, None]) * mask
+    reference = -(per_token.sum(1) / mask.sum(1)).mean()
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    torch.testing.assert_close(ours_logp.grad, ref_logp.grad.double())
+    outside = ((k < alpha) | (k > beta)).double() * mask
+    below = ((k < alpha).double() * mask).sum().item()
+    assert below > 0 and ((k > beta).double() * mask).sum().item() > 0  # both edges of the band bind here
+    assert stats["is_capped"].item() == outside.sum().item()
+    # "mask" keeps the tokens under the floor: a different loss on the same tensors
+    one_sided = policy_loss(logp, prox, behaviour, adv, mask, config.model_copy(update={"behaviour_mode": "mask"}))[0]
+    assert one_sided.item() != pytest.approx(loss.item())
