@@ -1,52 +1,24 @@
 """The official tinker SDK (0.38), unmodified, against `flywheel tinker serve` on loopback: a real server,
 real forward passes of the tiny model, real LoRA steps, the Registry it registers adapters in.
 
-One server for the module (its fixture); each test drives it through `tinker.ServiceClient` the way a
+One server for the folder (conftest.py); each test drives it through `tinker.ServiceClient` the way a
 Tinker script does, and checks numbers the server could not fake: the loss the SDK reports against
 the per-token logprobs it returns, the sampler's logprobs against a forward pass of the same tokens,
 the registered version's logits against the trained adapter's."""
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import httpx
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "live"))  # tiny_serving, shared with the server tests
-from tiny_serving import make_registry  # noqa: E402
-
-from flywheel.api.http import RunningServer  # noqa: E402
-from flywheel.model.registry import Registry  # noqa: E402
-from flywheel.tinker.server import TinkerConfig, create_app  # noqa: E402
-from flywheel.tinker.service import TinkerService  # noqa: E402
+from flywheel.model.registry import Registry
 
 tinker = pytest.importorskip("tinker")
 types = tinker.types
 
-KEYS = {"tml-alice": ["training", "sampling"], "tml-bob": ["training", "sampling"], "tml-viewer": ["sampling"]}
 TEXT = "def add(a, b):\n    return a + b\n"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    torch.set_num_threads(1)
-    saved = {k: os.environ.get(k) for k in ("TINKER_TELEMETRY", "TINKER_API_KEY", "TINKER_BASE_URL")}
-    os.environ["TINKER_TELEMETRY"] = "0"  # the SDK's telemetry stays on this machine
-    root = tmp_path_factory.mktemp("tinker")
-    registry = make_registry(root / "registry")
-    config = TinkerConfig(registry=root / "registry", root=root / "tinker", keys=KEYS)
-    service = TinkerService(registry, config.root)
-    with RunningServer(create_app(service, config)) as running:
-        yield running.url, registry
-    service.close()
-    registry.close()
-    for key, value in saved.items():
-        os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
 
 
 def datum(tokenizer, text: str = TEXT, weights: float = 1.0):
