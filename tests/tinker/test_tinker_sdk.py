@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
+from flywheel.live.settings import LoopConfig
 from flywheel.model.registry import Registry
 
 tinker = pytest.importorskip("tinker")
@@ -170,3 +172,33 @@ def test_clients_are_isolated_by_adapter_and_key_and_unsupported_requests_are_re
                        headers=headers | {"Content-Type": "application/x-protobuf"})
     assert garbage.status_code == 400 and garbage.json()["category"] == "user"
     assert forward(first, data)[0] < before  # still serving the same client
+
+
+def test_a_tinker_trained_adapter_is_served_by_the_live_server_as_its_registry_version(server, tmp_path):
+    url, registry = server
+    training = tinker.ServiceClient(base_url=url, api_key="tml-bob").create_lora_training_client(
+        base_model="production", rank=4, seed=2).result()
+    data = [datum(training.get_tokenizer())]
+    training.forward_backward(data, "cross_entropy")
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    sampler_path = training.save_weights_for_sampler("served").result().path
+    version = next(c.version for c in registry.list() if c.note == f"tinker {sampler_path}")
+
+    # deployed as the candidate of an A/B test, as a cycle deploys any version; `flywheel serve` serves it
+    registry.set_alias("candidate", version)
+    config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite", registry.root), keys={"k": ["inference"]},
+                         candidate_fraction=0.0, threads=1)
+    live = LiveServer.from_config(config)
+    with live, serve_in_thread(live) as running, httpx.Client(
+            base_url=running.url, headers={"authorization": "Bearer k"}, timeout=120) as http:
+        reply = http.post("/v1/chat/completions", json={
+            "model": f"v{version}", "messages": [{"role": "user", "content": "Fix the failing test."}],
+            "max_tokens": 8, "temperature": 1.0, "seed": 5}).json()
+        assert "id" in reply, reply
+        stored = live.store.completion(reply["id"])
+    assert stored.version == version
+    full = stored.prompt_ids + stored.completion_ids
+    scored = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                         loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)})
+    _, (trained,) = forward(training, [scored])
+    assert np.allclose(trained[len(stored.prompt_ids) - 1:], stored.logprobs, atol=1e-3)  # served = trained
