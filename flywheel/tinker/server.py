@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from flywheel.api.errors import ApiError
 from flywheel.api.http import read_body
 from flywheel.extras import require
 from flywheel.model.engine import EngineConfig, SamplingParams
@@ -78,12 +79,6 @@ class TinkerConfig(BaseModel):
         return keys
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, category: str = "user"):
-        super().__init__(message)
-        self.status, self.message, self.category = status, message, category
-
-
 def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
     """The Tinker API's routes over `service`, keyed by `config.keys`."""
     types = require("tinker.types", FEATURE)
@@ -96,12 +91,12 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
     def caller(request: Request, scope: Scope | None) -> str:
         key = request.headers.get("x-api-key")
         if not key:
-            raise HttpError(401, "missing API key: send `X-API-Key: tml-...` (TINKER_API_KEY)")
+            raise ApiError(401, "missing API key: send `X-API-Key: tml-...` (TINKER_API_KEY)")
         owner = owner_of(key.strip())
         if owner not in scopes:
-            raise HttpError(401, "unknown API key")
+            raise ApiError(401, "unknown API key")
         if scope is not None and scope not in scopes[owner]:
-            raise HttpError(403, f"this key lacks the {scope!r} scope (it has {sorted(scopes[owner])})")
+            raise ApiError(403, f"this key lacks the {scope!r} scope (it has {sorted(scopes[owner])})")
         return owner
 
     async def body(request: Request, model: Any) -> Any:
@@ -109,14 +104,16 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
         try:
             return model.model_validate(json.loads(raw or b"{}"))
         except (ValueError, ValidationError) as exc:
-            raise HttpError(400, f"invalid {model.__name__}: {str(exc)[:2000]}") from exc
+            raise ApiError(400, f"invalid {model.__name__}: {str(exc)[:2000]}") from exc
 
     def future(request_id: str, **extra: Any) -> dict[str, Any]:
         return {"request_id": request_id, **extra}
 
-    @app.exception_handler(HttpError)
-    async def _http_error(_: Request, exc: HttpError) -> JSONResponse:
-        return JSONResponse({"error": exc.message, "category": exc.category}, status_code=exc.status)
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        # The Tinker shape of an error (the SDK's RequestFailedResponse), under its HTTP status.
+        return JSONResponse({"error": exc.message, "category": "user" if exc.status < 500 else "server"},
+                            status_code=exc.status)
 
     for error, status in ((NotFound, 404), (UserError, 400), (LossInputError, 400), (WireError, 400)):
         app.add_exception_handler(error, _status_handler(status))
@@ -172,10 +169,10 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
         req = await body(request, types.CreateModelRequest)
         service.check_session(req.session_id, owner)
         if req.lora_config is None:
-            raise HttpError(400, "full fine-tuning is not supported: flywheel trains LoRA adapters "
+            raise ApiError(400, "full fine-tuning is not supported: flywheel trains LoRA adapters "
                                  "(create_lora_training_client)")
         if getattr(req.optimizer_config, "type", "adamw") != "adamw":
-            raise HttpError(400, f"optimizer {req.optimizer_config.type!r} is not supported; flywheel has AdamW")
+            raise ApiError(400, f"optimizer {req.optimizer_config.type!r} is not supported; flywheel has AdamW")
         lora = req.lora_config
         return future(service.submit(owner, lambda: service.create_model(
             owner, req.session_id, req.model_seq_id, req.base_model, lora.rank, lora.seed, lora.train_attn,
@@ -190,7 +187,7 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
     async def forward_backward(request: Request) -> dict[str, Any]:
         owner = caller(request, "training")
         if PROTO not in request.headers.get("content-type", "") or request.headers.get("content-encoding"):
-            raise HttpError(400, f"forward_backward takes an uncompressed {PROTO} body (tinker 0.38's wire)")
+            raise ApiError(400, f"forward_backward takes an uncompressed {PROTO} body (tinker 0.38's wire)")
         req = decode_forward_backward(await read_body(request, config.max_body_bytes))
         service.model(req.model_id, owner)
         check_loss(req.loss_fn, req.loss_fn_config)
@@ -202,7 +199,7 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
         req = await body(request, types.OptimStepRequest)
         service.model(req.model_id, owner)
         if not isinstance(req.optim_params, types.AdamParams):
-            raise HttpError(400, "only AdamParams are supported (flywheel's optimizer is AdamW)")
+            raise ApiError(400, "only AdamParams are supported (flywheel's optimizer is AdamW)")
         params = req.optim_params.model_dump()
         return future(service.submit(owner, lambda: service.optim_step(owner, req.model_id, params)),
                       model_id=req.model_id)
@@ -225,7 +222,7 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
             return future(service.submit(owner, lambda: service.create_from_state(
                 owner, req.session_id, seq, req.path, req.optimizer)))
         if req.model_id is None:
-            raise HttpError(400, "give model_id, or session_id and model_seq_id")
+            raise ApiError(400, "give model_id, or session_id and model_seq_id")
         service.model(req.model_id, owner)
         return future(service.submit(owner, lambda: service.load_state(owner, req.model_id, req.path, req.optimizer)))
 
@@ -235,7 +232,7 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
         req = await body(request, types.SaveWeightsForSamplerRequest)
         service.model(req.model_id, owner)
         if req.kind != "snapshot":
-            raise HttpError(400, f"sampling client kind {req.kind!r} is not supported; use 'snapshot'")
+            raise ApiError(400, f"sampling client kind {req.kind!r} is not supported; use 'snapshot'")
         session = req.model_id.split(":train:")[0]
         return future(service.submit(owner, lambda: service.save_for_sampler(
             owner, req.model_id, req.path, session, req.sampling_session_seq_id)))
@@ -267,13 +264,13 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
         owner = caller(request, "sampling")
         req = await body(request, types.SampleRequest)
         if req.sampling_session_id is None:
-            raise HttpError(400, "give sampling_session_id (create_sampling_session first)")
+            raise ApiError(400, "give sampling_session_id (create_sampling_session first)")
         entry = service.sampler(req.sampling_session_id, owner)
         prompt = _prompt_tokens(req.prompt)
         params = _sampling_params(req, service.base(entry.base_version)[1], config)
         n = req.num_samples
         if not 1 <= n <= 64:
-            raise HttpError(400, f"num_samples must be between 1 and 64, got {n}")
+            raise ApiError(400, f"num_samples must be between 1 and 64, got {n}")
         request_id = service.submit(owner, lambda: service.sample(
             owner, req.sampling_session_id, prompt, n, params, bool(req.prompt_logprobs)), on_worker=False)
         return future(request_id, sample_sequence_ids=[f"{request_id}:{i}" for i in range(n)])
@@ -302,7 +299,7 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
     @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"])
     async def unsupported(rest: str, request: Request) -> None:
         caller(request, None)
-        raise HttpError(400, f"/api/v1/{rest[:100]} is not supported by flywheel's Tinker server (docs/tinker.md)")
+        raise ApiError(400, f"/api/v1/{rest[:100]} is not supported by flywheel's Tinker server (docs/tinker.md)")
 
     return app
 
@@ -317,11 +314,11 @@ def _prompt_tokens(prompt: Any) -> list[int]:
     tokens: list[int] = []
     for chunk in prompt.chunks:
         if getattr(chunk, "type", None) != "encoded_text":
-            raise HttpError(400, f"{getattr(chunk, 'type', type(chunk).__name__)} chunks are not supported; "
+            raise ApiError(400, f"{getattr(chunk, 'type', type(chunk).__name__)} chunks are not supported; "
                                  "flywheel samples from text tokens")
         tokens.extend(chunk.tokens)
     if not tokens:
-        raise HttpError(400, "the prompt is empty")
+        raise ApiError(400, "the prompt is empty")
     return tokens
 
 
@@ -332,13 +329,13 @@ def _sampling_params(req: Any, tokenizer: Any, config: TinkerConfig) -> Sampling
                "record_stability_info": req.record_stability_info}
     asked = sorted(name for name, value in refused.items() if value)
     if asked:
-        raise HttpError(400, f"{asked} are not supported by flywheel's sampler (docs/tinker.md)")
+        raise ApiError(400, f"{asked} are not supported by flywheel's sampler (docs/tinker.md)")
     p = req.sampling_params
     if p.top_k not in (-1, 0):
-        raise HttpError(400, "top_k is not supported by flywheel's sampler; use top_p")
+        raise ApiError(400, "top_k is not supported by flywheel's sampler; use top_p")
     max_tokens = p.max_tokens or config.default_max_tokens
     if not 1 <= max_tokens <= config.max_tokens_limit:
-        raise HttpError(400, f"max_tokens must be between 1 and {config.max_tokens_limit}, got {max_tokens}")
+        raise ApiError(400, f"max_tokens must be between 1 and {config.max_tokens_limit}, got {max_tokens}")
     return SamplingParams(temperature=float(p.temperature), top_p=float(p.top_p), max_tokens=max_tokens,
                           stop_token_ids=_stop_ids(p.stop, tokenizer), seed=p.seed)
 
@@ -356,7 +353,7 @@ def _stop_ids(stop: Any, tokenizer: Any) -> tuple[int, ...]:
             continue
         encoded = tokenizer.encode(item, add_special_tokens=False)
         if len(encoded) != 1:
-            raise HttpError(400, f"stop string {item[:40]!r} is {len(encoded)} tokens here; flywheel stops on "
+            raise ApiError(400, f"stop string {item[:40]!r} is {len(encoded)} tokens here; flywheel stops on "
                                  "single tokens: give token ids, or a string that is one token")
         ids.append(encoded[0])
     return tuple(ids)

@@ -202,3 +202,24 @@ def test_a_tinker_trained_adapter_is_served_by_the_live_server_as_its_registry_v
                          loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)})
     _, (trained,) = forward(training, [scored])
     assert np.allclose(trained[len(stored.prompt_ids) - 1:], stored.logprobs, atol=1e-3)  # served = trained
+
+
+ENDPOINTS = ["create_session", "session_heartbeat", "create_model", "get_info", "forward_backward", "optim_step",
+             "save_weights", "load_weights", "save_weights_for_sampler", "create_sampling_session",
+             "join_sampling_session", "asample", "retrieve_future", "no_such_endpoint"]
+BODIES = [b"", b"not json", b"\xff\xfe", b"[]", b'{"model_id": 3}', b'{"session_id": {"a": 1}, "model_seq_id": -1}',
+          b'{"request_id": "nope"}', b'{"sampling_session_id": "x:sample:0", "prompt": {"chunks": []}, '
+          b'"sampling_params": {"max_tokens": 1e9}}', b'{"model_id": "../../etc", "path": "../x", "optimizer": true}']
+
+
+def test_malformed_requests_cost_only_themselves(server):
+    """Every endpoint, every kind of bad body: a 4xx in the Tinker error shape, never a 500."""
+    url, _ = server
+    with httpx.Client(base_url=url, timeout=30, headers={"X-API-Key": "tml-alice"}) as raw:
+        for endpoint in ENDPOINTS:
+            for body in BODIES:
+                for content_type in ("application/json", "application/x-protobuf"):
+                    reply = raw.post(f"/api/v1/{endpoint}", content=body, headers={"Content-Type": content_type})
+                    assert 400 <= reply.status_code < 500, (endpoint, body, reply.status_code, reply.text)
+                    assert reply.json()["category"] == "user"
+        assert raw.get("/api/v1/healthz").json() == {"status": "ok"}
