@@ -94,7 +94,7 @@ def owner_of(key: str) -> str:
 class TinkerService:
     def __init__(self, registry: Registry, root: str | Path, models: dict[str, str] | None = None,
                  micro_batch_tokens: int = 4096, max_engines: int = 4, engine: EngineConfig | None = None,
-                 keep_results: int = 10_000):
+                 keep_results: int = 10_000, sampling_threads: int = 16):
         self.registry = registry
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -105,6 +105,9 @@ class TinkerService:
         self.keep_results = keep_results
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-worker")
+        # Samples waiting on their engines: bounded, so a client flooding asample queues its own
+        # requests instead of starting a thread each (the engines batch whatever is submitted).
+        self._sampling = ThreadPoolExecutor(max_workers=sampling_threads, thread_name_prefix="tinker-sample")
         self._bases: dict[int, tuple[PreTrainedModel, PreTrainedTokenizerBase]] = {}
         self._sessions: dict[str, str] = {}  # session id -> owner
         self._session_counters: dict[str, int] = {}
@@ -170,7 +173,7 @@ class TinkerService:
             except Exception as exc:  # noqa: BLE001
                 return Outcome(error=f"{type(exc).__name__}: {exc}", category="server")
 
-        future = self._worker.submit(run) if on_worker else _thread_future(run)
+        future = (self._worker if on_worker else self._sampling).submit(run)
         with self._lock:
             self._results[request_id] = (owner, future)
             while len(self._results) > self.keep_results:
@@ -378,6 +381,7 @@ class TinkerService:
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._sampling.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             engines, self._engines = list(self._engines.values()), OrderedDict()
         for engine in engines:
@@ -390,9 +394,3 @@ def parse_path(tinker_path: str) -> tuple[str, str, str]:
     if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights"):
         raise UserError(f"{tinker_path[:200]!r} is not a tinker path (tinker://<model>/weights/<name>)")
     return parts[0], parts[1], parts[2]
-
-
-def _thread_future(run: Callable[[], Outcome]) -> Future[Outcome]:
-    future: Future[Outcome] = Future()
-    threading.Thread(target=lambda: future.set_result(run()), name="tinker-sample", daemon=True).start()
-    return future
