@@ -20,7 +20,8 @@ to other keys.
 Registry: a named `save_weights_for_sampler` registers the adapter as a Registry version (`base`
 set, no organization), which `Registry.load` gives merged onto its base: the gate, `flywheel serve`
 and the live cycle's A/B take it as any version. Unnamed saves
-(`save_weights_and_get_sampling_client`, once per RL step) stay in memory.
+(`save_weights_and_get_sampling_client`, once per RL step) stay in memory, the newest
+`max_snapshots` of them (an older one answers 404: its loop has long moved on).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def owner_of(key: str) -> str:
 class TinkerService:
     def __init__(self, registry: Registry, root: str | Path, models: dict[str, str] | None = None,
                  micro_batch_tokens: int = 4096, max_engines: int = 4, engine: EngineConfig | None = None,
-                 keep_results: int = 10_000, sampling_threads: int = 16):
+                 keep_results: int = 10_000, sampling_threads: int = 16, max_snapshots: int = 64):
         self.registry = registry
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -103,6 +104,7 @@ class TinkerService:
         self.max_engines = max_engines
         self.engine_config = engine or EngineConfig()
         self.keep_results = keep_results
+        self.max_snapshots = max_snapshots
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-worker")
         # Samples waiting on their engines: bounded, so a client flooding asample queues its own
@@ -113,7 +115,9 @@ class TinkerService:
         self._session_counters: dict[str, int] = {}
         self._models: dict[str, TrainingEntry] = {}
         self._samplers: dict[str, SamplerEntry] = {}
+        self._snapshots: list[str] = []  # unnamed sampler saves, oldest first
         self._engines: OrderedDict[str, LocalEngine] = OrderedDict()
+        self._engine_lock = threading.Lock()
         self._results: OrderedDict[str, tuple[str, Future[Outcome]]] = OrderedDict()  # request id -> (owner, ...)
 
     # ---- names, bases, ownership
@@ -304,6 +308,9 @@ class TinkerService:
             sampler_id = f"{session_id}:sample:{sampler_seq}"
             with self._lock:
                 self._samplers[sampler_id] = SamplerEntry(owner, entry.base_name, entry.base_version, deltas)
+                self._snapshots.append(sampler_id)
+                while len(self._snapshots) > self.max_snapshots:  # an RL loop makes one per step
+                    self._samplers.pop(self._snapshots.pop(0), None)
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
         marker = self._checkpoint_file(model_id, "sampler_weights", name, ".json")
         tinker_path = f"tinker://{model_id}/sampler_weights/{name}"
@@ -341,17 +348,19 @@ class TinkerService:
         return sampler_id
 
     def engine(self, sampler_id: str, entry: SamplerEntry) -> LocalEngine:
-        with self._lock:
-            engine = self._engines.get(sampler_id)
-            if engine is not None:
-                self._engines.move_to_end(sampler_id)
-                return engine
-        base, _ = self.base(entry.base_version)
-        view = shared_copy(base) if entry.deltas is None else delta_view(base, entry.deltas)
-        engine = LocalEngine(view, self.engine_config)
-        with self._lock:
-            self._engines[sampler_id] = engine
-            evicted = [self._engines.popitem(last=False)[1] for _ in range(len(self._engines) - self.max_engines)]
+        with self._engine_lock:  # one build per sampler, however many of its samples arrive at once
+            with self._lock:
+                engine = self._engines.get(sampler_id)
+                if engine is not None:
+                    self._engines.move_to_end(sampler_id)
+                    return engine
+            base, _ = self.base(entry.base_version)
+            view = shared_copy(base) if entry.deltas is None else delta_view(base, entry.deltas)
+            engine = LocalEngine(view, self.engine_config)
+            with self._lock:
+                self._engines[sampler_id] = engine
+                evicted = [self._engines.popitem(last=False)[1]
+                           for _ in range(len(self._engines) - self.max_engines)]
         for old in evicted:  # its sampler stays; a later sample builds its engine again
             old.close()
         return engine
