@@ -267,7 +267,8 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
             raise ApiError(400, "give sampling_session_id (create_sampling_session first)")
         entry = service.sampler(req.sampling_session_id, owner)
         prompt = _prompt_tokens(req.prompt)
-        params = _sampling_params(req, service.base(entry.base_version)[1], config)
+        _, tokenizer = await asyncio.to_thread(service.base, entry.base_version)  # loads it the first time
+        params = _sampling_params(req, tokenizer, config)
         n = req.num_samples
         if not 1 <= n <= 64:
             raise ApiError(400, f"num_samples must be between 1 and 64, got {n}")

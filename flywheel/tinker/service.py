@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import re
 import threading
 import uuid
@@ -50,6 +51,7 @@ from flywheel.tinker.losses import LossInputError, check_loss
 from flywheel.tinker.trainer import AdapterModel, LoraSpec
 from flywheel.tinker.wire import FwdBwdRequest, WireError, encode_forward_backward, encode_sample
 
+log = logging.getLogger(__name__)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -105,14 +107,14 @@ class TinkerService:
         self.engine_config = engine or EngineConfig()
         self.keep_results = keep_results
         self.max_snapshots = max_snapshots
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the tables below; held for lookups and inserts only
+        self._base_lock = threading.Lock()  # loading a base model (seconds): not under `_lock`
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-worker")
         # Samples waiting on their engines: bounded, so a client flooding asample queues its own
         # requests instead of starting a thread each (the engines batch whatever is submitted).
         self._sampling = ThreadPoolExecutor(max_workers=sampling_threads, thread_name_prefix="tinker-sample")
         self._bases: dict[int, tuple[PreTrainedModel, PreTrainedTokenizerBase]] = {}
         self._sessions: dict[str, str] = {}  # session id -> owner
-        self._session_counters: dict[str, int] = {}
         self._models: dict[str, TrainingEntry] = {}
         self._samplers: dict[str, SamplerEntry] = {}
         self._snapshots: list[str] = []  # unnamed sampler saves, oldest first
@@ -142,7 +144,7 @@ class TinkerService:
         return checkpoint.version
 
     def base(self, version: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-        with self._lock:
+        with self._base_lock:
             if version not in self._bases:
                 model, tokenizer = self.registry.load(version)
                 for p in model.parameters():
@@ -165,7 +167,7 @@ class TinkerService:
     # ---- futures
 
     def submit(self, owner: str, work: Callable[[], dict[str, Any] | bytes], on_worker: bool = True) -> str:
-        """Run `work` (on the worker, in arrival order, or on a thread of its own) as a future; its id."""
+        """Run `work` (on the worker, in arrival order, or on the sampling pool) as a future; its id."""
         request_id = uuid.uuid4().hex
 
         def run() -> Outcome:
@@ -173,8 +175,10 @@ class TinkerService:
                 return Outcome(body=work())
             except (UserError, LossInputError, WireError, NotFound, ValueError) as exc:
                 return Outcome(error=str(exc), category="user")
-            # A bug or a resource failure: the client is told (category "server"), the worker goes on.
+            # A bug or a resource failure: logged with its traceback, the client told (category
+            # "server"), and the worker goes on with the next request.
             except Exception as exc:  # noqa: BLE001
+                log.exception("tinker request %s failed", request_id)
                 return Outcome(error=f"{type(exc).__name__}: {exc}", category="server")
 
         future = (self._worker if on_worker else self._sampling).submit(run)
@@ -201,7 +205,6 @@ class TinkerService:
         session_id = f"session-{uuid.uuid4().hex[:12]}"
         with self._lock:
             self._sessions[session_id] = owner
-            self._session_counters[session_id] = 0
         return session_id
 
     def check_session(self, session_id: str, owner: str) -> None:
