@@ -12,6 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "live"))  # tiny_serving, shared with the server tests
+from installed import installed  # noqa: E402
 from tiny_serving import make_registry  # noqa: E402
 
 from flywheel.api.http import RunningServer  # noqa: E402
@@ -24,7 +25,7 @@ KEYS = {"tml-alice": ["training", "sampling"], "tml-bob": ["training", "sampling
 
 @pytest.fixture(scope="package")
 def server(tmp_path_factory) -> Iterator[tuple[str, Registry]]:
-    pytest.importorskip("tinker")
+    installed("tinker")
     torch.set_num_threads(1)
     saved = {k: os.environ.get(k) for k in ("TINKER_TELEMETRY", "TINKER_API_KEY", "TINKER_BASE_URL")}
     os.environ["TINKER_TELEMETRY"] = "0"  # the SDK's telemetry stays on this machine

@@ -15,9 +15,10 @@ import json
 from pathlib import Path
 
 import pytest
+from installed import installed  # noqa: E402  (this folder's: skip with the install line, fail in CI)
 
-cookbook = pytest.importorskip("tinker_cookbook")
-chz = pytest.importorskip("chz")
+cookbook = installed("tinker_cookbook")
+chz = installed("chz")
 
 from tinker_cookbook import renderers  # noqa: E402
 from tinker_cookbook.rl import train as rl_train  # noqa: E402
