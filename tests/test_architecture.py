@@ -25,7 +25,7 @@ PACKAGE = REPO / "flywheel"
 # The stages, bottom up (docs/ARCHITECTURE.md, "dependencies point one way"): each may import
 # itself, the stages below it and the libraries; `env` imports nothing of flywheel but `store`
 # (its files: the one durable-write helper).
-STAGES = ("env", "model", "agent", "rl", "live")
+STAGES = ("env", "model", "agent", "rl", "live", "tinker")
 # Libraries that know no stage: they import only themselves, `extras` and `store` (the durable writes every
 # writer shares), and every stage but env may use them. `api` is the OpenAI wire both servers and the SDK speak.
 LIBRARIES = ("config", "stats", "store", "report", "extras", "api", "timing")

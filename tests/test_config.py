@@ -23,6 +23,7 @@ from flywheel.rl.distributed import DistTrainConfig
 from flywheel.rl.train import TrainConfig
 from flywheel.sim.scenario import ScenarioConfig
 from flywheel.sim.users import Population
+from flywheel.tinker.server import TinkerConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Which model reads which file: a new config file must be added here, or this test fails.
@@ -41,6 +42,7 @@ MODELS = {
     "scenario_drop_invalid.toml": ScenarioConfig,
     "scenario_edits_only.toml": ScenarioConfig,
     "serve.toml": ServeConfig,
+    "tinker.toml": TinkerConfig,
     "train.toml": TrainConfig,
 }
 

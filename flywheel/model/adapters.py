@@ -15,6 +15,7 @@ live cycle; flywheel/rl/sft.py for SFT); an organization's adapter is one too (f
                                      what an engine's `update_weights` takes after every Learner step
     adapter_view(base, adapter)      a plain model sharing every tensor the adapter leaves alone with
                                      `base` (several served adapters over one base in memory)
+    delta_view(base, deltas)         the same from `lora_deltas` kept aside (a snapshot to sample from)
     export_merged(registry, v, out)  a plain HF folder of base + adapter, for any tool that loads one
 
 A Registry version may be an adapter (its folder: peft's adapter files and the tokenizer; its record:
@@ -141,7 +142,12 @@ def merged_weights(adapter: Any) -> dict[str, torch.Tensor]:
 def adapter_view(base: PreTrainedModel, adapter: Any) -> PreTrainedModel:
     """`base` with `adapter` merged into the modules it adapts, sharing every other tensor with
     `base` (module docstring). `base` is not changed; the view's shared tensors must not be trained."""
-    deltas = lora_deltas(adapter)
+    return delta_view(base, lora_deltas(adapter))
+
+
+def delta_view(base: PreTrainedModel, deltas: dict[str, torch.Tensor]) -> PreTrainedModel:
+    """`adapter_view` from the deltas themselves ({base parameter name: B @ A * scale}, `lora_deltas`):
+    what a snapshot of an adapter that keeps training is kept as (flywheel/tinker/trainer.py)."""
     params = dict(base.named_parameters())
     missing = sorted(set(deltas) - set(params))
     if missing:
