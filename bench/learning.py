@@ -79,6 +79,23 @@ def held_out(config: TrainConfig, registry_root: Path, version: int, samples: in
     return greedy, sampled
 
 
+def start_evals(config: TrainConfig, registry_root: Path, version: int, samples: int,
+                out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The start's greedy and sampled held-out evals, kept in `out`/start.json and read from there
+    by a later run of the bench on the same checkpoint, tasks and episode settings."""
+    key = {"registry": str(registry_root.resolve()), "version": version, "samples": samples,
+           "tasks": [t.id for t in eval_tasks(config)],
+           "episode": config.orchestrator.episode.model_dump(mode="json"), "eval_temperature": config.eval_temperature}
+    path = out / "start.json"
+    if path.is_file() and (saved := json.loads(path.read_text()))["key"] == key:
+        log(f"the start's evals from {path}")
+        return saved["greedy"], saved["sampled"]
+    log(f"the start: v{version} of {registry_root}, greedy and {samples} samples a task")
+    greedy, sampled = held_out(config, registry_root, version, samples)
+    write_atomic(path, json.dumps({"key": key, "greedy": greedy, "sampled": sampled}))
+    return greedy, sampled
+
+
 def seeded(config: TrainConfig, seed: int, registry_root: Path, run_dir: Path, cpu_s: float,
            snapshot_every: int) -> TrainConfig:
     """The run of one seed: the demo's training, its seeds set, a CPU budget instead of a wall-clock one."""
@@ -162,6 +179,7 @@ def main() -> None:
     parser.add_argument("--registry", type=Path, required=True, help="the registry holding the start checkpoint")
     parser.add_argument("--checkpoint", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=4)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds run from this one on")
     parser.add_argument("--cpu-minutes", type=float, default=30.0, help="CPU budget of each seed's run")
     parser.add_argument("--samples", type=int, default=8, help="episodes a task for pass@1 and pass@k")
     parser.add_argument("--snapshot-every", type=int, default=10, help="learner steps between saved policies")
@@ -177,13 +195,12 @@ def main() -> None:
         config = config.model_copy(update={"eval_tasks_per_family": args.tasks_per_family})
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    log(f"the start: v{args.checkpoint} of {args.registry}, greedy and {args.samples} samples a task")
-    greedy, sampled = held_out(config, args.registry, args.checkpoint, args.samples)
+    greedy, sampled = start_evals(config, args.registry, args.checkpoint, args.samples, args.out)
     start = {"greedy": greedy["pass_rate"], "pass_at_1": sampled["pass_rate"], "pass_at_k": sampled["pass_at_k"],
              "samples_per_task": args.samples, "tasks": len(greedy["per_task"]),
              "temperature": config.orchestrator.episode.temperature}
     seeds = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         log(f"seed {seed}: {args.cpu_minutes:g} CPU-minutes of simulated RL")
         result = run_seed(config, seed, args.registry, args.checkpoint, greedy, args.out, args.cpu_minutes * 60,
                           args.snapshot_every, args.samples)
