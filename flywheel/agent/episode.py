@@ -1,8 +1,8 @@
 """One agent episode: the model and the tools in a multi-turn loop, recorded as a `Trajectory`.
 
-    prompt = system + tools + instruction
+    prompt = system + tools + instruction        (in the model's own chat format: model/formats.py)
     repeat up to max_turns:
-        generate until <|im_end|>         (tokens, logprobs, versions kept as generated)
+        generate until the turn's end token (tokens, logprobs, versions kept as generated)
         tool calls?  run them in parallel, append <tool_response>s as one user turn
         no calls?    it spoke to the user: append the user's reply (costs a turn)
         finish?      stop
@@ -39,7 +39,7 @@ from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import SandboxError
 from flywheel.env.task import Task
 from flywheel.env.tools import Toolbox, ToolConfig
-from flywheel.model.chat import IM_END, SYSTEM_PROMPT, parse_assistant, render_messages, tool_schemas
+from flywheel.model.chat import SYSTEM_PROMPT, render_messages, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import Engine, SamplingParams
 from flywheel.timing import timed
@@ -67,8 +67,8 @@ def opening(task: Task) -> list[dict[str, str]]:
 
 
 def initial_prompt(task: Task, with_tools: bool = True) -> str:
-    """The opening as text, then the assistant header; with_tools: list the tool schemas
-    (`chat.tools_in_prompt` of the model's tokenizer)."""
+    """The opening as text in flywheel's own format, then the assistant header; with_tools: list the
+    tool schemas (`chat.tools_in_prompt` of the model's tokenizer). Benchmarks train tokenizers on it."""
     return render_messages(opening(task), tool_schemas() if with_tools else None, add_generation_prompt=True)
 
 
@@ -163,7 +163,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
         timings.update(resume.timings)
         earlier_s = timings.pop("total_s", 0.0)
     status, error = Status.TRUNCATED, ""
-    stop = (tokenizer.convert_tokens_to_ids(IM_END),)
+    stop = encoder.stop_ids
     session = uuid.uuid4().hex  # each turn extends the last: the engine prefills only the new tokens
 
     def checkpoint() -> None:
@@ -203,7 +203,7 @@ def run_episode(task: Task, engine: Engine, tokenizer: PreTrainedTokenizerBase, 
                     break
                 if gen.finish_reason != "stop":
                     break  # the turn hit its token cap mid-message: truncated
-                content, calls = parse_assistant(tokenizer.decode(gen.token_ids), call_id_prefix=f"call_{turns}")
+                content, calls = encoder.format.parse(tokenizer.decode(gen.token_ids), call_id_prefix=f"call_{turns}")
                 if not calls:
                     asked = True
                     rec.context(encoder.user_reply(task.answer_question(content)))

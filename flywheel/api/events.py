@@ -16,6 +16,7 @@ importing the server's stage.
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from typing import Any
 
@@ -47,6 +48,34 @@ class Event(BaseModel):
     time: float
     payload: dict[str, Any] = Field(default_factory=dict)
     org_id: str = ""  # the organization of the key that sent it (the server sets it; "" = none)
+
+
+# An integer literal longer than this is past every number an event may hold (a store column takes
+# 19 digits) and, past 4,300 digits, past what Python's int() converts at all (CVE-2020-10735).
+MAX_INT_DIGITS = 20
+
+
+class OversizedInt:
+    """An integer literal of a client's JSON that was too long to convert: kept as its digit count, so
+    that the event holding it is rejected alone with that reason (flywheel/live/records.py `storable`),
+    where int() would fail the whole batch."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+def _parse_int(text: str) -> int | OversizedInt:
+    digits = len(text.lstrip("-"))
+    return int(text) if digits <= MAX_INT_DIGITS else OversizedInt(digits)
+
+
+def loads_events_body(body: bytes | str) -> Any:
+    """A POST /v1/events body as JSON, with every integer literal past MAX_INT_DIGITS an `OversizedInt`
+    (json.JSONDecodeError, UnicodeDecodeError or RecursionError for a body that is not JSON)."""
+    return json.loads(body, parse_int=_parse_int)
 
 
 class EventBatch(BaseModel):

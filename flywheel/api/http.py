@@ -1,6 +1,7 @@
 """HTTP around the records: body limits, the OpenAPI document's pieces, a server on a thread.
 
     body = await read_body(request, limit)      413 past `limit` bytes, never reading further
+    result = await unless_client_left(request, work, on_left)   ClientDisconnect if the client leaves first
     @router.post(..., openapi_extra=json_body(ChatRequest), responses=json_reply(ChatCompletionResponse, 400))
     with RunningServer(app) as running: running.url     uvicorn on loopback (tests, benchmarks, harnesses)
 
@@ -11,15 +12,20 @@ the request models, and `json_body` declares them to the OpenAPI document instea
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
 from flywheel.api.errors import ApiError, ErrorResponse
+
+T = TypeVar("T")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -28,8 +34,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     if length is not None:
         if not (length.isascii() and length.isdigit()):  # "²".isdigit(), yet int("²") fails
             raise ApiError(400, "Content-Length is not a number")
-        if int(length) > limit:
-            raise ApiError(413, f"body of {length} bytes exceeds the limit of {limit}; send less per request",
+        if len(length.lstrip("0")) > 18 or int(length) > limit:  # int() refuses 4,300 digits and more
+            raise ApiError(413, f"body of {length[:40]} bytes exceeds the limit of {limit}; send less per request",
                            code="body_too_large")
     body = bytearray()
     async for chunk in request.stream():
@@ -38,6 +44,35 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise ApiError(413, f"body exceeds the limit of {limit} bytes; send less per request",
                            code="body_too_large")
     return bytes(body)
+
+
+async def unless_client_left(request: Request, work: Awaitable[T], on_left: Callable[[], None]) -> T:
+    """`work`'s result, unless the client closes its connection first: then `on_left()` (stop what was
+    started for it: engine requests, a sandbox command), `work` is cancelled, and ClientDisconnect is
+    raised, which the error handlers answer with nothing and /metrics counts as 499
+    (flywheel/api/errors.py). Call it once the body is read: the next message is the disconnect."""
+    task = asyncio.ensure_future(work)
+    left = asyncio.ensure_future(_client_left(request))
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    task.add_done_callback(_retrieved)  # what it ends with is nobody's to read now: not "never retrieved"
+    on_left()
+    raise ClientDisconnect()
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+async def _client_left(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def json_reply(model: type[BaseModel], *errors: int, stream: bool = False) -> dict[int | str, dict[str, Any]]:

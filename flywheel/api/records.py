@@ -287,6 +287,9 @@ class _Served(BaseModel):
     # Declared tools a model trained on flywheel's own (no `tools_in_prompt`) does not know: it never
     # saw their schemas and will not call them.
     unknown_tools: list[str] | None = None
+    # Calls the model wrote that no client could dispatch (unparsable, cut off, an undeclared tool,
+    # arguments the schema refuses): sent as text, not `tool_calls`, and recorded as invalid calls.
+    invalid_tool_calls: int | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -338,11 +341,9 @@ class TextCompletionResponse(BaseModel):
 
 
 def openai_tool_call(call: Any) -> dict[str, Any]:
-    out = {"id": call.id, "type": "function",
-           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
-    if call.error is not None:
-        out["error"] = call.error  # not OpenAI's: the reason the call is invalid (answer it with this)
-    return out
+    """A valid call as OpenAI sends it (an invalid one goes to the client as text: model/chat.py `client_view`)."""
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[float], tokenizer: Any,

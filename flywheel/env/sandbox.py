@@ -362,8 +362,13 @@ class Sandbox:
 
     # ---- commands ---------------------------------------------------------------------------------
 
-    def run(self, command: str, timeout_s: float | None = None, pass_fds: tuple[int, ...] = ()) -> CommandResult:
+    def run(self, command: str, timeout_s: float | None = None, pass_fds: tuple[int, ...] = (),
+            cancel: threading.Event | None = None) -> CommandResult:
         """Run `/bin/sh -c command` in a fresh jail with cwd /workspace; never raises for the command.
+
+        `cancel`: set by another thread, it kills the jail as a timeout does (within ~0.1 s; the
+        result then has `exit_code` None and `timed_out` False): how the harness stops a command whose
+        requester left. The sandbox stays usable; what the command wrote before stays in the workspace.
 
         `pass_fds`: host descriptors the command inherits at the same numbers, for a channel that is
         not its output (grading's report file). The jail's pid 1 does not keep them (it is then the
@@ -378,7 +383,7 @@ class Sandbox:
         # size only), under the root dir, one per command running at once (see `_make_scratch`).
         scratch = self._take_scratch() if self._mounted else None
         try:
-            return self._run_in_jail(command, timeout, start, scratch, pass_fds)
+            return self._run_in_jail(command, timeout, start, scratch, pass_fds, cancel)
         finally:
             if scratch is not None:
                 self._return_scratch(scratch)
@@ -401,7 +406,8 @@ class Sandbox:
         _remove_scratch(scratch)
 
     def _run_in_jail(
-        self, command: str, timeout: float, start: float, scratch: Path | None, pass_fds: tuple[int, ...]
+        self, command: str, timeout: float, start: float, scratch: Path | None, pass_fds: tuple[int, ...],
+        cancel: threading.Event | None = None,
     ) -> CommandResult:
         cfg = self.config
         try:
@@ -420,8 +426,9 @@ class Sandbox:
         self._running.add(proc)
         try:
             collector = _OutputCollector(cfg.max_output_bytes)
-            timed_out = not _pump(proc, collector, start + timeout)
-            if timed_out:
+            stopped = not _pump(proc, collector, start + timeout, cancel)
+            timed_out = stopped and not (cancel is not None and cancel.is_set())
+            if stopped:
                 _kill_jail(proc)
                 _pump(proc, collector, time.perf_counter() + 2.0)  # what it wrote before dying
             exit_code = proc.wait()
@@ -431,12 +438,12 @@ class Sandbox:
                 proc.stdout.close()
         duration = time.perf_counter() - start
         output = collector.text()
-        if not collector.started and not timed_out:
+        if not collector.started and not stopped:
             raise SandboxError(
                 f"the jail of sandbox {self.workspace.name} failed to start (exit {exit_code}): {output.strip()}"
             )
         return CommandResult(
-            exit_code=None if timed_out or exit_code < 0 else exit_code,
+            exit_code=None if stopped or exit_code < 0 else exit_code,
             output=output,
             timed_out=timed_out,
             truncated=collector.dropped > 0,
@@ -776,17 +783,18 @@ def _decode_output(data: bytes | bytearray) -> str:
     return bytes(data).decode("utf-8", errors="replace").replace("\0", "\\0")
 
 
-def _pump(proc: subprocess.Popen[bytes], collector: _OutputCollector, deadline: float) -> bool:
-    """Read output until EOF (True) or the deadline (False)."""
+def _pump(proc: subprocess.Popen[bytes], collector: _OutputCollector, deadline: float,
+          cancel: threading.Event | None = None) -> bool:
+    """Read output until EOF (True) or the deadline or `cancel` (False)."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
     while True:
         remaining = deadline - time.perf_counter()
-        if remaining <= 0:
+        if remaining <= 0 or (cancel is not None and cancel.is_set()):
             return False
-        if not poller.poll(remaining * 1000):
+        if not poller.poll(min(remaining, 0.1 if cancel is not None else remaining) * 1000):
             continue
         chunk = os.read(fd, _READ_CHUNK)
         if not chunk:

@@ -93,7 +93,7 @@ def admin_router(server: LiveServer) -> APIRouter:
                 "served_versions": server.router.served_versions()}
 
     @router.post("/v1/admin/deployment/sync", response_model=None,
-                 responses=json_reply(DeploymentResponse, 401, 403, 409))
+                 responses=json_reply(DeploymentResponse, 401, 403, 409, 503))
     async def sync_deployment(request: Request) -> dict[str, Any]:
         server.authorize(request, "admin")
         try:

@@ -106,8 +106,6 @@ from flywheel.live.orgs import (
     OrgGateDecision,
     check_org_id,
     gate_decision,
-    load_adapted,
-    merged,
     register_adapter,
     train_org_adapter,
 )
@@ -121,11 +119,13 @@ from flywheel.live.sessions import (
 )
 from flywheel.live.settings import MOVED_LOOP_KEYS, MOVED_STORE_KEYS, MOVED_WHY, LoopConfig, check_same_loop
 from flywheel.live.store import LiveStore
+from flywheel.model.adapters import LoraConfig, load_adapted, merged, start_lora
 from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import Registry
 from flywheel.report import render_cycle
 from flywheel.rl.learner import Learner, LearnerConfig
+from flywheel.rl.lora import LoraLearner
 from flywheel.rl.tracking import Tracker, TrackingConfig
 from flywheel.store.files import write_atomic
 from flywheel.timing import timed
@@ -247,6 +247,9 @@ class LiveConfig(BaseModel):
     trigger: TriggerConfig = Field(default_factory=TriggerConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    # Train a LoRA adapter of production instead of all its weights (a pretrained model); the
+    # candidate is an adapter version on production's full weights (flywheel/model/adapters.py).
+    lora: LoraConfig | None = None
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     ab: ABConfig = Field(default_factory=ABConfig)
     orgs: OrgLoopConfig = Field(default_factory=OrgLoopConfig)
@@ -562,16 +565,22 @@ class LiveCycle:
 
     def _train(self, state: CycleState, registry: Registry, batch: OnPolicyBatch) -> None:
         torch.manual_seed(self.config.seed * 100_003 + state.cycle)
-        model, tokenizer = registry.load(state.production)
         ref = registry.load(state.production)[0] if self.config.learner.loss.kl_coef > 0 else None
-        learner = Learner(model.train(), self.config.learner, ref_model=ref)  # policy 0 = v{production}
+        base = None  # with lora: the full version the candidate adapter applies on
+        if self.config.lora is None:
+            model, tokenizer = registry.load(state.production)
+            learner = Learner(model.train(), self.config.learner, ref_model=ref)  # policy 0 = v{production}
+        else:
+            adapter, tokenizer, base_checkpoint = start_lora(registry, state.production, self.config.lora)
+            learner, base = LoraLearner(adapter, self.config.learner, ref_model=ref), base_checkpoint.version
         metrics = learner.train_step(batch.trajectories, batch.advantages())
         state.train = {k: float(v) for k, v in metrics.items()}
         if metrics["optimizer_steps"] == 0:
             state.decision, state.reason = "rejected", "the learner took no step (non-finite loss or gradients)"
             return
         checkpoint = registry.register(
-            learner.model.eval(), tokenizer, parent=state.production,
+            learner.model.eval() if base is None else learner.adapter.eval(), tokenizer, parent=state.production,
+            base=base,
             metrics={"live_cycle": float(state.cycle), "batch_completions": float(len(batch.trajectories)),
                      "batch_reward_mean": batch.summary()["reward_mean"], "train_loss": float(metrics["loss"])},
             note=f"live cycle {state.cycle}: {len(batch.trajectories)} completions of v{state.production}")

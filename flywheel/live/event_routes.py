@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from flywheel.api.errors import ApiError, describe_errors
-from flywheel.api.events import Event, EventBatch, EventsResponse
+from flywheel.api.events import Event, EventBatch, EventsResponse, loads_events_body
 from flywheel.api.http import json_body, json_reply, read_body
 from flywheel.live.store import Ingest
 
@@ -34,7 +34,7 @@ def events_router(server: LiveServer) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/events", response_model=None, openapi_extra=json_body(EventBatch),
-                 responses=json_reply(EventsResponse, 400, 401, 403, 413))
+                 responses=json_reply(EventsResponse, 400, 401, 403, 413, 503))
     async def events(request: Request) -> Response:
         server.authorize(request, "events")
         body = await read_body(request, server.config.max_body_bytes)
@@ -50,7 +50,7 @@ def ingest(server: LiveServer, body: bytes, org_id: str | None = None) -> dict[s
 
     `org_id`: the sending key's organization; each event carries it (one naming another is rejected)."""
     try:
-        data = json.loads(body)
+        data = loads_events_body(body)  # a too-long integer fails its event, not the batch
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
         raise ApiError(400, f"body is not JSON: {exc}; send {{\"events\": [...]}}") from None
     if not isinstance(data, dict) or not isinstance(data.get("events"), list):

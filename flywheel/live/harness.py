@@ -30,8 +30,12 @@ client's tools rendered in its prompt and its calls validated against them. The 
 was trained on flywheel's own tools without schemas in the prompt: its calls are validated against
 those, `HarnessConfig.tool_aliases` maps a declared tool to the flywheel tool that does the same
 (mini-swe-agent's `bash` is `run_command`: same `command` argument), and a call of a flywheel tool
-the client did not declare comes back invalid with the reason; each response names the declared
+the client did not declare is an invalid call in the ledger; each response names the declared
 tools the model does not know (`flywheel.unknown_tools`). The tokens recorded are the model's own.
+Only calls the harness can dispatch come back as `tool_calls`; an invalid one (unparsable, cut at
+max_tokens, undeclared) comes back as text (`ChatFormat.client_view`, flywheel/model/chat.py) and still counts,
+with its penalty, in the episode's trajectory. A harness that leaves mid-turn (its connection
+closed) cancels the turn: nothing of it enters the ledger; an `exec` whose client left is killed.
 
 Departures from the built-in runner (flywheel/agent/episode.py): a segment is a Trajectory of its
 own, and every segment carries the episode's whole reward (below). Weight swaps happen inside the
@@ -79,7 +83,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from flywheel.agent.episode import EpisodeConfig, EpisodeState
 from flywheel.agent.trajectory import INVALID_CALL_PENALTY, Status, Trajectory
 from flywheel.api.errors import ApiError, describe_errors, install_error_handlers
-from flywheel.api.http import RunningServer, read_body
+from flywheel.api.http import RunningServer, read_body, unless_client_left
 from flywheel.api.records import openai_tool_call, parse_chat, usage
 from flywheel.api.streaming import stream_message
 from flywheel.env.grading import GradeConfig, grade
@@ -87,7 +91,7 @@ from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import Sandbox, SandboxError
 from flywheel.env.task import Task
 from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
-from flywheel.model.chat import IM_END, parse_assistant, tools_in_prompt
+from flywheel.model.chat import tools_in_prompt
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import Engine, EngineError, Generation, SamplingParams
 
@@ -129,7 +133,7 @@ def _canonical(message: dict[str, Any]) -> tuple[Any, ...]:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except ValueError:  # not JSON, or an integer past int()'s 4,300 digits
                 pass  # kept as the string: it matches only the same string
         calls.append((call["function"]["name"], json.dumps(args, sort_keys=True)))
     return message["role"], message.get("content") or "", tuple(calls)
@@ -145,7 +149,7 @@ class Segment:
     versions: list[int] = field(default_factory=list)
     prompt_len: int = 0
     messages: list[tuple[Any, ...]] = field(default_factory=list)  # canonical messages the tokens stand for
-    closed: bool = True  # the last generated turn ended with <|im_end|>
+    closed: bool = True  # the last generated turn ended with its end token (<|im_end|>, <|eot_id|>)
     turns: int = 0
     tool_calls: int = 0
     invalid_tool_calls: int = 0
@@ -310,7 +314,7 @@ class HarnessServer:
         self.reads_tools = tools_in_prompt(tokenizer)
         self.episodes: dict[str, HarnessEpisode] = {}
         self._lock = threading.Lock()
-        self._stop = (tokenizer.convert_tokens_to_ids(IM_END),)
+        self._stop = self.encoder.stop_ids
         self.app = self._create_app()
         self.base_url = ""  # set by `serve`
 
@@ -390,7 +394,9 @@ class HarnessServer:
                            "HarnessServer.start gave", "authentication_error", "invalid_api_key")
         return episode
 
-    async def complete(self, episode: HarnessEpisode, body: bytes) -> Response:
+    async def complete(self, episode: HarnessEpisode, body: bytes, request: Request) -> Response:
+        """One turn: a harness that leaves before its answer cancels the engine request, and nothing
+        of the turn enters the ledger (a generation nobody received is no training turn)."""
         received = time.perf_counter()
         req = parse_chat(body)
         if req.tool_choice == "none":
@@ -413,10 +419,12 @@ class HarnessServer:
             params = SamplingParams(
                 temperature=self.config.temperature if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, max_tokens=min(max_tokens, budget),
-                stop_token_ids=self._stop, session=f"{episode.id}-{id(plan.segment)}", priority=episode.priority)
+                stop_token_ids=self._stop, session=f"{episode.id}-{id(plan.segment)}", priority=episode.priority,
+                seed=req.seed)
             t0 = time.perf_counter()
             try:
-                generation = await asyncio.wrap_future(self.engine.submit(prompt_ids, params))
+                future = self.engine.submit(prompt_ids, params)
+                generation = await unless_client_left(request, asyncio.wrap_future(future), future.cancel)
             except EngineError as exc:
                 raise ApiError(503, f"the engine failed ({exc}); retry later", "server_error",
                                "engine_failed") from None
@@ -427,9 +435,11 @@ class HarnessServer:
             answer = self.tokenizer.decode(generation.token_ids, skip_special_tokens=False)
             completion_id = f"chatcmpl-{uuid.uuid4().hex}"
             content, calls, unknown = self._calls(answer, declared, completion_id)
-            message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-            if calls:
-                message["tool_calls"] = [openai_tool_call(c) for c in calls]
+            # Only calls the harness can dispatch go out as tool_calls; the ledger counts every call.
+            content, sent_calls = self.encoder.format.client_view(answer, content, calls) if calls else (content, [])
+            message: dict[str, Any] = {"role": "assistant", "content": content or (None if sent_calls else "")}
+            if sent_calls:
+                message["tool_calls"] = [openai_tool_call(c) for c in sent_calls]
             segment_index = episode.ledger.record(plan, generation, messages, message, calls)
         served = ServedCompletion(
             id=completion_id, segment=segment_index, prompt_ids=list(prompt_ids),
@@ -444,7 +454,7 @@ class HarnessServer:
                 episode.stopped = exc
                 raise ApiError(503, "this episode was stopped (its run is shutting down); end the harness",
                                "server_error", "episode_stopped") from None
-        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
+        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if sent_calls else "stop")
         counts = usage(len(prompt_ids), len(generation.token_ids))
         head = {"id": completion_id, "created": int(time.time()), "model": req.model,
                 "system_fingerprint": f"flywheel-v{generation.versions[-1] if generation.versions else -1}",
@@ -465,11 +475,11 @@ class HarnessServer:
         """(content, calls as the client sees them, declared tools the model does not know)."""
         prefix = f"call_{completion_id[9:21]}"
         if self.reads_tools:  # the client's schemas were in the prompt: its calls are checked against them
-            content, calls = parse_assistant(answer, call_id_prefix=prefix, schemas=declared)
+            content, calls = self.encoder.format.parse(answer, call_id_prefix=prefix, schemas=declared)
             return content, calls, []
         aliases = {own: client for client, own in self.config.tool_aliases.items() if client in declared}
         unknown = sorted(n for n in declared if n not in TOOL_SCHEMAS and n not in self.config.tool_aliases)
-        content, own_calls = parse_assistant(answer, call_id_prefix=prefix)
+        content, own_calls = self.encoder.format.parse(answer, call_id_prefix=prefix)
         calls = []
         for call in own_calls:
             if not call.valid:
@@ -484,7 +494,9 @@ class HarnessServer:
                     f"({', '.join(declared) or 'none'})")))
         return content, calls, unknown
 
-    def execute(self, episode: HarnessEpisode, body: bytes) -> dict[str, Any]:
+    def execute(self, episode: HarnessEpisode, body: bytes, cancel: threading.Event | None = None) -> dict[str, Any]:
+        """Run the command in the episode's sandbox; `cancel` (its client left) kills it, the sandbox
+        staying usable for the next."""
         try:
             req = _ExecRequest.model_validate_json(body)
         except ValidationError as exc:
@@ -494,7 +506,7 @@ class HarnessServer:
         timeout = min(req.timeout_s or self.config.exec_timeout_s, self.config.exec_timeout_s)
         t0 = time.perf_counter()
         try:
-            result = episode.sandbox.run(command, timeout_s=timeout)
+            result = episode.sandbox.run(command, timeout_s=timeout, cancel=cancel)
         except SandboxError as exc:
             raise ApiError(409, f"the episode's sandbox failed: {exc}", code="sandbox_error") from None
         episode.exec_s += time.perf_counter() - t0
@@ -508,7 +520,7 @@ class HarnessServer:
         @app.post("/episodes/{episode_id}/v1/chat/completions")
         async def chat_completions(episode_id: str, request: Request) -> Response:
             episode = self._episode(episode_id, request)
-            return await self.complete(episode, await read_body(request, 4 << 20))
+            return await self.complete(episode, await read_body(request, 4 << 20), request)
 
         @app.get("/episodes/{episode_id}/v1/models")
         async def models(episode_id: str, request: Request) -> dict[str, Any]:
@@ -520,8 +532,10 @@ class HarnessServer:
         async def execute(episode_id: str, request: Request) -> Response:
             episode = self._episode(episode_id, request)
             body = await read_body(request, 2 << 20)
-            return Response(json.dumps(await run_in_threadpool(self.execute, episode, body)),
-                            media_type="application/json")
+            cancel = threading.Event()
+            result = await unless_client_left(request, run_in_threadpool(self.execute, episode, body, cancel),
+                                              cancel.set)
+            return Response(json.dumps(result), media_type="application/json")
 
         return app
 

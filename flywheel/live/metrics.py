@@ -1,6 +1,7 @@
 """The live server's Prometheus metrics, served at GET /metrics in the text exposition format.
 
-    flywheel_requests_total{route, status}            every request the server answered
+    flywheel_requests_total{route, status}            every request the server answered; 499: its
+                                                      client left first (not a server error)
     flywheel_request_seconds{route}                   histogram: from the request's start to its response
     flywheel_engine_seconds{version}                  histogram: the engine's part of a completion
     flywheel_completions_total{version, arm}          completions served, by Registry version and A/B arm
@@ -16,6 +17,7 @@ outcomes, status codes), never ids, so the series stay few whatever the traffic.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -65,6 +67,9 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before its answer was sent
+
+
 class MeasuredRequests:
     """ASGI middleware: counts and times every HTTP request by route and status into `metrics`.
 
@@ -79,7 +84,7 @@ class MeasuredRequests:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        status = 500
+        status: int | None = None
 
         async def send_seen(message: dict[str, Any]) -> None:
             nonlocal status
@@ -89,6 +94,14 @@ class MeasuredRequests:
 
         try:
             await self.app(scope, receive, send_seen)
+            # Done without a response: its client left first (flywheel/api/errors.py), nginx's 499.
+            status = CLIENT_CLOSED if status is None else status
+        except asyncio.CancelledError:  # the server cancelled it when its client left
+            status = CLIENT_CLOSED if status is None else status
+            raise
+        except BaseException:
+            status = 500 if status is None else status
+            raise
         finally:
             path = scope.get("path", "")
             self.metrics.request(path if path in self.paths else "other", status, time.perf_counter() - started)

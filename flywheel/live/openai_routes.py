@@ -31,7 +31,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
 from flywheel.api.errors import ApiError
-from flywheel.api.http import json_body, json_reply, read_body
+from flywheel.api.http import json_body, json_reply, read_body, unless_client_left
 from flywheel.api.records import (
     MAX_ID_CHARS,
     ChatCompletionResponse,
@@ -51,16 +51,20 @@ from flywheel.api.streaming import DONE, sse
 from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
 from flywheel.live.deploy import NotServed
 from flywheel.live.records import BACKGROUND, INTERACTIVE, Completion, CompletionToolCall, storable
-from flywheel.model.chat import IM_END, TOOL_CALL_OPEN, parse_assistant, tools_in_prompt
+from flywheel.model.chat import ChatFormat, tools_in_prompt
 from flywheel.model.conversation import PromptTooLong
 from flywheel.model.engine import EngineError, SamplingParams
+from flywheel.model.formats import format_of, stop_ids
+from flywheel.store.database import StoreUnavailable
 
 if TYPE_CHECKING:
     from flywheel.live.server import LiveServer, ServeConfig
 
 log = logging.getLogger(__name__)
 
-_VERSION_NAME = re.compile(r"v(\d{1,9})")  # 9 digits: int() and SQLite take it
+# ASCII digits only (re's \d also takes "٠", an Arabic-Indic zero, which int() reads as 0); 9 digits:
+# int() and SQLite take it.
+_VERSION_NAME = re.compile(r"v([0-9]{1,9})")
 _HEADER_SAFE_ID = re.compile(rf"[!-~]{{1,{MAX_ID_CHARS}}}")
 
 
@@ -126,8 +130,8 @@ async def complete_chat(server: LiveServer, request: Request, body: bytes) -> Re
     released = False
     try:
         tools = req.tools if req.tools and req.tool_choice != "none" else None
-        forced = _forced_call(req, tools)
         encoder = server.encoder(lease.version, lease.tokenizer)
+        forced = _forced_call(req, tools, encoder.format)
         max_tokens = requested_max_tokens(server.config, req)
         # Off the event loop: a large prompt's tokenization must not stall every other request.
         try:
@@ -192,7 +196,10 @@ async def complete_chat(server: LiveServer, request: Request, body: bytes) -> Re
             include_usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(_stream_choices(calls, queues, include_usage),
                                      media_type="text/event-stream", headers=call.headers())
-        generations = [await c.generation() for c in calls]
+        # A client that leaves before its answer cancels the engine requests (the engine drops them at
+        # its next step): a generation nobody received is never stored, so never a training turn.
+        generations = await unless_client_left(request, asyncio.gather(*(c.generation() for c in calls)),
+                                               lambda: [c.future.cancel() for c in calls])
     finally:
         if not released:
             router.release(lease)
@@ -237,7 +244,7 @@ async def complete_text(server: LiveServer, request: Request, body: bytes) -> Re
             raise context_too_long(server.config, str(len(prompt_ids)), max_tokens)
         params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                 top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens,
-                                stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),), seed=req.seed)
+                                stop_token_ids=stop_ids(tokenizer), seed=req.seed)
         engine_started = time.perf_counter()
         try:
             generation = await asyncio.wrap_future(lease.engine.submit(prompt_ids, params))
@@ -255,7 +262,7 @@ async def complete_text(server: LiveServer, request: Request, body: bytes) -> Re
     completion = Completion(
         id=completion_id, session_id=session_id, user_id=user_id, version=lease.version, prompt_ids=prompt_ids,
         completion_ids=generation.token_ids, logprobs=generation.logprobs,
-        latency_ms=(time.perf_counter() - started) * 1000, content=text.removesuffix(IM_END),
+        latency_ms=(time.perf_counter() - started) * 1000, content=format_of(tokenizer).strip_end(text),
         finish_reason=finish, arm=lease.arm, created_at=created, request_meta={**meta, "endpoint": "completions"},
         temperature=params.temperature, top_p=params.top_p)
     try:
@@ -320,11 +327,11 @@ def sampling_params(config: ServeConfig, req: ChatRequest, prompt_len: int, toke
         raise context_too_long(config, str(prompt_len), max_tokens)
     temperature = 1.0 if req.temperature is None else req.temperature
     return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                          max_tokens=max_tokens, stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),),
+                          max_tokens=max_tokens, stop_token_ids=stop_ids(tokenizer),
                           seed=req.seed, top_logprobs=req.top_logprobs or 0)
 
 
-def _forced_call(req: ChatRequest, tools: list[dict[str, Any]] | None) -> str:
+def _forced_call(req: ChatRequest, tools: list[dict[str, Any]] | None, chat_format: ChatFormat) -> str:
     """The opening of the assistant turn that `tool_choice` forces ("" for auto and none)."""
     choice = req.tool_choice
     if choice is None or choice in ("auto", "none"):
@@ -333,12 +340,12 @@ def _forced_call(req: ChatRequest, tools: list[dict[str, Any]] | None) -> str:
         raise ApiError(400, "tool_choice asks for a tool call but the request declares no tools; add `tools` or "
                        "leave tool_choice unset", param="tool_choice")
     if choice == "required":
-        return f"{TOOL_CALL_OPEN}\n"
+        return chat_format.forced_call(None)
     names = [t["function"]["name"] for t in tools]
     if choice.function.name not in names:
         raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the declared tools "
                        f"({', '.join(names)})", param="tool_choice")
-    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(choice.function.name)}, "arguments": '
+    return chat_format.forced_call(choice.function.name)
 
 
 class _Call:
@@ -357,8 +364,10 @@ class _Call:
         self.org_id, self.session_kind = org_id, session_kind
         router = router or server.router  # an organization's own Router leased it, when it has one
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.format = format_of(lease.tokenizer)  # the served model's chat format: how its calls are written
         self.first_token_s: float | None = None
         self.engine_ms = 0.0
+        self.invalid_calls: int | None = None  # once parsed: the calls the client got as text, not tool_calls
 
         def done(_: Any) -> None:  # the engine is done with it, whatever became of the client
             self.engine_ms = (time.perf_counter() - engine_started) * 1000
@@ -385,6 +394,8 @@ class _Call:
                   "engine_ms": round(self.engine_ms, 3)}
         if self.first_token_s is not None:
             served["ttft_ms"] = round((self.first_token_s - self.started) * 1000, 3)
+        if self.invalid_calls is not None:
+            served["invalid_tool_calls"] = self.invalid_calls
         if self.req.tools and not tools_in_prompt(self.lease.tokenizer):
             unknown = sorted({t["function"]["name"] for t in self.req.tools} - TOOL_SCHEMAS.keys())
             if unknown:
@@ -422,12 +433,15 @@ class _Call:
         generation, text = self._stopped(generation)
         answer = self.forced + text
         if req.tool_choice == "none":  # no tool call, whatever the model wrote: its text is the answer
-            content, calls = answer.removesuffix(IM_END), []
+            content, calls = self.format.strip_end(answer), []
         else:
             schemas = {t["function"]["name"]: t for t in req.tools or []}
-            content, calls = parse_assistant(answer, call_id_prefix=f"call_{self.id[9:21]}", schemas=schemas)
+            content, calls = self.format.parse(answer, call_id_prefix=f"call_{self.id[9:21]}", schemas=schemas)
             calls = [_storable_call(c) for c in calls]
-        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if calls else "stop")
+        # The client is sent only calls it can dispatch; the record keeps every call (client_view says why).
+        content, sent_calls = self.format.client_view(answer, content, calls) if calls else (content, [])
+        self.invalid_calls = len(calls) - len(sent_calls)
+        finish = "length" if generation.finish_reason == "length" else ("tool_calls" if sent_calls else "stop")
         completion = Completion(
             id=self.id, session_id=self.session_id, user_id=self.user_id, version=lease.version,
             prompt_ids=self.prompt_ids, completion_ids=generation.token_ids, logprobs=generation.logprobs,
@@ -443,11 +457,13 @@ class _Call:
             await run_in_threadpool(server.store.add_completion, completion)
         except ValueError as exc:  # a value the checks before generation missed: refused, nothing stored
             raise ApiError(400, str(exc)) from None
+        except StoreUnavailable as exc:  # as an ApiError, so a stream carries it as its last chunk
+            raise ApiError.store_unavailable(exc) from None
         server.metrics.completion(lease.version, lease.arm, len(self.prompt_ids), len(generation.token_ids),
                                   self.engine_ms / 1000)
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-        if calls:
-            message["tool_calls"] = [openai_tool_call(c) for c in calls]
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if sent_calls else "")}
+        if sent_calls:
+            message["tool_calls"] = [openai_tool_call(c) for c in sent_calls]
         if req.top_logprobs and generation.top_logprobs is None:
             raise ApiError(400, f"v{lease.version}'s engine does not return top_logprobs; leave top_logprobs unset",
                            param="top_logprobs")
@@ -488,12 +504,12 @@ class _Call:
             ids.append(item[0])
             pending.append(item)
             text = self.forced + tokenizer.decode(ids, skip_special_tokens=False)
-            visible = text.removesuffix(IM_END)
+            visible = self.format.strip_end(text)
             if self.req.stop:  # nothing past a stop sequence, nor what may yet become one
                 hits = [i for x in self.req.stop if (i := visible.find(x)) >= 0]
                 visible = visible[:min(hits)] if hits else visible[:len(visible) - max(map(len, self.req.stop)) + 1]
             if self.req.tool_choice != "none":  # what follows a call's opening is the call, not content
-                visible = visible.split(TOOL_CALL_OPEN, 1)[0].rstrip("\n")
+                visible = self.format.visible_content(visible)
             if len(visible) > len(sent) and visible.startswith(sent) and "\ufffd" not in visible[len(sent):]:
                 yield event({"content": visible[len(sent):]})
                 sent = visible
@@ -551,6 +567,8 @@ async def _stream_choices(calls: list[_Call], queues: list[asyncio.Queue[tuple[i
     finally:
         for task in pumps:
             task.cancel()
+        for call in calls:  # the client left mid-stream: its engine requests stop (done ones are unaffected)
+            call.future.cancel()
     for task in pumps:  # a failure other than the API errors the stream already carries
         if not task.cancelled() and task.exception() is not None:
             raise task.exception()

@@ -27,7 +27,7 @@ records `base` (the base version it applies on) and `org_id`. `parent` is the or
 adapter, or the base for its first. Aliases per organization: `production-<org>` and
 `candidate-<org>` (`org_alias`), so promotion and rollback of one organization move only its own.
 `load_adapted(registry, version)` loads the base and applies the adapter (peft), and `merged(...)`
-folds it into plain weights for an engine.
+folds it into plain weights for an engine (flywheel/model/adapters.py, which every LoRA adapter shares).
 
 Serving several adapters without reloading the base: `adapter_view(base, adapter)` is a plain
 model (any engine runs it, the lean decoder included) whose every tensor the adapter does not
@@ -51,7 +51,6 @@ a full checkpoint as its production: the base its first adapter is A/B tested ag
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from collections import Counter
@@ -59,8 +58,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flywheel.live.batch import OnPolicyBatch
@@ -68,6 +66,7 @@ from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import GateRun
 from flywheel.live.records import Completion
 from flywheel.live.rewards import Reward
+from flywheel.model.adapters import LoraConfig, adapter_view, load_adapted, lora_model, shared_copy
 from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.registry import CANDIDATE, METADATA_FILE, PRODUCTION, Checkpoint, CheckpointNotFound, Registry
 from flywheel.model.tokenizer import load_tokenizer
@@ -76,18 +75,12 @@ from flywheel.rl.learner import Learner, LearnerConfig
 _ORG = re.compile(r"[a-z0-9_-]{1,40}")
 
 
-class OrgAdapterConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OrgAdapterConfig(LoraConfig):
+    """An organization's adapter: the LoRA settings (flywheel/model/adapters.py) and when it gets one."""
+
     # Trainable on-policy completions of an organization per cycle before it gets (or retrains) its
     # adapter. Lower specializes smaller customers sooner, on noisier batches.
     min_completions: int = Field(64, ge=2)
-    # LoRA rank and scale: rank 8 on the attention projections of the tiny model is 0.5% of its
-    # weights. Higher ranks fit an organization's conventions more closely and forget more.
-    rank: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-                                      min_length=1)
 
 
 def check_org_id(org_id: str) -> str:
@@ -129,15 +122,6 @@ def orgs_with_traffic(completions: Sequence[Completion], rewards: dict[str, Rewa
     return {org: cs for org, cs in sorted(by_org.items()) if len(cs) >= min_completions}
 
 
-def lora_model(base: PreTrainedModel, config: OrgAdapterConfig) -> Any:
-    """`base` (a copy: the shared base stays untouched) with a fresh LoRA adapter; only it trains."""
-    from peft import LoraConfig, get_peft_model  # noqa: PLC0415  (peft imports torch and accelerate)
-
-    lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
-                      target_modules=list(config.target_modules), bias="none")
-    return get_peft_model(copy.deepcopy(base), lora)
-
-
 def train_org_adapter(base: PreTrainedModel, batch: OnPolicyBatch, learner_config: LearnerConfig,
                       config: OrgAdapterConfig, adapter: Any = None) -> tuple[Any, dict[str, float]]:
     """One cycle's update of an organization's adapter on its on-policy batch: the same Learner step
@@ -166,57 +150,6 @@ def register_adapter(registry: Registry, adapter: Any, tokenizer: PreTrainedToke
     return registry.register(adapter, tokenizer, parent=base if parent is None else parent, metrics=metrics,
                              aliases=aliases, note=note or f"adapter of {org_id} on v{base}",
                              base=base, org_id=org_id)
-
-
-def load_adapted(registry: Registry, version: int | str,
-                 trainable: bool = False) -> tuple[Any, PreTrainedTokenizerBase]:
-    """The adapter version's base with the adapter applied (a PeftModel), and its tokenizer;
-    `trainable`: its LoRA weights train (a cycle continuing the organization's adapter)."""
-    from peft import PeftModel  # noqa: PLC0415
-
-    checkpoint = registry.get(version)
-    if checkpoint.base is None:
-        raise ValueError(f"v{checkpoint.version} is a full checkpoint, not an adapter; load it with Registry.load")
-    base, tokenizer = registry.load(checkpoint.base)
-    model = PeftModel.from_pretrained(base, str(checkpoint.path), is_trainable=trainable)
-    return (model.train() if trainable else model.eval()), tokenizer
-
-
-def merged(adapter: Any) -> PreTrainedModel:
-    """Plain weights with the adapter folded in (a copy), for an engine or the gate."""
-    return copy.deepcopy(adapter).merge_and_unload().eval()
-
-
-def adapter_view(base: PreTrainedModel, adapter: Any) -> PreTrainedModel:
-    """`base` with `adapter` merged into the modules it adapts, sharing every other tensor with
-    `base` (module docstring). `base` is not changed; the view's shared tensors must not be trained."""
-    from peft.tuners.lora import LoraLayer  # noqa: PLC0415
-
-    deltas: dict[str, torch.Tensor] = {}
-    for name, module in adapter.named_modules():
-        if isinstance(module, LoraLayer) and module.active_adapters:
-            with torch.no_grad():
-                delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
-            deltas[name.removeprefix("base_model.model.") + ".weight"] = delta
-    params = dict(base.named_parameters())
-    missing = sorted(set(deltas) - set(params))
-    if missing:
-        raise ValueError(f"the adapter adapts {missing[:3]}, which {type(base).__name__} lacks; pass the base it "
-                         "was trained on")
-    # deepcopy with a memo: every tensor named in it is taken as is (shared), the rest is copied.
-    memo: dict[int, Any] = {id(t): t for n, t in params.items() if n not in deltas}
-    memo |= {id(b): b for _, b in base.named_buffers()}
-    view = copy.deepcopy(base, memo)
-    with torch.no_grad():
-        for name, delta in deltas.items():
-            view.get_parameter(name).data = params[name].data + delta.to(params[name].dtype)
-    return view.eval()
-
-
-def shared_copy(base: PreTrainedModel) -> PreTrainedModel:
-    """A module of its own (an engine may set attributes on it) whose every tensor IS `base`'s."""
-    memo: dict[int, Any] = {id(t): t for t in [*base.parameters(), *base.buffers()]}
-    return copy.deepcopy(base, memo).eval()
 
 
 def adapter_loader(registry: Registry, served_base: Callable[[int], PreTrainedModel | None],

@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from flywheel.api.events import OversizedInt
+
 # JSON values a record may hold: nesting this deep, integers a signed 64-bit column (and every JSON
 # reader: JavaScript's safe integers end at 2**53) can carry.
 MAX_DEPTH = 32
@@ -47,6 +49,8 @@ def storable(value: Any, where: str = "value", depth: int = 0) -> str | None:
         return None
     if isinstance(value, bool) or value is None:
         return None
+    if isinstance(value, OversizedInt):
+        return f"{where} is an integer of {value.digits} digits, past +-2**53; send it as a string"
     if isinstance(value, int):
         return None if -MAX_INT <= value <= MAX_INT else f"{where} = {value} is past +-2**53; send it as a string"
     if isinstance(value, float):

@@ -13,7 +13,8 @@
     GET  /v1/admin/loop                     [admin]  the live loop's settings (flywheel/live/settings.py)
     GET  /v1/admin/orgs, GET|PUT /v1/admin/orgs/{org}/deployment  [admin]  organizations' adapters
     GET  /dashboard, /dashboard/data, /metrics  [dashboard]  the live dashboard, Prometheus metrics
-    GET  /health                            no key needed
+    GET  /health                            readiness, no key needed: 503 while the store or the Registry's
+                                            index cannot be reached (the process reconnects by itself)
     GET  /openapi.json                      the OpenAPI document of all of the above (tests fuzz every operation)
 
 Here: the server's state (`LiveServer`: the Router and the engines it serves, the LiveStore, the
@@ -80,10 +81,17 @@ becomes a content chunk (text before a tool call's markup; the calls follow as t
 once parsed); the completion is stored before the last chunk, which carries `flywheel.ttft_ms`,
 the time from the request to its first token. `stop` sequences cut the answer where one first
 appears in the sampled text (openai_routes.py's `_Call._stopped`): the Completion keeps the
-shortest prefix of sampled tokens that holds it, and the text ends before it. A tool call the
-model wrote badly is still returned in `tool_calls` (name "?" when it could not be read) with an
-extra `error` field, and recorded as invalid: a client answers it with the error, as the episode
-runner does, and nothing is dropped.
+shortest prefix of sampled tokens that holds it, and the text ends before it. Only calls a client
+can dispatch come back in `tool_calls`: one the model wrote badly (unparsable, cut at max_tokens,
+naming a tool the request did not declare, arguments its schema refuses) comes back as text after
+the prose, with finish reason `stop` or `length` (standard clients, the OpenAI Agents SDK among
+them, end a run on an undeclared tool), and the Completion records it as an invalid call, which
+costs its reward the broken-call penalty: nothing is dropped (`ChatFormat.client_view` in flywheel/model/chat.py).
+
+A client that leaves before its answer costs nothing: its engine requests are cancelled, nothing is
+stored (a generation nobody received is no training turn), and /metrics counts a 499, not a 500.
+The store being unreachable (PostgreSQL restarting) is a 503 with Retry-After, and /health answers
+503 until it is back; the store reconnects by itself (flywheel/live/store.py).
 
 `tool_choice: "none"` leaves the tools out of the prompt and returns whatever the model writes as
 its text, with no tool call. The Completion records the temperature and top-p it was sampled with.
@@ -102,11 +110,14 @@ import hashlib
 import logging
 import os
 import socket
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flywheel.api.errors import ApiError, install_error_handlers
@@ -126,6 +137,7 @@ from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import Engine, EngineConfig
 from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import CANDIDATE, Registry
+from flywheel.store.database import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +200,17 @@ class ServeConfig(BaseModel):
     # FULL fsyncs each commit: an acknowledged event survives power loss. NORMAL survives a crash of
     # the server only and saves about 1 ms per committed batch.
     synchronous: Literal["NORMAL", "FULL"] = "FULL"
-    # Completions: NORMAL keeps an fsync (1-5 ms) off every response; a completion is still committed
-    # before its response is sent, so a crash of the server never loses one a client holds the id of.
-    completions_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    # Completions are committed before their response is sent, concurrent ones in one commit (group
+    # commit, flywheel/live/store.py). None: what makes a 200 survive a kill -9 of the server or the
+    # database, per backend: FULL on PostgreSQL (NORMAL there is synchronous_commit off, which lost
+    # answered completions when PostgreSQL was killed), NORMAL on SQLite (FULL also survives a power
+    # loss, at an fsync per commit: ~1-4 ms of latency, fewer completions/s at low concurrency).
+    completions_synchronous: Literal["NORMAL", "FULL"] | None = None
     require_known_completion: bool = True  # refuse events naming a completion this store never served
     threads: int = Field(default=2, ge=1)  # torch threads for the engines
+    # The served weights in memory: bfloat16 halves a pretrained model's memory and its decode's reads,
+    # at the cost of logprobs that differ from a float32 Learner's (the cycle trains in float32).
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     engine: EngineConfig = Field(default_factory=EngineConfig)
     dashboard: DashboardConfig = Field(default_factory=DashboardConfig)
 
@@ -222,7 +240,12 @@ class ServeConfig(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"]
+    """GET /health: 200 when the live store and the Registry's index answer, else 503 (a load
+    balancer takes the replica out until they do; the process reconnects by itself)."""
+
+    status: Literal["ok", "unavailable"]
+    store: str  # "ok", or why it cannot be reached
+    registry: str  # "ok", "none" (a server without a Registry), or why its index cannot be reached
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
@@ -299,7 +322,7 @@ class LiveServer:
         registry = Registry(where.registry_root, url=where.registry_url)
         store = open_store(config)
         deployment = deployment_from_registry(registry, _resume_fraction(store, registry, config.candidate_fraction))
-        router = Router(registry_loader(registry, config.engine), deployment)
+        router = Router(registry_loader(registry, config.engine, config.dtype), deployment)
         store.record_deployment(deployment.production, deployment.candidate, deployment.candidate_fraction,
                                 "serve start", replica_name(config))
         return cls(config, router, store, registry)
@@ -337,11 +360,31 @@ class LiveServer:
             self._deployment_seq = latest["seq"]
             return changed
 
+    def readiness(self) -> dict[str, str]:
+        """What GET /health reports: whether the live store and the Registry's index answer now."""
+        report = {"status": "ok", "store": "ok", "registry": "none" if self.registry is None else "ok"}
+        for name, part in (("store", self.store), ("registry", self.registry)):
+            if part is None:
+                continue
+            try:
+                part.ping()
+            except StoreUnavailable as exc:
+                report[name], report["status"] = str(exc), "unavailable"
+        return report
+
     def _follow_deployments(self) -> None:
+        down = False
         while not self._stop.wait(self.config.deployment_poll_s):
             try:
                 self.follow_deployment()
                 self.follow_org_deployments()
+                if down:
+                    log.info("the store answers again: following the deployment")
+                down = False
+            except StoreUnavailable as exc:  # an outage: said once, polled on (the store reconnects)
+                if not down:
+                    log.warning("cannot follow the deployment while the store is unavailable: %s", exc)
+                down = True
             except Exception:  # noqa: BLE001  (a failed poll is logged and retried; the loop must outlive it)
                 log.exception("following the deployment failed; retrying in %s s", self.config.deployment_poll_s)
 
@@ -547,15 +590,22 @@ def open_store(config: ServeConfig) -> LiveStore:
                      require_known_completion=config.require_known_completion)
 
 
-def registry_loader(registry: Registry, engine: EngineConfig) -> EngineLoader:
+def registry_loader(registry: Registry, engine: EngineConfig, dtype: str = "float32") -> EngineLoader:
     """Load a version from the Registry into its own engine: a LocalEngine, one in a process of its
     own (`engine.separate_process`: its decode loop then never waits on the server's GIL, and still
-    streams), or vLLM servers on its checkpoint folder (`engine.backend = "vllm"`)."""
+    streams), or vLLM servers on its checkpoint folder (`engine.backend = "vllm"`; a LoRA version's
+    folder holds only its adapter, so vLLM gets it merged onto its base, written out once)."""
 
     def load(version: int) -> tuple[Engine, Any]:
-        model, tokenizer = registry.load(version)
+        model, tokenizer = registry.load(version, dtype=dtype)  # a LoRA version comes merged onto its base
         if engine.backend == "vllm":
-            return start_engine(None, engine, version=version, checkpoint=registry.get(version).path), tokenizer
+            checkpoint = registry.get(version)
+            folder = checkpoint.path
+            if checkpoint.base is not None:
+                from flywheel.model.adapters import export_merged  # noqa: PLC0415  (peft only when asked)
+
+                folder = export_merged(registry, version, Path(tempfile.mkdtemp(prefix=f"flywheel-v{version}-")) / "m")
+            return start_engine(None, engine, version=version, checkpoint=folder), tokenizer
         return start_engine(model, engine, version=version), tokenizer
 
     return load
@@ -577,9 +627,11 @@ def create_app(server: LiveServer) -> FastAPI:
     known_paths: set[str] = set()
     app.add_middleware(MeasuredRequests, metrics=server.metrics, paths=known_paths)
 
-    @app.get("/health", response_model=None, responses=json_reply(Health))
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    @app.get("/health", response_model=None, responses={**json_reply(Health), 503: {"model": Health}})
+    async def health() -> JSONResponse:
+        report = await run_in_threadpool(server.readiness)
+        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503,
+                            headers=None if report["status"] == "ok" else {"retry-after": "1"})
 
     routers = [dashboard_router(server, server.dashboard), openai_router(server), events_router(server),
                admin_router(server)]

@@ -1,31 +1,40 @@
-"""The one conversation encoder: chat messages to token ids, for episodes, SFT and the server.
+"""The one conversation encoder: chat messages to token ids, for episodes, SFT, the server and the
+harness ledger.
 
-Three callers, one way of turning a conversation into ids, so that what SFT trains on, what an
+Every caller, one way of turning a conversation into ids, so that what SFT trains on, what an
 episode feeds the engine and what the server prompts with are token for token the same:
 
-    encode(messages, tools)        a prompt: the turns `chat.render_turns` yields, then the
-                                   assistant header (the server; an episode's opening)
-    user_reply(text)               what follows a generated <|im_end|>: the user's turn and the
-    tool_reply(contents)           next header, or the tool results and the next header (episodes)
+    encode(messages, tools)        a prompt: the turns the format renders, then the assistant
+                                   header (the server; an episode's opening)
+    user_reply(text)               what follows a generated end token (<|im_end|>, <|eot_id|>): the
+    tool_reply(contents)           user's turn and the next header, or the tool results and the
+                                   next header (episodes)
+    continuation(messages)         the same for whatever a harness client sends next
     conversation(messages)         a whole demonstration as (tokens, loss mask): its opening as a
                                    prompt, each assistant body as the model writes it, each
                                    answer as an episode appends it (SFT)
 
-Exact, not approximate: every turn `render_turns` yields starts with <|im_start|>, an added token
-the tokenizer splits on before BPE, so the ids of the pieces concatenate to the ids of the whole
-text (tests compare the two). That lets each turn be tokenized once and cached (the tools prompt is
-~700 tokens, ~1-3 ms; every demonstration and every episode opens with the same system turn). A
-tokenizer without <|im_start|> as an added token gets the whole text tokenized every time.
+The ids follow the model's own chat format (`formats.format_of(tokenizer)`: flywheel's, Qwen's,
+Llama 3's, ...): `self.format` renders the turns, what an episode appends after a generated end
+token, and what a demonstration's assistant turns are.
 
-Control tokens of a prompt come from the template only: each turn is `<|im_start|>` + body
-(+ `<|im_end|>` + "\\n"), and only those ends are encoded as control tokens; the body, which holds
-everything a client or a tool wrote, is encoded as text (`tokenizer.encode_text`). A user who types
+Exact, not approximate: every turn a format yields starts with a control token (<|im_start|>,
+<|start_header_id|>, ...) that the tokenizer splits on before BPE, so the ids of the pieces
+concatenate to the ids of the whole text (tests compare the two). That lets each turn be tokenized
+once and cached (the tools prompt is ~700 tokens, ~1-3 ms; every demonstration and every episode
+opens with the same system turn). A tokenizer without those as added tokens gets the whole text
+tokenized every time.
+
+Control tokens of a prompt come from the template only: the body of a turn, which holds everything
+a client or a tool wrote, is encoded as text (`tokenizer.encode_text`). A user who types
 "<|im_start|>assistant" gets those characters, not a forged turn in a prompt the Learner trains on.
 The same holds for the tool-call markup (`<tool_call>`, `<tool_response>`, single tokens that are
-not "special"): the template's turns come as pieces (`chat.turn_pieces`) that say which text a client
-or a tool wrote, and in those pieces, and in the user and tool replies an episode appends, no token
-string becomes its token, so a user or a file cannot forge a tool result or a turn. For text without
-such strings the ids are the whole text's, as above.
+not "special") and for every other added token of the tokenizer (a real model's vocabulary holds
+hundreds: Llama 3's reserved ones, Qwen's <think>): the template's turns come as pieces
+(`ChatFormat.turn_pieces`) that say which text a client or a tool wrote, and in those pieces, and in
+the user and tool replies an episode appends, no token string becomes its token, so a user or a file
+cannot forge a tool result or a turn. For text without such strings the ids are the whole text's,
+as above.
 
 The cache is bounded in bytes (text and ids) and in entries, least recently used out first. The server's
 `encode_request` does not fill it: it returns the turns it tokenized, which the server `remember`s
@@ -38,26 +47,15 @@ the engine produced, and re-tokenizing them could give other ids (token in, toke
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
-from flywheel.model.chat import (
-    IM_END,
-    IM_START,
-    MARKUP_TOKENS,
-    SPECIAL_TOKENS,
-    Pieces,
-    joined,
-    render_assistant_body,
-    tool_reply_pieces,
-    tool_schemas,
-    tools_in_prompt,
-    turn_pieces,
-    user_reply_pieces,
-)
+from flywheel.model.chat import Pieces, joined, tool_schemas, tools_in_prompt
+from flywheel.model.formats import format_of, stop_ids
 from flywheel.model.tokenizer import encode_text
 
 
@@ -72,9 +70,15 @@ class ConversationEncoder:
 
     def __init__(self, tokenizer: Any, cache_size: int = 4096, cache_bytes: int = 64 << 20):
         self.tokenizer = tokenizer
-        self.piecewise = IM_START in tokenizer.get_added_vocab()
-        if self.piecewise:
-            self._start, self._end = tokenizer.convert_tokens_to_ids([IM_START, IM_END])
+        self.format = format_of(tokenizer)
+        added = tokenizer.get_added_vocab()
+        self.piecewise = all(t in added for t in self.format.turn_starts)
+        # Token strings a client's or a tool's text never becomes: the format's and every added token.
+        strings = sorted(set(self.format.control_strings) | set(added), key=len, reverse=True)
+        self._token_strings = tuple(strings)
+        self._token_re = re.compile("|".join(map(re.escape, strings)))
+        # The ids of the format's end token(s): a generated turn stops at any of them.
+        self.stop_ids = stop_ids(tokenizer)
         # The tool schemas this tokenizer's model reads in its prompts (None: it was trained without).
         self.tools = tool_schemas() if tools_in_prompt(tokenizer) else None
         self._cache: OrderedDict[str, list[int]] = OrderedDict()  # least recently used first
@@ -97,7 +101,7 @@ class ConversationEncoder:
         PromptTooLong, before any tokenization, if the text is surely more than `limit` tokens: no
         token is longer than the vocabulary's longest, so bytes / that length bounds the count from
         below (20 bytes for the tiny test tokenizer: a 4 MB prompt is refused in ms, not after 40 s)."""
-        pieces = turn_pieces(messages, tools, add_generation_prompt=add_generation_prompt)
+        pieces = self.format.turn_pieces(messages, tools, add_generation_prompt=add_generation_prompt)
         turns = [joined(turn) for turn in pieces]
         if limit is not None:
             at_least = sum(len(t.encode()) for t in turns) // self._max_token_bytes()
@@ -113,8 +117,8 @@ class ConversationEncoder:
                 if turn_ids is not None:
                     self._cache.move_to_end(turn_text)
             if turn_ids is None:
-                forged = _forges(turn)  # a client's or a tool's text holds a token string: the slow path
-                turn_ids = fresh[turn_text] = self._encode_pieces(turn) if forged else self._encode_turn(turn_text)
+                forged = self._forges(turn)  # a client's or a tool's text holds a token string: the slow path
+                turn_ids = fresh[turn_text] = self._encode_pieces(turn) if forged else self.text(turn_text)
             ids += turn_ids
         return ids, fresh
 
@@ -133,22 +137,19 @@ class ConversationEncoder:
                     self.cached_bytes -= _entry_bytes(old_text, old_ids)
 
     def user_reply(self, text: str) -> list[int]:
-        return self._encode_pieces(user_reply_pieces(text))
+        return self._encode_pieces(self.format.user_reply_pieces(text))
 
     def tool_reply(self, contents: Sequence[str]) -> list[int]:
-        return self._encode_pieces(tool_reply_pieces(contents))
+        return self._encode_pieces(self.format.tool_reply_pieces(contents))
 
     def continuation(self, messages: Sequence[dict[str, Any]], closed: bool = True) -> list[int]:
-        """What follows a generated turn when a client sends `messages` after it: the newline the
-        template puts after <|im_end|> (or, for a turn cut at its token cap, `closed=False`, the
-        <|im_end|> too), the messages' turns, then the next assistant header. The harness endpoint
+        """What follows a generated turn when a client sends `messages` after it: what the template
+        puts after the end token (or, for a turn cut at its token cap, `closed=False`, the end token
+        too), the messages' turns, then the next assistant header. The harness endpoint
         (flywheel/live/harness.py) appends these to the tokens it served instead of re-rendering
         the conversation; for one user message or one run of tool results they are `user_reply`'s
         and `tool_reply`'s ids."""
-        head = "\n" if closed else f"{IM_END}\n"
-        pieces = [(head, False)] + [p for turn in turn_pieces(messages, None, add_generation_prompt=True)
-                                    for p in turn]
-        return self._encode_pieces(pieces)
+        return self._encode_pieces(self.format.continuation_pieces(messages, closed))
 
     def conversation(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]:
         """(tokens, loss mask) of a demonstration, segment by segment as the episode runner appends them.
@@ -162,7 +163,7 @@ class ConversationEncoder:
             message = messages[i]
             if message["role"] != "assistant":
                 raise ValueError(f"message {i} should be an assistant turn, got {message['role']!r}")
-            body = self.text(render_assistant_body(message))
+            body = self.text(self.format.assistant_body(message))
             tokens += body
             mask += [1] * len(body)
             j = i + 1
@@ -189,7 +190,7 @@ class ConversationEncoder:
         """Ids of rendered pieces: the template's text with its control and markup tokens, a client's
         or a tool's text with none (`_as_text`). Without a token string in the latter, the ids are
         the whole text's, as before; with one, each piece is tokenized on its own."""
-        if not _forges(pieces):
+        if not self._forges(pieces):
             return self.text(joined(pieces))
         return [i for text, untrusted in pieces for i in (self._as_text(text) if untrusted else self.text(text))]
 
@@ -197,7 +198,7 @@ class ConversationEncoder:
         """`text` with every control or markup token string in it (a user's "<tool_response>", a
         file's "<|im_end|>") tokenized as characters: cut after each one's first character, so no
         piece holds a whole one; the pieces' ids decode to `text` byte for byte."""
-        cuts = sorted({i + 1 for token in _TOKEN_STRINGS for i in _occurrences(text, token)})
+        cuts = sorted({i + 1 for token in self._token_strings if token in text for i in _occurrences(text, token)})
         bounds = [0, *cuts, len(text)]
         return [i for a, b in pairwise(bounds) for i in encode_text(self.tokenizer, text[a:b])]
 
@@ -207,22 +208,9 @@ class ConversationEncoder:
             self._longest = max(len(self.tokenizer.convert_tokens_to_string([t]).encode()) for t in vocab)
         return max(self._longest, 1)
 
-    def _encode_turn(self, turn: str) -> list[int]:
-        if not turn.startswith(IM_START):
-            raise ValueError(f"a rendered turn does not start with {IM_START}: {turn[:40]!r}")
-        tail = IM_END + "\n"
-        if turn.endswith(tail):
-            return [self._start, *encode_text(self.tokenizer, turn[len(IM_START):-len(tail)]), self._end,
-                    *encode_text(self.tokenizer, "\n")]
-        return [self._start, *encode_text(self.tokenizer, turn[len(IM_START):])]  # the generation prompt
-
-
-_TOKEN_STRINGS = (*SPECIAL_TOKENS, *MARKUP_TOKENS)
-
-
-def _forges(pieces: Pieces) -> bool:
-    """Whether a client's or a tool's text among `pieces` holds a control or markup token string."""
-    return any(untrusted and any(t in text for t in _TOKEN_STRINGS) for text, untrusted in pieces)
+    def _forges(self, pieces: Pieces) -> bool:
+        """Whether a client's or a tool's text among `pieces` holds a control or markup token string."""
+        return any(untrusted and self._token_re.search(text) for text, untrusted in pieces)
 
 
 def _occurrences(text: str, token: str) -> list[int]:

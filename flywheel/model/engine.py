@@ -765,6 +765,9 @@ class LocalEngine:
         for i, s in enumerate(self._active):
             if i in free:
                 continue
+            if s.future.cancelled():  # its requester left (a server's client disconnected): stop decoding it
+                self._free.append(i)
+                continue
             if s.tokens[-1] in s.params.stop_token_ids:
                 reason = "stop"
             elif len(s.tokens) - len(s.prompt) >= s.params.max_tokens:

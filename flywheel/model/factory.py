@@ -69,13 +69,24 @@ def build_model(config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreT
 
 
 def load_pretrained(path: str | Path,
-                    dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Any HF causal LM directory with its tokenizer (ours, or a real Qwen checkpoint)."""
+                    dtype: torch.dtype | str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Any HF causal LM directory with its tokenizer (ours, or an imported model's). `dtype`: the
+    weights' in memory, a torch dtype or its name ("bfloat16"); None: float32, whatever was saved."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json); give a checkpoint folder")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
     return model.eval(), load_tokenizer(path)
+
+
+def torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype {dtype!r} is not one of float32, bfloat16, float16")
+    return getattr(torch, dtype)
 
 
 def parameter_count(model: torch.nn.Module) -> int:

@@ -68,7 +68,9 @@ PRODUCTION = "production"
 CANDIDATE = "candidate"
 METADATA_FILE = "flywheel.json"
 _ALIAS = re.compile(r"[a-z0-9_-]+")
-_VERSION_REF = re.compile(r"v?(\d+)")
+# ASCII digits only (re's \d also takes "٠", an Arabic-Indic zero, which int() reads as 0), and no
+# more than a version can have (int() refuses 4,300 digits; such a ref is looked up as an alias).
+_VERSION_REF = re.compile(r"v?([0-9]{1,18})")
 _TMP_PREFIX = ".tmp-"
 
 SCHEMA = [
@@ -160,15 +162,28 @@ class Registry:
             by_version.setdefault(version, []).append(alias)
         return [self._record(row, by_version.get(row["version"], [])) for row in rows]
 
-    def load(self, ref: int | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    def info(self, ref: int | str) -> dict[str, Any]:
+        """The version's flywheel.json: what was recorded at registration (an import's source and chat format)."""
+        return json.loads((self.get(ref).path / METADATA_FILE).read_text())
+
+    def load(self, ref: int | str,
+             dtype: torch.dtype | str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        """The version as a plain model (in `dtype`; None: float32) and its tokenizer. A general LoRA
+        adapter version comes merged onto its base (flywheel/model/adapters.py); an organization's
+        adapter is refused: it is served on its base by the organization's own router."""
         from flywheel.model.factory import load_pretrained  # noqa: PLC0415  (keeps torch out of `registry list`)
 
         checkpoint = self.get(ref)
         if checkpoint.base is not None:
-            raise ValueError(f"v{checkpoint.version} is a LoRA adapter of v{checkpoint.base} for "
-                             f"{checkpoint.org_id!r}, not full weights; apply it on its base "
-                             "(flywheel.live.orgs.load_adapted)")
-        return load_pretrained(checkpoint.path)
+            if checkpoint.org_id:
+                raise ValueError(f"v{checkpoint.version} is a LoRA adapter of v{checkpoint.base} for "
+                                 f"{checkpoint.org_id!r}, not full weights; apply it on its base "
+                                 "(flywheel.model.adapters.load_adapted)")
+            from flywheel.model.adapters import load_adapted, merged  # noqa: PLC0415  (peft only when asked)
+
+            adapter, tokenizer = load_adapted(self, checkpoint.version, dtype=dtype)
+            return merged(adapter), tokenizer
+        return load_pretrained(checkpoint.path, dtype=dtype)
 
     def state_dict(self, ref: int | str) -> dict[str, torch.Tensor]:
         """Weights keyed as `model.state_dict()` is, ready for `Engine.update_weights`.
@@ -192,9 +207,11 @@ class Registry:
         note: str = "",
         base: int | None = None,
         org_id: str = "",
+        metadata: Mapping[str, Any] | None = None,
     ) -> Checkpoint:
         """Write `model` and `tokenizer` as the next version and point `aliases` at it. With `base`,
-        `model` is an adapter (a peft model, which saves only its adapter) on that version, for `org_id`."""
+        `model` is an adapter (a peft model, which saves only its adapter) on that version, for `org_id`.
+        `metadata`: more for flywheel.json (an imported model's source and chat format); `info` reads it."""
         metrics = {name: float(value) for name, value in (metrics or {}).items()}
         for alias in aliases:
             _check_alias(alias)
@@ -209,11 +226,11 @@ class Registry:
             final = self.checkpoints_dir / f"v{version}"
             tmp = self.checkpoints_dir / f"{_TMP_PREFIX}v{version}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
-            metadata = {"version": version, "parent": parent, "created_at": created_at, "metrics": metrics,
-                        "note": note}
+            record = {"version": version, "parent": parent, "created_at": created_at, "metrics": metrics,
+                      "note": note}
             if base is not None:
-                metadata |= {"base": base, "org_id": org_id}
-            self._write_files(tmp, model, tokenizer, metadata)
+                record |= {"base": base, "org_id": org_id}
+            self._write_files(tmp, model, tokenizer, {**(metadata or {}), **record})
             publish_folder(tmp, final)  # fsynced, then renamed: the folder appears whole or not at all
             self._index(version, parent, created_at, final, metrics, note, aliases, base, org_id)
         return self.get(version)
@@ -241,6 +258,11 @@ class Registry:
             row = self._db.query("SELECT metrics FROM checkpoints WHERE version = ?", (version,))[0]
             merged = json.loads(row[0]) | {name: float(value) for name, value in metrics.items()}
             self._db.execute("UPDATE checkpoints SET metrics = ? WHERE version = ?", (json.dumps(merged), version))
+
+    def ping(self) -> None:
+        """StoreUnavailable unless the index answers now (it reconnects by itself: flywheel/store)."""
+        with self._db_lock:
+            self._db.ping()
 
     def close(self) -> None:
         with self._db_lock:
@@ -346,7 +368,7 @@ class Registry:
         )
 
     def _version_dirs(self) -> Iterator[Path]:
-        return (p for p in self.checkpoints_dir.iterdir() if p.is_dir() and re.fullmatch(r"v\d+", p.name))
+        return (p for p in self.checkpoints_dir.iterdir() if p.is_dir() and re.fullmatch(r"v[0-9]+", p.name))
 
 
 def _show(ref: int | str) -> str:
@@ -356,6 +378,6 @@ def _show(ref: int | str) -> str:
 def _check_alias(alias: str) -> None:
     if not _ALIAS.fullmatch(alias):
         raise ValueError(f"alias {alias!r} must match [a-z0-9_-]+, e.g. {PRODUCTION!r} or {CANDIDATE!r}")
-    if _VERSION_REF.fullmatch(alias):
+    if re.fullmatch(r"v?[0-9]+", alias):  # any length: a ref of too many digits must not find an alias
         raise ValueError(f"alias {alias!r} reads as a version number; pick a name, e.g. {CANDIDATE!r}")
 

@@ -1,12 +1,17 @@
 """Bootstrap version 0 of the policy: tokenizer, model, SFT on demonstrations, eval, register.
 
     flywheel bootstrap [--config configs/bootstrap.toml] [--set sft.epochs=1]
+    flywheel bootstrap --set start=v0 --set lora.rank=8 --set sft.lr=2e-4   (an imported model)
 
 1. train a byte-level BPE tokenizer on the demonstrations and task texts
 2. build the tiny MoE model
 3. supervised fine-tuning on the demonstrations (progress bar with tokens/s)
 4. evaluate on held-out tasks of the easiest level of each family
 5. register it as version 0, alias `production`
+
+With `start` (a registered version, e.g. an imported pretrained model), steps 1-2 are that
+version's tokenizer and weights: the demonstrations are rendered in its own chat format, and with
+`lora` only a LoRA adapter trains and is registered (an adapter version on `start`).
 
 The demonstrations come from the caller (the CLI uses the scripted expert in `sim/`, some of its
 episodes deliberately imperfect so that RL has room to show a gain); this module only trains.
@@ -18,7 +23,7 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,6 +32,7 @@ from flywheel.agent.episode import EpisodeConfig
 from flywheel.agent.evaluate import evaluate
 from flywheel.env.families import FAMILIES, held_out_tasks, task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.model.adapters import LoraConfig, merged, start_lora
 from flywheel.model.chat import render_messages, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import EngineConfig, LocalEngine
@@ -67,6 +73,13 @@ class BootstrapConfig(BaseModel):
     # (`chat.tools_in_prompt`): shorter sequences, twice the SFT steps, and copying learnt sooner.
     tools_in_prompt: bool = False
     model: ModelConfig = Field(default_factory=ModelConfig)
+    # Fine-tune this registered version (a version or alias, e.g. an imported model) instead of
+    # training a tokenizer and building the tiny MoE; None: the embedded default from scratch.
+    start: str | None = None
+    # With `start`: train a LoRA adapter of it (flywheel/model/adapters.py) instead of all its weights.
+    lora: LoraConfig | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # `start`'s weights in memory
+    alias: str | None = "production"  # what the result is registered as
     # The SFT and eval summary to TensorBoard, W&B, MLflow (flywheel/rl/tracking.py); all off by default.
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     # A fixed number of steps: about 7 minutes on 2 cores. Context loss and copy weight: the policy
@@ -95,13 +108,25 @@ def bootstrap(config: BootstrapConfig, demonstrations: Sequence[list[dict[str, A
     torch.set_num_threads(config.threads)
     start = time.perf_counter()
     config.run_dir.mkdir(parents=True, exist_ok=True)
-    tools = tool_schemas() if config.tools_in_prompt else None
-    corpus = [render_messages(m, tools) for m in demonstrations]
-    tokenizer = train_tokenizer(corpus, vocab_size=config.vocab_size, tools_in_prompt=config.tools_in_prompt)
-    log(f"tokenizer: {len(tokenizer)} tokens, trained on {len(corpus)} demonstrations")
-    model = build_model(config.model, tokenizer)
-    log(f"model: Qwen3-MoE, {parameter_count(model) / 1e6:.2f}M parameters, "
-        f"{config.model.num_experts} experts top-{config.model.experts_per_token}")
+    registry = Registry(config.registry_root)
+    adapter, parent, base = None, None, None
+    if config.start is None:
+        tools = tool_schemas() if config.tools_in_prompt else None
+        corpus = [render_messages(m, tools) for m in demonstrations]
+        tokenizer = train_tokenizer(corpus, vocab_size=config.vocab_size, tools_in_prompt=config.tools_in_prompt)
+        log(f"tokenizer: {len(tokenizer)} tokens, trained on {len(corpus)} demonstrations")
+        model = build_model(config.model, tokenizer)
+        log(f"model: Qwen3-MoE, {parameter_count(model) / 1e6:.2f}M parameters, "
+            f"{config.model.num_experts} experts top-{config.model.experts_per_token}")
+    elif config.lora is not None:
+        adapter, tokenizer, base_checkpoint = start_lora(registry, config.start, config.lora, dtype=config.dtype)
+        model, parent, base = adapter.get_base_model(), registry.get(config.start).version, base_checkpoint.version
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log(f"model: v{parent}, a LoRA adapter of rank {config.lora.rank} trains ({trainable / 1e6:.2f}M weights)")
+    else:
+        model, tokenizer = registry.load(config.start, dtype=config.dtype)
+        parent = registry.get(config.start).version
+        log(f"model: v{parent}, {parameter_count(model) / 1e6:.1f}M parameters, all of them trained")
     encoder = ConversationEncoder(tokenizer)
     examples = [encoder.conversation(m) for m in demonstrations]
     lengths = sorted(len(t) for t, _ in examples)
@@ -109,7 +134,8 @@ def bootstrap(config: BootstrapConfig, demonstrations: Sequence[list[dict[str, A
     metrics = train_sft(model, examples, config.sft, tokenizer.pad_token_id, time_budget_s=config.sft_time_budget_s)
     log(f"sft: loss {metrics['sft_loss_first']:.3f} -> {metrics['sft_loss_final']:.3f}, "
         f"{metrics['sft_tokens_per_s']:,.0f} tokens/s, {metrics['sft_seconds']:.0f} s")
-    with LocalEngine(model, config.engine) as engine, SandboxPool(config.pool) as pool:
+    served = model if adapter is None else merged(adapter)
+    with LocalEngine(served, config.engine) as engine, SandboxPool(config.pool) as pool:
         report, _ = evaluate(eval_tasks(config), engine, tokenizer, pool, config.episode)
     log(f"eval (difficulty {config.eval_difficulty}): pass rate {report['pass_rate']:.2f} "
         f"{tuple(round(x, 2) for x in report['pass_rate_ci'])}, valid tool calls {report['valid_tool_call_rate']:.2f}")
@@ -119,8 +145,9 @@ def bootstrap(config: BootstrapConfig, demonstrations: Sequence[list[dict[str, A
     with Tracker(config.tracking, config.run_dir, params=config.model_dump(mode="json")) as tracker:
         tracker.log({**metrics, "eval": report}, 0)
         tracker.table("eval", eval_table(report), 0)
-    registry = Registry(config.registry_root)
-    checkpoint = registry.register(model, tokenizer, parent=None, metrics=metrics, aliases=["production"],
-                                   note="bootstrap: SFT on scripted demonstrations")
-    log(f"registered v{checkpoint.version} as production at {checkpoint.path}")
+    note = "bootstrap: SFT on scripted demonstrations" + (f" from v{parent}" if parent is not None else "")
+    checkpoint = registry.register(model if adapter is None else adapter, tokenizer, parent=parent, base=base,
+                                   metrics=metrics, aliases=[config.alias] if config.alias else [],
+                                   note=note + (" (LoRA adapter)" if adapter is not None else ""))
+    log(f"registered v{checkpoint.version}{' as ' + config.alias if config.alias else ''} at {checkpoint.path}")
     return checkpoint

@@ -151,8 +151,9 @@ def train_sft(model: PreTrainedModel, examples: Sequence[tuple[list[int], list[i
     total_steps = config.steps or max(1, math.ceil(len(batches) * config.epochs))
     # fused: one kernel for every parameter's update, 8 ms a step against 18 ms for the per-tensor
     # loop on the bootstrap's model (2 cores), a tenth of its step; the same AdamW
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95),
-                                  fused=True)
+    # only what trains: a LoRA adapter's weights when the base is frozen (flywheel/model/adapters.py)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
+                                  weight_decay=config.weight_decay, betas=(0.9, 0.95), fused=True)
     start = time.perf_counter()
 
     def progress(step: int) -> float:

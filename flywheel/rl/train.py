@@ -50,12 +50,14 @@ from flywheel.agent.evaluate import evaluate, paired_lift, passed
 from flywheel.agent.trajectory import Status
 from flywheel.env.families import FAMILIES, held_out_tasks, task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
+from flywheel.model.adapters import LoraConfig, start_lora
 from flywheel.model.engine import Engine, EngineConfig
 from flywheel.model.registry import Checkpoint, Registry
 from flywheel.rl.advantages import outcome_tied
 from flywheel.rl.cluster import ClusterConfig, LearnerLost, LocalCluster, start_cluster
 from flywheel.rl.distributed import DistConfig, follow_training, init_distributed, leading
 from flywheel.rl.learner import Learner, LearnerConfig
+from flywheel.rl.lora import LoraLearner
 from flywheel.rl.orchestrator import Batch, EpisodeRunner, GroupOutcome, Orchestrator, OrchestratorConfig
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.tracking import Tracker, TrackingConfig, eval_table
@@ -117,6 +119,11 @@ class TrainConfig(BaseModel):
     # Copies of metrics.jsonl / eval.jsonl to TensorBoard, W&B, MLflow (flywheel/rl/tracking.py); all off by default.
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    # Train a LoRA adapter of the start checkpoint instead of all its weights (a pretrained model:
+    # flywheel/model/adapters.py, flywheel/rl/lora.py); the result is registered as an adapter version
+    # on the full one. Starting from an adapter version continues its adapter. None: full weights.
+    lora: LoraConfig | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the weights in memory (learner and engine)
 
     @model_validator(mode="after")
     def _sampling_matches_learning(self) -> TrainConfig:
@@ -130,6 +137,9 @@ class TrainConfig(BaseModel):
                              "every "
                              "token would carry a spurious importance weight; set learner.temperature = "
                              "orchestrator.episode.temperature")
+        if self.lora is not None and (self.dist is not None or self.cluster.backend != "local"):
+            raise ValueError("lora trains in this process: remove [dist] and set cluster.backend = \"local\" (a "
+                             "LoRA adapter of a small pretrained model fits one process)")
         if self.dist is not None and self.cluster.backend != "local":
             raise ValueError("dist (the torchrun-sharded Learner) runs with cluster.backend=\"local\": rank 0 "
                              "plays the episodes; remove [dist] or set cluster.backend=\"local\"")
@@ -418,7 +428,9 @@ def train(config: TrainConfig, log: Callable[[str], None] = print,
 
 def learner_for(config: TrainConfig, cluster: Any, model: Any, start: int) -> AbstractContextManager[Any]:
     """The Learner: rank 0's `LeaderLearner` over the torchrun ranks when `dist` is set (Registry
-    version `start` is what the other ranks load), else the cluster's."""
+    version `start` is what the other ranks load), a `LoraLearner` over an adapter, else the cluster's."""
+    if config.lora is not None:
+        return nullcontext(LoraLearner(model, config.learner))
     if config.dist is None:
         return cluster.learner(model, config.learner, threads=config.threads)
     return leading(model, start, config.learner, config.dist, config.run_dir / "learner")
@@ -438,8 +450,13 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
     run = RunFolder(config.run_dir)
     registry = Registry(config.registry_root)
     parent = registry.get(config.checkpoint)
-    engine_model, tokenizer = registry.load(parent.version)
-    learner_model, _ = registry.load(parent.version)
+    engine_model, tokenizer = registry.load(parent.version, dtype=config.dtype)
+    if config.lora is None:
+        learner_model, _ = registry.load(parent.version, dtype=config.dtype)
+        base = None
+    else:  # the adapter trains; the result is an adapter version on `base`
+        learner_model, _, base_checkpoint = start_lora(registry, parent.version, config.lora, dtype=config.dtype)
+        base = base_checkpoint.version
     tasks = train_tasks(config)
     orch_config = config.orchestrator
     evals: list[dict[str, Any]] = []
@@ -518,9 +535,11 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
     if config.register_checkpoint and orchestrator.step > 0:
         metrics = {"eval_pass_rate": final["pass_rate"], "eval_valid_tool_call_rate": final["valid_tool_call_rate"],
                    "train_steps": float(orchestrator.step)}
-        checkpoint = registry.register(trained_model.eval(), tokenizer, parent=parent.version, metrics=metrics,
-                                       aliases=[config.alias] if config.alias else [],
-                                       note=f"simulated RL ({orch_config.mode}), {orchestrator.step} steps")
+        trained = trained_model.eval() if config.lora is None else learner.adapter.eval()
+        checkpoint = registry.register(trained, tokenizer, parent=parent.version, metrics=metrics,
+                                       aliases=[config.alias] if config.alias else [], base=base,
+                                       note=f"simulated RL ({orch_config.mode}), {orchestrator.step} steps"
+                                       + (f", LoRA adapter of v{base}" if base is not None else ""))
         log(f"registered v{checkpoint.version} (parent v{parent.version}) at {checkpoint.path}")
     registry.close()
     run.write_json("summary.json", summary)

@@ -267,6 +267,9 @@ class _Answer:
     message: dict[str, Any]  # the assistant turn as it goes back into the next request
     content: str
     calls: list[ToolCall] = field(default_factory=list)
+    # calls the model wrote that no client could dispatch: the server sends them as text and counts
+    # them in its `flywheel` field (each is an invalid call in the store, with its penalty)
+    invalid_as_text: int = 0
 
 
 def _tool_call(raw: Any, index: int, completion_id: str) -> ToolCall:
@@ -304,7 +307,9 @@ def _read_answer(response: Any) -> _Answer:
             {"id": call.id, "type": "function",
              "function": {"name": call.name, "arguments": _raw_arguments(raw, call)}}
             for raw, call in zip(raw_calls, calls, strict=True)]
-    return _Answer(completion_id, echoed, content, calls)
+    served = (getattr(response, "model_extra", None) or {}).get("flywheel") or {}
+    invalid = served.get("invalid_tool_calls", 0) if isinstance(served, dict) else 0
+    return _Answer(completion_id, echoed, content, calls, invalid if isinstance(invalid, int) else 0)
 
 
 def _raw_arguments(raw: Any, call: ToolCall) -> str:
@@ -359,6 +364,7 @@ class SimulatedUser:
                 log.warning("session %s abandoned after a server error: %s", result.session_id, exc)
                 return False
             messages.append(answer.message)
+            result.invalid_tool_calls += answer.invalid_as_text
             if not answer.calls and self.profile.kind == "background":
                 result.questions += bool(answer.content.strip())  # no user to answer: no event
                 messages.append({"role": "user", "content": WORK_ALONE})

@@ -16,6 +16,9 @@ order: SQLite's rowid, PostgreSQL's `seq` column), a `Migration` carries a Postg
 
 Errors: a row the database refuses (constraint, type, range, a NUL in PostgreSQL text) raises
 `RowRefused` (`IntegrityError` for a key or constraint), whatever the driver, so callers catch one thing.
+A database that cannot be reached raises `StoreUnavailable`; the backend reconnects by itself on a
+later call (PostgreSQL: flywheel/store/postgres.py), so a process outlives its database's restarts.
+`ping()` says whether the database answers now (the server's /health).
 
 Schema versions: every store keeps its version in `flywheel_schema` (one row per schema name, so the
 live store and the registry may share one PostgreSQL database). A store written before versions
@@ -48,6 +51,17 @@ _SAVEPOINT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 class RowRefused(Exception):
     """The database refused a row's values (a constraint, a type, a range); the rest of the work can go on."""
+
+
+class StoreUnavailable(ConnectionError):
+    """The database cannot be reached now (PostgreSQL restarting, a connection cut, SQLite's file
+    locked past the busy timeout). Nothing of the failed call is known to be committed: the caller
+    answers "retry" (the server: 503 with Retry-After), and the backend reconnects by itself on a
+    later call, at most once per `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class IntegrityError(RowRefused):
@@ -108,6 +122,7 @@ class Database(Protocol):
     def has_table(self, name: str) -> bool: ...
     def ddl(self, statement: str) -> str: ...
     def advisory_lock(self, name: str) -> None: ...
+    def ping(self) -> None: ...  # StoreUnavailable unless the database answers now
     def close(self) -> None: ...
 
 

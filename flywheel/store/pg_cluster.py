@@ -16,9 +16,11 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -48,17 +50,57 @@ class ThrowawayCluster:
             shutil.chown(self.folder, "postgres", "postgres")
             self._as_user = ["runuser", "-u", "postgres", "--"]
         self.url = f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/postgres"
+        self._postmaster: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ThrowawayCluster:
         self._run("initdb", "-D", str(self.data), "-U", SUPERUSER, "-A", "trust", "-E", "UTF8", "--no-locale")
-        options = (f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self.folder} "
-                   "-c fsync=on -c synchronous_commit=on -c max_connections=200")
-        self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.folder / "server.log"), "-w", "start")
+        self.restart()
         return self
+
+    def restart(self, timeout_s: float = 60.0) -> None:
+        """Start the server on the cluster's data (after `kill`: crash recovery replays the WAL first)
+        and return once it accepts connections. The postmaster is this process's child (not pg_ctl's
+        orphan), so that `kill` reaps it at once: a new postmaster refuses to start while the old
+        one's pid still answers, and an orphan waits for whoever adopts it."""
+        options = ["-c", "listen_addresses=127.0.0.1", "-c", f"port={self.port}", "-c",
+                   f"unix_socket_directories={self.folder}", "-c", "fsync=on", "-c", "synchronous_commit=on",
+                   "-c", "max_connections=200"]
+        with open(self.folder / "server.log", "ab") as log:
+            self._postmaster = subprocess.Popen([*self._as_user, str(self.bin_dir / "postgres"), "-D", str(self.data),
+                                                 *options], stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, start_new_session=True)
+        ready = [*self._as_user, str(self.bin_dir / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)]
+        deadline = time.monotonic() + timeout_s
+        while subprocess.run(ready, check=False).returncode != 0:
+            if self._postmaster.poll() is not None or time.monotonic() > deadline:
+                tail = (self.folder / "server.log").read_text()[-2000:]
+                raise RuntimeError(f"PostgreSQL did not start (exit {self._postmaster.poll()}):\n{tail}")
+            time.sleep(0.02)
+
+    def kill(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL the postmaster and every process it started, as a crash of the database host's
+        PostgreSQL would (what was in its WAL buffers and not yet flushed is lost), and wait until
+        none is left, so that `restart` can start it again."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        pids = [postmaster, *_children(postmaster)]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert self._postmaster is not None, "kill() a cluster this object started"
+        self._postmaster.wait(timeout_s)  # reaped here (as root: `runuser` reaps it, and exits)
+        deadline = time.monotonic() + timeout_s
+        while any(_alive(pid) for pid in pids):  # a zombie backend holds no port or shared memory
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PostgreSQL's processes {pids} outlived SIGKILL for {timeout_s} s")
+            time.sleep(0.005)
 
     def stop(self) -> None:
         if (self.data / "postmaster.pid").exists():
             self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        if self._postmaster is not None:
+            self._postmaster.wait(30)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def new_schema_url(self, base_url: str | None = None) -> str:
@@ -88,6 +130,27 @@ def new_schema_url(base_url: str) -> str:
         conn.execute(f"CREATE SCHEMA {name}")
     separator = "&" if "?" in base_url else "?"
     return f"{base_url}{separator}options=-csearch_path%3D{name}"
+
+
+def _alive(pid: int) -> bool:
+    """Running: a zombie (dead, not yet reaped by whoever adopted it) holds no port or shared memory."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (the postmaster's backends, its WAL writer, ...)."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it exited meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(Path(stat).parent.name))
+    return found
 
 
 def _free_port() -> int:

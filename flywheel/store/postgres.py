@@ -20,11 +20,19 @@ What differs from SQLite, and how this module hides it:
   Schema migrations take an advisory lock.
 - `snapshot` is REPEATABLE READ READ ONLY: every query inside it sees one instant of the database.
 
-What it does not do: reconnect. A dropped connection (PostgreSQL restarted, a network cut) fails
-each later call with psycopg's OperationalError; restart the flywheel process (its clients retry
-unacknowledged batches, so nothing acknowledged is lost). One connection per store object, shared
-by its threads under the caller's lock: a replica's writes are serialised, and throughput comes from
-batching (a request's events in one statement) and from running more replicas.
+Reconnection: a lost connection (PostgreSQL restarted or killed, a network cut) fails the call in
+flight with `StoreUnavailable` and is dropped; the next call opens a new one, at most one attempt
+per `retry_after_s` (so an outage costs each request one refused connect, or nothing within that
+window: the server answers 503 with Retry-After in well under a second). Before a call starts a
+transaction on a connection that sat idle, the socket is checked (one poll, no round trip): a peer
+that closed it means the server restarted, and a new connection is opened first, so the first
+request after the database's return succeeds. A call that failed mid-transaction is rolled back by
+PostgreSQL; one that failed in COMMIT has an unknown outcome, which the caller's retry resolves
+(events are idempotent on their ids; a completion id is the server's, and its response was never
+sent). TCP keepalives and `tcp_user_timeout` bound how long a call waits on a peer that vanished
+without closing the connection. One connection per store object, shared by its threads under the
+caller's lock: a replica's writes are serialised, and throughput comes from batching (a request's
+events in one statement, concurrent completions in one commit) and from running more replicas.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+import select
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -39,8 +49,23 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 
-from flywheel.store.database import IntegrityError, RowRefused, Synchronous, mask_password, savepoint
+from flywheel.store.database import (
+    IntegrityError,
+    RowRefused,
+    StoreUnavailable,
+    Synchronous,
+    mask_password,
+    savepoint,
+)
 
+# What a lost or refused connection raises (OperationalError also covers the server shutting down,
+# "the database system is starting up", a cancelled statement): the connection is dropped and the
+# call answered StoreUnavailable; a later call reconnects.
+_LOST = (psycopg.OperationalError, psycopg.InterfaceError)
+# libpq's keepalives and TCP_USER_TIMEOUT (ms): a peer that vanished without closing the socket (a
+# host gone, a network cut) fails a call within ~10 s instead of the kernel's ~15 minutes.
+_TCP = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3,
+        "tcp_user_timeout": 10_000}
 _ROW_ERRORS = (psycopg.DataError, UnicodeEncodeError, OverflowError)
 _SYNCHRONOUS_COMMIT = {"OFF": "off", "NORMAL": "off", "FULL": "on", "EXTRA": "on"}
 _DDL_TYPES = [
@@ -82,49 +107,67 @@ class PostgresDatabase:
     dialect = "postgresql"
     insertion_order = "seq"
 
-    def __init__(self, url: str, synchronous: Synchronous = "NORMAL", connect_timeout_s: int = 10):
+    def __init__(self, url: str, synchronous: Synchronous = "NORMAL", connect_timeout_s: int = 10,
+                 retry_after_s: float = 0.5):
+        """connect_timeout_s: the first connection's (a reconnect waits at most 2 s, libpq's least);
+        retry_after_s: the least time between two reconnect attempts while the server is down."""
         self.url = mask_password(url)
+        self._target, self.retry_after_s = url, retry_after_s
+        self.synchronous: Synchronous = synchronous
+        self._synchronous_now: str | None = None
+        self._depth = 0  # inside a transaction or snapshot: statements use the connection as it is
+        self._next_attempt, self._down_reason = 0.0, ""
         try:
-            self._conn = psycopg.connect(url, autocommit=True, row_factory=_row_factory,
-                                         connect_timeout=connect_timeout_s)
+            self._conn: psycopg.Connection[Any] | None = self._connect(connect_timeout_s)
         except psycopg.OperationalError as exc:
             raise ConnectionError(f"cannot connect to PostgreSQL at {self.url}: {str(exc).strip()}; check the URL, "
                                   "that the server runs and that this user may log in (pg_hba.conf)") from exc
-        self.synchronous: Synchronous = synchronous
-        self._synchronous_now: str | None = None
 
     @contextmanager
     def transaction(self, synchronous: Synchronous | None = None) -> Iterator[PostgresDatabase]:
-        self._set_synchronous(synchronous or self.synchronous)
-        self._conn.execute("BEGIN")
+        conn = self._connection()
+        with self._lost("BEGIN"):
+            self._set_synchronous(conn, synchronous or self.synchronous)
+            conn.execute("BEGIN")
+        self._depth += 1
         try:
             yield self
         except BaseException:
             self._rollback()
             raise
-        self._conn.execute("COMMIT")
+        finally:
+            self._depth -= 1
+        with self._lost("COMMIT (its outcome is unknown)"):
+            self._live().execute("COMMIT")
 
     @contextmanager
     def snapshot(self) -> Iterator[PostgresDatabase]:
-        self._conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        conn = self._connection()
+        with self._lost("BEGIN"):
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        self._depth += 1
         try:
             yield self
         finally:
+            self._depth -= 1
             self._rollback()  # nothing was written
 
     savepoint = savepoint  # flywheel/store/database.py: one text for both engines
 
     def query(self, sql: str, args: Sequence[Any] = ()) -> list[PgRow]:
-        with _row_errors():
-            cursor = self._conn.execute(_pg_sql(sql), tuple(args))
+        conn = self._statement_connection()
+        with self._lost(), _row_errors():
+            cursor = conn.execute(_pg_sql(sql), tuple(args))
             return cursor.fetchall() if cursor.description else []
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> int:
-        with _row_errors():
-            return self._conn.execute(_pg_sql(sql), tuple(args)).rowcount
+        conn = self._statement_connection()
+        with self._lost(), _row_errors():
+            return conn.execute(_pg_sql(sql), tuple(args)).rowcount
 
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-        with _row_errors(), self._conn.cursor() as cursor:
+        conn = self._statement_connection()
+        with self._lost(), _row_errors(), conn.cursor() as cursor:
             cursor.executemany(_pg_sql(sql), rows)
 
     def insert_new(self, table: str, columns: Sequence[str], key: str, rows: Sequence[Sequence[Any]]) -> set[Any]:
@@ -143,8 +186,9 @@ class PostgresDatabase:
                                allow_nan=False)
         except ValueError as exc:  # a NaN or infinity: no JSON, and no row either
             raise RowRefused(f"{exc}; send finite numbers") from exc
-        with _row_errors():
-            cursor = self._conn.execute(sql, (batch,))
+        conn = self._statement_connection()
+        with self._lost(), _row_errors():
+            cursor = conn.execute(sql, (batch,))
             return {row[0] for row in cursor.fetchall()}
 
     def has_table(self, name: str) -> bool:
@@ -159,18 +203,97 @@ class PostgresDatabase:
         """Held until the transaction ends; the same name in another session waits."""
         self.query("SELECT pg_advisory_xact_lock(hashtext(?))", (name,))
 
+    def ping(self) -> None:
+        """StoreUnavailable unless the server answers a statement now (reconnecting if it must)."""
+        self.query("SELECT 1")
+
     def close(self) -> None:
-        self._conn.close()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # ---- the connection
+
+    def _connect(self, timeout_s: int) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(self._target, autocommit=True, row_factory=_row_factory, connect_timeout=timeout_s,
+                               **_TCP)
+        self._synchronous_now = None  # a new session starts at the server's default
+        return conn
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        """The connection for a call that starts outside a transaction: the open one if its peer is
+        still there, else a new one (StoreUnavailable if the server refuses, or refused less than
+        `retry_after_s` ago)."""
+        conn = self._conn
+        if conn is not None and not conn.closed and not _peer_closed(conn):
+            return conn
+        self._drop()
+        now = time.monotonic()
+        if now < self._next_attempt:
+            raise StoreUnavailable(f"PostgreSQL at {self.url} is unreachable ({self._down_reason}); retry",
+                                   self.retry_after_s)
+        try:
+            self._conn = self._connect(2)
+        except psycopg.OperationalError as exc:
+            self._next_attempt = now + self.retry_after_s
+            self._down_reason = " ".join(str(exc).split())[:300]
+            raise StoreUnavailable(f"PostgreSQL at {self.url} is unreachable ({self._down_reason}); retry",
+                                   self.retry_after_s) from exc
+        return self._conn
+
+    def _statement_connection(self) -> psycopg.Connection[Any]:
+        return self._live() if self._depth else self._connection()
+
+    def _live(self) -> psycopg.Connection[Any]:
+        """The connection a transaction runs on (StoreUnavailable if it was lost inside it)."""
+        if self._conn is None:
+            raise StoreUnavailable(f"the connection to PostgreSQL at {self.url} was lost in this transaction; retry",
+                                   self.retry_after_s)
+        return self._conn
+
+    @contextmanager
+    def _lost(self, what: str = "") -> Iterator[None]:
+        try:
+            yield
+        except _LOST as exc:
+            self._drop()
+            reason = " ".join(str(exc).split())[:300]
+            raise StoreUnavailable(f"PostgreSQL at {self.url} failed{' in ' + what if what else ''}: "
+                                   f"{type(exc).__name__}: {reason}; retry", self.retry_after_s) from exc
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except _LOST:  # already broken: nothing left to close
+                pass
+            self._conn = None
 
     def _rollback(self) -> None:
-        if self._conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-            self._conn.execute("ROLLBACK")
+        conn = self._conn
+        if conn is None or conn.closed:
+            return
+        try:
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                conn.execute("ROLLBACK")
+        except _LOST:  # the connection went with the transaction; PostgreSQL rolls it back
+            self._drop()
 
-    def _set_synchronous(self, mode: Synchronous) -> None:
+    def _set_synchronous(self, conn: psycopg.Connection[Any], mode: Synchronous) -> None:
         setting = _SYNCHRONOUS_COMMIT[mode]
         if setting != self._synchronous_now:
-            self._conn.execute(f"SET synchronous_commit = {setting}")
+            conn.execute(f"SET synchronous_commit = {setting}")
             self._synchronous_now = setting
+
+
+def _peer_closed(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle connection's socket has something to read: between calls nothing should
+    arrive, so it is the server's end of the connection closing (it restarted or was killed)."""
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError, psycopg.OperationalError):  # a closed descriptor
+        return True
+    return bool(readable)
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from flywheel.store.database import IntegrityError, RowRefused, Synchronous, savepoint
+from flywheel.store.database import IntegrityError, RowRefused, StoreUnavailable, Synchronous, savepoint
 
 # What one row's values can cause. Not OperationalError (disk full, I/O, locked): that is the
 # database failing, not the row, and callers must fail the whole operation.
@@ -52,13 +52,15 @@ class SqliteDatabase:
     def transaction(self, synchronous: Synchronous | None = None) -> Iterator[SqliteDatabase]:
         """All statements inside commit together or not at all; `synchronous` for this commit only."""
         self._set_synchronous(synchronous or self.synchronous)
-        self._conn.execute("BEGIN IMMEDIATE")
+        with _unavailable():
+            self._conn.execute("BEGIN IMMEDIATE")
         try:
             yield self
         except BaseException:
             self._conn.execute("ROLLBACK")
             raise
-        self._conn.execute("COMMIT")
+        with _unavailable():
+            self._conn.execute("COMMIT")
 
     @contextmanager
     def snapshot(self) -> Iterator[SqliteDatabase]:
@@ -110,6 +112,11 @@ class SqliteDatabase:
     def advisory_lock(self, name: str) -> None:
         """Nothing to take: a `transaction` already holds SQLite's one write lock."""
 
+    def ping(self) -> None:
+        """StoreUnavailable unless the file answers a read now."""
+        with _unavailable():
+            self._conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+
     def close(self) -> None:
         self._conn.close()
 
@@ -123,10 +130,26 @@ class _Partial(Exception):
     """Raised inside insert_new's savepoint to roll its rows back."""
 
 
+# sqlite3.OperationalError messages of a database that cannot serve now, not of a statement's bug
+# (a missing table, bad SQL): answered as StoreUnavailable, so the caller says "retry".
+_UNAVAILABLE = ("database is locked", "database is busy", "disk i/o error", "unable to open database", "disk is full")
+
+
+@contextmanager
+def _unavailable() -> Iterator[None]:
+    try:
+        yield
+    except sqlite3.OperationalError as exc:
+        if any(m in str(exc).lower() for m in _UNAVAILABLE):
+            raise StoreUnavailable(f"SQLite: {exc}; retry") from exc
+        raise
+
+
 @contextmanager
 def _row_errors() -> Iterator[None]:
     try:
-        yield
+        with _unavailable():
+            yield
     except sqlite3.IntegrityError as exc:
         raise IntegrityError(str(exc)) from exc
     except _ROW_ERRORS as exc:

@@ -246,6 +246,25 @@ def test_one_full_cycle_with_simulated_users(tmp_path):
     assert CycleState.model_validate_json((folder / "state.json").read_text()).stage == "done"
 
 
+@pytest.mark.slow  # 25 s on the shared 2-core machine (load ~4)
+def test_a_lora_cycle_trains_an_adapter_of_production_that_the_gate_and_the_server_load_merged(tmp_path):
+    start_checkpoint()
+    with live_world(tmp_path) as world:
+        config = _cycle_config(tmp_path, world.serve.loop, lora={"rank": 4}, learner={"lr": 1e-4})
+        cycle = LiveCycle(config, ServerControl(world.server), log=lambda m: None, gate_tasks=POLICY.tasks())
+        (report,) = cycle.run(1)
+        served = world.server.router.checkout("probe-session")
+        world.server.router.release(served)
+    assert report.decision in ("promote", "rollback"), report.reason
+    assert report.gate.decision.passed and report.train["optimizer_steps"] == 1
+    with Registry(world.registry_root) as registry:
+        candidate = registry.get(report.candidate)
+        assert candidate.base == 0 and candidate.parent == 0 and candidate.org_id == ""
+        assert (candidate.path / "adapter_config.json").is_file()
+        assert registry.get(PRODUCTION).version == report.production_after
+    assert served.version == report.production_after  # a promoted adapter serves, merged onto its base
+
+
 @pytest.mark.slow  # 41 s on the shared 2-core machine (load ~10)
 def test_a_cycle_killed_midway_leaves_production_serving_and_the_rerun_completes(tmp_path):
     start_checkpoint()

@@ -3,6 +3,8 @@ reasons events are refused, the queries the reward distiller uses, and what surv
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from flywheel.api.events import Event, EventType
@@ -41,6 +43,31 @@ def test_completions_round_trip_and_filter(store):
     assert (store.count_completions(), store.count_completions(version=1)) == (3, 2)
     with pytest.raises(IntegrityError):
         store.add_completion(completion("c1", 0, 1.0))  # completion ids are unique
+
+
+def test_concurrent_completions_share_commits_and_a_refused_one_fails_alone(store):
+    """The group commit: 64 completions from 16 threads at once, one of them with an id stored before;
+    that one raises IntegrityError in its own thread and every other one is stored."""
+    ids = [f"g{i}" for i in range(63)] + ["c1"]
+    outcomes: dict[str, str] = {}
+    barrier = threading.Barrier(16)
+
+    def commit(share: list[str]) -> None:
+        barrier.wait()
+        for cid in share:
+            try:
+                store.add_completion(completion(cid, 0, 500.0))
+                outcomes[cid] = "stored"
+            except IntegrityError:
+                outcomes[cid] = "refused"
+
+    threads = [threading.Thread(target=commit, args=(ids[i::16],)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes == {**{cid: "stored" for cid in ids[:-1]}, "c1": "refused"}
+    assert store.count_completions() == 3 + 63 and store.completion("c1") == completion("c1", 0, 100.0)
 
 
 def test_ingestion_is_idempotent_on_the_event_id(store):

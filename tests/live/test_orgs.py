@@ -18,11 +18,7 @@ from flywheel.live.deploy import Deployment
 from flywheel.live.gate import GateDecision, GateResult, GateRun
 from flywheel.live.orgs import (
     OrgAdapterConfig,
-    adapter_view,
     gate_decision,
-    load_adapted,
-    lora_model,
-    merged,
     org_alias,
     orgs_with_traffic,
     register_adapter,
@@ -32,6 +28,7 @@ from flywheel.live.records import Completion
 from flywheel.live.rewards import RewardDistiller
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.settings import LoopConfig, StoreConfig
+from flywheel.model.adapters import adapter_view, load_adapted, lora_model, merged
 from flywheel.model.chat import SYSTEM_PROMPT
 from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
 from flywheel.model.registry import PRODUCTION, CheckpointNotFound

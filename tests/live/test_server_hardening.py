@@ -82,6 +82,9 @@ def test_values_that_cannot_be_stored_are_refused_before_anything_is(live):
         (ok + ', "session_id": "a b"}', 400, "visible ASCII"),
         (ok + ', "session_id": "line\\r\\nx-evil: 1"}', 400, "visible ASCII"),
         (json.dumps(ok_request(model="v" + "9" * 5000)), 404, "does not exist"),
+        # A version name is ASCII digits: "v٠" (an Arabic-Indic zero) is no name of v0, nor "v０" (fullwidth).
+        (json.dumps(ok_request(model="v\u0660")), 404, "does not exist"),
+        (json.dumps(ok_request(model="v\uff10")), 404, "does not exist"),
     ]
     for body, status, says in cases:
         r = chat(url, body.encode())
@@ -105,16 +108,19 @@ def test_events_are_accepted_or_rejected_one_by_one(live):
 
     events = [event("g1"), event("\\ud800"), event("g2", ', "x": NaN'),
               event("g3", ', "n": 100000000000000000000000000000'),
-              event("g4", time="1e999"), event("g5", completion=json.dumps("c" * 300)), event("g6")]
+              event("g4", time="1e999"), event("g5", completion=json.dumps("c" * 300)), event("g6"),
+              # past Python's int-string conversion limit (4,300 digits): int() itself would raise
+              event("g7", ', "n": ' + "9" * 5000), event("g8", time="-" + "9" * 5000), event("g9")]
     r = httpx.post(f"{url}/v1/events", content=('{"events": [' + ", ".join(events) + "]}").encode(), headers=ADMIN)
     assert r.status_code == 200, r.text
     result = r.json()
-    assert result["accepted"] == ["g1", "g6"] and result["duplicate"] == []
+    assert result["accepted"] == ["g1", "g6", "g9"] and result["duplicate"] == []
     reasons = {x["index"]: x["reason"] for x in result["rejected"]}
-    assert sorted(reasons) == [1, 2, 3, 4, 5]
+    assert sorted(reasons) == [1, 2, 3, 4, 5, 7, 8]
     assert "Unicode" in reasons[1] and "finite" in reasons[2] and "2**53" in reasons[3]
     assert "finite" in reasons[4] and "completion_id" in reasons[5]
-    assert [e.id for e in server.store.events_for_session("s-one")] == ["g1", "g6"]
+    assert "5000 digits" in reasons[7] and "time" in reasons[8]
+    assert [e.id for e in server.store.events_for_session("s-one")] == ["g1", "g6", "g9"]
     assert len(server.store.events()) >= 2
 
 
@@ -242,7 +248,7 @@ def test_an_error_response_keeps_the_connection_usable(live, registry_root, tmp_
     response = conn.getresponse()
     assert response.status == 413 and response.getheader("connection") == "close"
     assert json.loads(response.read())["error"]["code"] == "body_too_large"
-    assert request_on(conn, "GET", "/health") == (200, {"status": "ok"})
+    assert request_on(conn, "GET", "/health") == (200, {"status": "ok", "store": "ok", "registry": "ok"})
     conn.close()
 
     tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
@@ -254,7 +260,8 @@ def test_an_error_response_keeps_the_connection_usable(live, registry_root, tmp_
         status, body = request_on(conn, "POST", "/v1/chat/completions", json.dumps(ok_request()).encode())
         assert status == 500 and "engine bug" in body["error"]["message"] and body["error"]["type"] == "server_error"
         sock = conn.sock
-        assert request_on(conn, "GET", "/health") == (200, {"status": "ok"}) and conn.sock is sock
+        assert request_on(conn, "GET", "/health") == (200, {"status": "ok", "store": "ok", "registry": "none"})
+        assert conn.sock is sock
         conn.close()
 
 
@@ -291,11 +298,12 @@ def test_a_tool_call_whose_arguments_a_record_cannot_hold_is_invalid_not_lost(tm
     with server, serve_in_thread(server) as running:
         r = chat(running.url, ok_request(tools=[lookup], max_tokens=200))
         assert r.status_code == 200, r.text
-        calls = r.json()["choices"][0]["message"]["tool_calls"]
-        assert "finite" in calls[0]["error"] and "2**53" in calls[1]["error"] and "error" not in calls[2]
-        assert [json.loads(c["function"]["arguments"]) for c in calls] == [{}, {}, {"q": "fine"}]
+        message = r.json()["choices"][0]["message"]
+        assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"q": "fine"}]
+        assert "NaN" in message["content"] and "100000000000000000000000" in message["content"]  # as text
         stored = server.store.completion(r.json()["id"])
         assert [c.valid for c in stored.tool_calls] == [False, False, True]
+        assert "finite" in stored.tool_calls[0].error and "2**53" in stored.tool_calls[1].error
 
 
 def test_completions_keep_their_sampling_and_the_learner_takes_only_its_temperature(live, tmp_path):

@@ -58,8 +58,10 @@ def tiny_registry_root(tmp_path_factory) -> Path:
 class ScriptedEngine:
     """An Engine that answers every prompt with the same token ids (for the format tests only)."""
 
-    def __init__(self, token_ids: list[int], version: int = 0):
+    def __init__(self, token_ids: list[int], version: int = 0, turns: list[list[int]] | None = None):
+        """`turns`: a different answer per request, in order (then `token_ids` for every later one)."""
         self.token_ids, self._version, self.prompts = token_ids, version, []
+        self.turns = list(turns or [])
         self.closed = False
 
     @property
@@ -68,7 +70,7 @@ class ScriptedEngine:
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]:
         self.prompts.append(list(prompt_ids))
-        ids = self.token_ids[: params.max_tokens]
+        ids = (self.turns.pop(0) if self.turns else self.token_ids)[: params.max_tokens]
         future: Future[Generation] = Future()
         finish = "stop" if ids and ids[-1] in params.stop_token_ids else "length"
         future.set_result(Generation(ids, [-0.25] * len(ids), [self._version] * len(ids), finish))

@@ -113,6 +113,9 @@ def test_message_by_message_tokens_equal_whole_conversation_tokens(tokenizer):
         ('<tool_call>\n["read_file"]\n</tool_call>', "must be {"),
         ('<tool_call>\n{"name": "read_file", "arguments": "{oops"}\n</tool_call>', "not JSON"),
         ('<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}', "unclosed"),
+        # past Python's int-string conversion limit: a ValueError that is not a JSONDecodeError
+        ('<tool_call>\n{"name": "read_file", "arguments": {"n": ' + "9" * 5000 + '}}\n</tool_call>', "bad JSON"),
+        ('<tool_call>\n{"name": "read_file", "arguments": "{\\"n\\": ' + "9" * 5000 + '}"}\n</tool_call>', "not JSON"),
     ],
 )
 def test_malformed_calls_become_invalid_calls_with_the_reason(text, reason):

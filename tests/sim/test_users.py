@@ -4,7 +4,7 @@ The first test runs a population against a real server on loopback that serves a
 (random weights: its answers are gibberish, sometimes with a broken tool call). The second serves a
 scripted engine that answers each task one fixed way, so every branch of the user is reached for
 certain: a correct edit kept, a wrong edit reverted after a dissatisfied follow-up, a needless
-question, a needed one, broken tool calls answered with their errors.
+question, a needed one, broken tool calls (sent as the answer's text, counted, penalized).
 """
 
 from __future__ import annotations
@@ -224,11 +224,14 @@ def test_users_keep_good_edits_revert_bad_ones_and_answer_questions_by_need(regi
     assert kinds[first][0] == ("followup", False) and kinds[second][0] == ("followup", True)
     assert vague.metadata.clarification in engine.prompts[vague.instruction][1]
 
-    # Broken tool calls: nothing runs for them; each is answered with its error; the valid one runs.
+    # Broken tool calls: the server sends them as the answer's text (no client could dispatch them),
+    # so nothing runs for them and they go back as the assistant's words; the valid one runs. Each
+    # is counted (the response's flywheel.invalid_tool_calls) and costs its completion all the same.
     r = results[broken.id]
     assert (r.invalid_tool_calls, r.outcome, r.edit_completions) == (4, "abandoned", [])
     follow_up = engine.prompts[broken.instruction][1]
-    assert follow_up.count("<tool_response>\nerror: invalid tool call") == 2
+    assert "error: invalid tool call" not in follow_up
+    assert '{"name": "read_file", "arguments": {"path": 3}}' in follow_up
     assert "<tool_response>\nerror: no such file or folder: a.py" in follow_up
     assert all(rewards[c].parts["invalid_call_penalty"] == 2 * REWARDS.invalid_tool_call
                for c in r.completion_ids)
