@@ -95,7 +95,9 @@ class TrainConfig(BaseModel):
     eval_every: int = 0  # steps between held-out evals (0: only at the start and the end)
     eval_at_start: bool = True  # off when the caller just evaluated the start checkpoint on the same tasks
     eval_temperature: float = 0.0
-    time_budget_s: float | None = None  # stop stepping after this much wall time (the eval at the end still runs)
+    # Stop stepping after this much wall time of training: the evals (`eval_every`'s and the end's)
+    # run outside it, so a curve of held-out points costs the run wall time, not learner steps.
+    time_budget_s: float | None = None
     # Stop stepping after this many CPU seconds of the run's processes (`flywheel.timing.cpu_seconds`:
     # this one, the engine's, the sandboxes'), evals included. A budget that other jobs on a shared
     # machine do not shrink, as they shrink what `time_budget_s` buys; bench/learning.py compares
@@ -460,6 +462,7 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
     tasks = train_tasks(config)
     orch_config = config.orchestrator
     evals: list[dict[str, Any]] = []
+    eval_s = 0.0  # wall seconds of the in-loop evals, outside `time_budget_s`
 
     def record_eval(report: dict[str, Any], step: int) -> None:
         row = {"step": step, "policy_version": learner.version, "time_s": time.perf_counter() - start,
@@ -499,7 +502,7 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
         stepped: list[dict[str, Any]] = []  # this process's steps (a resumed run's earlier ones are not here)
         try:
             while orchestrator.step < orch_config.max_steps:
-                if config.time_budget_s is not None and time.perf_counter() - start > config.time_budget_s:
+                if config.time_budget_s is not None and time.perf_counter() - start - eval_s > config.time_budget_s:
                     log(f"time budget of {config.time_budget_s:.0f} s reached at step {orchestrator.step}")
                     break
                 if config.cpu_budget_s is not None and cpu_seconds() - cpu_start > config.cpu_budget_s:
@@ -515,7 +518,9 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
                     save_policy(run, learner, orchestrator.step)
                 if (config.eval_every and orchestrator.step % config.eval_every == 0
                         and orchestrator.step < orch_config.max_steps):
+                    t_eval = time.perf_counter()
                     record_eval(run_eval(config, engine, tokenizer, pool), orchestrator.step)
+                    eval_s += time.perf_counter() - t_eval
             run.wait_for_state()  # the last checkpoint is on disk (raises if it failed: LearnerLost restarts)
         finally:
             fleet.close()
@@ -530,6 +535,8 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
                "pass_rate_end": final["pass_rate"],
                # the paired change on the held-out tasks, start -> end (None without a start eval)
                "lift": paired_lift(evals[0], final) if evals and evals[0]["step"] == 0 else None,
+               # the held-out curve: each eval's step, pass rate, Wilson interval and change from the start
+               "evals": [{k: e[k] for k in ("step", "pass_rate", "pass_rate_ci", "lift") if k in e} for e in evals],
                "anatomy": anatomy_totals(stepped)}
     checkpoint = None
     if config.register_checkpoint and orchestrator.step > 0:
