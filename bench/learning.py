@@ -180,6 +180,9 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--first-seed", type=int, default=0, help="seeds run from this one on")
+    parser.add_argument("--reuse-seeds", action="store_true",
+                        help="a seed whose seed-N.json is in --out is read from it, not run again (a bench cut off "
+                             "goes on at its next seed; seeds run by processes of their own are summed up)")
     parser.add_argument("--cpu-minutes", type=float, default=30.0, help="CPU budget of each seed's run")
     parser.add_argument("--samples", type=int, default=8, help="episodes a task for pass@1 and pass@k")
     parser.add_argument("--snapshot-every", type=int, default=10, help="learner steps between saved policies")
@@ -201,10 +204,15 @@ def main() -> None:
              "temperature": config.orchestrator.episode.temperature}
     seeds = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
+        if args.reuse_seeds and (saved := args.out / f"seed-{seed}.json").is_file():
+            log(f"seed {seed}: from {saved}")
+            seeds.append(json.loads(saved.read_text()))
+            continue
         log(f"seed {seed}: {args.cpu_minutes:g} CPU-minutes of simulated RL")
         result = run_seed(config, seed, args.registry, args.checkpoint, greedy, args.out, args.cpu_minutes * 60,
                           args.snapshot_every, args.samples)
         result["gap_closed"] = gap_closed(start["pass_at_1"], start["pass_at_k"], result["pass_at_1_end"])
+        write_atomic(args.out / f"seed-{seed}.json", json.dumps(result, indent=2))  # kept if a later seed is cut off
         seeds.append(result)
     closed = [r["gap_closed"] for r in seeds if r["gap_closed"] is not None]
     diffs = [r["greedy_lift"]["diff"] for r in seeds if r["greedy_lift"]]
@@ -222,6 +230,7 @@ def main() -> None:
               "greedy_gain": {"per_seed": [r["greedy_lift"] for r in seeds], "mean_over_seeds": mean_diff},
               "seeds": seeds, "curve": str(args.out / "learning.svg"),
               "seconds": round(time.perf_counter() - t0, 1), "load_average": os.getloadavg()}
+    write_atomic(args.out / "result.json", json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
 

@@ -30,13 +30,23 @@ def test_the_learning_bench_runs_each_seed_to_its_cpu_budget_and_draws_the_curve
                  "train.orchestrator.groups_per_step=1", "train.orchestrator.filter_zero_signal=false",
                  "train.orchestrator.episode.max_turns=1", "train.orchestrator.episode.max_tokens_per_turn=8",
                  "train.engine.separate_process=false"]
-    run = subprocess.run([sys.executable, str(SCRIPT), "--registry", str(tmp_path / "registry"), "--seeds", "2",
-                          "--cpu-minutes", "0.1", "--samples", "2", "--snapshot-every", "1",
-                          "--tasks-per-family", "2", "--threads", "1", "--out", str(tmp_path / "out"),
-                          *[a for o in overrides for a in ("--set", o)]],
-                         capture_output=True, text=True, timeout=600, cwd=SCRIPT.parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+
+    def bench(*args: str) -> subprocess.CompletedProcess[str]:
+        run = subprocess.run([sys.executable, str(SCRIPT), "--registry", str(tmp_path / "registry"),
+                              "--cpu-minutes", "0.1", "--samples", "2", "--snapshot-every", "1",
+                              "--tasks-per-family", "2", "--threads", "1", "--out", str(tmp_path / "out"),
+                              *args, *[a for o in overrides for a in ("--set", o)]],
+                             capture_output=True, text=True, timeout=600, cwd=SCRIPT.parents[1])
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run
+
+    first = json.loads(bench("--seeds", "1").stdout)["seeds"][0]
+    # a second bench on the same out: the start's evals and seed 0 are read, only seed 1 runs
+    run = bench("--seeds", "2", "--reuse-seeds")
+    assert "the start's evals from" in run.stderr and "seed 0: from" in run.stderr
+    assert "seed 1: 0.1 CPU-minutes" in run.stderr and "seed 0: 0.1 CPU-minutes" not in run.stderr
     result = json.loads(run.stdout)
+    assert result["seeds"][0] == first
     assert result["cpu_minutes_per_seed"] == 0.1 and result["start"]["tasks"] == 2
     assert [s["seed"] for s in result["seeds"]] == [0, 1]
     for seed in result["seeds"]:
