@@ -183,6 +183,8 @@ def main() -> None:
     parser.add_argument("--reuse-seeds", action="store_true",
                         help="a seed whose seed-N.json is in --out is read from it, not run again (a bench cut off "
                              "goes on at its next seed; seeds run by processes of their own are summed up)")
+    parser.add_argument("--saved-only", action="store_true",
+                        help="with --reuse-seeds: leave out the seeds without saved figures instead of running them")
     parser.add_argument("--cpu-minutes", type=float, default=30.0, help="CPU budget of each seed's run")
     parser.add_argument("--samples", type=int, default=8, help="episodes a task for pass@1 and pass@k")
     parser.add_argument("--snapshot-every", type=int, default=10, help="learner steps between saved policies")
@@ -190,6 +192,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.saved_only and not args.reuse_seeds:
+        parser.error("--saved-only reads saved seeds: add --reuse-seeds")
     if args.samples < 2:
         parser.error(f"--samples {args.samples}: pass@k needs at least 2 samples a task")
     torch.set_num_threads(args.threads)
@@ -207,6 +211,9 @@ def main() -> None:
         if args.reuse_seeds and (saved := args.out / f"seed-{seed}.json").is_file():
             log(f"seed {seed}: from {saved}")
             seeds.append(json.loads(saved.read_text()))
+            continue
+        if args.saved_only:
+            log(f"seed {seed}: no saved figures, left out (--saved-only)")
             continue
         log(f"seed {seed}: {args.cpu_minutes:g} CPU-minutes of simulated RL")
         result = run_seed(config, seed, args.registry, args.checkpoint, greedy, args.out, args.cpu_minutes * 60,

@@ -47,6 +47,10 @@ def test_the_learning_bench_runs_each_seed_to_its_cpu_budget_and_draws_the_curve
     assert "seed 1: 0.1 CPU-minutes" in run.stderr and "seed 0: 0.1 CPU-minutes" not in run.stderr
     result = json.loads(run.stdout)
     assert result["seeds"][0] == first
+    # a third sums up the saved seeds only: seed 2 has none and is left out, not run
+    summed = bench("--seeds", "3", "--reuse-seeds", "--saved-only")
+    assert "seed 2: no saved figures, left out" in summed.stderr
+    assert json.loads(summed.stdout)["gap_closed"] == result["gap_closed"]
     assert result["cpu_minutes_per_seed"] == 0.1 and result["start"]["tasks"] == 2
     assert [s["seed"] for s in result["seeds"]] == [0, 1]
     for seed in result["seeds"]:
