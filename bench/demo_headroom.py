@@ -4,6 +4,7 @@ checkpoint, and can its real-time A/B arms detect a change at all?
     python bench/demo_headroom.py                              # configs/demo.toml's version 0 (cached or bootstrapped)
     python bench/demo_headroom.py --samples 8 --set train.orchestrator.episode.temperature=0.7
     python bench/demo_headroom.py --registry runs/demo/registry --checkpoint 0 --tasks-per-family 4
+    python bench/demo_headroom.py --samples 8 --temperatures 0.5,0.7,1.0       # which temperature to train at
 
 Prints one JSON object on stdout; progress goes to stderr.
 
@@ -16,6 +17,11 @@ the episodes' turns and tokens):
 - `greedy_failed_solved_by_sampling`: tasks the greedy policy fails that a sample solves. GRPO
   reinforces what the policy already samples, so this is about the most a short run can turn into
   greedy passes;
+- with `--temperatures`, the same sampled figures at each (`by_temperature`) and `signal`, the mean
+  over tasks of 4 p (1 - p) with p a task's share of passing samples (1 where every group of a
+  task would have mixed outcomes, 0 where none would; flywheel/rl/task_sampler.py weighs tasks by
+  the same); `chosen_temperature` is the one whose samples solve the most greedy failures, ties to
+  the more signal: the training temperature chosen from the measured headroom;
 - `gain_needed`: how many tasks the paired interval needs gained (none lost) for a significant
   held-out gain on this many tasks (flywheel/agent/evaluate.py `gain_needed`); `significant_gain_reachable`
   compares the two. Both are upper bounds on what the demo shows, not predictions.
@@ -74,41 +80,63 @@ def start_checkpoint(config: DemoConfig, registry_root: Path | None, checkpoint:
 
 
 def headroom(config: DemoConfig, registry_root: Path, checkpoint: Checkpoint, samples: int,
-             tasks_per_family: int | None) -> dict[str, Any]:
+             tasks_per_family: int | None, temperatures: list[float] | None = None) -> dict[str, Any]:
     train = config.train
     if tasks_per_family is not None:
         train = train.model_copy(update={"eval_tasks_per_family": tasks_per_family})
     tasks = eval_tasks(train)
     episode = train.orchestrator.episode
+    temperatures = temperatures or [episode.temperature]
     with Registry(registry_root) as registry:
         model, tokenizer = registry.load(checkpoint.version)
+    by_temperature = {}
     with LocalEngine(model, version=checkpoint.version) as engine, SandboxPool() as pool:
         t0 = time.perf_counter()
         log(f"v{checkpoint.version}: {len(tasks)} held-out tasks greedily (T={train.eval_temperature})")
         greedy, _ = evaluate(tasks, engine, tokenizer, pool, episode.model_copy(update={"temperature":
                                                                                         train.eval_temperature}))
         greedy_s = time.perf_counter() - t0
-        log(f"{samples} samples a task at T={episode.temperature}")
-        sampled, trajectories = evaluate(tasks, engine, tokenizer, pool, episode, samples=samples)
-        sampled_s = time.perf_counter() - t0 - greedy_s
-    failed = {t for t, p in greedy["per_task"].items() if p == 0.0}
-    solved = {t.task_id for t in trajectories if t.all_passed}
-    reachable = len(failed & solved)
+        failed = {t for t, p in greedy["per_task"].items() if p == 0.0}
+        for temperature in temperatures:
+            log(f"{samples} samples a task at T={temperature}")
+            t1 = time.perf_counter()
+            sampled, trajectories = evaluate(tasks, engine, tokenizer, pool,
+                                             episode.model_copy(update={"temperature": temperature}), samples=samples)
+            by_temperature[temperature] = sampled_figures(temperature, sampled, trajectories, failed, samples,
+                                                          time.perf_counter() - t1)
+    chosen = max(temperatures, key=lambda t: (by_temperature[t]["greedy_failed_solved_by_sampling"],
+                                              by_temperature[t]["signal"]))
+    at_training = by_temperature.get(episode.temperature, by_temperature[chosen])
+    reachable = at_training["greedy_failed_solved_by_sampling"]
     needed = gain_needed(0, len(tasks))
     return {"checkpoint": checkpoint.version, "tasks": len(tasks),
             "greedy": {"temperature": train.eval_temperature, "pass_rate": greedy["pass_rate"],
                        "passed": len(tasks) - len(failed), "failed": len(failed),
                        "per_family": {f: r["pass_rate"] for f, r in greedy["per_family"].items()},
                        "seconds": greedy_s},
-            "sampled": {"temperature": episode.temperature, "samples_per_task": samples,
-                        "pass_at_1": sampled["pass_rate"], "pass_at_k": sampled["pass_at_k"],
-                        "per_family": {f: {"pass_at_1": r["pass_rate"], "pass_at_k": r["pass_at_k"]}
-                                       for f, r in sampled["per_family"].items()},
-                        "seconds": sampled_s},
+            "sampled": at_training,
             "greedy_failed_solved_by_sampling": reachable,
-            "greedy_passed_failed_by_every_sample": len(set(greedy["per_task"]) - failed - solved),
+            "greedy_passed_failed_by_every_sample": at_training["greedy_passed_failed_by_every_sample"],
             "gain_needed": needed,
-            "significant_gain_reachable": needed is not None and reachable >= needed}
+            "significant_gain_reachable": needed is not None and reachable >= needed,
+            **({"by_temperature": {str(t): f for t, f in by_temperature.items()}, "chosen_temperature": chosen}
+               if len(temperatures) > 1 else {})}
+
+
+def sampled_figures(temperature: float, sampled: dict[str, Any], trajectories: list[Any], greedy_failed: set[str],
+                    samples: int, seconds: float) -> dict[str, Any]:
+    """One temperature's sampled headroom: pass@1, pass@k, the greedy failures a sample solves, the
+    greedy passes no sample repeats, and `signal` (the mean of 4 p (1 - p) over tasks)."""
+    solved = {t.task_id for t in trajectories if t.all_passed}
+    per_task = sampled["per_task"]
+    return {"temperature": temperature, "samples_per_task": samples, "pass_at_1": sampled["pass_rate"],
+            "pass_at_k": sampled["pass_at_k"],
+            "per_family": {f: {"pass_at_1": r["pass_rate"], "pass_at_k": r["pass_at_k"]}
+                           for f, r in sampled["per_family"].items()},
+            "greedy_failed_solved_by_sampling": len(greedy_failed & solved),
+            "greedy_passed_failed_by_every_sample": len(set(per_task) - greedy_failed - solved),
+            "signal": sum(4 * p * (1 - p) for p in per_task.values()) / len(per_task),
+            "seconds": seconds}
 
 
 def last_ab(cycles_dir: Path) -> tuple[int, dict[str, MetricComparison]] | None:
@@ -153,6 +181,8 @@ def main() -> None:
     parser.add_argument("--registry", type=Path, default=None, help="measure a checkpoint of this registry instead")
     parser.add_argument("--checkpoint", default="0", help="with --registry: a version or an alias")
     parser.add_argument("--samples", type=int, default=4, help="episodes a task at the training temperature")
+    parser.add_argument("--temperatures", default=None,
+                        help="comma-separated sampling temperatures to compare (default: the training one)")
     parser.add_argument("--tasks-per-family", type=int, default=None, help="fewer held-out tasks, for a quick look")
     parser.add_argument("--effect", type=float, default=0.10, help="the A/B change to size the arms for")
     parser.add_argument("--threads", type=int, default=2)
@@ -164,7 +194,8 @@ def main() -> None:
     start = time.perf_counter()
     registry_root, checkpoint = start_checkpoint(config, args.registry, args.checkpoint)
     result = {"config": args.config, "overrides": args.set,
-              "held_out": headroom(config, registry_root, checkpoint, args.samples, args.tasks_per_family),
+              "held_out": headroom(config, registry_root, checkpoint, args.samples, args.tasks_per_family,
+                                   [float(t) for t in args.temperatures.split(",")] if args.temperatures else None),
               "ab": ab_power(config, args.effect),
               "seconds": time.perf_counter() - start, "load_average": os.getloadavg()}
     print(json.dumps(result, indent=2))

@@ -229,6 +229,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         "pass_rate_after_simulated_rl": rl_summary.get("pass_rate_end"),
         "simulated_rl_lift": rl_summary.get("lift"),
         "simulated_rl_steps": rl_summary.get("steps"),
+        "simulated_rl_evals": rl_summary.get("evals", []),  # the held-out curve, version 0 first
         "simulated_rl_anatomy": rl_summary.get("anatomy", {}),  # where its steps' time went, summed
         "cycles": [{"cycle": r.cycle, "decision": r.decision, "reason": r.reason,
                     "production": r.production, "production_after": r.production_after,
@@ -249,6 +250,8 @@ def print_summary(summary: dict[str, Any], reports: list[Any]) -> None:
     print("\n=== summary ===")
     print(f"held-out pass rate: bootstrap {summary['pass_rate_bootstrap']:.3f} -> after simulated RL "
           f"{summary['pass_rate_after_simulated_rl']:.3f} ({summary['simulated_rl_steps']} steps)")
+    if summary.get("simulated_rl_evals"):
+        print(held_out_curve_line(summary["simulated_rl_evals"]))
     if summary.get("simulated_rl_anatomy"):
         print(anatomy_line(summary["simulated_rl_anatomy"]))
     print(f"{'cycle':>5}  {'decision':<12} {'production':>10}  {'candidate':>9}  reason")
@@ -258,6 +261,20 @@ def print_summary(summary: dict[str, Any], reports: list[Any]) -> None:
     print(f"traffic: {summary['traffic']['sessions']} sessions, {summary['traffic']['completions']} completions")
     print(f"report: {summary['report']}   ({summary['timings']['total_s']:.0f} s in all)")
     print(summary["outcome"])
+
+
+def held_out_curve_line(evals: list[dict[str, Any]]) -> str:
+    """Simulated RL's held-out evals in step order (`train.eval_every`), version 0 first: each pass
+    rate with its 95% Wilson interval, and after the start its paired change from it."""
+    points = []
+    for e in evals:
+        low, high = e.get("pass_rate_ci") or (float("nan"), float("nan"))
+        label = "v0" if e["step"] == 0 else f"step {e['step']}"
+        point = f"{label} {e['pass_rate']:.3f} [{low:.2f}, {high:.2f}]"
+        if lift := e.get("lift"):
+            point += f" ({lift['diff']:+.3f} [{lift['ci'][0]:+.3f}, {lift['ci'][1]:+.3f}])"
+        points.append(point)
+    return "held-out pass rate over simulated RL (95% interval; paired change from v0): " + " -> ".join(points)
 
 
 def anatomy_line(a: dict[str, float]) -> str:

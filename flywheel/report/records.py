@@ -85,6 +85,15 @@ class TrainStep(_Record):
     train_s: float | None = None
     wait_s: float | None = None
     filtered_groups: int | None = None
+    # The draw (flywheel/rl/train.py `draw_metrics`): of the groups completed since the previous step,
+    # the share on the frontier (some episodes passed, some failed) and with any signal; the pass rate
+    # estimated for their tasks when drawn, beside the one the episodes had (`rollout_pass_rate`)
+    groups_completed: int | None = None
+    frontier_share: float | None = None
+    signal_share: float | None = None
+    draw_estimate: float | None = None
+    rollout_pass_rate: float | None = None
+    cpu_s: float | None = None  # the run's CPU seconds so far
     staleness: dict[int, float] = Field(default_factory=dict)  # learner steps behind -> generated tokens
     # The step's anatomy (flywheel/rl/train.py `step_anatomy`): stage -> seconds (`time/<stage>`), and
     # stage -> tokens (`tokens/<stage>`); not `seconds`, which is the Learner's step alone
@@ -113,6 +122,20 @@ class TrainStep(_Record):
         return {**data, **gathered} if gathered else data
 
 
+class HeldOutLift(_Record):
+    """summary.json's `lift` (flywheel/agent/evaluate.py `paired_lift`): the held-out pass-rate change
+    from the run's start (step 0) to its end on the same tasks, with its paired 95% interval."""
+
+    before: float | None = None
+    after: float | None = None
+    diff: float | None = None
+    ci: tuple[float, float] | None = None
+    tasks: int | None = None
+    gained: int | None = None  # tasks failed at the start and passed at the end
+    lost: int | None = None
+    significant: bool = False
+
+
 class FamilyEval(_Record):
     pass_rate: float | None = None
     pass_rate_ci: tuple[float, float] | None = None
@@ -127,20 +150,7 @@ class EvalPoint(_Record):
     pass_rate_ci: tuple[float, float] | None = None
     valid_tool_call_rate: float | None = None
     per_family: dict[str, FamilyEval] = Field(default_factory=dict)
-
-
-class HeldOutLift(_Record):
-    """summary.json's `lift` (flywheel/agent/evaluate.py `paired_lift`): the held-out pass-rate change
-    from the run's start (step 0) to its end on the same tasks, with its paired 95% interval."""
-
-    before: float | None = None
-    after: float | None = None
-    diff: float | None = None
-    ci: tuple[float, float] | None = None
-    tasks: int | None = None
-    gained: int | None = None  # tasks failed at the start and passed at the end
-    lost: int | None = None
-    significant: bool = False
+    lift: HeldOutLift | None = None  # the paired change from the step-0 eval to this one
 
 
 class FleetNode(_Record):

@@ -202,11 +202,38 @@ def _training_section(runs: Sequence[TrainingRun]) -> str:
                   x_label="steps behind the learner", y_label="tokens"),
         line_chart("Learner throughput", throughput, x_label="learner step", y_label="tokens / s"),
     ]
+    charts += _draw_charts(runs, colors)
     charts += _fleet_charts(runs)
     charts += _anatomy_charts(runs)
     table = _table(["run", "learner steps", "held-out pass rate at the start (step 0)", "at the end",
                     "change (paired, 95% CI)"], [_training_row(r) for r in runs], numeric=(1,))
     return _section("Simulated RL", table + _charts(charts), "training")
+
+
+def _draw_charts(runs: Sequence[TrainingRun], colors: dict[str, str]) -> list[str]:
+    """What the groups completed before each step drew (metrics.jsonl's draw, flywheel/rl/train.py
+    `draw_metrics`): the share on the frontier, and the pass rate estimated for their tasks when they
+    were drawn beside the one they had. Lined up as the training reward is, by the policy that sampled
+    them. Runs written before the draw was recorded have none: no chart."""
+    drawn = [r for r in runs if any(s.frontier_share is not None for s in r.steps)]
+    if not drawn:
+        return []
+    x_label = f"the policy that sampled them, by {_STEP_AXIS}"
+    one = len(drawn) == 1
+    share = [Series("on the frontier (some passed, some failed)" if one else f"{r.name} frontier",
+                    [(s.step - 1, s.frontier_share) for s in r.steps], color=colors[r.name]) for r in drawn]
+    share += [Series("with any signal (rewards differ)" if one else f"{r.name} signal",
+                     [(s.step - 1, s.signal_share) for s in r.steps], color=colors[r.name], dashed=True, markers=False)
+              for r in drawn]
+    run = drawn[-1]
+    name = "" if one else f" ({run.name})"
+    draw = [Series("estimated when drawn", [(s.step - 1, s.draw_estimate) for s in run.steps], color=MUTED,
+                   dashed=True),
+            Series("measured", [(s.step - 1, s.rollout_pass_rate) for s in run.steps], color=colors[run.name])]
+    return [line_chart("Groups on the frontier (share of those completed before each step)", share, x_label=x_label,
+                       y_label="share of groups", y_range=(0, 1)),
+            line_chart(f"The draw's pass rate: estimated from earlier episodes, and measured{name}", draw,
+                       x_label=x_label, y_label="pass rate", y_range=(0, 1))]
 
 
 def _anatomy_charts(runs: Sequence[TrainingRun]) -> list[str]:

@@ -83,6 +83,7 @@ from flywheel.env.task import Task
 from flywheel.model.engine import Engine
 from flywheel.rl.advantages import AdvantageConfig
 from flywheel.rl.run_folder import RunFolder
+from flywheel.rl.task_sampler import TaskSampler, TaskSampling, sibling_key
 from flywheel.timing import delta, timed
 
 # An episode's timed stages (`run_episode`'s timings): turns (waiting for the engine included), tool
@@ -116,6 +117,11 @@ class OrchestratorConfig(BaseModel):
     # (family by family) the learner would spend a quarter of a run on each family in turn and
     # unlearn the last one while on the next.
     shuffle_tasks: bool = True
+    # Which tasks new groups play (flywheel/rl/task_sampler.py): "shuffle", every task once a pass;
+    # "frontier", drawn by their measured pass rate so that a group's outcomes are likely to differ.
+    # Frontier spends the rollouts where the signal is, at the cost of tasks the policy already
+    # always or never solves, which it draws only at the floor's weight.
+    task_sampling: TaskSampling = "shuffle"
     seed: int = 0
     checkpoint_every: int = 1  # learner state + progress() to run_dir/state every N steps (resume point)
     episode_timeout_s: float = 600.0
@@ -182,6 +188,7 @@ class _Group:
     results: dict[int, Trajectory] = field(default_factory=dict)  # member index -> trajectory
     running: dict[int, float] = field(default_factory=dict)  # member index -> last progress time
     signal_checked: bool = False
+    estimate: float = float("nan")  # its tasks' estimated pass rate when it was drawn (`TaskSampler.estimate`)
 
     @property
     def order(self) -> int:
@@ -208,6 +215,28 @@ class ReadyGroup:
 
 
 @dataclass(frozen=True)
+class GroupOutcome:
+    """A group as it completed: what the step's draw record (metrics.jsonl `draw`) says of it."""
+    id: str
+    family: str
+    tasks: tuple[str, ...]
+    difficulty: int
+    start_version: int
+    episodes: int
+    passed: int
+    reward_mean: float
+    reward_spread: float  # max - min of its rewards: 0 is no signal
+    estimate: float  # its tasks' estimated pass rate when it was drawn, from the episodes finished before
+    signal: bool  # training on it would move the policy (`AdvantageConfig.has_signal`)
+    filtered: str | None  # why dynamic sampling dropped it ("all passed", "all failed", "equal rewards"); None: kept
+
+    @property
+    def mixed(self) -> bool:
+        """On the frontier: some of its episodes passed and some failed."""
+        return 0 < self.passed < self.episodes
+
+
+@dataclass(frozen=True)
 class Batch:
     """What `Orchestrator.next_batch` hands out: B complete groups (or more, when older groups are
     due), and how the policy did on every group completed since the previous batch."""
@@ -224,6 +253,8 @@ class Batch:
     # engine's `engine_<counter>` (`LocalEngine.counters`) and `engine_idle_s`, the wall time it
     # was not prefilling, decoding or swapping (episodes in their tools, or none admitted).
     seconds: dict[str, float] = field(default_factory=dict)
+    # Every group completed since the previous batch, trained later or filtered, in completion order.
+    outcomes: tuple[GroupOutcome, ...] = ()
 
     @property
     def group_ids(self) -> list[str]:
@@ -249,12 +280,12 @@ class Orchestrator:
         self._tasks_by_id = {t.id: t for t in self.tasks}
         self._siblings: dict[tuple[str, object], list[Task]] = {}
         for t in self.tasks:
-            self._siblings.setdefault(_sibling_key(t), []).append(t)
+            self._siblings.setdefault(sibling_key(t), []).append(t)
+        self.sampler = TaskSampler(self.tasks, config.task_sampling, config.seed, shuffle=config.shuffle_tasks)
         self._cond = threading.Condition()
         self._groups: dict[str, _Group] = {}  # started, not yet consumed
         self._handed_out: list[str] = []  # groups of the last batch, until `consumed` is called
         self._next_group = 0  # groups started so far, also the task cursor
-        self._order: tuple[int, list[int]] = (-1, [])  # (pass over the task set, its task order)
         self._consumed: dict[str, int] = {}  # group -> the version it was consumed at (trained, or filtered)
         self._counts = {"zero_signal_groups": 0, "filtered_groups": 0, "episodes": 0, "failed_episodes": 0,
                         "resumed_episodes": 0, "rewound_episodes": 0, "restarted_groups": 0}
@@ -262,6 +293,7 @@ class Orchestrator:
         self._error: BaseException | None = None
         self._filtered_in_a_row = 0
         self._rollouts = {"episodes": 0, "passed": 0}  # since the previous batch, see `Batch`
+        self._outcomes: list[GroupOutcome] = []  # groups completed since the previous batch, `Batch.outcomes`
         self._episode_s = dict.fromkeys(EPISODE_STAGES, 0.0)  # summed over the episodes since then, `Batch.seconds`
         self._engine_reading: dict[str, float] | None = None  # the engine's counters at the previous batch
         self._last_batch_at = time.perf_counter()
@@ -290,8 +322,9 @@ class Orchestrator:
                     self._handed_out = [g.id for g in groups]
                     rollouts, self._rollouts = self._rollouts, {"episodes": 0, "passed": 0}
                     episode_s, self._episode_s = self._episode_s, dict.fromkeys(EPISODE_STAGES, 0.0)
+                    outcomes, self._outcomes = self._outcomes, []
                     batch = Batch(tuple(ReadyGroup(g.id, g.start_version, tuple(g.trajectories())) for g in groups),
-                                  rollouts["episodes"], rollouts["passed"])
+                                  rollouts["episodes"], rollouts["passed"], outcomes=tuple(outcomes))
                     break
                 if self._filtered_in_a_row > self.config.zero_signal_patience * self.config.groups_per_step:
                     raise OrchestratorStalled(
@@ -401,6 +434,9 @@ class Orchestrator:
                         self._counts["resumed_episodes"] += episode_id in states
                         self._launch(group, i, states.get(episode_id))
             self._next_group = max((int(g[1:]) + 1 for g in started), default=0)
+            for traj in finished.values():  # the sampler's counts, as the killed run had them
+                if traj.task_id in self._tasks_by_id:
+                    self.sampler.observe(self._tasks_by_id[traj.task_id], passed(traj))
         return True
 
     def _rewind(self, group: _Group, finished: dict[str, Trajectory], states: dict[str, EpisodeState]) -> None:
@@ -478,7 +514,9 @@ class Orchestrator:
             trajectories = g.trajectories()
             self._rollouts["episodes"] += len(trajectories)
             self._rollouts["passed"] += sum(passed(t) for t in trajectories)
-            if not self.config.advantages.has_signal(trajectories):
+            signal = self.config.advantages.has_signal(trajectories)
+            self._outcomes.append(group_outcome(g, signal, filtered=not signal and self.config.filter_zero_signal))
+            if not signal:
                 self._counts["zero_signal_groups"] += 1
                 if self.config.filter_zero_signal:
                     self._counts["filtered_groups"] += 1
@@ -495,7 +533,8 @@ class Orchestrator:
         version = self.version() if version is None else version
         while not self._closed and len(self._groups) < self.config.admit_limit:
             tasks = self._group_tasks(self._next_group)
-            group = _Group(f"g{self._next_group}", tasks, version, self.config.group_size)
+            group = _Group(f"g{self._next_group}", tasks, version, self.config.group_size,
+                           estimate=sum(map(self.sampler.estimate, tasks)) / len(tasks))
             self._next_group += 1
             self._groups[group.id] = group
             self.run.append("groups.jsonl", {"group": group.id, "task": tasks[0].id, "tasks": [t.id for t in tasks],
@@ -504,26 +543,18 @@ class Orchestrator:
                 self._launch(group, i, None)
 
     def _task(self, n: int) -> Task:
-        """The task of the n-th group: pass n // len(tasks) over the task set, in that pass's order
-        (a function of n alone, so a resumed run draws the same tasks the killed one would have)."""
-        rounds, i = divmod(n, len(self.tasks))
-        if not self.config.shuffle_tasks:
-            return self.tasks[i]
-        if self._order[0] != rounds:
-            order = list(range(len(self.tasks)))
-            random.Random(self.config.seed * 1_000_003 + rounds).shuffle(order)
-            self._order = (rounds, order)
-        return self.tasks[self._order[1][i]]
+        """The task of the n-th group (`TaskSampler.draw`, by `task_sampling`)."""
+        return self.sampler.draw(n)
 
     def _group_tasks(self, n: int) -> tuple[Task, ...]:
         """The tasks of the n-th group: the n-th task (`_task`), then `tasks_per_group - 1` of its
-        siblings, other tasks where the task set has enough (a function of n alone, as `_task` is)."""
+        siblings, other tasks where the task set has enough (given the first, a function of n alone)."""
         first = self._task(n)
         k = self.config.tasks_per_group
         if k == 1:
             return (first,)
         rng = random.Random(f"siblings/{self.config.seed}/{n}")
-        others = [t for t in self._siblings[_sibling_key(first)] if t.id != first.id] or [first]
+        others = [t for t in self._siblings[sibling_key(first)] if t.id != first.id] or [first]
         picked = rng.sample(others, k - 1) if len(others) >= k - 1 else [rng.choice(others) for _ in range(k - 1)]
         return (first, *picked)
 
@@ -559,6 +590,7 @@ class Orchestrator:
         with self._cond:
             group.results[index] = traj
             group.running.pop(index, None)
+            self.sampler.observe(group.task(index), passed(traj))
             for stage in EPISODE_STAGES:
                 self._episode_s[stage] += traj.timings.get(stage, 0.0)
             self._counts["episodes"] += 1
@@ -587,6 +619,19 @@ class Orchestrator:
                 f"{running} episodes running")
 
 
+def group_outcome(group: _Group, signal: bool, filtered: bool) -> GroupOutcome:
+    """A complete group's record for the step's draw (`GroupOutcome`)."""
+    trajectories = group.trajectories()
+    rewards = [t.reward for t in trajectories]
+    wins = sum(passed(t) for t in trajectories)
+    reason = None
+    if filtered:
+        reason = "all passed" if wins == len(trajectories) else "all failed" if wins == 0 else "equal rewards"
+    return GroupOutcome(group.id, group.tasks[0].family, tuple(t.id for t in group.tasks),
+                        group.tasks[0].metadata.difficulty, group.start_version, len(trajectories), wins,
+                        sum(rewards) / len(rewards), max(rewards) - min(rewards), group.estimate, signal, reason)
+
+
 def newest_version(record: Trajectory | EpisodeState) -> int:
     """The newest policy version among a trajectory's or a saved state's generated tokens (-1: none)."""
     return max((v for v, m in zip(record.versions, record.loss_mask, strict=True) if m), default=-1)
@@ -602,9 +647,3 @@ def finished_episodes(run: RunFolder) -> dict[str, Trajectory]:
         else:
             finished[record["episode"]] = Trajectory.model_validate(record["trajectory"])
     return finished
-
-
-def _sibling_key(task: Task) -> tuple[str, object]:
-    """Tasks with the same key are siblings: one family, one template (the function they are about).
-    Tasks whose family records no template (`metadata.extra["template"]`) are siblings of their whole family."""
-    return task.family, task.metadata.extra.get("template")

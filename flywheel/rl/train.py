@@ -35,6 +35,7 @@ staleness is the difference of two of them. A run's policy 5 is not registry v5.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -59,10 +60,10 @@ from flywheel.rl.distributed import DistConfig, follow_training, init_distribute
 from flywheel.rl.harness.program import HarnessProgram, harness_runner
 from flywheel.rl.learner import Learner, LearnerConfig
 from flywheel.rl.lora import LoraLearner
-from flywheel.rl.orchestrator import Batch, EpisodeRunner, Orchestrator, OrchestratorConfig
+from flywheel.rl.orchestrator import Batch, EpisodeRunner, GroupOutcome, Orchestrator, OrchestratorConfig
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.tracking import Tracker, TrackingConfig, eval_table
-from flywheel.timing import timed
+from flywheel.timing import cpu_seconds, timed
 
 
 class RolloutConfig(BaseModel):
@@ -98,7 +99,17 @@ class TrainConfig(BaseModel):
     eval_every: int = 0  # steps between held-out evals (0: only at the start and the end)
     eval_at_start: bool = True  # off when the caller just evaluated the start checkpoint on the same tasks
     eval_temperature: float = 0.0
-    time_budget_s: float | None = None  # stop stepping after this much wall time (the eval at the end still runs)
+    # Stop stepping after this much wall time of training: the evals (`eval_every`'s and the end's)
+    # run outside it, so a curve of held-out points costs the run wall time, not learner steps.
+    time_budget_s: float | None = None
+    # Stop stepping after this many CPU seconds of the run's processes (`flywheel.timing.cpu_seconds`:
+    # this one, the engine's, the sandboxes'), evals included. A budget that other jobs on a shared
+    # machine do not shrink, as they shrink what `time_budget_s` buys; bench/learning.py compares
+    # runs by it. metrics.jsonl's `cpu_s` is each step's reading.
+    cpu_budget_s: float | None = Field(default=None, gt=0)
+    # Steps between copies of the policy's weights in run_dir/policies/step-NNNNN.pt (0: none): a
+    # run's learning curve evaluated afterwards (bench/learning.py), without evals that stop it.
+    save_policy_every: int = Field(default=0, ge=0)
     seed: int = 0
     threads: int = 2
     register_checkpoint: bool = True
@@ -179,14 +190,16 @@ def step_line(m: dict[str, Any]) -> str:
     return (f"step {m['step']:>3}  policy {m['policy_version']}  reward {m['reward_mean']:+.3f}  "
             f"pass {m['rollout_pass_rate']:.2f} (trained {m['pass_rate']:.2f})  "
             f"{m.get('tokens_per_s', 0.0):,.0f} tok/s  staleness ≤{m['staleness_max']:.0f}  "
-            f"wait {m['wait_s']:.1f}s train {m['train_s']:.1f}s  filtered {m['filtered_groups']}")
+            f"wait {m['wait_s']:.1f}s train {m['train_s']:.1f}s  filtered {m['filtered_groups']}  "
+            f"frontier {m.get('frontier_share', float('nan')):.2f}")
 
 
 def learning_step(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Learner, engine: Engine,
-                  run: RunFolder) -> dict[str, Any]:
+                  run: RunFolder, cpu_s: Callable[[], float] | None = None) -> dict[str, Any]:
     """One step of the loop: a batch of rollouts, its advantages, a Learner step, the new weights to
     the Engine, a checkpoint. Returns the step's metrics (also appended to run/metrics.jsonl), with
-    its anatomy (`step_anatomy`): where the wall time behind the step went."""
+    its anatomy (`step_anatomy`): where the wall time behind the step went, and `cpu_s`'s reading
+    (the run's CPU seconds so far) where given."""
     seconds: dict[str, float] = {}
     with timed(seconds, "step_s"):
         with timed(seconds, "wait_s"):
@@ -216,6 +229,8 @@ def learning_step(config: OrchestratorConfig, orchestrator: Orchestrator, learne
         metrics["replacements"] = replaced
     metrics.update({"step": orchestrator.step, "policy_version": learner.version, **seconds,
                     **step_anatomy(batch, metrics, seconds), "time": time.time()})
+    if cpu_s is not None:
+        metrics["cpu_s"] = cpu_s()
     if state is not None:
         # written while the next step runs, the metrics line after it (the previous save landed first)
         run.save_state_later(state, orchestrator.progress(counts), then=("metrics.jsonl", metrics))
@@ -275,6 +290,14 @@ def anatomy_totals(steps: Sequence[Mapping[str, Any]]) -> dict[str, float]:
             "tokens_per_min": tokens / minutes if minutes else 0.0}
 
 
+def save_policy(run: RunFolder, learner: Any, step: int) -> Path:
+    """The policy's weights after `step` as run/policies/step-NNNNN.pt (`TrainConfig.save_policy_every`)."""
+    path = run.root / "policies" / f"step-{step:05d}.pt"
+    path.parent.mkdir(exist_ok=True)
+    torch.save(learner.weights(), path)
+    return path
+
+
 def snapshot(learner: Any) -> Callable[[], dict[str, Any]]:
     """The learner's state as of now, read when called: its `snapshot()` (the Ray learner's is
     fetched from the actor then), or for a learner without one, its `state()` taken now."""
@@ -320,12 +343,14 @@ def wait_quietly(run: RunFolder) -> None:
 
 
 def batch_metrics(batch: Batch, counts: dict[str, int]) -> dict[str, Any]:
-    """What the batch and the rollouts since the previous one say about the policy."""
+    """What the batch and the rollouts since the previous one say about the policy, and the draw
+    (`draw_metrics`)."""
     trajectories = batch.trajectories()
     outcomes = [passed(t) for t in trajectories]
     tied = sum(outcome_tied([passed(t) for t in g.trajectories], [t.reward for t in g.trajectories])
                for g in batch.groups)
     return {
+        **draw_metrics(batch.outcomes),
         "outcome_tied_groups": tied,
         "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
         "pass_rate": sum(outcomes) / len(outcomes),
@@ -336,6 +361,31 @@ def batch_metrics(batch: Batch, counts: dict[str, int]) -> dict[str, Any]:
         "groups": batch.group_ids,  # what this step trained (flywheel/rl/audit.py reads it)
         **counts,
     }
+
+
+def draw_metrics(outcomes: Sequence[GroupOutcome]) -> dict[str, Any]:
+    """The groups completed since the previous step (`Batch.outcomes`): each group's tasks, family,
+    difficulty, passes, reward mean and spread, the pass rate estimated for its tasks when it was
+    drawn and whether dynamic sampling dropped it and why (`draw`); the share of them on the frontier
+    (some episodes passed, some failed) and with any signal; the filtered ones by reason; and
+    `draw_estimate` beside `rollout_pass_rate`: the pass rate the run expected of the tasks it drew
+    (from the episodes finished before) and the one they had. A training reward that falls with
+    the estimate is a harder draw; one that falls below it, a policy doing worse than before."""
+    n = len(outcomes)
+    nan = float("nan")
+    estimates = [o.estimate for o in outcomes if o.estimate == o.estimate]
+    filtered = Counter(o.filtered for o in outcomes if o.filtered)
+    return {"groups_completed": n,
+            "frontier_share": sum(o.mixed for o in outcomes) / n if n else nan,
+            "signal_share": sum(o.signal for o in outcomes) / n if n else nan,
+            "filtered_all_passed": filtered["all passed"], "filtered_all_failed": filtered["all failed"],
+            "filtered_equal_rewards": filtered["equal rewards"],
+            "draw_estimate": sum(estimates) / len(estimates) if estimates else nan,
+            "draw": [{"group": o.id, "family": o.family, "tasks": list(o.tasks), "difficulty": o.difficulty,
+                      "version": o.start_version, "passed": o.passed, "episodes": o.episodes,
+                      "reward_mean": round(o.reward_mean, 4), "reward_spread": round(o.reward_spread, 4),
+                      "estimate": round(o.estimate, 4) if o.estimate == o.estimate else None,
+                      "filtered": o.filtered} for o in outcomes]}
 
 
 def learn(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Learner, engine: Engine, run: RunFolder,
@@ -414,7 +464,7 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
     Episodes of a `[rollout.harness]` are its program's; the held-out evals stay the built-in loop's,
     so they compare with every other run's."""
     torch.set_num_threads(config.threads)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     config.run_dir.mkdir(parents=True, exist_ok=True)
     run = RunFolder(config.run_dir)
     registry = Registry(config.registry_root)
@@ -429,17 +479,22 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
     tasks = train_tasks(config)
     orch_config = config.orchestrator
     evals: list[dict[str, Any]] = []
+    eval_s = 0.0  # wall seconds of the in-loop evals, outside `time_budget_s`
 
     def record_eval(report: dict[str, Any], step: int) -> None:
         row = {"step": step, "policy_version": learner.version, "time_s": time.perf_counter() - start,
-               **report}
+               "cpu_s": cpu_seconds() - cpu_start, **report}
+        if step > 0 and evals and evals[0]["step"] == 0:  # the paired change from the start, so far
+            row["lift"] = paired_lift(evals[0], report)
         evals.append(row)
         run.append("eval.jsonl", row)
         tracker.log({"eval": report}, step)
         tracker.table("eval", eval_table(report), step)
         log(f"eval at step {step} (policy {learner.version}): pass rate {report['pass_rate']:.3f} "
             f"[{report['pass_rate_ci'][0]:.2f}, {report['pass_rate_ci'][1]:.2f}], "
-            f"valid tool calls {report['valid_tool_call_rate']:.2f}, failed {report['failed_tool_call_rate']:.2f}")
+            f"valid tool calls {report['valid_tool_call_rate']:.2f}, failed {report['failed_tool_call_rate']:.2f}"
+            + (f"; from the start {lift['diff']:+.3f} [{lift['ci'][0]:+.3f}, {lift['ci'][1]:+.3f}], "
+               f"{lift['gained']} gained {lift['lost']} lost" if (lift := row.get("lift")) else ""))
 
     # cluster.backend: the Learner, the Engine and the episodes here, or as Ray actors (flywheel/rl/cluster.py)
     with Tracker(config.tracking, config.run_dir, params=config.model_dump(mode="json")) as tracker, \
@@ -466,17 +521,25 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
         stepped: list[dict[str, Any]] = []  # this process's steps (a resumed run's earlier ones are not here)
         try:
             while orchestrator.step < orch_config.max_steps:
-                if config.time_budget_s is not None and time.perf_counter() - start > config.time_budget_s:
+                if config.time_budget_s is not None and time.perf_counter() - start - eval_s > config.time_budget_s:
                     log(f"time budget of {config.time_budget_s:.0f} s reached at step {orchestrator.step}")
                     break
-                step_metrics = learning_step(orch_config, orchestrator, learner, engine, run)
+                if config.cpu_budget_s is not None and cpu_seconds() - cpu_start > config.cpu_budget_s:
+                    log(f"CPU budget of {config.cpu_budget_s:.0f} s reached at step {orchestrator.step}")
+                    break
+                step_metrics = learning_step(orch_config, orchestrator, learner, engine, run,
+                                             cpu_s=lambda: cpu_seconds() - cpu_start)
                 stepped.append(step_metrics)
                 tracker.log(step_metrics, step_metrics["step"])
                 log(step_line(step_metrics))
                 fleet.after_step(orchestrator.step)
+                if config.save_policy_every and orchestrator.step % config.save_policy_every == 0:
+                    save_policy(run, learner, orchestrator.step)
                 if (config.eval_every and orchestrator.step % config.eval_every == 0
                         and orchestrator.step < orch_config.max_steps):
+                    t_eval = time.perf_counter()
                     record_eval(run_eval(config, engine, tokenizer, pool), orchestrator.step)
+                    eval_s += time.perf_counter() - t_eval
             run.wait_for_state()  # the last checkpoint is on disk (raises if it failed: LearnerLost restarts)
         finally:
             fleet.close()
@@ -491,6 +554,8 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
                "pass_rate_end": final["pass_rate"],
                # the paired change on the held-out tasks, start -> end (None without a start eval)
                "lift": paired_lift(evals[0], final) if evals and evals[0]["step"] == 0 else None,
+               # the held-out curve: each eval's step, pass rate, Wilson interval and change from the start
+               "evals": [{k: e[k] for k in ("step", "pass_rate", "pass_rate_ci", "lift") if k in e} for e in evals],
                "anatomy": anatomy_totals(stepped)}
     checkpoint = None
     if config.register_checkpoint and orchestrator.step > 0:

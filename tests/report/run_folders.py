@@ -11,8 +11,9 @@ from flywheel.live.cycle import CycleReport
 T0 = 1_800_000_000.0  # the cycles' and monitors' clock: any fixed unix time
 
 
-def write_training_run(folder: Path, steps: int = 6, torn_last_line: bool = False) -> Path:
-    """metrics.jsonl with the Orchestrator's and the Learner's keys, eval.jsonl every 3 steps (train.py's rows)."""
+def write_training_run(folder: Path, steps: int = 6, torn_last_line: bool = False, draw: bool = True) -> Path:
+    """metrics.jsonl with the Orchestrator's and the Learner's keys, eval.jsonl every 3 steps (train.py's rows);
+    draw: with the draw's keys (train.py `draw_metrics`), which runs written before them lack."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "metrics.jsonl", "w") as f:
         for step in range(1, steps + 1):
@@ -31,6 +32,13 @@ def write_training_run(folder: Path, steps: int = 6, torn_last_line: bool = Fals
                    "time/engine_idle": 0.15, "time/episode_tools": 1.5, "time/episode_grade": 2.0,
                    "time/episode_sandbox": 0.3, "time/episode_generate": 6.0,
                    "tokens/engine_prefill": 2000.0, "tokens/engine_decode": 1600.0 * step}
+            if draw:  # step s: 0.1 s on the frontier, estimated 0.5 and measured 0.5 - 0.05 s
+                row |= {"groups_completed": 5, "frontier_share": 0.1 * step, "signal_share": 0.1 * step + 0.05,
+                        "draw_estimate": 0.5, "rollout_pass_rate": 0.5 - 0.05 * step, "filtered_all_passed": 1,
+                        "filtered_all_failed": 0, "cpu_s": 10.0 * step,
+                        "draw": [{"group": f"g{step}", "family": "bugfix", "tasks": ["bugfix/train/s0/d1/1"],
+                                  "difficulty": 1, "version": step - 1, "passed": 1, "episodes": 2,
+                                  "reward_mean": 0.6, "reward_spread": 1.2, "estimate": 0.5, "filtered": None}]}
             f.write(json.dumps(row) + "\n")
         if torn_last_line:
             f.write('{"step": 99, "rew')  # a line still being appended

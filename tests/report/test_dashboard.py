@@ -166,8 +166,10 @@ def test_chromium_renders_the_dashboard_with_data_after_polling(dashboard, tmp_p
     assert int(dom.body.get("data-polls", "0")) >= 1, f"the page's script never refreshed: {dom.body}"
     assert "data-error" not in dom.body, dom.body["data-error"]
     # simulated RL: reward (6 steps), held-out pass rate (3 evals x 3 lines) with its band, staleness, throughput,
-    # the engine's decode and prefill tokens/s; each step's anatomy in stacked bars
-    assert dom.count("training", "point") == 6 + 3 * 3 + 6 + 6 + 2 * 6 and dom.count("training", "band") == 1
+    # the draw's frontier share and its estimated and measured pass rates, the engine's decode and prefill
+    # tokens/s; each step's anatomy in stacked bars
+    assert dom.count("training", "point") == 6 + 3 * 3 + 6 + 6 + 6 + 2 * 6 + 2 * 6
+    assert dom.count("training", "band") == 1
     assert dom.count("training", "bar") == 2 and dom.count("training", "stacked") > 0
     # cycles: the gate across cycles and the latest cycle's gate and A/B intervals
     assert dom.count("cycles", "interval") >= 2 * 2 + 2 + 2

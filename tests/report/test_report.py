@@ -64,8 +64,8 @@ def test_report_draws_every_view_from_a_demo_folder(demo_folder):
     assert "<script" not in page  # the static report needs none
     dom = Elements(page)
     # simulated RL: 6 steps of reward, 3 evals of 3 lines (all + 2 families), staleness max, throughput, the
-    # engine's decode and prefill tokens/s
-    assert dom.count("point", "training") == 6 + 3 * 3 + 6 + 6 + 2 * 6
+    # draw's frontier share and its estimated and measured pass rates, the engine's decode and prefill tokens/s
+    assert dom.count("point", "training") == 6 + 3 * 3 + 6 + 6 + 6 + 2 * 6 + 2 * 6
     assert dom.count("band", "training") == 1
     assert dom.count("bar", "training") == 2  # tokens 0 and 1 versions behind
     # cycles: each check across 2 cycles, the latest cycle's gate (2 checks) and A/B (2 metrics), then cycle 1's
@@ -98,7 +98,8 @@ def test_partial_inputs_render_what_there_is(tmp_path):
     gated.update(ab=None, monitor=None, alarms=[], blocking_alarms=[], decision="rejected")
     write_cycle(type(cycle(1)).model_validate(gated), tmp_path / "cycles")
     dom = Elements(render_report(tmp_path).read_text())
-    assert dom.count("point", "training") == 6 + 6 + 6 + 2 * 6  # no eval: reward, staleness, the throughputs
+    # no eval: reward, staleness, the throughputs, the draw's frontier share and pass rates
+    assert dom.count("point", "training") == 6 + 6 + 6 + 2 * 6 + 6 + 2 * 6
     assert "no data yet" in " ".join(dom.texts.get("training", []))  # the held-out chart
     assert "not computed" in dom.text("cycles") and "no A/B test" in dom.text("cycles")
     assert "no data yet" in dom.text("monitors")
@@ -263,6 +264,32 @@ def test_the_start_checkpoint_is_the_first_point_of_the_training_plots(tmp_path)
     assert reward == {"run": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]}
     held_out = chart_points(page, "Held-out pass rate")
     assert all(xs[0] == 0.0 for xs in held_out.values()) and set(held_out) == {"all families", "bugfix", "implement"}
+
+
+def chart_values(page: str, title: str) -> dict[str, list[tuple[float, float]]]:
+    """The (data-x, data-y) of every point of the chart titled `title`, by series."""
+    chart = next(svg for svg in page.split("<svg")[1:] if f'aria-label="{title}' in svg)
+    dom = Elements("<svg" + chart.split("</svg>")[0])
+    points: dict[str, list[tuple[float, float]]] = {}
+    for tag, attributes, _ in dom.found:
+        if tag == "circle" and "point" in attributes.get("class", ""):
+            points.setdefault(attributes["data-series"], []).append((float(attributes["data-x"]),
+                                                                     float(attributes["data-y"])))
+    return points
+
+
+def test_the_draw_is_drawn_by_the_policy_that_sampled_it_and_older_runs_have_no_draw_charts(tmp_path):
+    """The frontier share over steps, and the draw's estimated pass rate beside the measured one, each
+    point at the policy that sampled the groups (step - 1), as the training reward is."""
+    page = render_report(write_training_run(tmp_path / "run", steps=4)).read_text()
+    frontier = chart_values(page, "Groups on the frontier")
+    assert frontier == {"on the frontier (some passed, some failed)": [(0.0, 0.1), (1.0, 0.2), (2.0, 0.3),
+                                                                         (3.0, 0.4)]}
+    draw = chart_values(page, "The draw&#x27;s pass rate") or chart_values(page, "The draw's pass rate")
+    assert draw["estimated when drawn"] == [(x, 0.5) for x in (0.0, 1.0, 2.0, 3.0)]
+    assert draw["measured"] == [(0.0, 0.45), (1.0, 0.4), (2.0, 0.35), (3.0, 0.3)]
+    older = render_report(write_training_run(tmp_path / "older", steps=4, draw=False)).read_text()
+    assert "Groups on the frontier" not in older and "Training reward" in older
 
 
 def training_row(page: str) -> list[str]:

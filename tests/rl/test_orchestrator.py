@@ -44,8 +44,9 @@ FAKES = textwrap.dedent('''
         """Answers each turn after a long-tailed delay with a tool call, ending with finish or a solution."""
 
         def __init__(self, tokenizer, tasks, seed=0, mean_delay_s=0.01, solve_rate=0.5, max_turns=4, slow_tasks=(),
-                     broken_rate=0.0):
+                     broken_rate=0.0, solve_rates=None):
             self.tokenizer, self.rng, self.mean = tokenizer, random.Random(seed), mean_delay_s
+            self.solve_rates = solve_rates or {}  # task id -> its own solve rate, instead of solve_rate
             self.broken_rate = broken_rate  # a turn that is not the last calls a tool that does not exist
             self.slow = {t.instruction for t in slow_tasks}  # 10x slower: the stragglers the bound must survive
             self.tasks = {t.instruction: t for t in tasks}
@@ -61,13 +62,14 @@ FAKES = textwrap.dedent('''
         def submit(self, prompt_ids, params):
             future = Future()
             text = self.tokenizer.decode(prompt_ids)
+            task = next((t for i, t in self.tasks.items() if i in text), None)
             with self._lock:
                 delay = self.rng.paretovariate(1.5) * self.mean
                 turn = text.count("<|im_start|>assistant") - 1
-                solve = self.rng.random() < self.solve_rate
+                rate = self.solve_rates.get(task.id, self.solve_rate) if task is not None else self.solve_rate
+                solve = self.rng.random() < rate
                 last = turn + 1 >= self.max_turns or self.rng.random() < 0.4
                 broken = self.rng.random() < self.broken_rate
-            task = next((t for i, t in self.tasks.items() if i in text), None)
             with self._lock:
                 self.priorities.append((params.priority, task.id if task is not None else None))
             if task is not None and task.instruction in self.slow:
@@ -316,6 +318,41 @@ def test_sibling_groups_give_signal_to_a_policy_that_answers_every_sibling_alike
             r["group"]: r["tasks"] for r in started if r["group"] in resumed._groups}
     with pytest.raises(ValueError, match="multiple of tasks_per_group"):
         config(group_size=3, tasks_per_group=2)
+
+
+def test_frontier_sampling_draws_the_tasks_whose_groups_differ_and_each_step_records_its_draw(tmp_path, tasks,
+                                                                                               tokenizer, pool):
+    """Two tasks the policy always solves, two it never does, two it solves some of the time.
+    Shuffled, two thirds of the groups tie and are filtered after their rollouts; drawn by their
+    measured pass rate, most groups go to the tasks sometimes solved once their outcomes are in.
+    Every completed group is in its step's draw, with its passes and why it was filtered."""
+    rates = dict(zip([t.id for t in tasks], [1.0, 1.0, 0.0, 0.0, 0.5, 0.5], strict=True))
+    records = {}
+    for sampling in ("shuffle", "frontier"):
+        engine = RandomLatencyEngine(tokenizer, tasks, seed=7, solve_rates=rates)
+        learner = RecordingLearner()
+        cfg = config(max_steps=6, group_size=4, concurrency=16, task_sampling=sampling, zero_signal_patience=40)
+        with orchestrator(cfg, tasks, engine, learner, tokenizer, pool, tmp_path / sampling) as orch:
+            history = train(orch, learner)
+            estimates = {rate: [orch.sampler.estimate(t) for t in tasks if rates[t.id] == rate] for rate in (0, 1)}
+        assert min(estimates[1]) > 0.7 and max(estimates[0]) < 0.3  # whatever drew them
+        records[sampling] = [d for m in history for d in m["draw"]]
+        started = (tmp_path / sampling / "groups.jsonl").read_text().splitlines()
+        assert sum(m["groups_completed"] for m in history) == len(records[sampling]) <= len(started)
+        for d in records[sampling]:
+            rate = rates[d["tasks"][0]]
+            assert d["episodes"] == 4 and d["passed"] == {1.0: 4, 0.0: 0}.get(rate, d["passed"])
+            if rate != 0.5 or not 0 < d["passed"] < 4:  # all alike: filtered, and why
+                assert d["filtered"] == ("all passed" if d["passed"] == 4 else "all failed")
+            else:
+                assert d["filtered"] is None
+        for m in history:
+            mixed = [0 < d["passed"] < d["episodes"] for d in m["draw"]]
+            assert m["frontier_share"] == pytest.approx(sum(mixed) / len(mixed))
+            assert m["filtered_all_passed"] == sum(d["filtered"] == "all passed" for d in m["draw"])
+    sometimes = {t for t, r in rates.items() if r == 0.5}
+    share = {k: sum(d["tasks"][0] in sometimes for d in v[10:]) / len(v[10:]) for k, v in records.items()}
+    assert share["frontier"] > share["shuffle"] + 0.2, share
 
 
 def test_turn_credit_trains_tied_groups_on_their_broken_calls_only(tmp_path, tasks, tokenizer, pool):

@@ -17,6 +17,7 @@ import pytest
 
 from flywheel.agent.evaluate import summarize
 from flywheel.cli import main
+from flywheel.demo import held_out_curve_line
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import Registry
 from flywheel.model.tokenizer import train_tokenizer
@@ -94,7 +95,8 @@ tensorboard = true
 
 def test_a_start_report_from_the_caller_is_the_eval_at_step_0_and_the_lift_is_paired(tmp_path):
     """The demo hands `train` the bootstrap's eval of the same held-out tasks: eval.jsonl starts at
-    step 0 with it (not played again), and the summary's lift pairs it with the end's eval."""
+    step 0 with it (not played again), and the summary's lift pairs it with the end's eval; the
+    summary's curve holds every eval in step order, version 0 first, as the demo prints it."""
     tokenizer = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 8, vocab_size=300)
     model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                                     num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
@@ -103,14 +105,21 @@ def test_a_start_report_from_the_caller_is_the_eval_at_step_0_and_the_lift_is_pa
     config = TrainConfig.model_validate({
         "registry_root": tmp_path / "registry", "run_dir": tmp_path / "run", "families": ["bugfix"],
         "train_tasks_per_family": 1, "eval_tasks_per_family": 3, "threads": 1, "eval_at_start": False,
-        "orchestrator": {"group_size": 2, "groups_per_step": 1, "max_steps": 1, "filter_zero_signal": False,
+        "eval_every": 1,
+        "orchestrator": {"group_size": 2, "groups_per_step": 1, "max_steps": 2, "filter_zero_signal": False,
                          "episode": {"max_turns": 1, "max_tokens_per_turn": 8}}})
     ids = [t.id for t in eval_tasks(config)]
     start = summarize([episode(task, "bugfix", True) for task in ids])  # as if v0 had passed all three
     _, summary = train(config, log=lambda line: None, start_report=start)
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [0, 1] and evals[0]["source"] == "start_report"
+    assert [e["step"] for e in evals] == [0, 1, 2] and evals[0]["source"] == "start_report"
     assert evals[0]["per_task"] == dict.fromkeys(ids, 1.0) and summary["pass_rate_start"] == 1.0
     lift = summary["lift"]
     assert lift["tasks"] == 3 and lift["before"] == 1.0 and lift["after"] == summary["pass_rate_end"]
     assert lift["lost"] == round(3 * (1 - summary["pass_rate_end"]))  # a random tiny policy passes ~none
+    curve = summary["evals"]
+    assert [e["step"] for e in curve] == [0, 1, 2] and curve[0]["pass_rate"] == 1.0 and "lift" not in curve[0]
+    assert curve[-1]["lift"] == lift and all(low <= e["pass_rate"] <= high for e in curve
+                                             for low, high in [e["pass_rate_ci"]])
+    line = held_out_curve_line(curve)
+    assert line.count(" -> ") == 2 and "v0 1.000 [" in line and f"step 2 {summary['pass_rate_end']:.3f}" in line
