@@ -22,7 +22,9 @@ Messages are pickled explicitly (`pickle`, not multiprocessing's pickler, which 
 learner's tensors into shared memory): a weight update is a copy of the state dict, 8 MB for the
 embedded default. Requests are checked in the parent as `LocalEngine.submit` checks them, so a bad
 request raises at the call, not in the child. If the child dies, every waiting future and any later
-call fails with `EngineError` saying so; if the parent dies, the child sees the pipe close and exits.
+call fails with `EngineError` saying so; if the parent dies, the child exits: it sees the pipe close,
+or, when a process the parent forked still holds the pipe's other end (a sandbox's supervisor), it
+sees itself adopted by another parent within half a second (SIGTERM skips the parent's `close`).
 The child is spawned, not forked (a fork would copy the locks of the parent's threads), so a script
 that starts one must keep its work under `if __name__ == "__main__":`.
 """
@@ -32,8 +34,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import multiprocessing
+import os
 import pickle
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -65,6 +69,14 @@ def _send(conn: Any, lock: threading.Lock, message: tuple) -> None:
 def _serve(conn: Any, model_class: type, model_config: Any, state: dict[str, torch.Tensor],
            config: EngineConfig, version: int) -> None:
     """The child: build the model, run a LocalEngine, answer the parent until it closes or goes away."""
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)  # adopted: the parent died without closing the pipe, and nobody is left to answer
+
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
     torch.set_num_threads(config.threads or 1)
     model = model_class(model_config)
     model.load_state_dict(state, strict=True)

@@ -8,8 +8,13 @@ have timeouts so a broken engine fails instead of hanging.
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -569,6 +574,58 @@ def test_process_engine_checks_requests_and_fails_loudly_when_its_process_dies(m
             engine.submit(prompts[0], SamplingParams())
         with pytest.raises(EngineError, match="engine process exited"):
             engine.update_weights({}, 1)
+
+
+# A program that starts a ProcessEngine, forks a child that keeps the engine's pipe open (as a
+# sandbox supervisor forked from a trainer does), prints the engine's pid and waits to be killed.
+_ENGINE_OWNER = """
+import os, sys, time
+from flywheel.model.engine import EngineConfig
+from flywheel.model.factory import ModelConfig, build_model
+from flywheel.model.process_engine import ProcessEngine
+from flywheel.model.tokenizer import train_tokenizer
+
+if __name__ == "__main__":
+    tokenizer = train_tokenizer(["def add(a, b):\\n    return a + b\\n"] * 8, vocab_size=300)
+    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
+    engine = ProcessEngine(model, EngineConfig(max_batch=2))
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(engine._process.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.slow  # about 10 s on the shared 2-core machine
+def test_the_engine_process_exits_when_its_owner_is_terminated(tmp_path):
+    """SIGTERM skips the owner's `close`, and a forked child of the owner keeps the pipe open: the
+    engine's process still exits, adopted by another parent, instead of running on as an orphan."""
+    script = tmp_path / "owner.py"
+    script.write_text(_ENGINE_OWNER)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = int(owner.stdout.readline())
+        owner.send_signal(signal.SIGTERM)
+        owner.wait(TIMEOUT_S)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "the engine's process outlived its owner"
+    finally:
+        try:
+            os.killpg(owner.pid, signal.SIGKILL)  # the forked child, and anything left
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; its new parent reaps it
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
