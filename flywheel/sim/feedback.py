@@ -5,7 +5,9 @@ never ran the tests", "I did not need a question, just do it", "your edit call w
 simulated user writes the same from the episode's `Trail` (what the agent did, which the user
 watched) and the task's reference edits (where the fix belongs, which the user knows as the task's
 author). Real users are also vague ("still broken") or wrong (naming a file that is fine): a
-profile's `followup_vague_share` and `followup_wrong_share` of dissatisfied follow-ups are written so.
+profile's `followup_vague_share` and `followup_wrong_share` of dissatisfied follow-ups are written so
+(wrong only where there is a file to blame, after a failing "done"; a task with no other file, and
+a needless question, get vague words instead).
 
 The text is both the user's next message in the conversation and the follow-up event's
 payload.text (flywheel/api/events.py), so what is stored is what the model read next. Departure from
@@ -77,8 +79,9 @@ def words_for_failing_tests(task: Task, trail: Trail, rng: random.Random, vague_
     return " ".join(["That did not work: the tests still fail.", *said]) if said else TESTS_FAIL
 
 
-def words_for_needless_question(content: str, rng: random.Random, vague_share: float = 0.0) -> str:
+def words_for_needless_question(content: str, rng: random.Random, vague_share: float = 0.0,
+                                wrong_share: float = 0.0) -> str:
     """The follow-up to an answer in words where none was needed (a question, or nothing at all)."""
-    if rng.random() < vague_share:
+    if _draw(rng, vague_share, wrong_share) != "specific":
         return rng.choice(VAGUE_QUESTION)
     return JUST_DO_IT if content.strip() else f"{NOTHING_SENT} {JUST_DO_IT}"

@@ -396,7 +396,7 @@ class SimulatedUser:
                 clarified = clarified or needed
                 # A needless question, or no answer at all: the user always says so.
                 text = (task.answer_question(answer.content) if needed
-                        else words_for_needless_question(answer.content, words, vague))
+                        else words_for_needless_question(answer.content, words, vague, wrong))
                 self.events.followup(result.session_id, answer.completion_id, dissatisfied=not needed, text=text)
                 result.dissatisfied += not needed
                 messages.append({"role": "user", "content": text})
