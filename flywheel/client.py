@@ -3,6 +3,7 @@
     client = EventClient("http://127.0.0.1:8000", api_key="...", batch_size=500, flush_interval_s=0.05)
     client.emit("edit_applied", session_id=sid, completion_id=resp.id)
     client.emit("followup", session_id=sid, completion_id=resp.id, payload={"dissatisfied": True})
+    client.followup(sid, resp.id, dissatisfied=True, text="no, the bug is in parse.py; run the tests first")
     client.close()                        # flushes what is queued (bounded by a timeout), then stops
 
     emit ──> bounded queue ──(batch_size events, or flush_interval_s after the first)──> sender threads (concurrency)
@@ -39,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from flywheel.api.events import Event, EventType
+from flywheel.api.events import Event, EventType, followup_text_problem
 
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 
@@ -103,6 +104,18 @@ class EventClient:
         self._put({"id": event_id, "type": str(type), "session_id": session_id, "completion_id": completion_id,
                    "time": time.time() if at is None else at, "payload": payload or {}})
         return event_id
+
+    def followup(self, session_id: str, completion_id: str | None, dissatisfied: bool, text: str | None = None,
+                 event_id: str | None = None, at: float | None = None) -> str:
+        """Queue a follow-up: the user wrote again about `completion_id`, with `text` their message
+        (bounded by MAX_FOLLOWUP_TEXT_CHARS; ValueError here, as the server would reject it)."""
+        payload: dict[str, Any] = {"dissatisfied": dissatisfied}
+        if text is not None:
+            payload["text"] = text
+        problem = followup_text_problem(payload)
+        if problem is not None:
+            raise ValueError(problem)
+        return self.emit(EventType.FOLLOWUP, session_id, completion_id, payload, event_id=event_id, at=at)
 
     def record(self, event: Event) -> None:
         self._put(event.model_dump(mode="json"))

@@ -27,7 +27,8 @@ class EventType(StrEnum):
     EDIT_APPLIED = "edit_applied"  # the editor applied the agent's edit
     EDIT_PERSISTED = "edit_persisted"  # the edit was still there after the horizon
     EDIT_REVERTED = "edit_reverted"  # the user undid the edit within the horizon
-    FOLLOWUP = "followup"  # the user wrote again; payload {"dissatisfied": bool}
+    # The user wrote again; payload {"dissatisfied": bool, "text": str (optional: what they wrote)}
+    FOLLOWUP = "followup"
     THUMBS = "thumbs"  # explicit rating; payload {"up": bool}
     SESSION_END = "session_end"  # payload {"outcome": "success" | "unhappy" | "abandoned"}
     # A background session's result, judged hours later: payload {"outcome": one of OUTCOMES}
@@ -38,6 +39,28 @@ class EventType(StrEnum):
 # A background session's outcomes, best first: the user accepted the result, merged it, their CI
 # ran green on it; or reverted it, or abandoned the session.
 OUTCOMES = ("accepted", "merged", "ci_green", "reverted", "abandoned")
+
+
+# A follow-up's words: 4,000 characters hold a long chat message (~1,000 tokens) and keep an event
+# small; longer text is refused with its reason, never cut, so no stored text is one the user did not
+# write. The reward reads only `dissatisfied`; the text is kept for learning from what users say.
+MAX_FOLLOWUP_TEXT_CHARS = 4000
+
+
+def followup_text_problem(payload: dict[str, Any]) -> str | None:
+    """Why a followup payload's `text` cannot be stored, or None (absent text is fine). The server
+    (flywheel/live/store.py `check_event`) rejects the event with this reason; the SDK raises it."""
+    text = payload.get("text")
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        return f"a followup's payload.text must be a string (what the user wrote), got {type(text).__name__}"
+    if len(text) > MAX_FOLLOWUP_TEXT_CHARS:
+        return (f"a followup's payload.text is {len(text)} characters, past {MAX_FOLLOWUP_TEXT_CHARS}; send the "
+                "user's message, not a transcript")
+    if "\x00" in text:
+        return "a followup's payload.text contains a NUL character (\\u0000); send text without it"
+    return None
 
 
 class Event(BaseModel):
@@ -80,7 +103,10 @@ def loads_events_body(body: bytes | str) -> Any:
 
 class EventBatch(BaseModel):
     """The body of POST /v1/events (documented; the server parses it event by event, so that one bad
-    event is rejected with its reason and the rest are stored)."""
+    event is rejected with its reason and the rest are stored). Each event: id, type, session_id,
+    completion_id, time, payload. A followup's payload is {"dissatisfied": bool, "text": str}, `text`
+    optional: the user's message, at most MAX_FOLLOWUP_TEXT_CHARS (4,000) characters of valid Unicode
+    without NUL; other text is rejected with its reason."""
 
     events: list[dict[str, Any]]
 

@@ -62,7 +62,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from flywheel.api.events import OUTCOMES, Event, EventType
+from flywheel.api.events import OUTCOMES, Event, EventType, followup_text_problem
 from flywheel.live.records import Completion, storable
 from flywheel.store.database import (
     Database,
@@ -193,6 +193,8 @@ def check_event(event: Event) -> str | None:
     payload = event.payload
     if event.type == EventType.FOLLOWUP and not isinstance(payload.get("dissatisfied"), bool):
         return 'a followup event needs payload {"dissatisfied": true|false}'
+    if event.type == EventType.FOLLOWUP and (reason := followup_text_problem(payload)) is not None:
+        return reason
     if event.type == EventType.THUMBS and not isinstance(payload.get("up"), bool):
         return 'a thumbs event needs payload {"up": true|false}'
     if event.type == EventType.SESSION_END and payload.get("outcome") not in _SESSION_OUTCOMES:

@@ -14,10 +14,13 @@ One session is one user working on one task, through the official `openai` clien
                    nothing and is answered with its error, as the episode runner does
                    an edit ran ──> edit_applied(completion)
       finish?      grade the workspace with the hidden tests; passing: done. Failing: sometimes
-                   (followup_propensity) write "the tests fail" ──> followup(dissatisfied), go on
+                   (followup_propensity) say what went wrong ──> followup(dissatisfied, text), go on
       words only?  a question on an ambiguous task (first time): Task.answer_question, followup(satisfied);
                    anything else (a needless question, a non-answer): always followup(dissatisfied)
                    and "please just do it"
+    a follow-up's text is the user's next message: the wrong file, a missed test run, a broken tool
+    call, an unneeded question, drawn from the episode (flywheel/sim/feedback.py), vague or wrong
+    in a profile's configured share
       patience (max requests) used up ──> the user walks away
     end: grade the final workspace ──> edit_persisted | edit_reverted for every completion whose edit
          ran (a failing edit is reverted with probability revert_strictness, else kept unnoticed),
@@ -78,16 +81,16 @@ from flywheel.env.families import KNOWN_FAMILIES, generate
 from flywheel.env.grading import GradeConfig, grade
 from flywheel.env.pool import SandboxPool
 from flywheel.env.sandbox import SandboxError, Snapshot
-from flywheel.env.task import JUST_DO_IT, Split, Task
+from flywheel.env.task import Split, Task
 from flywheel.env.tools import Toolbox
 from flywheel.env.toolspec import ToolCall, validate_arguments
 from flywheel.live.rewards import EDIT_TOOLS
 from flywheel.model.chat import SYSTEM_PROMPT, tool_schemas
+from flywheel.sim.feedback import Trail, words_for_failing_tests, words_for_needless_question
 from flywheel.sim.orgs import HouseRules
 
 log = logging.getLogger(__name__)
 
-TESTS_FAIL = "That did not work: the tests still fail. Please fix it."
 WORK_ALONE = "I am not at my desk; work on your own, I will review the result."
 
 
@@ -102,6 +105,11 @@ class UserProfile(BaseModel):
     # rest stop there (unhappy). Needless questions always get one, whatever this is.
     followup_propensity: float = Field(0.5, ge=0, le=1)
     thumbs_propensity: float = Field(0.1, ge=0, le=1)  # P(a thumbs up/down at the end of a session)
+    # Shares of dissatisfied follow-ups whose words are vague ("still broken") or wrong (blame a file
+    # the fix does not touch), as real users write; the rest say what went wrong. Higher makes the
+    # text a noisier teaching signal; the reward, which reads only `dissatisfied`, is unchanged.
+    followup_vague_share: float = Field(0.15, ge=0, le=1)
+    followup_wrong_share: float = Field(0.05, ge=0, le=1)
     # P(reverting an edit whose workspace fails the hidden tests). Below 1, some failing edits are
     # kept unnoticed (edit_persisted): label noise the reward has to live with.
     revert_strictness: float = Field(1.0, ge=0, le=1)
@@ -119,6 +127,12 @@ class UserProfile(BaseModel):
     # such a profile's families are bugfix alone. A fixed workload (`tasks` of run_population) is
     # taken as given, org id included.
     house_rules: HouseRules | None = None
+
+    @model_validator(mode="after")
+    def _shares(self) -> UserProfile:
+        if self.followup_vague_share + self.followup_wrong_share > 1:
+            raise ValueError(f"profile {self.name}: followup_vague_share + followup_wrong_share is past 1; lower one")
+        return self
 
     @model_validator(mode="after")
     def _organization(self) -> UserProfile:
@@ -327,7 +341,11 @@ class SimulatedUser:
         self.user_id, self.profile, self.api, self.events = user_id, profile, api, events
         self.pool, self.population, self.deferred = pool, population, deferred
 
-    def run_session(self, session_id: str, task: Task, rng: random.Random) -> SessionResult:
+    def run_session(self, session_id: str, task: Task, rng: random.Random,
+                    words: random.Random | None = None) -> SessionResult:
+        """`words` draws the follow-ups' wording (default: seeded by the session id), apart from `rng`
+        so that what the user does does not depend on how they phrase it."""
+        words = words or random.Random(f"{session_id}:words")
         result = SessionResult(session_id=session_id, user_id=self.user_id, profile=self.profile.name,
                                task_id=task.id, family=task.family, ambiguous=task.metadata.ambiguous)
         finished = False
@@ -336,7 +354,7 @@ class SimulatedUser:
             box = self.pool.acquire(task.files)
             try:
                 with Toolbox(box) as tools:
-                    finished = self._converse(task, tools, result, rng, verdicts)
+                    finished = self._converse(task, tools, result, rng, verdicts, words)
                     final = box.snapshot()
             finally:
                 self.pool.release(box)
@@ -350,11 +368,13 @@ class SimulatedUser:
     # ---- the conversation
 
     def _converse(self, task: Task, tools: Toolbox, result: SessionResult, rng: random.Random,
-                  verdicts: dict[str, bool]) -> bool:
+                  verdicts: dict[str, bool], words: random.Random) -> bool:
         """Talk until the agent is done or the user's patience ends; True if the agent called finish."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
                                           {"role": "user", "content": task.instruction}]
         clarified = False
+        trail = Trail()
+        vague, wrong = self.profile.followup_vague_share, self.profile.followup_wrong_share
         for turn in range(self.profile.patience):
             last_turn = turn + 1 == self.profile.patience
             try:
@@ -365,6 +385,7 @@ class SimulatedUser:
                 return False
             messages.append(answer.message)
             result.invalid_tool_calls += answer.invalid_as_text
+            trail.saw([], [], answer.invalid_as_text)
             if not answer.calls and self.profile.kind == "background":
                 result.questions += bool(answer.content.strip())  # no user to answer: no event
                 messages.append({"role": "user", "content": WORK_ALONE})
@@ -374,12 +395,14 @@ class SimulatedUser:
                 needed = task.metadata.ambiguous and not clarified and bool(answer.content.strip())
                 clarified = clarified or needed
                 # A needless question, or no answer at all: the user always says so.
-                self._emit(EventType.FOLLOWUP, result, answer.completion_id, {"dissatisfied": not needed})
+                text = (task.answer_question(answer.content) if needed
+                        else words_for_needless_question(answer.content, words, vague, wrong))
+                self.events.followup(result.session_id, answer.completion_id, dissatisfied=not needed, text=text)
                 result.dissatisfied += not needed
-                messages.append({"role": "user",
-                                 "content": task.answer_question(answer.content) if needed else JUST_DO_IT})
+                messages.append({"role": "user", "content": text})
                 continue
             outputs = tools.execute(answer.calls)
+            trail.saw(answer.calls, [out.ok for out in outputs])
             result.invalid_tool_calls += sum(not c.valid for c in answer.calls)
             if any(out.ok and out.name in EDIT_TOOLS for out in outputs):
                 result.edit_completions.append(answer.completion_id)
@@ -394,9 +417,10 @@ class SimulatedUser:
                     return True
                 if last_turn or rng.random() >= self.profile.followup_propensity:
                     return True
-                self._emit(EventType.FOLLOWUP, result, answer.completion_id, {"dissatisfied": True})
+                text = words_for_failing_tests(task, trail, words, vague, wrong)
+                self.events.followup(result.session_id, answer.completion_id, dissatisfied=True, text=text)
                 result.dissatisfied += 1
-                messages.append({"role": "user", "content": TESTS_FAIL})
+                messages.append({"role": "user", "content": text})
         return False
 
     def _ask(self, task: Task, messages: list[dict[str, Any]], result: SessionResult, rng: random.Random) -> _Answer:
@@ -563,7 +587,8 @@ def run_population(base_url: str, api_key: str, population: Population, n_sessio
         user = SimulatedUser(f"{planned.profile.name}-{planned.user}", planned.profile, api, client, pool, population,
                              deferred)
         rng = random.Random(f"{population.seed}:session:{planned.index}")
-        return user.run_session(f"{prefix}-{planned.index}", planned.task, rng)
+        words = random.Random(f"{population.seed}:words:{planned.index}")
+        return user.run_session(f"{prefix}-{planned.index}", planned.task, rng, words)
 
     try:
         with ThreadPoolExecutor(population.concurrency, thread_name_prefix="sim-user") as executor:

@@ -20,10 +20,12 @@ import openai
 import pytest
 from tiny_serving import KEYS, TOOL_ANSWER, ScriptedEngine, stored_completion
 
+from flywheel.api.events import MAX_FOLLOWUP_TEXT_CHARS
+from flywheel.client import EventClient
 from flywheel.live.batch import on_policy_batch
 from flywheel.live.deploy import Deployment, Router
 from flywheel.live.records import Completion
-from flywheel.live.rewards import RewardDistiller
+from flywheel.live.rewards import RewardConfig, RewardDistiller
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.settings import LoopConfig
 from flywheel.live.store import Ingest, LiveStore
@@ -364,3 +366,50 @@ def test_the_live_cycle_trains_only_on_completions_at_the_learners_temperature(t
             assert "4 were sampled at another temperature" in state.reason and "learner.temperature" in state.reason
         else:
             assert [c.id for c in gathered[0].completions] == trained
+
+
+def test_a_followup_carries_its_text_bounded_and_read_back_from_either_store(registry_root, store_url, tmp_path):
+    """The follow-up's words over HTTP into SQLite and PostgreSQL: good text stored and read back as
+    sent, each bad text rejected alone with its reason, and the reward still reads only `dissatisfied`."""
+    tokenizer = load_tokenizer(registry_root / "checkpoints" / "v0")
+    engine = ScriptedEngine(tokenizer("ok", add_special_tokens=False)["input_ids"])
+    server = LiveServer(ServeConfig(loop=LoopConfig.at(tmp_path / "config-only.sqlite"), keys=KEYS),
+                        Router(lambda version: (engine, tokenizer), Deployment(production=0)), LiveStore(store_url))
+    said = 'no — the bug is in "parse.py",\nrun the tests first 🙂'
+    with server, serve_in_thread(server) as running:
+        server.store.add_completion(stored_completion("c-f", "s-f"))
+        with EventClient(running.url, "events-key") as client:
+            with pytest.raises(ValueError, match="past 4000"):
+                client.followup("s-f", "c-f", dissatisfied=True, text="x" * (MAX_FOLLOWUP_TEXT_CHARS + 1))
+            client.followup("s-f", "c-f", dissatisfied=True, text=said, event_id="sdk")
+            assert client.flush() and client.stats.accepted == 1
+
+        def followup(event_id: str, text: str) -> str:
+            return (f'{{"id": "{event_id}", "type": "followup", "session_id": "s-f", "completion_id": "c-f", '
+                    f'"time": 1001.0, "payload": {{"dissatisfied": true{text}}}}}')
+
+        batch = [followup("f1", ', "text": "x"'), followup("f2", f', "text": "{"y" * (MAX_FOLLOWUP_TEXT_CHARS + 1)}"'),
+                 followup("f3", ', "text": 7'), followup("f4", ', "text": "a\\u0000b"'),
+                 followup("f5", ', "text": "\\ud800"'), followup("f6", ""),
+                 followup("f7", f', "text": "{"z" * MAX_FOLLOWUP_TEXT_CHARS}"')]
+        r = httpx.post(f"{running.url}/v1/events", content=('{"events": [' + ", ".join(batch) + "]}").encode(),
+                       headers=ADMIN)
+        assert r.status_code == 200, r.text
+        result = r.json()
+        assert result["accepted"] == ["f1", "f6", "f7"]
+        reasons = {x["index"]: x["reason"] for x in result["rejected"]}
+        assert sorted(reasons) == [1, 2, 3, 4]
+        assert "4001 characters" in reasons[1] and "must be a string" in reasons[2]
+        assert "NUL" in reasons[3] and "Unicode" in reasons[4]
+    with LiveStore(store_url) as reopened:  # read back by another reader, as the distiller does
+        events = {e.id: e for e in reopened.events_for_session("s-f")}
+        assert sorted(events) == ["f1", "f6", "f7", "sdk"]
+        assert events["sdk"].payload == {"dissatisfied": True, "text": said}
+        assert events["f7"].payload["text"] == "z" * MAX_FOLLOWUP_TEXT_CHARS and "text" not in events["f6"].payload
+        completions = reopened.completions()
+    # The words change no reward: the same events without text distil to the same reward.
+    wordless = [e.model_copy(update={"payload": {"dissatisfied": True}}) for e in events.values()]
+    distiller = RewardDistiller(RewardConfig())
+    (reward,) = distiller.distill(completions, list(events.values()), now=2000.0)
+    assert reward == distiller.distill(completions, wordless, now=2000.0)[0]
+    assert reward.parts["followup_dissatisfied"] == RewardConfig().followup_dissatisfied

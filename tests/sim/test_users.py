@@ -10,6 +10,7 @@ question, a needed one, broken tool calls (sent as the answer's text, counted, p
 from __future__ import annotations
 
 import json
+import random
 import sys
 import time
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from flywheel.client import EventClient  # noqa: E402
 from flywheel.env.families import generate  # noqa: E402
 from flywheel.env.pool import PoolConfig, SandboxPool  # noqa: E402
 from flywheel.env.task import JUST_DO_IT, Task  # noqa: E402
+from flywheel.env.toolspec import ToolCall  # noqa: E402
 from flywheel.live.deploy import Deployment, Router  # noqa: E402
 from flywheel.live.monitors import Monitor, label_tests_passed  # noqa: E402
 from flywheel.live.rewards import RewardConfig, RewardDistiller  # noqa: E402
@@ -35,9 +37,9 @@ from flywheel.live.store import LiveStore  # noqa: E402
 from flywheel.model.chat import IM_END  # noqa: E402
 from flywheel.model.engine import Generation, SamplingParams  # noqa: E402
 from flywheel.model.tokenizer import load_tokenizer  # noqa: E402
+from flywheel.sim.feedback import TESTS_FAIL, VAGUE, Trail, words_for_failing_tests, words_for_needless_question  # noqa: E402
 from flywheel.sim.orgs import HouseRules, general_fix  # noqa: E402
 from flywheel.sim.users import (  # noqa: E402
-    TESTS_FAIL,
     WORK_ALONE,
     Population,
     UserProfile,
@@ -183,13 +185,17 @@ def test_users_keep_good_edits_revert_bad_ones_and_answer_questions_by_need(regi
     server = LiveServer(config, Router(lambda version: (engine, tokenizer), Deployment(production=0)),
                         LiveStore(config.loop.store.path))
     population = Population(concurrency=3, max_tokens=512, profiles=[UserProfile(
-        name="strict", patience=2, followup_propensity=1.0, thumbs_propensity=1.0, revert_strictness=1.0)])
+        name="strict", patience=2, followup_propensity=1.0, thumbs_propensity=1.0, revert_strictness=1.0,
+        followup_vague_share=0.0, followup_wrong_share=0.0)])
     tasks = [good, wrong, clear, vague, broken]
     with server, serve_in_thread(server) as running:
         stats = run_population(running.url, "admin-key", population, len(tasks), pool, tasks=tasks)
         _, events, rewards = check_events_land(server.store, stats)
     results = {r.task_id: r for r in stats.session_results}
-    kinds = {}
+    kinds, texts = {}, {}
+    for e in events:
+        if e.type == EventType.FOLLOWUP:
+            texts.setdefault(e.completion_id, []).append(e.payload["text"])
     for e in sorted(events, key=lambda e: e.time):  # batches may land out of order; event times do not
         kinds.setdefault(e.completion_id, []).append((e.type.value, e.payload.get("dissatisfied", e.payload.get("up"))))
 
@@ -207,7 +213,12 @@ def test_users_keep_good_edits_revert_bad_ones_and_answer_questions_by_need(regi
                                                                                        1)
     assert kinds[first] == [("edit_applied", None), ("followup", True), ("edit_reverted", None)]
     assert kinds[second] == [("thumbs", False)]
-    assert TESTS_FAIL in engine.prompts[wrong.instruction][1]
+    # It says what went wrong, in the words the agent then reads: the wrong file, no test run.
+    (fix_path,) = {e.path for e in wrong.reference_edits}
+    (said,) = texts[first]
+    assert f"You changed notes.txt, but the problem is in {fix_path}." in said
+    assert f"You never ran the tests: run `{wrong.test_command}`" in said
+    assert said in engine.prompts[wrong.instruction][1]
 
     # A needless question on a clear task: always a dissatisfied follow-up; the question is never refunded.
     r = results[clear.id]
@@ -216,6 +227,7 @@ def test_users_keep_good_edits_revert_bad_ones_and_answer_questions_by_need(regi
         assert ("followup", True) in kinds[c]
         assert rewards[c].parts["clarify"] == -REWARDS.clarify_cost and "clarify_refund" not in rewards[c].parts
     assert JUST_DO_IT in engine.prompts[clear.instruction][1]
+    assert texts[r.completion_ids[0]] == [JUST_DO_IT]
 
     # On an ambiguous task the first question is answered with the detail (not a dissatisfier); asking again is.
     r = results[vague.id]
@@ -223,6 +235,7 @@ def test_users_keep_good_edits_revert_bad_ones_and_answer_questions_by_need(regi
     assert (r.questions, r.dissatisfied) == (2, 1)
     assert kinds[first][0] == ("followup", False) and kinds[second][0] == ("followup", True)
     assert vague.metadata.clarification in engine.prompts[vague.instruction][1]
+    assert texts[first] == [vague.metadata.clarification] and texts[second] == [JUST_DO_IT]
 
     # Broken tool calls: the server sends them as the answer's text (no client could dispatch them),
     # so nothing runs for them and they go back as the assistant's words; the valid one runs. Each
@@ -333,3 +346,28 @@ def test_an_organizations_users_send_its_house_rule_tasks_and_a_general_fix_fail
         UserProfile(name="x", house_rules=acme)
     with pytest.raises(ValueError, match="differs from its house_rules"):
         UserProfile(name="x", families={"bugfix": 1.0}, house_rules=acme, org_id="globex")
+
+
+def test_follow_up_words_name_what_went_wrong_and_a_share_are_vague_or_wrong():
+    task = generate("crossfile", "train", 1, seed=5)[0]
+    fix_paths = sorted({e.path for e in task.reference_edits})
+    broken = ToolCall("c0", "edit_file", {"path": 3}, error="path must be a string")
+    trail = Trail()
+    trail.saw([broken, ToolCall("c1", "edit_file", {"path": "notes.txt", "old": "", "new": "x"}),
+               ToolCall("c2", "run_command", {"command": "ls"})], [False, True, True])
+    said = words_for_failing_tests(task, trail, random.Random(0))
+    assert "(edit_file: path must be a string)" in said and "You changed notes.txt" in said
+    assert f"the problem is in {', '.join(fix_paths)}" in said and "You never ran the tests" in said
+    # The right files edited and the tests run: nothing specific is left to say.
+    done = Trail(edited=fix_paths, ran_tests=True)
+    assert words_for_failing_tests(task, done, random.Random(0)) == TESTS_FAIL
+    # The configured shares, over many follow-ups: vague ones name nothing, wrong ones a file the fix does not touch.
+    rng, n = random.Random(1), 2000
+    words = [words_for_failing_tests(task, trail, rng, vague_share=0.3, wrong_share=0.2) for _ in range(n)]
+    vague = sum(w in VAGUE for w in words) / n
+    wrong = [w for w in words if "; look there." in w]
+    assert abs(vague - 0.3) < 0.04 and abs(len(wrong) / n - 0.2) < 0.04
+    assert all(p not in w for w in wrong for p in fix_paths)
+    assert words_for_needless_question("", random.Random(0)).startswith("You sent nothing back.")
+    assert sum(words_for_needless_question("Which?", rng, 0.5) != JUST_DO_IT for _ in range(n)) / n == \
+        pytest.approx(0.5, abs=0.04)
