@@ -22,6 +22,7 @@ import math
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,9 @@ class DemoConfig(BaseModel):
     population: Population = Field(default_factory=Population)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     sessions_per_round: int = 32  # users' sessions between checks that the cycles still need traffic
+    # True: each round draws new users and tasks (the population's seed + the round); False: every
+    # round replays the same sessions' plan, so the cycles train and A/B test on a few tasks only.
+    fresh_rounds: bool = True
     pool: PoolConfig = Field(default_factory=lambda: PoolConfig(max_active=16, warm=2))
 
     @model_validator(mode="after")
@@ -190,33 +194,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     # 3. real-time RL: server + users + cycles
     _step("3. real-time RL: served to simulated users, cycles of gather -> train -> gate -> A/B")
     t0 = time.perf_counter()
-    loop = config.loop.model_copy(update={"store": StoreConfig(path=run / "live" / "live.sqlite",
-                                                               registry_root=registry_root)})
-    serve = config.serve.model_copy(update={"loop": loop,
-                                            "keys": {DEMO_KEY: ["inference", "events", "admin", "dashboard"]}})
-    server = LiveServer.from_config(serve)
-    live = config.live.model_copy(update={"loop": loop, "run_dir": run / "cycles"})
-    stop = threading.Event()
-    traffic: dict[str, int] = {"sessions": 0, "completions": 0}
-    reports = []
-    with serve_in_thread(server) as running, SandboxPool(config.pool) as pool:
-        print(f"server on {running.url} (dashboard: {running.url}/dashboard?key={DEMO_KEY})")
-
-        def users() -> None:
-            while not stop.is_set():
-                stats = run_population(running.url, DEMO_KEY, config.population, config.sessions_per_round, pool)
-                traffic["sessions"] += stats.sessions
-                traffic["completions"] += stats.completions
-
-        thread = threading.Thread(target=users, name="simulated-users", daemon=True)
-        thread.start()
-        try:
-            cycle = LiveCycle(live, ServerControl(server))
-            reports = cycle.run(live.cycles)
-        finally:
-            stop.set()
-            thread.join(timeout=600)
-    server.close()
+    reports, traffic = real_time_rl(config, run)
     timings["real_time_rl_s"] = time.perf_counter() - t0
 
     # 4. report
@@ -244,6 +222,53 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     (run / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     print_summary(summary, reports)
     return summary
+
+
+def real_time_rl(config: DemoConfig, run: Path, watch: Callable[[LiveServer, threading.Event], None] | None = None,
+                 ) -> tuple[list[Any], dict[str, int]]:
+    """The demo's third stage: the server in this process on `run`'s Registry (its production as
+    it stands), simulated users in a background thread, and `live.cycles` cycles; the cycles'
+    reports and the traffic served. `watch`, if given, runs in a thread of its own beside the
+    users, given the server and an event set when the cycles end (bench/demo_live.py samples the
+    engines with it)."""
+    registry_root = run / "registry"
+    loop = config.loop.model_copy(update={"store": StoreConfig(path=run / "live" / "live.sqlite",
+                                                               registry_root=registry_root)})
+    serve = config.serve.model_copy(update={"loop": loop,
+                                            "keys": {DEMO_KEY: ["inference", "events", "admin", "dashboard"]}})
+    server = LiveServer.from_config(serve)
+    live = config.live.model_copy(update={"loop": loop, "run_dir": run / "cycles"})
+    stop = threading.Event()
+    traffic: dict[str, int] = {"sessions": 0, "completions": 0}
+    reports: list[Any] = []
+    with serve_in_thread(server) as running, SandboxPool(config.pool) as pool:
+        print(f"server on {running.url} (dashboard: {running.url}/dashboard?key={DEMO_KEY})")
+
+        def users() -> None:
+            rounds = 0
+            while not stop.is_set():
+                # The plan is a function of the seed: a new seed each round draws new users and tasks.
+                seed = config.population.seed + (rounds if config.fresh_rounds else 0)
+                population = config.population.model_copy(update={"seed": seed})
+                stats = run_population(running.url, DEMO_KEY, population, config.sessions_per_round, pool)
+                traffic["sessions"] += stats.sessions
+                traffic["completions"] += stats.completions
+                rounds += 1
+
+        threads = [threading.Thread(target=users, name="simulated-users", daemon=True)]
+        if watch is not None:
+            threads.append(threading.Thread(target=lambda: watch(server, stop), name="demo-watch", daemon=True))
+        for thread in threads:
+            thread.start()
+        try:
+            cycle = LiveCycle(live, ServerControl(server))
+            reports = cycle.run(live.cycles)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=600)
+    server.close()
+    return reports, traffic
 
 
 def print_summary(summary: dict[str, Any], reports: list[Any]) -> None:
