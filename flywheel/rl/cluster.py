@@ -17,6 +17,8 @@ it is asked for, so the local backend never loads Ray.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -117,15 +119,35 @@ class LocalCluster:
         return {}
 
 
-def join_env() -> dict[str, str]:
-    """What a driver joining an existing cluster needs: `ray start --head` (Ray 2.60) turns token
+def join_env(address: str) -> dict[str, str]:
+    """What a driver joining the cluster at `address` needs: `ray start --head` (Ray 2.60) turns token
     authentication on and writes the token to ~/.ray/auth_token, and a driver in the default mode
     is refused ("InvalidAuthToken"); with a token at hand it asks for token mode. Read by Ray when
-    it is imported. The user's own RAY_AUTH_MODE wins."""
+    it is imported. The user's own RAY_AUTH_MODE wins.
+
+    A token file alone may be stale: left by an earlier `ray start` while this cluster runs without
+    authentication. A driver in token mode then joins, but the cluster's calls back to it carry no
+    token and are refused, so its first actor is cancelled ("Actor creation cancelled"). So with only
+    a file to go by, a driver in the default mode tries the cluster first (a throwaway process, a few
+    seconds), and token mode is asked for only if that one is refused."""
     if "RAY_AUTH_MODE" in os.environ:
         return {}
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return {"RAY_AUTH_MODE": "token"}
     path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
-    return {"RAY_AUTH_MODE": "token"} if os.environ.get("RAY_AUTH_TOKEN") or path.is_file() else {}
+    if not path.is_file() or _joins_without_token(address):
+        return {}
+    return {"RAY_AUTH_MODE": "token"}
+
+
+def _joins_without_token(address: str, timeout_s: float = 60.0) -> bool:
+    """Whether a driver in Ray's default mode (no token) can join `address`."""
+    probe = "import sys, ray; ray.init(address=sys.argv[1], log_to_driver=False); ray.shutdown()"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return done.returncode == 0
 
 
 @contextmanager
@@ -135,7 +157,7 @@ def start_cluster(config: ClusterConfig, log: Any = print) -> Iterator[Any]:
         yield LocalCluster()
         return
     if config.address:
-        os.environ.update(join_env())  # before Ray is imported: it reads the mode then
+        os.environ.update(join_env(config.address))  # before Ray is imported: it reads the mode then
     require("ray", 'cluster.backend = "ray"')
     from flywheel.rl.ray_backend import RayCluster  # noqa: PLC0415 - Ray is loaded only when asked for
 

@@ -26,7 +26,12 @@ with start_cluster(ClusterConfig(backend="ray", address=sys.argv[1]), log=print)
     def square(x):
         return x * x
 
-    print("ran", ray.get(square.remote(7)))
+    @ray.remote(num_cpus=0.1)
+    class Square:  # an actor: the cluster calls back its owner, this driver, which a wrong auth mode refuses
+        def of(self, x):
+            return x * x
+
+    print("ran", ray.get(square.remote(7)), ray.get(Square.remote().of.remote(8)))
 """
 
 
@@ -37,15 +42,21 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-# ray start's default (the driver asks for token mode itself), and a head started without it (the
-# user's RAY_AUTH_MODE=disabled, for the head and the run alike)
-@pytest.mark.parametrize("auth", ["token", "disabled"])
+# ray start's default (the driver asks for token mode itself), a head started without it (the
+# user's RAY_AUTH_MODE=disabled, for the head and the run alike), and a head without it while a
+# stale token file from an earlier `ray start` lies in ~/.ray (the run must not ask for token mode)
+@pytest.mark.parametrize("auth", ["token", "disabled", "stale"])
 def test_a_run_joins_a_cluster_started_by_ray_start(tmp_path, auth):
     port = free_port()
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    # HOME of their own: `ray start` writes its token to ~/.ray/auth_token, which must not outlive the test
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "HOME": str(tmp_path)}
     env.pop("RAY_AUTH_MODE", None)
-    if auth == "disabled":
+    if auth != "token":
         env["RAY_AUTH_MODE"] = "disabled"
+    if auth == "stale":
+        (tmp_path / ".ray").mkdir()
+        (tmp_path / ".ray" / "auth_token").write_text("a-token-this-cluster-never-had")
     log = open(tmp_path / "head.log", "w")  # noqa: SIM115 - closed with the head, below
     head = subprocess.Popen([RAY, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
                              "--num-cpus=1", f"--object-store-memory={80 << 20}", "--include-dashboard=false",
@@ -54,13 +65,14 @@ def test_a_run_joins_a_cluster_started_by_ray_start(tmp_path, auth):
     try:
         deadline, out = time.monotonic() + 120, None
         while time.monotonic() < deadline:  # the head takes a few seconds to listen
+            driver_env = {k: v for k, v in env.items() if not (auth == "stale" and k == "RAY_AUTH_MODE")}
             out = subprocess.run([sys.executable, "-c", DRIVER, f"127.0.0.1:{port}"], capture_output=True, text=True,
-                                 env=env, timeout=120)
+                                 env=driver_env, timeout=120)
             if out.returncode == 0 or head.poll() is not None:
                 break
             time.sleep(2)
         assert out is not None and out.returncode == 0, out.stderr[-3000:] if out else "no driver ran"
-        assert f"(joined 127.0.0.1:{port})" in out.stdout and "ran 49" in out.stdout, out.stdout
+        assert f"(joined 127.0.0.1:{port})" in out.stdout and "ran 49 64" in out.stdout, out.stdout
     finally:
         head.terminate()
         head.wait(timeout=120)
