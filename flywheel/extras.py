@@ -9,6 +9,8 @@ the local engine. The heavier backends are extras, installed with them by `pip i
     tracking  [tracking] tensorboard / wandb / mlflow   pip install -e '.[tracking]'
     gguf      flywheel model import FILE.gguf           pip install -e '.[gguf]'
     tinker    flywheel tinker serve (the SDK's wire)    pip install -e '.[tinker]'
+    openenv   the OpenEnv server (env/openenv_app.py)   pip install -e '.[openenv]'
+    agents    the openai-agents harness preset          pip install -e '.[agents]'
 
 A feature imports its extra through `require`, so a missing one fails with the command that installs
 it rather than a bare ModuleNotFoundError deep in a run.
@@ -20,7 +22,7 @@ import importlib
 from types import ModuleType
 
 EXTRAS = {"ray": "ray", "psycopg": "postgres", "tensorboard": "tracking", "wandb": "tracking", "mlflow": "tracking",
-          "gguf": "gguf", "tinker": "tinker"}
+          "gguf": "gguf", "tinker": "tinker", "openenv": "openenv", "agents": "agents"}
 
 
 class MissingExtra(ImportError):

