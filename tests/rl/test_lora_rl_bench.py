@@ -19,9 +19,14 @@ from flywheel.model.vllm_server import DEFAULT_PYTHON, vllm_available
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "lora_rl.py"
 
 
-# 16 s with the local engine, 99 s with vLLM's server, on the shared 2-core machine (load ~9)
+# 16 s with the local engine on the shared 2-core machine (load ~9). With vLLM's server it is 60 s on
+# CI's 2 cores, most of it the server's start, so `make test` leaves it out (the suite's budget is 25
+# minutes): run it with FLYWHEEL_VLLM_LORA=1; bench/gpu_check.sh runs the bench on vLLM on the GPU.
+ENGINES = ["local", "vllm"] if os.environ.get("FLYWHEEL_VLLM_LORA") == "1" else ["local"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["local", "vllm"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_the_lora_rl_bench_runs_its_steps_and_the_engine_agrees_with_the_learner(engine):
     if engine == "vllm" and (reason := vllm_available(DEFAULT_PYTHON)) is not None:
         if os.environ.get("FLYWHEEL_CI") == "1":
