@@ -183,6 +183,7 @@ class ActorFaults:
     logs: list[str] = field(default_factory=list)
     errors: list[BaseException] = field(default_factory=list)
     removed: int = 0  # nodes removed and not added back
+    stopped: threading.Event = field(default_factory=threading.Event)  # `stop`: the run is over, deal no more
 
     def log(self, line: str) -> None:
         self.logs.append(line)
@@ -211,9 +212,16 @@ class ActorFaults:
         except BaseException as exc:  # noqa: BLE001 - the test asserts on it
             self.errors.append(exc)
 
+    def stop(self, dealer: threading.Thread) -> None:
+        """The run is over: a fault not dealt yet is not dealt later (in whatever runs next)."""
+        self.stopped.set()
+        dealer.join(timeout=60)
+
     def _until(self, ready: Any, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not ready():
+            if self.stopped.is_set():
+                raise RuntimeError(f"the run ended before the moment of fault {len(self.faults) + 1}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run did not reach the moment of fault {len(self.faults) + 1} in time")
             time.sleep(0.02)
