@@ -636,8 +636,7 @@ class RayRollouts:
                     return None
                 self.workers[i], self.where[i] = worker, where
                 self._alive.add(i)
-                self._replacing.discard(i)
-                self._worker_ready.notify_all()
+                self._worker_ready.notify_all()  # episodes waiting for a worker take this one
                 self._counts["workers_replaced"] += 1
                 self._watch[worker.alive.remote()] = ("worker", i, worker)
             return worker, where
