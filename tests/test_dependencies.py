@@ -97,6 +97,10 @@ WITHOUT_EXTRAS = textwrap.dedent("""
     run = pathlib.Path(tempfile.mkdtemp())
     for tracker in ("tensorboard", "wandb", "mlflow"):
         print(refused(lambda: Tracker(TrackingConfig(**{tracker: True}), run)))
+    print(refused(lambda: __import__("flywheel.env.openenv_app")))
+    from flywheel.rl.harness import agents_sdk
+    print(refused(lambda: agents_sdk.main(["--base-url", "u", "--api-key", "k", "--exec-url", "e",
+                                           "--instruction-file", "i"])))
     leaked = sorted(m for m in sys.modules if m.split(".")[0] in EXTRAS)
     assert not leaked, leaked
 """)
@@ -122,4 +126,6 @@ def test_the_core_install_runs_without_the_extras_and_a_missing_one_is_named(tmp
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith('cluster.backend = "ray" needs ray') and "pip install -e '.[ray]'" in lines[0]
     assert "a postgresql:// database needs psycopg" in lines[1] and "'.[postgres]'" in lines[1]
-    assert len(lines) == 5 and all("'.[tracking]'" in line for line in lines[2:]), lines
+    assert len(lines) == 7 and all("'.[tracking]'" in line for line in lines[2:5]), lines
+    assert lines[5].startswith("the OpenEnv server needs openenv") and "'.[openenv]'" in lines[5]
+    assert lines[6].startswith("the openai-agents harness preset needs agents") and "'.[agents]'" in lines[6]

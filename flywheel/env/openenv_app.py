@@ -30,7 +30,6 @@ import threading
 import uuid
 from typing import Any
 
-from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
 from pydantic import Field
 
 from flywheel.env.families import generate, get_task
@@ -40,6 +39,13 @@ from flywheel.env.sandbox import Sandbox
 from flywheel.env.task import Task
 from flywheel.env.tools import Toolbox
 from flywheel.env.toolspec import TOOL_SCHEMAS, ToolCall
+from flywheel.extras import require
+
+# The server's types subclass OpenEnv's, so the extra is needed when this module is imported; through
+# `require`, a missing one is named with the command that installs it.
+_server = require("openenv.core.env_server", "the OpenEnv server")
+Action, Environment, Observation, State = _server.Action, _server.Environment, _server.Observation, _server.State
+create_fastapi_app = _server.create_fastapi_app
 
 
 class FlywheelAction(Action):

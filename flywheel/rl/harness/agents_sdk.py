@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from flywheel.extras import require
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--status-file", type=Path, default=None)
     ns = parser.parse_args(argv)
 
-    import agents  # noqa: PLC0415  (the SDK: imported when the program runs, not with flywheel)
     import httpx  # noqa: PLC0415
+    # the SDK: imported when the program runs, not with flywheel
+    agents = require("agents", "the openai-agents harness preset")
     from openai import AsyncOpenAI  # noqa: PLC0415
 
     exec_client = httpx.AsyncClient(headers={"authorization": f"Bearer {ns.api_key}"}, timeout=None)
