@@ -366,8 +366,9 @@ class RayRollouts:
         self.cluster, self._version, self.log = cluster, version, log
         # one bundle per worker: the worker and its node's engine
         bundle = {"CPU": cluster.worker_cpus + cluster.engine_cpus, **cluster.worker_resources}
+        self._tag = uuid.uuid4().hex[:6]  # in the actors' names: two fleets (two runs) may share a cluster
         self._pg = placement_group([bundle] * cluster.rollout_workers, strategy=cluster.placement,
-                                   name="flywheel-rollouts")
+                                   name=f"flywheel-rollouts-{self._tag}")
         _ready(self._pg, f"{cluster.rollout_workers} rollout worker bundles ({cluster.placement})", bundle,
                cluster.start_timeout_s)
         # the weights an engine started from now on loads, and their version: the start state, put in the
@@ -383,7 +384,6 @@ class RayRollouts:
         self.last_update_bytes: int | None = None  # weight_deltas: tensor bytes the last update sent to the engines
         self._engine_args = (type(model), model.config, engine, tokenizer, engine_factory)
         self._worker_args = (tokenizer, pool)
-        self._tag = uuid.uuid4().hex[:6]
         self._lock = threading.Lock()
         self._worker_ready = threading.Condition(self._lock)  # a worker replaced, or a replacement given up
         self._replacing: set[int] = set()  # workers whose replacement is starting: `_acquire` waits for one
