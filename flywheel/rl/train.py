@@ -158,7 +158,8 @@ class TrainConfig(BaseModel):
                              "orchestrator.episode.routed_experts = true so that episodes record them")
         if self.learner.loss.routing_replay and self.engine.backend == "vllm":
             raise ValueError("learner.loss.routing_replay needs the local engine's routing record: the installed "
-                             "vLLM returns routed experts only in non-streamed completions (flywheel streams); set "
+                             "vLLM returns routed experts only in non-streamed completions (flywheel streams) and "
+                             "only from a server its CPU build cannot start (docs/moe-rl.md); set "
                              "engine.backend = 'local' or turn routing replay off")
         if self.lora is not None and (self.dist is not None or self.cluster.backend != "local"):
             raise ValueError("lora trains in this process: remove [dist] and set cluster.backend = \"local\" (a "
