@@ -76,9 +76,10 @@ What it does not cover:
   on its own node would save that transfer too.
 - Engines rebuild the model from the driver's state dict; they do not read the Registry.
 
-Why one file of about 820 lines: the driver's view of its actors is one piece of state (who is alive,
-who is being replaced, the latest weights a replacement must load) under one lock, and each fault
-path reads and writes all of it; split, the invariants between those fields would cross files.
+Why one file of about 900 lines: the driver's view of its actors is one piece of state (who is alive,
+who is being replaced, the latest weights a replacement must load, each engine's version, which
+decides whether it can take a delta) under one lock, and each fault path reads and writes all of it;
+split, the invariants between those fields would cross files.
 """
 
 from __future__ import annotations
