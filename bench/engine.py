@@ -44,12 +44,15 @@ run (no GPU here).
 rollout-like token sequences (LM loss, lr `--delta-lrs`: the tiny model's 1e-4 and a pretrained
 model's 1e-6), in float32 and bfloat16; after each step the new weights go to two engines of each
 kind, one by full state dict, the other by `WeightDelta` (`flywheel.model.weight_delta`), pushes
-alternated A/B: `LocalEngine` in this process, `ProcessEngine` (pickled over a pipe) and a Ray
-`EngineActor` (the object store; `--no-ray` skips it). Per setting: bytes per update (tensor
-bytes, and the pickled message for the process engine), update seconds (median; a delta's include
-computing it against the last weights sent), and whether the
-two engines' weights are bit-identical after every step. vLLM reloads a folder of safetensors and
-has no delta path here.
+alternated A/B: `LocalEngine` in this process, `ProcessEngine` (pickled over a pipe) and the
+training loop's Ray fleet, `RayRollouts` with two engine actors (`--no-ray` skips it): the
+learner's weights are put in the store (untimed, as the learner actor's step does), then
+`update_weights` sends them whole to both engines, or, with `weight_deltas`, fetches them on the
+driver, compares them with its copy and puts only the changes for both. Per setting: bytes per
+update (tensor bytes, and the pickled message for the process engine; for Ray, the bytes to all
+engines and the whole weights the delta side's driver fetches), update seconds (median; a delta's
+include computing it against the last weights sent), and whether the engines' weights are
+bit-identical after the last step. vLLM reloads a folder of safetensors and has no delta path here.
 
     python bench/engine.py --weight-deltas            # ~2-4 min on 2 cores
 
@@ -79,6 +82,7 @@ from transformers import GenerationConfig
 
 from flywheel.agent.episode import initial_prompt
 from flywheel.env.families import generate
+from flywheel.env.pool import PoolConfig
 from flywheel.model.chat import (
     IM_END,
     render_assistant_body,
@@ -90,8 +94,9 @@ from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model, parameter_count
 from flywheel.model.process_engine import ProcessEngine
 from flywheel.model.tokenizer import train_tokenizer
-from flywheel.model.weight_delta import DeltaSender, WeightDelta
-from flywheel.rl.ray_engine import EngineActor
+from flywheel.model.weight_delta import DeltaSender, weights_digest
+from flywheel.rl.cluster import ClusterConfig
+from flywheel.rl.ray_backend import RayRollouts, ray_env
 from flywheel.sim.expert import ScriptedExpert, demonstration_messages, run_policy
 
 FAMILIES = ("bugfix", "implement", "crossfile", "ambiguous", "humaneval")
@@ -309,9 +314,10 @@ def bench_weight_deltas(args, model, tokenizer, prompt_pool: list[list[int]]) ->
     kinds = ["in_process", "process"] + ([] if args.no_ray else ["ray"])
     if "ray" in kinds:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.update(ray_env())
         # "local": a cluster of its own even where another runs on this machine
         ray.init(address="local", num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False,
-                 log_to_driver=False)
+                 log_to_driver=False, _node_ip_address="127.0.0.1")
     report: dict = {"model": {"parameters": parameter_count(model)}, "steps": args.delta_steps, "settings": {}}
     sequences = [p[:256] for p in prompt_pool[:8]]
     try:
@@ -334,12 +340,12 @@ def _weight_delta_setting(model, dtype, lr: float, sequences: list[list[int]], s
     start = {k: v.detach().clone() for k, v in policy.state_dict().items()}
     engines: dict[str, dict[str, object]] = {}
     for kind in kinds:
-        engines[kind] = {side: _delta_engine(kind, policy, start, tokenizer) for side in ("full", "delta")}
+        engines[kind] = {side: _delta_engine(kind, side, policy, start, tokenizer) for side in ("full", "delta")}
     senders = {kind: DeltaSender() for kind in kinds}
     for sender in senders.values():
         sender.delta(start, 0)  # the engines start from these weights
     seconds: dict[str, dict[str, list[float]]] = {k: {"full": [], "delta": []} for k in kinds}
-    sent, pickled, full_pickled = [], [], 0
+    sent, pickled, full_pickled, ray_sent = [], [], 0, []
     full_bytes = sum(t.numel() * t.element_size() for t in start.values())
     for version in range(1, steps + 1):
         batch = torch.tensor([s[:128] + [0] * (128 - len(s[:128])) for s in sequences])
@@ -350,10 +356,18 @@ def _weight_delta_setting(model, dtype, lr: float, sequences: list[list[int]], s
         for kind in kinds:
             order = ("full", "delta") if version % 2 else ("delta", "full")  # A/B: load shifts hit both
             for side in order:
+                if kind == "ray":  # the learner actor's weights in the store (its step made them: not timed)
+                    ref = ray.put(dict(weights))
+                    t = time.perf_counter()  # the delta side: the driver fetches, compares, puts the changes
+                    engines[kind][side].update_weights(ref, version)
+                    seconds[kind][side].append(time.perf_counter() - t)
+                    if side == "delta":
+                        ray_sent.append(engines[kind][side].last_update_bytes)
+                    continue
                 t = time.perf_counter()  # a delta's time includes comparing the weights with the last sent
                 if side == "delta":
                     delta = senders[kind].delta(weights, version)
-                _push(kind, engines[kind][side], weights if side == "full" else delta, version)
+                engines[kind][side].update_weights(weights if side == "full" else delta, version)
                 seconds[kind][side].append(time.perf_counter() - t)
         sent.append(delta.nbytes)
         pickled.append(len(pickle.dumps(delta, protocol=pickle.HIGHEST_PROTOCOL)))
@@ -362,10 +376,21 @@ def _weight_delta_setting(model, dtype, lr: float, sequences: list[list[int]], s
     identical = all(torch.equal(exact[k].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                                 engines["in_process"]["delta"].model.state_dict()[k].view(
                                     torch.int16 if dtype == torch.bfloat16 else torch.int32)) for k in exact)
+    ray_report = {}
+    if "ray" in kinds:  # every engine of both fleets holds the same bits (engine actors build their model in
+        # float32 from its config: a bf16 policy's weights arrive as bf16 and are held as float32 there)
+        held = {side: ray.get([e.weights_digest.remote() for e in engines["ray"][side].engines])
+                for side in ("full", "delta")}
+        ray_report = {"ray": {"engines": RAY_ENGINES, "full_bytes_to_engines": RAY_ENGINES * full_bytes,
+                              "delta_bytes_to_engines_mean": round(statistics.mean(ray_sent)),
+                              "learner_to_driver_bytes_delta_side": full_bytes,
+                              "bit_identical": held["delta"] == held["full"] == [held["full"][0]] * RAY_ENGINES
+                              and held["full"][0] in (weights_digest(weights),
+                                                      weights_digest({k: v.float() for k, v in weights.items()}))}}
     for kind in kinds:
         for side in ("full", "delta"):
-            _close(kind, engines[kind][side])
-    return {
+            engines[kind][side].close()
+    return {**ray_report,
         "full_update_bytes": full_bytes,
         "delta_update_bytes_mean": round(statistics.mean(sent)),
         "delta_fraction_mean": round(statistics.mean(sent) / full_bytes, 4),
@@ -376,34 +401,22 @@ def _weight_delta_setting(model, dtype, lr: float, sequences: list[list[int]], s
     }
 
 
-def _delta_engine(kind: str, policy, state: dict, tokenizer):
+RAY_ENGINES = 2  # the Ray fleet's engines (one per rollout worker): a full push sends the weights to each
+
+
+def _delta_engine(kind: str, side: str, policy, state: dict, tokenizer):
     model = copy.deepcopy(policy).eval()
     model.load_state_dict(state)
     if kind == "in_process":
         return LocalEngine(model, EngineConfig())
     if kind == "process":
         return ProcessEngine(model, EngineConfig())
-    actor = ray.remote(EngineActor).options(max_concurrency=4).remote(
-        "bench", type(model), model.config, {k: v.clone() for k, v in model.state_dict().items()}, EngineConfig(), 0,
-        tokenizer)
-    ray.get(actor.where.remote())
-    return actor
+    # the training loop's own path: RayRollouts, each rollout worker with its engine actor
+    cluster = ClusterConfig(backend="ray", rollout_workers=RAY_ENGINES, placement="PACK", worker_cpus=0.1,
+                            engine_cpus=0.1, actor_timeout_s=120)
+    return RayRollouts(cluster, model, tokenizer, EngineConfig(threads=1), PoolConfig(warm=0), 0, log=log,
+                       weight_deltas=side == "delta")
 
-
-def _push(kind: str, engine, payload, version: int) -> None:
-    if kind == "ray":  # the driver puts the update in the store once; the actor fetches and applies it
-        ray.get(engine.update_weights.remote(ray.put(payload if isinstance(payload, WeightDelta) else dict(payload)),
-                                             version, 60.0))
-    else:
-        engine.update_weights(payload, version)
-
-
-def _close(kind: str, engine) -> None:
-    if kind == "ray":
-        ray.get(engine.close.remote())
-        ray.kill(engine)
-    else:
-        engine.close()
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
-from flywheel.agent.trajectory import INVALID_CALL_PENALTY, Status, Trajectory
+from flywheel.agent.trajectory import INVALID_CALL_PENALTY, RoutedExperts, Status, Trajectory
 from flywheel.env.environments import task_environment
 from flywheel.env.grading import GradeConfig, grade
 from flywheel.env.pool import SandboxPool
@@ -97,7 +97,7 @@ class EpisodeState(BaseModel):
     asked_question: bool
     broken_turns: list[tuple[int, int, int]] = Field(default_factory=list)
     failed_turns: list[tuple[int, int, int]] = Field(default_factory=list)
-    routed_experts: list[list[int]] | None = None  # as Trajectory's
+    routed_experts: RoutedExperts = None  # as Trajectory's
     workspace: dict[str, str]  # path -> base64 of the file's bytes (exact for any content)
     timings: dict[str, float] = Field(default_factory=dict)
 

@@ -10,7 +10,10 @@ Per-token arrays all have the length of `tokens`:
                MoE layer chose when the engine fed it, flat ([layer 0's k ids, layer 1's, ...],
                `flywheel.model.routing`); [] where nothing was recorded (the last token, never fed;
                positions an engine that died had fed); the Learner replays them
-               (`LossConfig.routing_replay`)
+               (`LossConfig.routing_replay`). Lists in memory; in JSON (trajectories.jsonl, the
+               in-flight `EpisodeState`s) packed by `encode_routing`: each id in the smallest
+               unsigned integer that holds the largest (one byte up to 256 experts), base64, with a
+               bitmap of the recorded tokens; lists are read too (older records)
 
 The reward and what happened are kept apart, so that a field says one thing:
 - `reward_parts`  the additive terms of `reward`: they sum to it (checked). Simulated RL has the
@@ -39,10 +42,14 @@ Orchestrator import it from here.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from enum import StrEnum
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, model_validator
+import numpy as np
+from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer, model_validator
 
 from flywheel.env.outcome import TestOutcome
 
@@ -64,6 +71,50 @@ def check_routing(name: str, routed: list[list[int]], loss_mask: list[int]) -> N
     for i, r in enumerate(routed):
         if r and min(r) < 0:
             raise ValueError(f"trajectory {name}: token {i} has routed_experts {r}, an expert id below 0")
+
+
+_ID_TYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
+
+
+def encode_routing(routed: list[list[int]] | None) -> dict[str, Any] | None:
+    """The JSON form of a routing record: `width` ids per recorded token, each as `dtype` (the
+    smallest unsigned type holding the largest id), concatenated and base64'd in `ids`; `recorded`:
+    a base64 bitmap of the tokens that have any (np.packbits order). 48 layers x top-8 of up to 256
+    experts: 384 bytes per token, 512 characters of base64, where JSON lists took about 1.5 KB."""
+    if routed is None:
+        return None
+    recorded = [bool(r) for r in routed]
+    width = next((len(r) for r in routed if r), 0)
+    top = max((max(r) for r in routed if r), default=0)
+    dtype = next(name for name, t in _ID_TYPES.items() if top <= np.iinfo(t).max)
+    ids = np.array([r for r in routed if r], dtype=_ID_TYPES[dtype]).reshape(-1)  # [recorded * width]
+    return {"tokens": len(routed), "width": width, "dtype": dtype,
+            "recorded": base64.b64encode(np.packbits(np.array(recorded, dtype=bool)).tobytes()).decode(),
+            "ids": base64.b64encode(ids.astype(ids.dtype.newbyteorder("<")).tobytes()).decode()}
+
+
+def decode_routing(value: Any) -> Any:
+    """`encode_routing`'s form back to one list of ids per token; anything else is left as it is
+    (lists: records written before the encoding, or made in memory)."""
+    if not isinstance(value, dict):
+        return value
+    try:
+        n, width, dtype = int(value["tokens"]), int(value["width"]), _ID_TYPES[value["dtype"]]
+        recorded = np.unpackbits(np.frombuffer(base64.b64decode(value["recorded"], validate=True), np.uint8))[:n]
+        ids = np.frombuffer(base64.b64decode(value["ids"], validate=True), np.dtype(dtype).newbyteorder("<"))
+    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise ValueError(f"routed_experts is not a routing record (tokens, width, dtype of {sorted(_ID_TYPES)}, "
+                         f"base64 recorded and ids): {type(exc).__name__}: {exc}") from None
+    if len(recorded) != n or ids.size != int(recorded.sum()) * width:
+        raise ValueError(f"routed_experts records {ids.size} ids for {int(recorded.sum())} of {n} tokens at width "
+                         f"{width}: the record is cut or was written for other tokens")
+    rows = iter(ids.reshape(-1, width).tolist() if width else [])
+    return [next(rows) if r else [] for r in recorded]
+
+
+# Per-token routing record (module docstring): lists in memory, `encode_routing`'s packed form in JSON.
+RoutedExperts = Annotated[list[list[int]] | None, BeforeValidator(decode_routing),
+                          PlainSerializer(encode_routing, when_used="json")]
 
 
 class Status(StrEnum):
@@ -97,7 +148,7 @@ class Trajectory(BaseModel):
     timings: dict[str, float] = Field(default_factory=dict)
     group_id: str = ""  # episodes of one task sampled together (GRPO group)
     error: str = ""  # what went wrong, for sandbox_error / aborted
-    routed_experts: list[list[int]] | None = None  # per token; see the module docstring
+    routed_experts: RoutedExperts = None  # per token; see the module docstring
 
     @model_validator(mode="after")
     def _equal_lengths(self) -> Trajectory:

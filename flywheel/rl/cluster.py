@@ -31,6 +31,7 @@ from flywheel.env.pool import PoolConfig
 from flywheel.extras import require
 from flywheel.model.engine import EngineConfig
 from flywheel.model.process_engine import start_engine
+from flywheel.model.weight_delta import DeltaPush
 from flywheel.rl.learner import Learner, LearnerConfig
 
 
@@ -107,10 +108,14 @@ class LocalCluster:
                 threads: int = 1) -> AbstractContextManager[Learner]:
         return nullcontext(Learner(model.train(), config, version=version))  # threads: the process's own
 
+    @contextmanager
     def engine(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, engine: EngineConfig,
-               pool: PoolConfig, version: int = 0, checkpoint: Any = None) -> AbstractContextManager[Any]:
-        # checkpoint: the start checkpoint's folder, which engine.backend = "vllm" serves
-        return start_engine(model, engine, version=version, checkpoint=checkpoint)
+               pool: PoolConfig, version: int = 0, checkpoint: Any = None,
+               weight_deltas: bool = False) -> Iterator[Any]:
+        # checkpoint: the start checkpoint's folder, which engine.backend = "vllm" serves; weight_deltas:
+        # every update after the first sends only the changed weights (flywheel.model.weight_delta)
+        with start_engine(model, engine, version=version, checkpoint=checkpoint) as started:
+            yield DeltaPush(started) if weight_deltas else started
 
     def runner(self, engine: Any) -> None:
         return None  # the Orchestrator plays episodes on its own threads

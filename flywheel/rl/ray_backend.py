@@ -22,7 +22,10 @@ What waits for what:
 - A weight update is one object in the store (the learner actor's return value, put there once) and
   one call per live engine (flywheel/rl/ray_engine.py); the driver waits for every engine's
   acknowledgement at most `engine_timeout_s`. Each engine swaps at its next step boundary, and
-  every token keeps the version that sampled it.
+  every token keeps the version that sampled it. With `weight_deltas` the driver fetches the
+  learner's weights once, compares them with its copy of the last ones pushed, and puts only the
+  changes in the store (one object for all engines); an engine at another version than that last
+  one (a replacement, one that missed an update) gets the driver's copy whole.
 - The learner's step is one call, waited for at most `learner_timeout_s`. A checkpoint's state is
   one more call, queued behind the step: the run folder's writer thread fetches and writes it while
   the next step runs, and the step's metrics line lands only after it (`RunFolder.save_state_later`).
@@ -67,12 +70,16 @@ What it does not cover:
 - Engine requests of the held-out eval go through a worker: they move to another engine if the
   engine dies, but fail, not fail over, if the worker dies.
 - Weights travel through the object store, not a collective: fine for the tiny default (8 MB per
-  update); a billion-parameter policy wants NCCL broadcast between learner and engines.
+  update); a billion-parameter policy wants NCCL broadcast between learner and engines. With
+  `weight_deltas` the comparison runs on the driver, so the whole weights still cross from the
+  learner to the driver once per update (the engines get only the changes); a learner that diffed
+  on its own node would save that transfer too.
 - Engines rebuild the model from the driver's state dict; they do not read the Registry.
 
-Why one file of about 820 lines: the driver's view of its actors is one piece of state (who is alive,
-who is being replaced, the latest weights a replacement must load) under one lock, and each fault
-path reads and writes all of it; split, the invariants between those fields would cross files.
+Why one file of about 900 lines: the driver's view of its actors is one piece of state (who is alive,
+who is being replaced, the latest weights a replacement must load, each engine's version, which
+decides whether it can take a delta) under one lock, and each fault path reads and writes all of it;
+split, the invariants between those fields would cross files.
 """
 
 from __future__ import annotations
@@ -99,6 +106,7 @@ from flywheel.agent.trajectory import Trajectory
 from flywheel.env.pool import PoolConfig
 from flywheel.env.task import Task
 from flywheel.model.engine import EngineConfig, Generation, SamplingParams
+from flywheel.model.weight_delta import DeltaSender
 from flywheel.rl.cluster import ClusterConfig, LearnerLost
 from flywheel.rl.learner import Advantage, Learner, LearnerConfig
 from flywheel.rl.ray_engine import DIED as _DIED
@@ -354,20 +362,29 @@ class RayRollouts:
 
     def __init__(self, cluster: ClusterConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                  engine: EngineConfig, pool: PoolConfig, version: int = 0, log: Callable[[str], None] = print,
-                 engine_factory: Callable[[PreTrainedTokenizerBase, int], Any] | None = None):
+                 engine_factory: Callable[[PreTrainedTokenizerBase, int], Any] | None = None,
+                 weight_deltas: bool = False):
         self.cluster, self._version, self.log = cluster, version, log
         # one bundle per worker: the worker and its node's engine
         bundle = {"CPU": cluster.worker_cpus + cluster.engine_cpus, **cluster.worker_resources}
+        self._tag = uuid.uuid4().hex[:6]  # in the actors' names: two fleets (two runs) may share a cluster
         self._pg = placement_group([bundle] * cluster.rollout_workers, strategy=cluster.placement,
-                                   name="flywheel-rollouts")
+                                   name=f"flywheel-rollouts-{self._tag}")
         _ready(self._pg, f"{cluster.rollout_workers} rollout worker bundles ({cluster.placement})", bundle,
                cluster.start_timeout_s)
         # the weights an engine started from now on loads, and their version: the start state, put in the
-        # store once whatever the number of engines, then each update's reference
-        self._latest = (ray.put(_state_of(model)), version)
+        # store once whatever the number of engines, then each update's reference (with weight deltas:
+        # None until an engine needs the whole weights, then the driver's copy put once, `_latest_full`)
+        start = _state_of(model)
+        self._latest: tuple[ray.ObjectRef | None, int] = (ray.put(start), version)
+        # weight_deltas: the driver's copy of the last weights pushed, which each update is compared with
+        # (flywheel.model.weight_delta); the engines that hold that version get only the changes
+        self._sender = DeltaSender() if weight_deltas else None
+        if self._sender is not None:
+            self._sender.delta(start, version)
+        self.last_update_bytes: int | None = None  # weight_deltas: tensor bytes the last update sent to the engines
         self._engine_args = (type(model), model.config, engine, tokenizer, engine_factory)
         self._worker_args = (tokenizer, pool)
-        self._tag = uuid.uuid4().hex[:6]
         self._lock = threading.Lock()
         self._worker_ready = threading.Condition(self._lock)  # a worker replaced, or a replacement given up
         self._replacing: set[int] = set()  # workers whose replacement is starting: `_acquire` waits for one
@@ -393,6 +410,7 @@ class RayRollouts:
             log(f"rollout worker {w['sizing']}")
         self._alive = set(range(n))
         self._engines_alive = set(range(n))
+        self._engine_versions = [version] * n  # each engine's version as it last acknowledged (a delta's base)
         self._load = [0] * n
         self._next = 0
         # every actor holds one `alive` call open; the watch learns of a death when that call fails, so
@@ -421,26 +439,86 @@ class RayRollouts:
                        timeout_s: float = 60.0) -> None:
         """Every live engine swaps in `weights` (a reference: the learner's copy in the store; a dict
         is put there once first) as `version`. Sent by the driver, not by the workers, so that an
-        engine whose worker is dead or not yet replaced keeps up too (other workers' requests go there)."""
-        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(dict(weights))
+        engine whose worker is dead or not yet replaced keeps up too (other workers' requests go there).
+
+        With weight deltas the driver fetches the weights once, compares them with its copy of the
+        last ones pushed and puts the changes in the store once: an engine at that last version gets
+        them, any other (a replacement started since, one that missed an update) the whole weights,
+        as does one that refuses the changes (its version moved meanwhile)."""
         with self._lock:
             if not self._a_worker_lives():
                 raise NoWorkersLeft(f"no rollout worker is left to take the weights of policy {version}; restart the "
                                     "run on a cluster with live nodes (it resumes from its last checkpoint)")
-            # an engine being replaced is not here: its replacement is brought to this version before it serves
-            engines = {i: self.engines[i] for i in sorted(self._engines_alive)}
-            self._latest = (ref, version)
-        calls = {engine.update_weights.remote(ref, version, timeout_s): i for i, engine in engines.items()}
+        if self._sender is None:
+            ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(dict(weights))
+            with self._lock:
+                # an engine being replaced is not here: its replacement is brought to this version before it serves
+                engines = {i: self.engines[i] for i in sorted(self._engines_alive)}
+                self._latest = (ref, version)
+            self._push(engines, {i: ref for i in engines}, version, timeout_s)
+        else:
+            state = self._learner_weights(weights, version)
+            with self._lock:
+                delta = self._sender.delta(state, version)  # the driver's copy becomes `state`
+                self._latest = (None, version)
+                engines = {i: self.engines[i] for i in sorted(self._engines_alive)}
+                based = {i for i in engines if self._engine_versions[i] == delta.base_version}
+            delta_ref = ray.put(delta) if based else None
+            refs = {i: delta_ref if i in based else self._latest_full()[0] for i in engines}
+            refused = self._push(engines, refs, version, timeout_s)
+            if refused:
+                self._push({i: engines[i] for i in refused}, {i: self._latest_full()[0] for i in refused}, version,
+                           timeout_s)
+            whole = sum(t.numel() * t.element_size() for t in state.values())
+            self.last_update_bytes = delta.nbytes * (len(based) - len(refused)) + whole * (len(engines) - len(based)
+                                                                                           + len(refused))
+        with self._lock:
+            self._version = version
+
+    def _learner_weights(self, weights: Mapping[str, torch.Tensor] | ray.ObjectRef,
+                         version: int) -> Mapping[str, torch.Tensor]:
+        if not isinstance(weights, ray.ObjectRef):
+            return weights
+        try:
+            return ray.get(weights, timeout=max(self.cluster.engine_timeout_s, self.cluster.learner_timeout_s))
+        except GetTimeoutError:
+            raise ActorHung(f"the learner actor did not produce the weights of policy {version} within "
+                            f"{self.cluster.learner_timeout_s:.0f} s; inspect it (`ray stack`)") from None
+        except _DIED as exc:
+            raise LearnerLost(f"the weights of policy {version} were lost ({type(exc).__name__}: the learner actor "
+                              "or its node died); the run resumes from its last checkpoint") from exc
+
+    def _latest_full(self) -> tuple[ray.ObjectRef, int]:
+        """The latest weights as one object in the store, and their version. With weight deltas the
+        driver's copy is put there the first time an engine needs it after an update (then shared)."""
+        with self._lock:
+            ref, version = self._latest
+            if ref is None:
+                ref = ray.put(dict(self._sender.weights))
+                self._latest = (ref, version)
+            return ref, version
+
+    def _push(self, engines: Mapping[int, Any], refs: Mapping[int, ray.ObjectRef], version: int,
+              timeout_s: float) -> set[int]:
+        """Send `refs[i]` to engine i as `version` and wait for every acknowledgement; returns the
+        engines that refused a delta (made against another version than theirs)."""
+        calls = {engines[i].update_weights.remote(refs[i], version, timeout_s): i for i in engines}
         timeout = max(timeout_s, self.cluster.engine_timeout_s)
         done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout)
         if pending:
             raise ActorHung(f"{describe(self.engine_where[calls[pending[0]]])} did not apply the weights of policy "
                             f"{version} within {timeout:.0f} s (or the learner actor did not produce them); inspect "
                             "both (`ray stack`) or raise cluster.engine_timeout_s")
+        refused = set()
         for ref_done in done:
             i = calls[ref_done]
             try:
-                ray.get(ref_done)
+                held = ray.get(ref_done)
+            except RayTaskError as exc:
+                if not isinstance(exc.cause, ValueError) or self._sender is None:
+                    raise
+                refused.add(i)  # a delta against another version than the engine's: it gets the whole weights
+                continue
             except _DIED as exc:
                 if not _died_itself(exc, self.engine_where[i]):
                     raise LearnerLost(f"the weights of policy {version} were lost ({type(exc).__name__}: the learner "
@@ -448,8 +526,11 @@ class RayRollouts:
                 with self._lock:  # the engine died: its watcher starts another, at the latest version
                     if self.engines[i] is engines[i]:
                         self._engines_alive.discard(i)
-        with self._lock:
-            self._version = version
+                continue
+            with self._lock:
+                if self.engines[i] is engines[i]:
+                    self._engine_versions[i] = held
+        return refused
 
     def close(self) -> None:
         """Kill every actor (replacements still starting too) and wait for the driver's own threads
@@ -603,8 +684,7 @@ class RayRollouts:
 
     def _start_engine(self, i: int, options: dict[str, Any]) -> Any:
         model_class, model_config, engine, tokenizer, engine_factory = self._engine_args
-        with self._lock:
-            weights, version = self._latest
+        weights, version = self._latest_full()
         return start_engine_actor(options, f"engine-{i}-{self._tag}-{uuid.uuid4().hex[:4]}", model_class,
                                   model_config, weights, engine, version, tokenizer, engine_factory, self.cluster)
 
@@ -729,8 +809,7 @@ class RayRollouts:
             engine = track(self._start_engine(i, self._bundle(i)))
             where = self._started(engine, f"the replacement of inference engine {i}")
             while True:  # to the latest weights, then live for the next update (an update may go out meanwhile)
-                with self._lock:
-                    ref, version = self._latest
+                ref, version = self._latest_full()
                 ray.get(engine.update_weights.remote(ref, version, 60.0), timeout=self.cluster.actor_timeout_s)
                 with self._lock:
                     if self._closing:
@@ -738,6 +817,7 @@ class RayRollouts:
                     if self._latest[1] != version:
                         continue
                     self.engines[i], self.engine_where[i] = engine, {**where, "version": version}
+                    self._engine_versions[i] = version
                     self._engines_alive.add(i)
                     self._watch[engine.alive.remote()] = ("engine", i, engine)
                     self._counts["engine_restarts"] += 1
@@ -789,11 +869,13 @@ class RayCluster:
 
     @contextmanager
     def engine(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, engine: EngineConfig,
-               pool: PoolConfig, version: int = 0, checkpoint: Any = None) -> Iterator[RayRollouts]:
+               pool: PoolConfig, version: int = 0, checkpoint: Any = None,
+               weight_deltas: bool = False) -> Iterator[RayRollouts]:
         if engine.backend == "vllm":
             raise ValueError("engine.backend = \"vllm\" runs with cluster.backend = \"local\" (the rollout workers "
                              "on Ray build local engines); set cluster.backend = \"local\"")
-        rollouts = RayRollouts(self.config, model, tokenizer, engine, pool, version, self.log)
+        rollouts = RayRollouts(self.config, model, tokenizer, engine, pool, version, self.log,
+                               weight_deltas=weight_deltas)
         self._actors.append(rollouts)
         try:
             yield rollouts

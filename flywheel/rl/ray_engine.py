@@ -48,6 +48,7 @@ from ray.exceptions import ObjectLostError, RayActorError
 from transformers import PreTrainedTokenizerBase
 
 from flywheel.model.engine import EngineConfig, Generation, LocalEngine, SamplingParams
+from flywheel.model.weight_delta import WeightDelta, weights_digest
 from flywheel.rl.cluster import ClusterConfig
 
 DIED = (RayActorError, ObjectLostError)  # what a call to a dead actor (or to one on a dead node) raises
@@ -113,10 +114,17 @@ class EngineActor:
                 yield "tokens", [t[0] for t in tokens], [t[1] for t in tokens], [t[2] for t in tokens]
         yield "done", future.result()
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, timeout_s: float) -> int:
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | WeightDelta, version: int, timeout_s: float) -> int:
+        """Swap in `weights` (a state dict, or a `WeightDelta` against this engine's version: else
+        ValueError, and the driver sends the whole weights) as `version`; returns the version held."""
         if version != self.engine.version:  # a replaced engine may be sent the version it started with
             self.engine.update_weights(weights, version, timeout_s=timeout_s)
         return self.engine.version
+
+    def weights_digest(self) -> str:
+        """The hash of the weights this engine holds (`weight_delta.weights_digest`): equal on two
+        engines, or to that of a state dict, means bit-identical weights."""
+        return weights_digest(self.engine.model.state_dict())
 
     def close(self) -> None:
         self.engine.close()

@@ -53,7 +53,6 @@ from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.adapters import LoraConfig, start_lora
 from flywheel.model.engine import Engine, EngineConfig
 from flywheel.model.registry import Checkpoint, Registry
-from flywheel.model.weight_delta import DeltaPush
 from flywheel.rl.advantages import outcome_tied
 from flywheel.rl.cluster import ClusterConfig, LearnerLost, LocalCluster, start_cluster
 from flywheel.rl.distributed import DistConfig, follow_training, init_distributed, leading
@@ -134,7 +133,8 @@ class TrainConfig(BaseModel):
     # bit-identical results, fewer bytes copied and sent where most weights keep their bits between steps
     # (bf16 at a pretrained model's learning rate: 5.7% of the bytes, bench/engine.py --weight-deltas); in float32
     # AdamW moves every weight and the delta is a full push plus the cost of comparing, which on one host exceeds the
-    # copy it saves (docs/moe-rl.md). Keeps a copy of the last weights sent. Local engines only.
+    # copy it saves (docs/moe-rl.md). Keeps a copy of the last weights sent (on the Ray driver: it fetches each
+    # update once and sends the changes to every engine through the store). Local and Ray engines; not vLLM.
     weight_deltas: bool = False
 
     @model_validator(mode="after")
@@ -149,15 +149,17 @@ class TrainConfig(BaseModel):
                              "every "
                              "token would carry a spurious importance weight; set learner.temperature = "
                              "orchestrator.episode.temperature")
-        if self.weight_deltas and (self.cluster.backend != "local" or self.engine.backend != "local"):
-            raise ValueError("weight_deltas is wired for the local engines (in-process or engine.separate_process): "
-                             "set cluster.backend = 'local' and engine.backend = 'local', or weight_deltas = false")
+        if self.weight_deltas and self.engine.backend != "local":
+            raise ValueError("weight_deltas is wired for the local engines (in-process, engine.separate_process, Ray "
+                             "engine actors); vLLM reloads whole checkpoints: set engine.backend = 'local', or "
+                             "weight_deltas = false")
         if self.learner.loss.routing_replay and not self.orchestrator.episode.routed_experts:
             raise ValueError("learner.loss.routing_replay replays the experts the engine chose: set "
                              "orchestrator.episode.routed_experts = true so that episodes record them")
         if self.learner.loss.routing_replay and self.engine.backend == "vllm":
             raise ValueError("learner.loss.routing_replay needs the local engine's routing record: the installed "
-                             "vLLM returns routed experts only in non-streamed completions (flywheel streams); set "
+                             "vLLM returns routed experts only in non-streamed completions (flywheel streams) and "
+                             "only from a server its CPU build cannot start (docs/moe-rl.md); set "
                              "engine.backend = 'local' or turn routing replay off")
         if self.lora is not None and (self.dist is not None or self.cluster.backend != "local"):
             raise ValueError("lora trains in this process: remove [dist] and set cluster.backend = \"local\" (a "
@@ -501,13 +503,11 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
             start_cluster(config.cluster, log) as cluster, \
             learner_for(config, cluster, learner_model, parent.version) as learner, \
             cluster.engine(engine_model, tokenizer, config.engine, config.pool, version=learner.version,
-                           checkpoint=parent.path) as engine, \
+                           checkpoint=parent.path, weight_deltas=config.weight_deltas) as engine, \
             SandboxPool(config.pool) as pool, \
             episode_runner(config, cluster, engine, tokenizer, pool) as runner, \
             Orchestrator(orch_config, tasks, engine, tokenizer, pool, config.run_dir,
                          version=lambda: learner.version, runner=runner) as orchestrator:
-        if config.weight_deltas:
-            engine = DeltaPush(engine)
         if resume(orch_config, orchestrator, learner, engine, run):
             log(f"resumed {config.run_dir} at step {orchestrator.step} (policy {learner.version})")
         elif start_report is not None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flywheel.agent.episode import EpisodeConfig, EpisodeState, initial_prompt, run_episode
-from flywheel.agent.trajectory import Status
+from flywheel.agent.trajectory import Status, Trajectory
 from flywheel.env.families import generate
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.model.chat import IM_END, render_messages, tool_schemas
@@ -177,8 +177,10 @@ def test_real_model_episode_logprobs_match_one_forward_pass_over_the_trajectory(
     assert traj.routed_experts[-1] == []
     want = torch.cat(routing, -1)[:-1].view(-1, 2, 2).sort(-1).values
     assert torch.equal(torch.tensor(traj.routed_experts[:-1]).view(-1, 2, 2).sort(-1).values, want)
-    for state in saved:  # what a resumed episode starts from
+    for state in saved:  # what a resumed episode starts from, as run/inflight/ holds it (packed)
+        state = EpisodeState.model_validate_json(state.model_dump_json())
         assert all(e == traj.routed_experts[i] for i, e in enumerate(state.routed_experts) if e)
+    assert Trajectory.model_validate_json(traj.model_dump_json()).routed_experts == traj.routed_experts
     logp = torch.log_softmax(logits.float(), -1)
     positions = [i for i, m in enumerate(traj.loss_mask) if m]
     recomputed = torch.stack([logp[i - 1, traj.tokens[i]] for i in positions])

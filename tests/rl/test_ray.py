@@ -29,6 +29,7 @@ from flywheel.env.families import task_set
 from flywheel.env.pool import PoolConfig
 from flywheel.model.engine import EngineConfig, SamplingParams
 from flywheel.model.registry import Registry
+from flywheel.model.weight_delta import diff_weights, weights_digest
 from flywheel.report import build_report_data, render_report
 from flywheel.rl.audit import LostSamples, audit, trained_steps
 from flywheel.rl.cluster import ClusterConfig
@@ -201,7 +202,8 @@ def test_kills_at_random_moments_keep_every_version_invariant(cluster, registry_
     engines sample a policy whose checkpoint is not written yet (checkpoint_every = 2 makes that a
     whole step), so its resume must forget what that policy sampled. The learner's death restarts
     the run from its checkpoint, the rest heal in place, and every invariant of flywheel/rl/audit.py
-    holds on the records."""
+    holds on the records. Weights go out as deltas (`weight_deltas`), so a replaced engine or a
+    restarted run's engines start from the driver's copy of the last weights pushed."""
     seed = int(os.environ.get("FLYWHEEL_FAULT_SEED") or random.randrange(2**32))  # set it to replay a failure
     rng = random.Random(seed)
     # two per run, so both land within its steps on a loaded machine; over runs, every kind and order
@@ -211,8 +213,9 @@ def test_kills_at_random_moments_keep_every_version_invariant(cluster, registry_
     faults = ActorFaults(run_dir, cluster, rng)
     dealer = faults.start(kinds)
     try:
-        _, summary = train(run_config(registry_root, run_dir, steps=8, checkpoint_every=2, learner_restarts=1,
-                                      rollout_workers=2), log=faults.log)
+        config = run_config(registry_root, run_dir, steps=8, checkpoint_every=2, learner_restarts=1,
+                            rollout_workers=2)
+        _, summary = train(config.model_copy(update={"weight_deltas": True}), log=faults.log)
     finally:
         faults.stop(dealer)
         for _ in range(faults.removed):
@@ -222,7 +225,8 @@ def test_kills_at_random_moments_keep_every_version_invariant(cluster, registry_
     assert not faults.errors and [f.kind for f in faults.faults] == kinds, said
     assert summary["steps"] == 8 and any(line.startswith(f"resumed {run_dir} at step") for line in faults.logs), said
     assert len(faults.lost) == 1 and faults.lost[0].records > 0, said  # tokens of a lost policy to forget
-    check_run(run_dir, 8, lost=faults.lost)
+    metrics = check_run(run_dir, 8, lost=faults.lost)
+    assert all("weight_update_bytes" in m for m in metrics), said  # pushed as deltas from the driver's copy
 
 
 @pytest.mark.slow  # 33 s on the shared 2-core machine (load ~10)
@@ -324,22 +328,36 @@ def test_a_hung_engine_is_named_within_its_timeout(cluster, registry_root):
 
 
 @pytest.mark.slow  # 45 s on the shared 2-core machine (load ~10)
-def test_a_dead_worker_and_a_dead_engine_are_replaced_and_take_the_next_weights(cluster, registry_root):
-    """Two idle workers; worker 0 and engine 1 killed. Both deaths are noticed with no episode sent
-    (each actor's held-open `alive` call fails): a new worker takes worker 0's place and a new engine
-    engine 1's, nothing fails over, the fleet is whole again, and the next weight update reaches both
-    engines: episodes after it carry only the new version. (Episodes failing over from a worker
-    that dies under them: the run test above.)"""
+def test_a_dead_worker_and_a_dead_engine_are_replaced_and_take_the_next_weights_as_deltas(cluster, registry_root):
+    """Two idle workers, pushed weight deltas; worker 0 and engine 1 killed. Both deaths are noticed
+    with no episode sent (each actor's held-open `alive` call fails): a new worker takes worker 0's
+    place and a new engine engine 1's, nothing fails over, the fleet is whole again, and the next
+    weight update reaches both engines: episodes after it carry only the new version. The deltas:
+    engines at the last version get only the changed tensors (one object in the store), the
+    replacement starts from the driver's copy (start weights plus a delta), an engine whose version
+    moved behind the driver's back refuses the delta and gets the whole weights, and every engine
+    ends bit-identical to a full push. (Episodes failing over from a worker that dies under them:
+    the run test above.)"""
     model, tokenizer = Registry(registry_root).load("production")
     config = ClusterConfig(backend="ray", rollout_workers=2, placement="STRICT_SPREAD", worker_cpus=0.2,
                            engine_cpus=0.1, worker_resources={"rollout": 0.5}, actor_timeout_s=60)
     task = task_set(["bugfix"], "train", 1, seed=100, difficulty=1)[0]
     episode = EpisodeConfig(max_turns=2, max_tokens_per_turn=8)
     logs: list[str] = []
-    rollouts = RayRollouts(config, model, tokenizer, EngineConfig(threads=1), PoolConfig(warm=0), 0, log=logs.append)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    full_bytes = sum(t.numel() * t.element_size() for t in start.values())
+    # a few tensors change per step (not the tied embedding, whose two names are one tensor)
+    w1 = {k: v + 0.01 if i % 3 == 0 and "embed" not in k and "lm_head" not in k else v for i, (k, v) in
+          enumerate(start.items())}
+    w2 = {k: v * 1.5 if i % 4 == 1 and "embed" not in k and "lm_head" not in k else v for i, (k, v) in
+          enumerate(w1.items())}
+    rollouts = RayRollouts(config, model, tokenizer, EngineConfig(threads=1), PoolConfig(warm=0), 0, log=logs.append,
+                           weight_deltas=True)
     try:
         old_worker, old_engine = rollouts.where[0], rollouts.engine_where[1]
         first = rollouts(task, episode, "g0", None, lambda _: None, 0)
+        rollouts.update_weights(w1, 1)  # both engines hold the start weights: the changes only
+        assert rollouts.last_update_bytes == 2 * diff_weights(start, w1, 1, 0).nbytes < full_bytes / 2
         ray.kill(rollouts.workers[0])
         ray.kill(rollouts.engines[1])
         deadline = time.monotonic() + 180
@@ -352,10 +370,14 @@ def test_a_dead_worker_and_a_dead_engine_are_replaced_and_take_the_next_weights(
         assert counts["failover_episodes"] == 0 and counts["workers_replaced"] == 1, (counts, logs)
         assert counts["engine_restarts"] == 1, (counts, logs)
         assert rollouts.where[0]["pid"] != old_worker["pid"] and rollouts.engine_where[1]["pid"] != old_engine["pid"]
-        rollouts.update_weights({k: v + 0.01 for k, v in model.state_dict().items()}, 1)
+        assert ray.get(rollouts.engines[1].weights_digest.remote()) == weights_digest(w1)  # the driver's copy
+        ray.get(rollouts.engines[0].update_weights.remote(ray.put(start), 7, 60.0))  # behind the driver's back
+        rollouts.update_weights(ray.put(w2), 2)  # a reference, as the learner actor's weights
+        assert rollouts.last_update_bytes == diff_weights(w1, w2, 2, 1).nbytes + full_bytes  # engine 0: refused
+        assert ray.get([e.weights_digest.remote() for e in rollouts.engines]) == [weights_digest(w2)] * 2
         stats = rollouts.stats()
         assert stats["live_workers"] == 2, stats
-        assert sorted(e["version"] for e in stats["engines"].values()) == [1, 1], stats
+        assert sorted(e["version"] for e in stats["engines"].values()) == [2, 2], stats
         assert old_engine["name"] not in stats["engines"], stats
         with ThreadPoolExecutor(2) as threads:  # one episode on each worker (the least loaded first)
             after = list(threads.map(lambda g: rollouts(task, episode, g, None, lambda _: None, 0), ["g1", "g2"]))
@@ -363,7 +385,7 @@ def test_a_dead_worker_and_a_dead_engine_are_replaced_and_take_the_next_weights(
         rollouts.close()
     assert set(first.versions[i] for i, m in enumerate(first.loss_mask) if m) == {0}
     for t in after:
-        assert {v for v, m in zip(t.versions, t.loss_mask, strict=True) if m} == {1}
+        assert {v for v, m in zip(t.versions, t.loss_mask, strict=True) if m} == {2}
 
 
 @pytest.mark.slow  # 43 s on the shared 2-core machine

@@ -105,7 +105,7 @@ def test_a_start_report_from_the_caller_is_the_eval_at_step_0_and_the_lift_is_pa
     config = TrainConfig.model_validate({
         "registry_root": tmp_path / "registry", "run_dir": tmp_path / "run", "families": ["bugfix"],
         "train_tasks_per_family": 1, "eval_tasks_per_family": 3, "threads": 1, "eval_at_start": False,
-        "eval_every": 1,
+        "eval_every": 1, "weight_deltas": True,  # the local engine takes the weights as deltas (DeltaPush)
         "orchestrator": {"group_size": 2, "groups_per_step": 1, "max_steps": 2, "filter_zero_signal": False,
                          "episode": {"max_turns": 1, "max_tokens_per_turn": 8}}})
     ids = [t.id for t in eval_tasks(config)]
@@ -113,6 +113,9 @@ def test_a_start_report_from_the_caller_is_the_eval_at_step_0_and_the_lift_is_pa
     _, summary = train(config, log=lambda line: None, start_report=start)
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 1, 2] and evals[0]["source"] == "start_report"
+    full = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0]["weight_update_bytes"] == full and 0 <= steps[1]["weight_update_bytes"] <= full  # then changes
     assert evals[0]["per_task"] == dict.fromkeys(ids, 1.0) and summary["pass_rate_start"] == 1.0
     lift = summary["lift"]
     assert lift["tasks"] == 3 and lift["before"] == 1.0 and lift["after"] == summary["pass_rate_end"]
