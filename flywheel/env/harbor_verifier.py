@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     spec = json.loads((ns.tests / "grading.json").read_text())
     work = Path.cwd()
+    # The visible tests as the agent left them, before the hidden tests (which may be new versions of
+    # the same files, as a SWE-bench test patch is) are copied over them.
+    modified = float(any(_sha256(work / p) != digest for p, digest in spec["protected"].items()))
     shutil.rmtree(work / "tests_hidden", ignore_errors=True)
     if spec["pytest"]:  # what decides how pytest runs and reports is the task's, not the agent's
         control = set(spec["control_files"])
@@ -60,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     tests = {test: reported.get(test) is True and not timed_out for test in ids}
     frac = sum(tests.values()) / len(ids) if ids else 0.0
     all_passed = float(bool(ids) and all(tests.values()))
-    modified = float(any(_sha256(work / p) != digest for p, digest in spec["protected"].items()))
     weights = spec["weights"]
     parts = {"pass_frac": weights["pass_frac_weight"] * frac,
              "all_passed_bonus": weights["all_passed_weight"] * all_passed,

@@ -21,6 +21,7 @@ from flywheel.env.environments import EnvironmentMissing, EnvSpec, build, locate
 from flywheel.env.families import mined
 from flywheel.env.families.workspace import file_edits
 from flywheel.env.grading import grade
+from flywheel.env.harbor import export_task, import_task
 from flywheel.env.mutations import KINDS, mutations
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.env.repos import PYTEST_ENV, fetch_sdist, pytest_outside, sdist_files, write_tree
@@ -156,7 +157,7 @@ def mined_catalogue(tmp_path_factory, pytest_env, toolz_files):
 
 
 @pytest.mark.slow  # 14 s on the shared 2-core machine (load ~10)
-def test_mined_tasks_fail_before_and_pass_after_their_fix_in_the_sandbox(mined_catalogue, toolz_files):
+def test_mined_tasks_fail_before_and_pass_after_their_fix_in_the_sandbox(mined_catalogue, toolz_files, tmp_path):
     bugs = mined.catalogue(mined_catalogue)
     assert 1 <= len(bugs) <= 3
     for bug in bugs:
@@ -171,6 +172,7 @@ def test_mined_tasks_fail_before_and_pass_after_their_fix_in_the_sandbox(mined_c
         assert fixed[bug.module] == toolz_files[bug.module]
         after = grade(task, Snapshot.of_files(fixed))
         assert after.all_passed and after.reward == pytest.approx(1.0), after.log
+    assert_graded_alike_through_harbor(task, fixed, tmp_path / "harbor")  # the last one, exported
     # The same catalogue draws the same tasks for a seed, and ids regenerate them.
     split = bugs[0].split()
     drawn = mined.generate(split, 1, seed=4, cache=mined_catalogue)
@@ -265,6 +267,19 @@ def test_swebench_instance_from_a_git_repository_hides_the_future(tmp_path, pyte
     test_file = "calc/tests/test_calc.py"
     assert apply_patch(task.files, back.test_patch)[test_file] == task.hidden_tests[test_file]
     assert (back.FAIL_TO_PASS, back.PASS_TO_PASS) == (list(task.fail_to_pass), list(task.pass_to_pass))
+    # And as a Harbor task folder: imported back, its own tests/test.sh grades it as flywheel does.
+    assert_graded_alike_through_harbor(task, fixed, tmp_path / "harbor")
+
+
+def assert_graded_alike_through_harbor(task: Task, fixed: dict[str, str], out: Path) -> None:
+    """`task` exported as a Harbor folder and imported back: its test.sh, run in the jail, gives the
+    untouched and the fixed workspace the rewards flywheel's own grading gives them."""
+    imported = import_task(export_task(task, out))
+    assert imported.grader == "harbor" and imported.files == task.files
+    for files in (task.files, fixed):
+        ours, theirs = grade(task, Snapshot.of_files(files)), grade(imported, Snapshot.of_files(files))
+        assert theirs.reward == pytest.approx(ours.reward), (ours.parts, theirs.parts, theirs.log)
+        assert theirs.all_passed == ours.all_passed
 
 
 # ---- semantic search at repository scale: embeddings cached by content ------------------------
