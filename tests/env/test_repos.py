@@ -33,6 +33,7 @@ from flywheel.model.engine import EngineConfig, LocalEngine
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.tokenizer import train_tokenizer
 from flywheel.sim.expert import ScriptedExpert, run_policy
+from tests.env.test_harbor import ECOSYSTEM_PYTHON, HARBOR_READS
 
 ROOT = Path(__file__).parents[2]
 BROKEN_FIRST = ("def first(seq):\n", "def first(seq):\n    return None\n")
@@ -274,7 +275,12 @@ def test_swebench_instance_from_a_git_repository_hides_the_future(tmp_path, pyte
 def assert_graded_alike_through_harbor(task: Task, fixed: dict[str, str], out: Path) -> None:
     """`task` exported as a Harbor folder and imported back: its test.sh, run in the jail, gives the
     untouched and the fixed workspace the rewards flywheel's own grading gives them."""
-    imported = import_task(export_task(task, out))
+    folder = export_task(task, out)
+    if ECOSYSTEM_PYTHON.exists() or os.environ.get("FLYWHEEL_CI") == "1":  # Harbor's own package loads it
+        read = json.loads(subprocess.run([str(ECOSYSTEM_PYTHON), "-c", HARBOR_READS, str(folder)], check=True,
+                                         capture_output=True, text=True, timeout=120).stdout)
+        assert read[folder.name]["valid"] and read[folder.name]["metadata"]["flywheel_id"] == task.id
+    imported = import_task(folder)
     assert imported.grader == "harbor" and imported.files == task.files
     for files in (task.files, fixed):
         ours, theirs = grade(task, Snapshot.of_files(files)), grade(imported, Snapshot.of_files(files))
