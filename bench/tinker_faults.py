@@ -13,8 +13,9 @@ life must load (`create_training_client_from_state`) and score the recorded loss
 acknowledged sampler save must be a Registry version that loads merged. Printed: kills,
 checkpoints acknowledged and lost (must be 0), versions acknowledged and lost (0), leftovers of
 unfinished writes, and the restart's seconds (process start to the first answered request).
-What a death costs by design: the training clients (models live in memory) and the requests in
-flight; a client resumes from its last checkpoint.
+What a death costs by design: the requests in flight. (The training client itself goes on after a
+restart, flywheel/tinker/records.py, tests/tinker/test_restart.py; here each life's client stops at
+its kill, and the checks are of the checkpoints and versions it left.)
 """
 
 from __future__ import annotations

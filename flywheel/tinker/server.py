@@ -106,6 +106,11 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
         except (ValueError, ValidationError) as exc:
             raise ApiError(400, f"invalid {model.__name__}: {str(exc)[:2000]}") from exc
 
+    async def owned_model(model_id: str, owner: str) -> None:
+        # Off the event loop: after a restart the first request naming a model reads its record
+        # and may load its base (seconds), while other clients' requests go on being answered.
+        await asyncio.to_thread(service.model, model_id, owner)
+
     def future(request_id: str, **extra: Any) -> dict[str, Any]:
         return {"request_id": request_id, **extra}
 
@@ -181,7 +186,7 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
         owner = caller(request, "training")
-        return service.info((await body(request, types.GetInfoRequest)).model_id, owner)
+        return await asyncio.to_thread(service.info, (await body(request, types.GetInfoRequest)).model_id, owner)
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
@@ -189,7 +194,7 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
         if PROTO not in request.headers.get("content-type", "") or request.headers.get("content-encoding"):
             raise ApiError(400, f"forward_backward takes an uncompressed {PROTO} body (tinker 0.38's wire)")
         req = decode_forward_backward(await read_body(request, config.max_body_bytes))
-        service.model(req.model_id, owner)
+        await owned_model(req.model_id, owner)
         check_loss(req.loss_fn, req.loss_fn_config)
         return future(service.submit(owner, lambda: service.forward_backward(owner, req)), model_id=req.model_id)
 
@@ -197,18 +202,18 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
     async def optim_step(request: Request) -> dict[str, Any]:
         owner = caller(request, "training")
         req = await body(request, types.OptimStepRequest)
-        service.model(req.model_id, owner)
+        await owned_model(req.model_id, owner)
         if not isinstance(req.optim_params, types.AdamParams):
             raise ApiError(400, "only AdamParams are supported (flywheel's optimizer is AdamW)")
         params = req.optim_params.model_dump()
-        return future(service.submit(owner, lambda: service.optim_step(owner, req.model_id, params)),
+        return future(service.submit(owner, lambda: service.optim_step(owner, req.model_id, req.seq_id, params)),
                       model_id=req.model_id)
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
         owner = caller(request, "training")
         req = await body(request, types.SaveWeightsRequest)
-        service.model(req.model_id, owner)
+        await owned_model(req.model_id, owner)
         name = req.path or f"state-{req.seq_id}"
         return future(service.submit(owner, lambda: service.save_state(owner, req.model_id, name, req.overwrite)))
 
@@ -223,14 +228,14 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
                 owner, req.session_id, seq, req.path, req.optimizer)))
         if req.model_id is None:
             raise ApiError(400, "give model_id, or session_id and model_seq_id")
-        service.model(req.model_id, owner)
+        await owned_model(req.model_id, owner)
         return future(service.submit(owner, lambda: service.load_state(owner, req.model_id, req.path, req.optimizer)))
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
         owner = caller(request, "training")
         req = await body(request, types.SaveWeightsForSamplerRequest)
-        service.model(req.model_id, owner)
+        await owned_model(req.model_id, owner)
         if req.kind != "snapshot":
             raise ApiError(400, f"sampling client kind {req.kind!r} is not supported; use 'snapshot'")
         session = req.model_id.split(":train:")[0]

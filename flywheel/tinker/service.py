@@ -48,6 +48,7 @@ from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
 from flywheel.model.registry import CheckpointNotFound, Registry
 from flywheel.store.files import write_atomic
 from flywheel.tinker.losses import LossInputError, check_loss
+from flywheel.tinker.records import ClientRecords, model_folder
 from flywheel.tinker.trainer import AdapterModel, LoraSpec
 from flywheel.tinker.wire import FwdBwdRequest, WireError, encode_forward_backward, encode_sample
 
@@ -79,6 +80,8 @@ class TrainingEntry:
     model: AdapterModel
     rank: int
     lock: threading.Lock = field(default_factory=threading.Lock)
+    seq: int = 0  # the SDK's seq_id of the last forward_backward / optim_step applied (records.py: resends)
+    last_optim: dict[str, Any] | None = None  # what that optim_step answered, for its resend
 
 
 @dataclass
@@ -121,6 +124,8 @@ class TinkerService:
         self._engines: OrderedDict[str, LocalEngine] = OrderedDict()
         self._engine_lock = threading.Lock()
         self._results: OrderedDict[str, tuple[str, Future[Outcome]]] = OrderedDict()  # request id -> (owner, ...)
+        self.records = ClientRecords(self.root)  # sessions and models, read back after a restart
+        self._restore_lock = threading.Lock()  # one restore of a model at a time (it loads its base)
 
     # ---- names, bases, ownership
 
@@ -159,7 +164,34 @@ class TinkerService:
         return entry
 
     def model(self, model_id: str, owner: str) -> TrainingEntry:
+        """The model, read back from its record the first time it is named after a restart (seconds:
+        it may load the base; the HTTP routes call this off their event loop)."""
+        if model_id not in self._models:
+            self._restore_model(model_id)
         return self._owned(self._models, model_id, owner, "training model")
+
+    def _restore_model(self, model_id: str) -> None:
+        with self._restore_lock:
+            record = None if model_id in self._models else self.records.read_model(model_id)
+            if record is None:
+                return
+            spec = LoraSpec(**record["state"]["spec"])
+            adapter = AdapterModel(self.base(record["base_version"])[0], spec, 0, self.micro_batch_tokens)
+            adapter.load_state(record["state"], optimizer=True)
+            adapter.set_pending_gradients(record["grads"])
+            entry = TrainingEntry(record["owner"], record["base_name"], record["base_version"], adapter, spec.rank,
+                                  seq=record["seq"], last_optim=record["last_optim"])
+            with self._lock:
+                self._models[model_id] = entry
+        log.info("restored training model %s at step %d from its record", model_id, adapter.steps)
+
+    def _write_record(self, model_id: str, entry: TrainingEntry) -> None:
+        """The model as it is now, on disk before the request that changed it is acknowledged.
+        Called with `entry.lock` held."""
+        self.records.write_model(model_id, {
+            "owner": entry.owner, "base_name": entry.base_name, "base_version": entry.base_version,
+            "state": entry.model.state(), "grads": entry.model.pending_gradients(), "seq": entry.seq,
+            "last_optim": entry.last_optim})
 
     def sampler(self, sampler_id: str, owner: str) -> SamplerEntry:
         return self._owned(self._samplers, sampler_id, owner, "sampling session")
@@ -203,25 +235,34 @@ class TinkerService:
 
     def create_session(self, owner: str) -> str:
         session_id = f"session-{uuid.uuid4().hex[:12]}"
+        self.records.write_session(session_id, owner)
         with self._lock:
             self._sessions[session_id] = owner
         return session_id
 
     def check_session(self, session_id: str, owner: str) -> None:
+        if session_id not in self._sessions:
+            restored = self.records.read_session(session_id)
+            if restored is not None:
+                with self._lock:
+                    self._sessions[session_id] = restored
         self._owned(self._sessions, session_id, owner, "session")
 
     def create_model(self, owner: str, session_id: str, seq: int, base_name: str, rank: int, seed: int | None,
                      train_attn: bool, train_mlp: bool) -> dict[str, Any]:
         version = self.resolve_base(base_name)
         model_id = f"{session_id}:train:{seq}"
-        if model_id in self._models:
+        if model_id in self._models or self.records.has_model(model_id):
             raise UserError(f"model {model_id} exists already (model_seq_id {seq} was used in this session)")
         if not 1 <= rank <= 1024:
             raise UserError(f"LoRA rank must be between 1 and 1024, got {rank}")
         base, _ = self.base(version)
         adapter = AdapterModel(base, LoraSpec(rank, train_attn, train_mlp), seed, self.micro_batch_tokens)
+        entry = TrainingEntry(owner, base_name, version, adapter, rank)
+        with entry.lock:
+            self._write_record(model_id, entry)
         with self._lock:
-            self._models[model_id] = TrainingEntry(owner, base_name, version, adapter, rank)
+            self._models[model_id] = entry
         return {"model_id": model_id, "type": "create_model"}
 
     def info(self, model_id: str, owner: str) -> dict[str, Any]:
@@ -238,22 +279,31 @@ class TinkerService:
         if not request.data:
             raise UserError("no data: give at least one datum")
         with entry.lock:
-            outputs, loss = entry.model.forward_backward(request.data, request.loss_fn, config,
-                                                         backward=not request.forward_only)
+            resent = 0 < request.seq_id <= entry.seq  # applied before a restart or a lost answer: not again
+            backward = not request.forward_only and not resent
+            outputs, loss = entry.model.forward_backward(request.data, request.loss_fn, config, backward=backward)
+            if backward:
+                entry.seq = max(entry.seq, request.seq_id)
+                self._write_record(request.model_id, entry)
         return encode_forward_backward(outputs, {"loss:sum": loss})
 
-    def optim_step(self, owner: str, model_id: str, params: dict[str, float]) -> dict[str, Any]:
+    def optim_step(self, owner: str, model_id: str, seq_id: int | None, params: dict[str, float]) -> dict[str, Any]:
         entry = self.model(model_id, owner)
         with entry.lock:
+            if seq_id and seq_id <= entry.seq and entry.last_optim is not None:
+                return entry.last_optim  # a resend of the step the record holds
             metrics = entry.model.optim_step(**params)
-        return {"type": "optim_step", "metrics": {f"optim/{k}": v for k, v in metrics.items()}}
+            entry.seq = max(entry.seq, seq_id or 0)
+            entry.last_optim = {"type": "optim_step", "metrics": {f"optim/{k}": v for k, v in metrics.items()}}
+            self._write_record(model_id, entry)
+        return entry.last_optim
 
     # ---- checkpoints
 
     def _checkpoint_file(self, model_id: str, kind: str, name: str, suffix: str) -> Path:
         if not NAME.fullmatch(name):
             raise UserError(f"checkpoint name {name[:80]!r} must be letters, digits, '.', '_' or '-' (at most 128)")
-        return self.root / model_id.replace(":", "_") / kind / f"{name}{suffix}"
+        return model_folder(self.root, model_id) / kind / f"{name}{suffix}"
 
     def save_state(self, owner: str, model_id: str, name: str, overwrite: bool) -> dict[str, Any]:
         entry = self.model(model_id, owner)
@@ -289,6 +339,7 @@ class TinkerService:
                             f"v{entry.base_version}")
         with entry.lock:
             entry.model.load_state(state, optimizer)
+            self._write_record(model_id, entry)
         return {"type": "load_weights", "path": tinker_path, "model_id": model_id}
 
     def create_from_state(self, owner: str, session_id: str, seq: int, tinker_path: str,
@@ -300,6 +351,7 @@ class TinkerService:
         entry = self._models[created["model_id"]]
         with entry.lock:
             entry.model.load_state(state, optimizer)
+            self._write_record(created["model_id"], entry)
         return {"type": "load_weights", "path": tinker_path, "model_id": created["model_id"]}
 
     def save_for_sampler(self, owner: str, model_id: str, name: str | None, session_id: str | None,

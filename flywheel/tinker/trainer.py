@@ -159,6 +159,16 @@ class AdapterModel:
         return {"spec": dict(vars(self.spec)), "adapter": adapter, "optimizer": self.optimizer.state_dict(),
                 "steps": self.steps, "skipped_steps": self.skipped_steps}
 
+    def pending_gradients(self) -> list[torch.Tensor | None]:
+        """The gradient accumulated since the last optim_step, per trainable weight (None: none yet)."""
+        return [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+
+    def set_pending_gradients(self, grads: list[torch.Tensor | None]) -> None:
+        if len(grads) != len(self.params):
+            raise ValueError(f"{len(grads)} gradients for {len(self.params)} trainable weights")
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = None if g is None else g.clone()
+
     def load_state(self, state: dict[str, Any], optimizer: bool) -> None:
         from peft import set_peft_model_state_dict  # noqa: PLC0415
 

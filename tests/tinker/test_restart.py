@@ -1,0 +1,187 @@
+"""A training client outlives its server: `flywheel tinker serve` killed with SIGKILL at random moments
+while the SDK trains, restarted on the same port and folder, and the SDK's same client object goes on.
+
+Each life of the server is a forked child of this process (the imports and the tiny model are already
+here, so a restart takes about a second instead of the CLI's start-up), serving the package's tiny
+Registry from one folder. The client trains rounds of forward_backward + optim_step and scores the
+data after each; a reference client on the first life, never interrupted, gives the loss after every
+step. After each of two kills (one at a random moment, one after an acknowledged forward_backward
+whose optim_step has not been sent) the server's record of the model (flywheel/tinker/records.py) says which
+requests it applied; it must hold every acknowledged one and at most the one in flight, and the same
+client's next forward must score exactly the reference's loss at that step: adapter, AdamW moments
+and the pending gradient all came back (a lost moment or gradient changes the next step's loss)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from conftest import KEYS
+from installed import installed  # this folder's: skip with the install line, fail in CI
+
+from flywheel.api.http import RunningServer
+from flywheel.model.registry import Registry
+from flywheel.tinker.records import model_folder
+from flywheel.tinker.server import TinkerConfig, create_app
+from flywheel.tinker.service import TinkerService
+from flywheel.tinker.wire import Datum, FwdBwdRequest
+
+tinker = installed("tinker")
+types = tinker.types
+ROUNDS = 12
+
+
+class ForkedServer:
+    """One life at a time of the Tinker server on a fixed port, each a forked child; `kill` is SIGKILL."""
+
+    def __init__(self, registry_root: Path, root: Path):
+        self.registry_root, self.root = registry_root, root
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.pid = 0
+        self.lives = 0
+
+    def start(self) -> None:
+        pid = os.fork()
+        if pid == 0:  # the child: serve until killed
+            try:
+                config = TinkerConfig(registry=self.registry_root, root=self.root, keys=KEYS, port=self.port)
+                RunningServer(create_app(TinkerService(Registry(self.registry_root), self.root), config),
+                              port=self.port)
+                while True:
+                    time.sleep(3600)
+            finally:
+                os._exit(1)
+        self.pid, self.lives = pid, self.lives + 1
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/api/v1/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        raise RuntimeError("the forked tinker server did not answer within 60 s")
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+
+
+def record(root: Path, model_id: str) -> tuple[int, bool]:
+    """(optimizer steps, whether a gradient is pending) of the model as the server's record holds it."""
+    saved = torch.load(model_folder(root, model_id) / "client.pt", weights_only=False)
+    return saved["state"]["steps"], any(g is not None for g in saved["grads"])
+
+
+def test_a_training_client_goes_on_after_kill_9_of_the_server_and_loses_nothing_acknowledged(server, tmp_path):
+    _, registry = server
+    life = ForkedServer(registry.root, tmp_path / "tinker")
+    life.start()
+    try:
+        service = tinker.ServiceClient(base_url=life.url, api_key="tml-alice")
+        reference = service.create_lora_training_client(base_model="production", rank=4, seed=0).result()
+        tokens = reference.get_tokenizer().encode("def add(a, b):\n    return a + b\n")
+        data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})]
+        adam = types.AdamParams(learning_rate=1e-2)
+
+        def loss(client) -> float:
+            return client.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+        expected = [loss(reference)]  # the loss after each step of an uninterrupted client
+        began = time.monotonic()
+        for _ in range(ROUNDS):
+            reference.forward_backward(data, "cross_entropy").result()
+            reference.optim_step(adam).result()
+            expected.append(loss(reference))
+        round_s = (time.monotonic() - began) / ROUNDS
+
+        training = service.create_lora_training_client(base_model="production", rank=4, seed=0).result()
+        model_id = training.model_id
+        rng = random.Random(os.environ.get("FLYWHEEL_FAULT_SEED"))
+        kills: list[float] = []
+
+        def kill_and_restart() -> None:
+            kills.append(time.monotonic())
+            life.kill()
+            life.start()
+
+        # One kill at a random moment of the loop below, from beside it (each kill costs the SDK's
+        # backoff, about 4 s), and one at a chosen moment once it is done.
+        killer = threading.Timer(rng.uniform(0, ROUNDS / 2) * round_s, kill_and_restart)
+        steps, pending, failures, synced, chosen = 0, False, 0, True, False
+        killer.start()
+        while steps < ROUNDS:
+            try:
+                if not synced:  # after a kill: what the server holds, and the same client scores it
+                    held, held_pending = record(life.root, model_id)
+                    assert held in (steps, steps + 1), f"the server holds step {held}, {steps} were acknowledged"
+                    assert held > steps or held_pending or not pending, "an acknowledged forward_backward was lost"
+                    steps, pending, synced = held, held_pending and held == steps, True
+                    assert loss(training) == pytest.approx(expected[steps], rel=1e-5)
+                    continue
+                if not pending:
+                    training.forward_backward(data, "cross_entropy").result()
+                    pending = True
+                if not chosen and not killer.is_alive():
+                    chosen = True  # the third kill at a chosen moment: a gradient acknowledged, not yet applied
+                    kill_and_restart()
+                training.optim_step(adam).result()
+                steps, pending = steps + 1, False
+                assert loss(training) == pytest.approx(expected[steps], rel=1e-5)
+            except (ValueError, tinker.APIError):  # a request in flight at a kill
+                failures, synced = failures + 1, False
+                assert failures <= len(kills), f"{failures} failed requests for {len(kills)} kills"
+        killer.join()
+        assert chosen and len(kills) == 2 and life.lives == 3, "the loop ended before its kills"
+        assert loss(training) == pytest.approx(expected[ROUNDS], rel=1e-5) and expected[ROUNDS] < expected[0]
+    finally:
+        life.kill()
+
+
+def test_a_resent_training_request_is_not_applied_twice(server, tmp_path):
+    """The SDK resends a request whose POST lost its connection: a forward_backward or optim_step whose
+    seq_id the model has applied answers as before and changes nothing (records.py)."""
+    _, registry = server
+    service = TinkerService(registry, tmp_path)
+    try:
+        session = service.create_session("alice")
+        model_id = service.create_model("alice", session, 0, "production", 4, 0, True, True)["model_id"]
+        tokens = list(range(5, 25))
+        datum = Datum(tokens[:-1], {"target_tokens": np.array(tokens[1:]), "weights": np.ones(len(tokens) - 1)})
+
+        def forward_backward(seq: int) -> None:
+            service.forward_backward("alice", FwdBwdRequest(model_id, seq, "cross_entropy", {}, False, [datum]))
+
+        def gradient() -> list:
+            return service.model(model_id, "alice").model.pending_gradients()
+
+        adam = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                "grad_clip_norm": 0.0}
+        forward_backward(1)
+        once = gradient()
+        forward_backward(1)  # the resend
+        assert all(a is b is None or torch.equal(a, b) for a, b in zip(once, gradient(), strict=True))
+        forward_backward(2)  # a new request adds its gradient
+        assert any(a is not None and not torch.equal(a, b) for a, b in zip(once, gradient(), strict=True))
+        first = service.optim_step("alice", model_id, 3, adam)
+        weights = [p.detach().clone() for p in service.model(model_id, "alice").model.params]
+        assert service.optim_step("alice", model_id, 3, adam) == first  # the resend: the same answer, no step
+        entry = service.model(model_id, "alice")
+        assert entry.model.steps == 1
+        assert all(torch.equal(w, p) for w, p in zip(weights, entry.model.params, strict=True))
+        service.optim_step("alice", model_id, 4, adam)
+        assert entry.model.steps == 2
+    finally:
+        service.close()
