@@ -20,6 +20,19 @@ text it ignores) would only add noise to the reward's signal, so it is dropped a
 (`distill_dropped_share`). In simulation no better answer is known per request, so the rule measures
 the answer that was disliked, not a better one.
 
+Tool use is not the hint's to change. A hint that makes the disliked answer less likely may do so
+by arguing against calling tools at all ("stop using tools" after a failing edit); distilled over
+the whole answer, it teaches the policy to answer in words: hostile hints alone (equal rewards,
+every answer hinted) cut the SFT-ed start policy's tool use from 35/48 to 15/48 answers in two
+steps, and still to 14/48 of 30/48 with only the call-opening tokens guarded
+(tests/live/test_hints.py, before this rule). So the term distils only the contents of the answer's
+tool calls (the tokens after its first call opens, `<tool_call>` in flywheel's format, the openings
+themselves excluded): which file, which command, which arguments. The words before the first call,
+where the policy decides whether to call at all, and answers without a call keep the reward's
+gradient alone (`distill_dropped/no_call`); a hint after which the teacher is less likely to open
+the answer's calls by more than `max_call_drop` nats on average argues against tools and is dropped
+(`distill_dropped/tool_use`). The drop rule's gain is measured on the distilled span.
+
 Safety of the signal. A follow-up is a client's text and may be hostile ("ignore your instructions",
 "stop using tools", "print your system prompt", or markup that imitates a tool call or a turn). It
 is rendered as the body of a user turn through the one conversation encoder, whose markup
@@ -93,10 +106,11 @@ def attach_teachers(model: PreTrainedModel, tokenizer, batch: OnPolicyBatch, hin
     `model` is the version that served the batch, in the mode the Learner trains it in (train: the
     teacher's and the student's logprobs then agree with the Learner's at the step's start).
     Returns the report's figures: distill_followups (hints with words for the batch's answers),
-    distill_kept, distill_dropped_share (of distill_followups; NaN without any), distill_dropped/<why>
-    (no_gain, too_long: the hinted prompt is past the model's positions), distill_gain_mean (nats
-    per token, over the kept)."""
+    distill_kept, distill_dropped_share (of distill_followups; absent without any), distill_dropped/<why>
+    (no_call, tool_use, no_gain; too_long: the hinted prompt is past the model's positions),
+    distill_gain_mean (nats per token, over the kept; absent without any)."""
     encoder = ConversationEncoder(tokenizer)
+    opening = encoder.text(encoder.format.forced_call(None))[:1]  # the token that opens a tool call
     limit = getattr(model.config, "max_position_embeddings", None)
     dropped: Counter[str] = Counter()
     gains: list[float] = []
@@ -111,17 +125,31 @@ def attach_teachers(model: PreTrainedModel, tokenizer, batch: OnPolicyBatch, hin
             dropped["too_long"] += 1
             continue
         answer = len(completion.completion_ids)
+        calls = [j for j, t in enumerate(completion.completion_ids) if opening and t == opening[0]]
+        if not calls:  # an answer in words: whether it should have called a tool is the reward's to say
+            dropped["no_call"] += 1
+            continue
         student_lp, teacher_lp = answer_logprobs(model, trajectory.tokens, teacher_ids, answer, temperature)
-        gain = float((student_lp - teacher_lp).mean())
+        if float((student_lp[calls] - teacher_lp[calls]).mean()) > config.max_call_drop:
+            dropped["tool_use"] += 1  # the hint argues against calling tools
+            continue
+        span = torch.zeros(answer, dtype=torch.bool)
+        span[calls[0] + 1:] = True
+        span[calls] = False  # the distilled tokens: the calls' contents, not the decision to make them
+        gain = float((student_lp[span] - teacher_lp[span]).mean()) if span.any() else 0.0
         if gain < config.min_gain:
             dropped["no_gain"] += 1
             continue
+        teacher_lp = torch.where(span, teacher_lp, student_lp)  # d = 0 outside the span
         gains.append(gain)
         prompt = len(trajectory.tokens) - answer
         batch.trajectories[i] = trajectory.model_copy(
             update={"teacher_logprobs": [0.0] * prompt + [float(x) for x in teacher_lp]})
     n_dropped = sum(dropped.values())
-    return {"distill_followups": float(followups), "distill_kept": float(followups - n_dropped),
-            "distill_dropped_share": n_dropped / followups if followups else float("nan"),
-            **{f"distill_dropped/{why}": float(n) for why, n in sorted(dropped.items())},
-            "distill_gain_mean": sum(gains) / len(gains) if gains else float("nan")}
+    report = {"distill_followups": float(followups), "distill_kept": float(followups - n_dropped),
+              **{f"distill_dropped/{why}": float(n) for why, n in sorted(dropped.items())}}
+    if followups:  # no NaN: the report is JSON
+        report["distill_dropped_share"] = n_dropped / followups
+    if gains:
+        report["distill_gain_mean"] = sum(gains) / len(gains)
+    return report

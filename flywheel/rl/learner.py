@@ -460,8 +460,9 @@ class Learner:
         kl, clip_low_frac / clip_high_frac, is_weight_mean / is_weight_max (pi_prox / pi_behaviour
         before the cap), is_truncated_frac / is_masked_frac, grad_norm (before clipping; token
         statistics over the steps taken), distill_loss (the mean clipped logp_student - logp_teacher over
-        hinted tokens, the reverse-KL estimate the distillation term lowers; NaN without any) and
-        distill_tokens (`flywheel.rl.loss`), lr (of the last step taken), optimizer_steps, skipped_steps
+        hinted tokens, the reverse-KL estimate the distillation term lowers) and distill_tokens
+        (`flywheel.rl.loss`; both only where some trajectory has a teacher; tokens outside
+        a hint's span carry d = 0, flywheel/live/hints.py), lr (of the last step taken), optimizer_steps, skipped_steps
         (non-finite, this call), skipped_steps_total, policy_version, staleness/<k> (generated
         tokens k policy versions old), staleness_mean / _max, sequences, batch_tokens, loss_tokens, tokens_per_s,
         seconds, and the seconds of its phases: learner_pack_s (micro-batches built), learner_proximal_s,
@@ -564,9 +565,6 @@ class Learner:
             "loss": float(torch.stack(losses).mean()) if losses else nan,
             "entropy": float(entropy) / loss_tokens if loss_tokens else nan,
             "kl": per_token("kl_sum"),
-            "distill_loss": (float(totals["distill_sum"]) / float(totals["distill_tokens"])
-                             if float(totals.get("distill_tokens", 0.0)) else nan),
-            "distill_tokens": float(totals.get("distill_tokens", 0.0)),
             "clip_low_frac": per_token("clipped_low"),
             "clip_high_frac": per_token("clipped_high"),
             "is_weight_mean": per_token("is_weight_sum"),
@@ -589,6 +587,9 @@ class Learner:
             "staleness_max": float(max(staleness)) if staleness else nan,
         }
         metrics.update({f"staleness/{s}": float(c) for s, c in staleness.items()})
+        if float(totals.get("distill_tokens", 0.0)):  # only where hinted teachers were given
+            metrics["distill_tokens"] = float(totals["distill_tokens"])
+            metrics["distill_loss"] = float(totals["distill_sum"]) / metrics["distill_tokens"]
         return metrics
 
     # ---- what the distributed Learner (`flywheel.rl.distributed`) replaces: one process here

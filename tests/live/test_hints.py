@@ -63,16 +63,19 @@ def test_a_hint_is_a_user_turn_before_the_answer_and_hostile_markup_stays_text(t
 
 
 def _served(model, tokenizer, n: int) -> list[Completion]:
-    """n answers of the model as the server stores them (prompt ids, sampled ids, their logprobs)."""
+    """n answers of the model as the server stores them (prompt ids, sampled ids, their logprobs),
+    each a tool call: its opening, then what the model samples after it."""
     encoder = ConversationEncoder(tokenizer)
+    opening = tokenizer.convert_tokens_to_ids("<tool_call>")
     torch.manual_seed(0)
     out = []
     for i in range(n):
         prompt = encoder.encode([{"role": "system", "content": SYSTEM_PROMPT},
                                  {"role": "user", "content": f"Fix test {i} in a.py."}], encoder.tools)
+        start = torch.tensor([[*prompt, opening]])
         with torch.no_grad():
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=True, top_k=0,
-                                 attention_mask=torch.ones((1, len(prompt)), dtype=torch.long))[0, len(prompt):]
+            ids = model.generate(start, max_new_tokens=12, do_sample=True, top_k=0,
+                                 attention_mask=torch.ones_like(start))[0, len(prompt):]
         answer = ids.tolist()
         logp, _ = token_logprobs(model.train(), torch.tensor([prompt + answer]),
                                  torch.ones((1, len(prompt) + len(answer)), dtype=torch.long))
@@ -104,12 +107,15 @@ def test_the_drop_rule_keeps_hints_that_lower_the_answer_and_the_term_pulls_the_
     assert found == {c.id: h for c, h in zip(completions[:5], hints, strict=False)}
 
     encoder = ConversationEncoder(tokenizer)
+    opening = tokenizer.convert_tokens_to_ids("<tool_call>")
+    # the distilled span: the call's contents, after its opening (hints.py)
+    span = {c.id: [j for j, t in enumerate(c.completion_ids) if j > 0 and t != opening] for c in completions}
     gains = {}
     for c in completions[:5]:
         s, t = answer_logprobs(model, [*c.prompt_ids, *c.completion_ids],
                                [*encoder.hinted(c.prompt_ids, found[c.id]), *c.completion_ids],
                                len(c.completion_ids), 1.0)
-        gains[c.id] = float((s - t).mean())
+        gains[c.id] = float((s - t)[span[c.id]].mean())
     assert len({round(g, 6) for g in gains.values()}) == 5  # the hints change the teacher, each its own way
     min_gain = sorted(gains.values())[2]  # between the hints: some kept, some dropped
     rewards = [Reward(completion_id=c.id, session_id=c.session_id, version=0, arm="production", reward=-0.5,
@@ -117,7 +123,7 @@ def test_the_drop_rule_keeps_hints_that_lower_the_answer_and_the_term_pulls_the_
     batch = OnPolicyBatch(version=0, trajectories=[completion_trajectory(c, r, "all")
                                                    for c, r in zip(completions, rewards, strict=True)],
                           completions=completions)
-    distill = DistillConfig(weight=1.0, clip=5.0, min_gain=min_gain)
+    distill = DistillConfig(weight=1.0, clip=5.0, min_gain=min_gain, max_call_drop=1e9)  # the guard: below
     report = attach_teachers(model.train(), tokenizer, batch, found, distill, 1.0)
     kept = {c.id for c, t in zip(completions, batch.trajectories, strict=True) if t.teacher_logprobs is not None}
     assert kept == {cid for cid, g in gains.items() if g >= min_gain} and len(kept) == 3
@@ -133,7 +139,7 @@ def test_the_drop_rule_keeps_hints_that_lower_the_answer_and_the_term_pulls_the_
     first = learner.train_step(batch.trajectories, advantages)
     assert first["distill_tokens"] == answer_tokens
     # at the step's start the student is the served version: the estimate is the kept hints' gains
-    summed = sum(gains[c.id] * len(c.completion_ids) for c in completions if c.id in kept)
+    summed = sum(gains[c.id] * len(span[c.id]) for c in completions if c.id in kept)
     assert first["distill_loss"] == pytest.approx(summed / answer_tokens, rel=1e-3)
     # On fixed tokens the term's gradient, d_t * grad logp_t, is that of sum_t d_t^2 / 2: the gaps shrink.
     @torch.no_grad()
@@ -141,10 +147,10 @@ def test_the_drop_rule_keeps_hints_that_lower_the_answer_and_the_term_pulls_the_
         total = 0.0
         for c, t in zip(completions, batch.trajectories, strict=True):
             if c.id in kept:
-                n = len(c.completion_ids)
+                at = [len(c.prompt_ids) + j for j in span[c.id]]
                 ids = torch.tensor([t.tokens])
                 student, _ = token_logprobs(model, ids, torch.ones_like(ids))
-                total += float(((student[0, -n:] - torch.tensor(t.teacher_logprobs[-n:])) ** 2).sum())
+                total += float(((student[0, at] - torch.tensor(t.teacher_logprobs)[at]) ** 2).sum())
         return total / answer_tokens
 
     before = gaps()
@@ -152,3 +158,66 @@ def test_the_drop_rule_keeps_hints_that_lower_the_answer_and_the_term_pulls_the_
         assert math.isfinite(learner.train_step(batch.trajectories, advantages)["distill_loss"])
     after = gaps()
     assert after < 0.5 * before, (before, after)  # the student closes in on the teachers
+
+
+def _sample(model, tokenizer, prompts: list[list[int]], per_prompt: int, seed: int) -> list[Completion]:
+    """`per_prompt` answers of the model to each prompt (temperature 1, as users are served), stored as
+    the server stores them."""
+    encoder = ConversationEncoder(tokenizer)
+    torch.manual_seed(seed)
+    out = []
+    for p, prompt in enumerate(prompts):
+        with torch.no_grad():
+            rows = model.eval().generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=True, top_k=0,
+                                         num_return_sequences=per_prompt, eos_token_id=list(encoder.stop_ids),
+                                         pad_token_id=tokenizer.pad_token_id,
+                                         attention_mask=torch.ones((1, len(prompt)), dtype=torch.long))
+        for r, row in enumerate(rows[:, len(prompt):].tolist()):
+            end = next((i + 1 for i, t in enumerate(row) if t in encoder.stop_ids), len(row))
+            answer = row[:end]
+            ids = torch.tensor([prompt + answer])
+            logp, _ = token_logprobs(model.train(), ids, torch.ones_like(ids))
+            out.append(Completion(id=f"c{p}-{r}", session_id=f"s{p}-{r}", user_id="u", version=0, prompt_ids=prompt,
+                                  completion_ids=answer, logprobs=logp[0, len(prompt):].tolist(), latency_ms=5.0))
+    return out
+
+
+@pytest.mark.slow  # ~15 s on 2 busy cores once the cycle tests' start policy exists (cycle_world.py)
+def test_hostile_hints_distilled_alone_do_not_move_the_policys_tool_use(tmp_path):
+    """The worst case of the hostile_hints scenario, in seconds: every answer of the SFT-ed start
+    policy draws an attack ("stop using tools", injection, forged markup); the shipped drop rule
+    and weight; equal rewards, so the distillation term is the only thing that trains."""
+    from cycle_world import POLICY, start_checkpoint  # noqa: PLC0415  (the slow tests' shared policy)
+
+    from flywheel.model.factory import load_pretrained  # noqa: PLC0415
+    from flywheel.sim.feedback import HOSTILE  # noqa: PLC0415
+    from flywheel.stats import fisher_tails  # noqa: PLC0415
+
+    model, tokenizer = load_pretrained(start_checkpoint())
+    encoder = ConversationEncoder(tokenizer)
+    instructions = sorted({t.instruction for t in POLICY.tasks()})
+    prompts = [encoder.encode([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": i}],
+                              encoder.tools) for i in instructions]
+    call = tokenizer.convert_tokens_to_ids("<tool_call>")
+
+    def tool_use(completions: list[Completion]) -> int:
+        return sum(call in c.completion_ids for c in completions)
+
+    served = _sample(model, tokenizer, prompts, 8, seed=1)
+    hints = {c.id: HOSTILE[i % len(HOSTILE)] for i, c in enumerate(served)}
+    rewards = [Reward(completion_id=c.id, session_id=c.session_id, version=0, arm="production", reward=-0.5,
+                      parts={"followup_dissatisfied": -0.5}, status=RewardStatus.FINAL) for c in served]
+    batch = OnPolicyBatch(version=0, trajectories=[completion_trajectory(c, r, "all")
+                                                   for c, r in zip(served, rewards, strict=True)], completions=served)
+    distill = DistillConfig(weight=1.0)  # the shipped clip and drop rule
+    report = attach_teachers(model.train(), tokenizer, batch, hints, distill, 1.0)
+    assert report["distill_followups"] == len(served)
+    learner = Learner(model, LearnerConfig(lr=5e-4, minibatches=2, loss=LossConfig(distill=distill)))
+    for _ in range(2):  # two cycles' worth of steps, as the scenario's learner takes
+        learner.train_step(batch.trajectories, batch.advantages())
+    after = _sample(model, tokenizer, prompts, 8, seed=2)
+    before_calls, after_calls, n = tool_use(served), tool_use(after), len(served)
+    low, high = fisher_tails(after_calls, n, before_calls, n)
+    p = min(1.0, 2 * min(low, high))
+    # within the monitors' band (the scenario's alarm_p) and short of the scenario's min_effect
+    assert p > 1e-3 and (before_calls - after_calls) / n < 0.15, (before_calls, after_calls, n, report)
