@@ -105,10 +105,9 @@ class DistillConfig(BaseModel):
     min_gain: float = Field(default=0.02, ge=0)
     # The tool-use guard: a hint after which the teacher is less likely to open the answer's tool calls (the
     # first token of each call's markup) by more than this many nats on average argues against calling a
-    # tool ("stop using tools"), and is dropped; and no hint's term touches those tokens (the teacher's
-    # logprob there is set to the student's). Whether to call a tool is left to the reward and the monitors.
-    # Lower drops more hints that change how calls are made, not only whether. Measured in
-    # tests/live/test_hints.py: without it, hostile hints alone cut the start policy's tool use 35/48 -> 15/48.
+    # tool ("stop using tools"), and is dropped. (Only the calls' contents are distilled in any case,
+    # flywheel/live/hints.py.) Lower drops more hints; this one already drops honest "the tests still fail"
+    # after a finish call (docs/feedback-distill.md: most dropped follow-ups are dropped here).
     max_call_drop: float = Field(default=0.1, ge=0)
 
 
