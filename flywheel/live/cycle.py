@@ -55,8 +55,9 @@ scenarios use it (flywheel/sim/scenario.py); the default waits for the A/B test.
 Hinted self-distillation (`learner.loss.distill`, off by default; flywheel/live/hints.py). Where a
 user's dissatisfied follow-up said in words what was wrong with an answer, the production version
 reads those words as a user message placed before the answer and scores the answer's tokens: the
-teacher. The Learner adds a per-token reverse-KL term toward it beside the policy gradient
-(flywheel/rl/loss.py), for the hints that measurably make the disliked answer less likely; the
+teacher. The Learner adds a per-token reverse-KL term toward it on the contents of the answer's
+tool calls, beside the policy gradient (flywheel/rl/loss.py), for the hints that measurably make
+the disliked calls less likely and do not argue against calling tools (docs/feedback-distill.md); the
 report's `train` holds distill_loss, distill_tokens, distill_followups, distill_kept and
 distill_dropped_share. Organizations' adapters train on the reward alone.
 

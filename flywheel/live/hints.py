@@ -13,10 +13,11 @@ without the hint) toward it token by token (`flywheel.rl.loss.DistillConfig`): n
 off-policy data, only tokens the student sampled itself.
 
 The drop rule (measured, per follow-up): the student's and the hinted teacher's mean logprob of the
-answer's sampled tokens are computed in one forward; the hint is kept only if the teacher's is below
-the student's by at least `min_gain` nats per token, i.e. having read the hint, the model is less
-likely to say what the user disliked. A hint the model does not take up (vague words, a wrong file,
-text it ignores) would only add noise to the reward's signal, so it is dropped and counted
+distilled span (the contents of the answer's tool calls, below) are computed in one forward; the
+hint is kept only if the teacher's is below the student's by at least `min_gain` nats per token,
+i.e. having read the hint, the model is less likely to write what the user disliked. A hint the
+model does not take up (vague words, a wrong file, text it ignores) would only add noise to the
+reward's signal, so it is dropped and counted
 (`distill_dropped_share`). In simulation no better answer is known per request, so the rule measures
 the answer that was disliked, not a better one.
 
