@@ -182,7 +182,7 @@ def _sample(model, tokenizer, prompts: list[list[int]], per_prompt: int, seed: i
     return out
 
 
-@pytest.mark.slow  # ~15 s on 2 busy cores once the cycle tests' start policy exists (cycle_world.py)
+@pytest.mark.slow  # 32 s alone at load 3.5, the start policy's SFT included (cycle_world.py; the cycle tests share it)
 def test_hostile_hints_distilled_alone_do_not_move_the_policys_tool_use(tmp_path):
     """The worst case of the hostile_hints scenario, in seconds: every answer of the SFT-ed start
     policy draws an attack ("stop using tools", injection, forged markup); the shipped drop rule
