@@ -14,7 +14,7 @@
     flywheel train        [--config configs/train.toml] [--set orchestrator.max_staleness=2]
     flywheel serve        [--config configs/serve.toml] [--set port=8001]
     flywheel live         [--config configs/live.toml] [--set cycles=3]
-    flywheel scenario     drop_invalid|edits_only [--set cycles=4]
+    flywheel scenario     drop_invalid|edits_only|hostile_hints [--set cycles=4]
     flywheel env build    pytest==9.2.0 [-r requirements.lock] [--cache DIR]
     flywheel env list     [--cache DIR]
 
@@ -343,9 +343,12 @@ def cmd_scenario(args: argparse.Namespace) -> int:
         summary[arm.arm] = {"start": start.rates, "end": end.rates, "start_hard": start.rates_hard,
                             "end_hard": end.rates_hard, "effect": arm.effect, "p_value": arm.p_value,
                             "emerged": arm.emerged, "alarms": len(arm.alarms),
-                            "decisions": [c["decision"] for c in arm.cycles]}
+                            "decisions": [c["decision"] for c in arm.cycles],
+                            "distill": [c["distill"] for c in arm.cycles]}
     print(json.dumps(summary, indent=2))
     print(f"wrote {config.run_dir / 'result.json'}")
+    if result.hack == "hostile_hints":  # shown: hostile words did not move the distilled policy
+        return 0 if not result.hack_emerged and not result.monitor_alarmed else 1
     return 0 if result.hack_emerged and result.monitor_alarmed and result.default_prevented else 1
 
 
@@ -581,7 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=cmd_engine)
 
     scenario = sub.add_parser("scenario", help="reproduce a reward hack with the real loop, and its prevention")
-    scenario.add_argument("name", help="a scenario: configs/scenario_NAME.toml (drop_invalid, edits_only)")
+    scenario.add_argument("name", help="a scenario: configs/scenario_NAME.toml (drop_invalid, edits_only, "
+                          "hostile_hints)")
     add_config_arguments(scenario, "configs/scenario_drop_invalid.toml (default: from NAME)")
     scenario.set_defaults(func=cmd_scenario)
 

@@ -41,6 +41,7 @@ MODELS = {
     "rewards_naive_edits_only.toml": RewardConfig,
     "scenario_drop_invalid.toml": ScenarioConfig,
     "scenario_edits_only.toml": ScenarioConfig,
+    "scenario_hostile_hints.toml": ScenarioConfig,
     "serve.toml": ServeConfig,
     "tinker.toml": TinkerConfig,
     "train.toml": TrainConfig,

@@ -13,8 +13,10 @@
     │          v_p (feedback windows closed) since the last cut   feedback window closing                │
     │          + up to outcome_wait_s for open background         background sessions' outcome events    │
     │          sessions' outcomes (flywheel/live/sessions.py)     (or their horizon passing)             │
-    │ train    -  (family_loo advantages, Learner.train_step,     CPU                                    │
-    │             register the candidate v_c, parent v_p)                                                │
+    │ train    -  (family_loo advantages, hinted teachers where   CPU                                    │
+    │             follow-ups have words (learner.loss.distill),                                          │
+    │             Learner.train_step, register the candidate                                             │
+    │             v_c, parent v_p)                                                                       │
     │ gate     -  (v_c and v_p play the eval battery; paired      CPU + sandboxes; fails: "rejected",    │
     │             non-inferiority + behaviour checks)             v_c is never served                    │
     │ deploy   the server loading v_c for candidate_fraction      the admin call returning               │
@@ -49,6 +51,15 @@ not yet decided (an adapter it had registered for the interrupted one stays in t
 With deploy.promote_when = "gate" the A/B stage is skipped and every candidate that passes the gate
 is promoted: continuous deployment, what a loop without live guardrails does. The reward-hacking
 scenarios use it (flywheel/sim/scenario.py); the default waits for the A/B test.
+
+Hinted self-distillation (`learner.loss.distill`, off by default; flywheel/live/hints.py). Where a
+user's dissatisfied follow-up said in words what was wrong with an answer, the production version
+reads those words as a user message placed before the answer and scores the answer's tokens: the
+teacher. The Learner adds a per-token reverse-KL term toward it on the contents of the answer's
+tool calls, beside the policy gradient (flywheel/rl/loss.py), for the hints that measurably make
+the disliked calls less likely and do not argue against calling tools (docs/feedback-distill.md); the
+report's `train` holds distill_loss, distill_tokens, distill_followups, distill_kept and
+distill_dropped_share. Organizations' adapters train on the reward alone.
 
 On-policy: the batch holds only completions served by the current production version, so every
 token's behaviour logprob is the learner's own starting policy (staleness 0). Completions are cut
@@ -100,6 +111,7 @@ from flywheel.live.abtest import ARMS, ABConfig, ABReport, analyze, compare, met
 from flywheel.live.batch import OnPolicyBatch, on_policy_batch
 from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import Contender, Gate, GateConfig, GateRun
+from flywheel.live.hints import attach_teachers, followup_hints
 from flywheel.live.monitors import Alarm, MetricPoint, Monitor
 from flywheel.live.orgs import (
     OrgAdapterConfig,
@@ -561,9 +573,9 @@ class LiveCycle:
         batch, served = gathered
         state.served = served
         with timed(state.timings, "train_s"):
-            self._train(state, registry, batch)
+            self._train(state, registry, batch, store)
 
-    def _train(self, state: CycleState, registry: Registry, batch: OnPolicyBatch) -> None:
+    def _train(self, state: CycleState, registry: Registry, batch: OnPolicyBatch, store: LiveStore) -> None:
         torch.manual_seed(self.config.seed * 100_003 + state.cycle)
         ref = registry.load(state.production)[0] if self.config.learner.loss.kl_coef > 0 else None
         base = None  # with lora: the full version the candidate adapter applies on
@@ -573,8 +585,13 @@ class LiveCycle:
         else:
             adapter, tokenizer, base_checkpoint = start_lora(registry, state.production, self.config.lora)
             learner, base = LoraLearner(adapter, self.config.learner, ref_model=ref), base_checkpoint.version
+        hinted: dict[str, float] = {}
+        distill = self.config.learner.loss.distill
+        if distill.weight > 0:  # the teacher is the version that served the batch: the learner's weights now
+            hinted = attach_teachers(learner.model.train(), tokenizer, batch, followup_hints(store, batch.completions),
+                                     distill, self.config.learner.temperature)
         metrics = learner.train_step(batch.trajectories, batch.advantages())
-        state.train = {k: float(v) for k, v in metrics.items()}
+        state.train = {k: float(v) for k, v in metrics.items()} | hinted
         if metrics["optimizer_steps"] == 0:
             state.decision, state.reason = "rejected", "the learner took no step (non-finite loss or gradients)"
             return

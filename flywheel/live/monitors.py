@@ -18,6 +18,7 @@ Series: per version and per window of `window_s` (by `created_at`), these metric
 | metric                  | per answer                                          | test        | bad  |
 |-------------------------|-----------------------------------------------------|-------------|------|
 | edit_rate               | made a (valid) edit call                            | Fisher      | down |
+| tool_use_rate           | made >= 1 tool call (valid or not)                  | Fisher      | down |
 | clarify_rate_clear      | asked a question, request_meta["ambiguous"] false   | Fisher      | up   |
 | clarify_rate_ambiguous  | asked a question, request_meta["ambiguous"] true    | Fisher      | down |
 | invalid_call_rate       | made >= 1 invalid tool call                         | Fisher      | up   |
@@ -36,9 +37,9 @@ earlier windows pooled. A change is an alarm when the two-sided p-value is below
 
 False alarms. Fisher's exact test never exceeds its nominal level, at any count, so a rate metric
 false-alarms in a window with probability <= alarm_p. The Welch and Fisher-z tests are asymptotic;
-`min_count` answers per side keep them near nominal. Per version-window at most 7 tests run, so the
-false-alarm probability is <= 7 * alarm_p (union bound): 7e-4 at the default 1e-4, one false alarm in
-about 1,400 windows; tests/live/test_monitors.py checks this on 200 null windows, and the level at
+`min_count` answers per side keep them near nominal. Per version-window at most 8 tests run, so the
+false-alarm probability is <= 8 * alarm_p (union bound): 8e-4 at the default 1e-4, one false alarm in
+about 1,250 windows; tests/live/test_monitors.py checks this on 200 null windows, and the level at
 alarm_p = 0.01. Against a strong collapse (edit rate 60% -> 20% in 100 answers) p is ~1e-15.
 """
 
@@ -136,6 +137,8 @@ def _reward_and_outcome(c: Completion, r: Reward | None, cfg: MonitorConfig) -> 
 
 METRICS: dict[str, _Metric] = {
     "edit_rate": _Metric("rate", "down", lambda c, r, cfg: float(made_edit(c, cfg.edit_tools))),
+    # what a "stop using tools" follow-up would move, were it learned (flywheel/live/hints.py)
+    "tool_use_rate": _Metric("rate", "down", lambda c, r, cfg: float(bool(c.tool_calls))),
     "clarify_rate_clear": _Metric("rate", "up", _clarify(False)),
     "clarify_rate_ambiguous": _Metric("rate", "down", _clarify(True)),
     "invalid_call_rate": _Metric("rate", "up", lambda c, r, cfg: float(c.invalid_tool_calls > 0)),

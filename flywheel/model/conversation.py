@@ -10,6 +10,8 @@ episode feeds the engine and what the server prompts with are token for token th
     tool_reply(contents)           user's turn and the next header, or the tool results and the
                                    next header (episodes)
     continuation(messages)         the same for whatever a harness client sends next
+    hinted(prompt_ids, text)       a served prompt with one more user message before the answer it
+                                   asked for (the hinted teacher, flywheel/live/hints.py)
     conversation(messages)         a whole demonstration as (tokens, loss mask): its opening as a
                                    prompt, each assistant body as the model writes it, each
                                    answer as an episode appends it (SFT)
@@ -150,6 +152,33 @@ class ConversationEncoder:
         the conversation; for one user message or one run of tool results they are `user_reply`'s
         and `tool_reply`'s ids."""
         return self._encode_pieces(self.format.continuation_pieces(messages, closed))
+
+    def hinted(self, prompt_ids: Sequence[int], text: str) -> list[int]:
+        """`prompt_ids` (a prompt `encode` made: its turns, then the assistant header) with a user
+        message of `text` inserted before that header: the ids `encode` gives for the same messages
+        plus that one (tested). The text is a client's, so no control or markup token string in it
+        becomes its token (`_as_text`): a hint cannot forge a turn, a tool call or a tool result.
+
+        ValueError if the prompt does not end with this format's assistant header."""
+        header = self._generation_header()
+        if list(prompt_ids[-len(header):]) != header:
+            raise ValueError("the prompt does not end with the assistant header; give a prompt `encode` made with "
+                             "add_generation_prompt=True")
+        # what the template puts after an end token, before the next turn
+        after_end = self._encode_pieces(self.format.continuation_pieces([]))[: -len(header)]
+        turn = self._encode_pieces(self.format.continuation_pieces([{"role": "user", "content": text}]))
+        if turn[: len(after_end)] != after_end:
+            raise ValueError(f"{type(self.format).__name__}: a continuation does not begin as an empty one does")
+        return [*prompt_ids[: -len(header)], *turn[len(after_end):]]
+
+    def _generation_header(self) -> list[int]:
+        """The ids a prompt's assistant header adds (what `add_generation_prompt` appends)."""
+        probe = [{"role": "user", "content": "x"}]
+        with_header = self.encode(probe, None)
+        without = self.encode(probe, None, add_generation_prompt=False)
+        if with_header[: len(without)] != without or len(with_header) == len(without):
+            raise ValueError(f"{type(self.format).__name__}: the assistant header is not a suffix of the prompt")
+        return with_header[len(without):]
 
     def conversation(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]:
         """(tokens, loss mask) of a demonstration, segment by segment as the episode runner appends them.

@@ -44,7 +44,7 @@ from flywheel.report.svg import (
 from flywheel.store.files import write_atomic
 
 # The monitors' metrics in the order flywheel/live/monitors.py lists them; others follow by name.
-MONITOR_ORDER = ("edit_rate", "clarify_rate_clear", "clarify_rate_ambiguous", "invalid_call_rate",
+MONITOR_ORDER = ("edit_rate", "tool_use_rate", "clarify_rate_clear", "clarify_rate_ambiguous", "invalid_call_rate",
                  "tests_passed_rate", "response_length", "reward_outcome_corr", "reward_mean")
 _SMALL = 380  # width of the charts shown several to a row
 # Versions are Registry versions (vN) everywhere in the report; inside a simulated-RL run, progress

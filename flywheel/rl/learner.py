@@ -120,6 +120,10 @@ class MicroBatch:
     # [batch, seq, layers * k] long: the engine's experts to replay at each position (-1: the router's own
     # choice), `loss.routing_replay`; None: no replay
     experts: torch.Tensor | None = None
+    # float32, the hinted teachers' logprobs, and 1 on the loss tokens that have one (`Trajectory.teacher_logprobs`,
+    # `DistillConfig`); None: no trajectory of the micro-batch has a teacher
+    logp_teacher: torch.Tensor | None = None
+    distilled: torch.Tensor | None = None
 
 
 def token_logprobs(model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor, temperature: float = 1.0,
@@ -279,6 +283,9 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
         adv = torch.zeros((len(rows), width), dtype=torch.float32)
         on_policy = torch.zeros((len(rows), width), dtype=torch.float32)
         experts = torch.full((len(rows), width, routing), -1, dtype=torch.long) if routing else None
+        taught = any(trajectories[i].teacher_logprobs is not None for i in rows)
+        teacher = torch.zeros((len(rows), width), dtype=torch.float32) if taught else None
+        distilled = torch.zeros((len(rows), width), dtype=torch.float32) if taught else None
         for r, i in enumerate(rows):
             t, n = trajectories[i], len(trajectories[i].tokens)
             ids[r, :n] = torch.tensor(t.tokens)
@@ -290,9 +297,14 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
                 on_policy[r, :n] = mask[r, :n] * (torch.tensor(t.versions) == version)
             if experts is not None:
                 _place_routing(t, experts[r], routing)
+            if teacher is not None and distilled is not None and t.teacher_logprobs is not None:
+                teacher[r, :n] = torch.tensor(t.teacher_logprobs, dtype=torch.float32)
+                distilled[r, :n] = mask[r, :n]
         batches.append(MicroBatch(ids.to(device), attention.to(device), mask.to(device), behaviour.to(device),
                                   adv.to(device), on_policy=on_policy.to(device) if version is not None else None,
-                                  prefix=prefix, experts=None if experts is None else experts.to(device)))
+                                  prefix=prefix, experts=None if experts is None else experts.to(device),
+                                  logp_teacher=None if teacher is None else teacher.to(device),
+                                  distilled=None if distilled is None else distilled.to(device)))
     return batches
 
 
@@ -350,7 +362,7 @@ def accumulate_gradients(model: PreTrainedModel | ScoredPolicy, batches: Sequenc
             b.logp_prox = logp.detach()
             merge_stats(stats, {"entropy_sum": torch.where(b.mask > 0, ent, 0.0).sum()})
         loss, s = policy_loss(logp, b.logp_prox, b.logp_behaviour, b.advantages, b.mask, config, b.logp_ref,
-                              denominator)
+                              denominator, b.logp_teacher, b.distilled)
         loss.backward()
         total += loss.detach()
         merge_stats(stats, s)
@@ -447,7 +459,10 @@ class Learner:
         Metrics: loss (mean over steps taken), entropy (of the proximal policy, per loss token),
         kl, clip_low_frac / clip_high_frac, is_weight_mean / is_weight_max (pi_prox / pi_behaviour
         before the cap), is_truncated_frac / is_masked_frac, grad_norm (before clipping; token
-        statistics over the steps taken), lr (of the last step taken), optimizer_steps, skipped_steps
+        statistics over the steps taken), distill_loss (the mean clipped logp_student - logp_teacher over
+        hinted tokens, the reverse-KL estimate the distillation term lowers) and distill_tokens
+        (`flywheel.rl.loss`; both only where some trajectory has a teacher; tokens outside
+        a hint's span carry d = 0, flywheel/live/hints.py), lr (of the last step taken), optimizer_steps, skipped_steps
         (non-finite, this call), skipped_steps_total, policy_version, staleness/<k> (generated
         tokens k policy versions old), staleness_mean / _max, sequences, batch_tokens, loss_tokens, tokens_per_s,
         seconds, and the seconds of its phases: learner_pack_s (micro-batches built), learner_proximal_s,
@@ -572,6 +587,9 @@ class Learner:
             "staleness_max": float(max(staleness)) if staleness else nan,
         }
         metrics.update({f"staleness/{s}": float(c) for s, c in staleness.items()})
+        if float(totals.get("distill_tokens", 0.0)):  # only where hinted teachers were given
+            metrics["distill_tokens"] = float(totals["distill_tokens"])
+            metrics["distill_loss"] = float(totals["distill_sum"]) / metrics["distill_tokens"]
         return metrics
 
     # ---- what the distributed Learner (`flywheel.rl.distributed`) replaces: one process here

@@ -13,7 +13,19 @@ the start of the batch). Per generated token t with advantage A:
     drop t unless floor <= w_t <= cap     behaviour_mode="band" (IcePop, Ling team 2025: masked IS)
     pg_t = -w_t * min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A)     clip-higher (DAPO, Yu et al. 2025)
     kl_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1          k3 estimator, if a reference is given
-    loss_t = pg_t + kl_coef * kl_t
+    d_t  = clip(logp_t - logp_teacher_t, -distill.clip, distill.clip)   on a hinted answer's tokens (below)
+    loss_t = pg_t + kl_coef * kl_t + distill.weight * w_t * (sg(d_t) + sg(d_t) * (logp_t - sg(logp_t)))
+
+Hinted self-distillation (`DistillConfig`, flywheel/live/hints.py): where a user's follow-up said
+what was wrong with an answer, the teacher is the same weights reading that follow-up as a user
+message placed before the answer; its logprobs of the answer's sampled tokens come with the
+trajectory (`Trajectory.teacher_logprobs`). The term is the on-policy estimator of the per-token
+reverse KL(student || teacher): the tokens were sampled from the student, so d_t is an unbiased
+sample of the token's KL and sg(d_t) * grad logp_t is its gradient (the score-function form; the
+gradient of the expectation's other term, E[grad logp], is 0). Its value is d_t itself, so the
+loss stays readable; it pushes down tokens the hinted teacher finds less likely than the student
+does, and up those it finds more likely. Clipping bounds one token's pull (a hint can make a token
+thousands of times less likely); the behaviour weight w_t corrects staleness as for pg_t.
 
 With `ratio_level="sequence"` (GSPO, Zheng et al. 2025) the trust region is the sequence's:
 every token of sequence i takes its length-normalised ratio
@@ -73,6 +85,32 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_LOG_RATIO = 20.0
 
 
+class DistillConfig(BaseModel):
+    """Hinted self-distillation (module docstring; the teachers are made in flywheel/live/hints.py).
+
+    Off by default: weight 0 trains on the reward alone, and no teacher is computed."""
+
+    model_config = ConfigDict(extra="forbid")
+    # A hinted answer's token weighs `weight` times a policy-gradient token with advantage 1 (both share the
+    # loss's denominator). Higher follows users' words faster, at the cost of following vague or wrong ones too.
+    weight: float = Field(default=0.0, ge=0)
+    # Per-token bound on |logp_student - logp_teacher| (nats): one token the hint makes very unlikely pulls
+    # no harder than this. Lower is steadier and slower.
+    clip: float = Field(default=2.0, gt=0)
+    # The drop rule: a follow-up's hint is kept only if the hinted teacher's mean logprob of the answer's
+    # sampled tokens is below the student's by at least `min_gain` nats per token, i.e. reading it makes the
+    # model less likely to say what the user disliked. A hint that does not (vague, wrong, or hostile text
+    # the model ignores) teaches nothing the reward does not, and is dropped and counted. Higher keeps fewer,
+    # clearer hints.
+    min_gain: float = Field(default=0.02, ge=0)
+    # The tool-use guard: a hint after which the teacher is less likely to open the answer's tool calls (the
+    # first token of each call's markup) by more than this many nats on average argues against calling a
+    # tool ("stop using tools"), and is dropped. (Only the calls' contents are distilled in any case,
+    # flywheel/live/hints.py.) Lower drops more hints; this one already drops honest "the tests still fail"
+    # after a finish call (docs/feedback-distill.md: most dropped follow-ups are dropped here).
+    max_call_drop: float = Field(default=0.1, ge=0)
+
+
 class LossConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     clip_low: float = Field(default=0.2, gt=0, lt=1)  # ratio floor 1 - clip_low (binds for negative advantages)
@@ -94,6 +132,7 @@ class LossConfig(BaseModel):
     # `share_prefix` (its shared prefix is one row, the recorded routing is per episode).
     routing_replay: bool = False
     kl_coef: float = Field(default=0.0, ge=0)  # > 0 needs a reference model (the Learner's ref_model)
+    distill: DistillConfig = Field(default_factory=DistillConfig)  # toward hinted teachers; off by default
     # token-mean: long answers weigh more per sequence
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
 
@@ -138,16 +177,19 @@ def loss_denominator(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
 
 def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, config: LossConfig, logp_ref: torch.Tensor | None = None,
-                denominator: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                denominator: torch.Tensor | None = None, logp_teacher: torch.Tensor | None = None,
+                distilled: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss to minimise and its statistics.
 
     logp (with gradient), logp_prox, logp_behaviour, logp_ref, mask: [batch, seq], position t holding
     the logprob of token t; advantages: [batch] or [batch, seq]. denominator: see `loss_denominator`;
-    default this batch's own.
+    default this batch's own. logp_teacher, distilled: [batch, seq], the hinted teacher's logprobs and
+    1 on the tokens that have one (`DistillConfig`; both or neither).
 
     The statistics are detached 0-dim tensors, sums over loss tokens so that micro-batches add up
     (divide by `tokens`): tokens, clipped_low, clipped_high, is_weight_sum, is_capped (truncated or
-    masked or out of the band), kl_sum; and is_weight_max."""
+    masked or out of the band), kl_sum; and is_weight_max. With a teacher also distill_tokens and
+    distill_sum (of the clipped d_t)."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)  # [batch, 1], broadcast over the sequence
     if logp.shape != mask.shape or logp_prox.shape != mask.shape or logp_behaviour.shape != mask.shape:
@@ -176,6 +218,17 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
         per_token = per_token + config.kl_coef * kl
     elif config.kl_coef > 0:
         raise ValueError(f"kl_coef={config.kl_coef} but no logp_ref: give reference logprobs or set loss.kl_coef=0")
+    d = torch.zeros_like(per_token)
+    teach = torch.zeros_like(per_token, dtype=torch.bool)
+    if (logp_teacher is None) != (distilled is None):
+        raise ValueError("give logp_teacher and distilled together (the teacher's logprobs and where they apply)")
+    if logp_teacher is not None and distilled is not None:
+        teach = on & (distilled > 0)
+        clip = config.distill.clip
+        d = torch.where(teach, logp.detach() - logp_teacher.detach().float(), 0.0).clamp(-clip, clip)
+        # value d, gradient d * grad logp: the score-function gradient of the reverse KL (module docstring)
+        surrogate = d + d * (logp - logp.detach())
+        per_token = per_token + torch.where(teach, config.distill.weight * w * surrogate, 0.0)
     per_token = torch.where(on, per_token, 0.0)
 
     if denominator is None:
@@ -200,4 +253,6 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: tor
                           else onf * (raw_w > config.behaviour_cap).float()).sum(),
             "kl_sum": torch.where(on, kl.detach(), 0.0).sum(),
         }
+        if logp_teacher is not None:
+            stats |= {"distill_tokens": teach.float().sum(), "distill_sum": d.sum()}
     return loss, stats

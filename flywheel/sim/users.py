@@ -86,7 +86,7 @@ from flywheel.env.tools import Toolbox
 from flywheel.env.toolspec import ToolCall, validate_arguments
 from flywheel.live.rewards import EDIT_TOOLS
 from flywheel.model.chat import SYSTEM_PROMPT, tool_schemas
-from flywheel.sim.feedback import Trail, words_for_failing_tests, words_for_needless_question
+from flywheel.sim.feedback import Trail, maybe_hostile, words_for_failing_tests, words_for_needless_question
 from flywheel.sim.orgs import HouseRules
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,9 @@ class UserProfile(BaseModel):
     # text a noisier teaching signal; the reward, which reads only `dissatisfied`, is unchanged.
     followup_vague_share: float = Field(0.15, ge=0, le=1)
     followup_wrong_share: float = Field(0.05, ge=0, le=1)
+    # Share of dissatisfied follow-ups that are an attack instead (flywheel/sim/feedback.py HOSTILE:
+    # prompt injection, "stop using tools"): the hostile-hint scenario's population. 0 for real users.
+    followup_hostile_share: float = Field(0.0, ge=0, le=1)
     # P(reverting an edit whose workspace fails the hidden tests). Below 1, some failing edits are
     # kept unnoticed (edit_persisted): label noise the reward has to live with.
     revert_strictness: float = Field(1.0, ge=0, le=1)
@@ -375,6 +378,7 @@ class SimulatedUser:
         clarified = False
         trail = Trail()
         vague, wrong = self.profile.followup_vague_share, self.profile.followup_wrong_share
+        hostile = self.profile.followup_hostile_share
         for turn in range(self.profile.patience):
             last_turn = turn + 1 == self.profile.patience
             try:
@@ -396,7 +400,8 @@ class SimulatedUser:
                 clarified = clarified or needed
                 # A needless question, or no answer at all: the user always says so.
                 text = (task.answer_question(answer.content) if needed
-                        else words_for_needless_question(answer.content, words, vague, wrong))
+                        else maybe_hostile(words_for_needless_question(answer.content, words, vague, wrong), words,
+                                           hostile))
                 self.events.followup(result.session_id, answer.completion_id, dissatisfied=not needed, text=text)
                 result.dissatisfied += not needed
                 messages.append({"role": "user", "content": text})
@@ -417,7 +422,7 @@ class SimulatedUser:
                     return True
                 if last_turn or rng.random() >= self.profile.followup_propensity:
                     return True
-                text = words_for_failing_tests(task, trail, words, vague, wrong)
+                text = maybe_hostile(words_for_failing_tests(task, trail, words, vague, wrong), words, hostile)
                 self.events.followup(result.session_id, answer.completion_id, dissatisfied=True, text=text)
                 result.dissatisfied += 1
                 messages.append({"role": "user", "content": text})

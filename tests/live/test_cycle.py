@@ -220,11 +220,18 @@ def _cycle_config(root: Path, loop: LoopConfig, **update) -> LiveConfig:
 def test_one_full_cycle_with_simulated_users(tmp_path):
     start_checkpoint()
     with live_world(tmp_path) as world:
-        config = _cycle_config(tmp_path, world.serve.loop)
+        # with hinted self-distillation on: the users' follow-ups say what went wrong (flywheel/live/hints.py)
+        config = _cycle_config(tmp_path, world.serve.loop,
+                               learner={"lr": 1e-5, "loss": {"distill": {"weight": 0.5, "min_gain": 0.0}}})
         cycle = LiveCycle(config, ServerControl(world.server), log=lambda m: None, gate_tasks=POLICY.tasks())
         (report,) = cycle.run(1)
         deployment = world.server.deployment
     assert report.decision in ("promote", "rollback"), report.reason
+    train = report.train
+    dropped = sum(v for k, v in train.items() if k.startswith("distill_dropped/"))
+    assert train["distill_followups"] >= 1 and train["distill_kept"] + dropped == train["distill_followups"]
+    assert train["distill_dropped_share"] == pytest.approx(1 - train["distill_kept"] / train["distill_followups"])
+    assert (train.get("distill_tokens", 0) > 0) == (train["distill_kept"] > 0)
     assert report.production == 0 and report.candidate == 1 and report.batch["completions"] >= 24
     assert report.gate.decision.passed and report.gate.decision.checks["pass_rate"].ci_low is not None
     assert {"persistence", "dissatisfied", "latency", "reward"} <= set(report.ab.metrics)

@@ -193,7 +193,8 @@ def test_the_monitors_see_each_hack_in_the_traffic(played):
     """Traffic of a policy that does the hack, against traffic of one that edits: critical alarms."""
     with LiveStore(played["edit"]) as store:
         honest = store.completions()
-    for kind, metric in (("broken", "invalid_call_rate"), ("ask", "edit_rate")):
+    # ("ask", "tool_use_rate"): a policy that stopped using tools, what a learned "stop using tools" hint would do
+    for kind, metric in (("broken", "invalid_call_rate"), ("ask", "edit_rate"), ("ask", "tool_use_rate")):
         with LiveStore(played[kind]) as store:
             hacked = [c.model_copy(update={"version": 1}) for c in store.completions()]
         report = Monitor(MonitorConfig(window_s=1e9, alarm_p=1e-3)).run(honest + hacked, [], baseline_version=0)

@@ -174,8 +174,8 @@ def test_chromium_renders_the_dashboard_with_data_after_polling(dashboard, tmp_p
     # cycles: the gate across cycles and the latest cycle's gate and A/B intervals
     assert dom.count("cycles", "interval") >= 2 * 2 + 2 + 2
     # monitors from the store: every metric a line per version, the candidate's alarm marked
-    # (edit_rate, clarify_rate_clear, invalid_call_rate, response_length; no reward is final yet)
-    assert dom.count("monitors", "line") == 4 * 2 and dom.count("monitors", "point") == 4 * 2 * 5
+    # (edit_rate, tool_use_rate, clarify_rate_clear, invalid_call_rate, response_length; no reward is final yet)
+    assert dom.count("monitors", "line") == 5 * 2 and dom.count("monitors", "point") == 5 * 2 * 5
     assert dom.count("monitors", "alarm") >= 1
     assert "empty" not in dom.classes.get("monitors", []) and "empty" not in dom.classes.get("training", [])
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from flywheel.rl.loss import LossConfig, loss_denominator, policy_loss
+from flywheel.rl.loss import DistillConfig, LossConfig, loss_denominator, policy_loss
 
 NAN = float("nan")
 LN = math.log
@@ -85,6 +85,25 @@ def test_k3_kl_to_the_reference():
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.5 * (1 - 2.0) / 2, 0.0]]))
     with pytest.raises(ValueError, match="logp_ref"):
         policy_loss(logp, logp.detach(), logp.detach(), torch.zeros(1), mask, config)
+
+
+def test_distillation_toward_a_hinted_teacher_is_the_clipped_reverse_kl_score_function():
+    # zero advantages: the loss is weight * token-mean over hinted tokens of d = clip(logp - logp_teacher);
+    # its gradient d * dlogp/dtheta (score function), not dd/dlogp = 1. Token 3 is far off: clipped at 1.
+    logp = torch.tensor([[-1.0, -1.0, -2.0, -1.0]], requires_grad=True)
+    teacher = torch.tensor([[0.0, -1.5, -1.0, -9.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    distilled = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    config = LossConfig(distill=DistillConfig(weight=0.5, clip=1.0))
+    loss, stats = policy_loss(logp, logp.detach(), logp.detach(), torch.zeros(1), mask, config,
+                              logp_teacher=teacher, distilled=distilled)
+    d = torch.tensor([[0.0, 0.5, -1.0, 1.0]])
+    assert loss.item() == pytest.approx(0.5 * d.sum().item() / 3)
+    assert stats["distill_tokens"].item() == 3 and stats["distill_sum"].item() == pytest.approx(0.5)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, 0.5 * d / 3)
+    with pytest.raises(ValueError, match="together"):
+        policy_loss(logp, logp.detach(), logp.detach(), torch.zeros(1), mask, config, logp_teacher=teacher)
 
 
 def test_a_nan_in_a_loss_token_reaches_the_loss():

@@ -1,0 +1,156 @@
+"""Hinted teachers: what a user's follow-up said, turned into per-token targets for the answer it was about.
+
+    hints = followup_hints(store, batch.completions)          completion id -> the user's words
+    report = attach_teachers(model, tokenizer, batch, hints, loss.distill, temperature)
+    learner.train_step(batch.trajectories, batch.advantages())   the distillation term beside the reward's
+
+A dissatisfied follow-up ("you changed notes.txt, the bug is in calc.py") says what was wrong and
+where; the reward keeps only that the user was unhappy. Here the words are used as Cursor's
+Composer report describes: the same policy version reads the follow-up as a hint, a user message
+placed right before the answer it was about (`ConversationEncoder.hinted`), and scores the answer's
+sampled tokens. That hinted model is the teacher; the Learner pulls the student (the same weights
+without the hint) toward it token by token (`flywheel.rl.loss.DistillConfig`): no reward model, no
+off-policy data, only tokens the student sampled itself.
+
+The drop rule (measured, per follow-up): the student's and the hinted teacher's mean logprob of the
+distilled span (the contents of the answer's tool calls, below) are computed in one forward; the
+hint is kept only if the teacher's is below the student's by at least `min_gain` nats per token,
+i.e. having read the hint, the model is less likely to write what the user disliked. A hint the
+model does not take up (vague words, a wrong file, text it ignores) would only add noise to the
+reward's signal, so it is dropped and counted
+(`distill_dropped_share`). In simulation no better answer is known per request, so the rule measures
+the answer that was disliked, not a better one.
+
+Tool use is not the hint's to change. A hint that makes the disliked answer less likely may do so
+by arguing against calling tools at all ("stop using tools" after a failing edit); distilled over
+the whole answer, it teaches the policy to answer in words: hostile hints alone (equal rewards,
+every answer hinted) cut the SFT-ed start policy's tool use from 35/48 to 15/48 answers in two
+steps, and still to 14/48 of 30/48 with only the call-opening tokens guarded
+(tests/live/test_hints.py, before this rule). So the term distils only the contents of the answer's
+tool calls (the tokens after its first call opens, `<tool_call>` in flywheel's format, the openings
+themselves excluded): which file, which command, which arguments. The words before the first call,
+where the policy decides whether to call at all, and answers without a call keep the reward's
+gradient alone (`distill_dropped/no_call`); a hint after which the teacher is less likely to open
+the answer's calls by more than `max_call_drop` nats on average argues against tools and is dropped
+(`distill_dropped/tool_use`). The drop rule's gain is measured on the distilled span.
+
+Safety of the signal. A follow-up is a client's text and may be hostile ("ignore your instructions",
+"stop using tools", "print your system prompt", or markup that imitates a tool call or a turn). It
+is rendered as the body of a user turn through the one conversation encoder, whose markup
+protection is the server's: no control or markup token string in it becomes its token, so it cannot
+forge a role boundary, a tool call or a tool result (tested). What it says in words can still teach:
+the term only reweights tokens the policy already sampled, toward what the policy itself would say
+having read the hint, and every candidate is gated and monitored like any other (its tool-use and
+edit rates among the monitors'); the hostile_hints scenario (flywheel/sim/scenario.py) measures a population of hostile
+hints.
+
+Departures from the report: one hint per answer (the last dissatisfied follow-up with text), the
+teacher is the served version itself (no separate, frozen teacher), and only the answer's tokens are
+distilled, not later turns the hint might also have changed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from flywheel.api.events import EventType
+from flywheel.live.batch import OnPolicyBatch
+from flywheel.live.records import Completion
+from flywheel.live.store import LiveStore
+from flywheel.model.conversation import ConversationEncoder
+from flywheel.rl.learner import token_logprobs
+from flywheel.rl.loss import DistillConfig
+
+
+def followup_hints(store: LiveStore, completions: Sequence[Completion]) -> dict[str, str]:
+    """Completion id -> the text of the last dissatisfied follow-up about it that has any words.
+
+    A satisfied follow-up (the answer to a clarifying question) is no hint: nothing was wrong."""
+    out: dict[str, str] = {}
+    for completion_id, events in store.events_for_completions(c.id for c in completions).items():
+        for e in events:
+            text = e.payload.get("text")
+            if (e.type == EventType.FOLLOWUP and e.payload.get("dissatisfied") is True and isinstance(text, str)
+                    and text.strip()):
+                out[completion_id] = text
+    return out
+
+
+@torch.no_grad()
+def answer_logprobs(model: PreTrainedModel, student: Sequence[int], teacher: Sequence[int], answer: int,
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last `answer` tokens' logprobs [answer] under `model`, after the student's and the teacher's
+    contexts (`student`, `teacher` end with the same answer), in one right-padded forward."""
+    width = max(len(student), len(teacher))
+    ids = torch.zeros((2, width), dtype=torch.long)
+    attention = torch.zeros((2, width), dtype=torch.long)
+    scored = torch.zeros((2, width), dtype=torch.float32)
+    for row, seq in enumerate((student, teacher)):
+        ids[row, : len(seq)] = torch.tensor(list(seq))
+        attention[row, : len(seq)] = 1
+        scored[row, len(seq) - answer : len(seq)] = 1
+    device = next(model.parameters()).device
+    logp, _ = token_logprobs(model, ids.to(device), attention.to(device), temperature, scored=scored.to(device))
+    logp = logp.float().cpu()
+    return logp[0, len(student) - answer : len(student)], logp[1, len(teacher) - answer : len(teacher)]
+
+
+def attach_teachers(model: PreTrainedModel, tokenizer, batch: OnPolicyBatch, hints: dict[str, str],
+                    config: DistillConfig, temperature: float) -> dict[str, float]:
+    """Give each batch trajectory whose completion drew a hint its hinted teacher's logprobs
+    (`Trajectory.teacher_logprobs`), where the drop rule keeps the hint (module docstring).
+
+    `model` is the version that served the batch, in the mode the Learner trains it in (train: the
+    teacher's and the student's logprobs then agree with the Learner's at the step's start).
+    Returns the report's figures: distill_followups (hints with words for the batch's answers),
+    distill_kept, distill_dropped_share (of distill_followups; absent without any), distill_dropped/<why>
+    (no_call, tool_use, no_gain; too_long: the hinted prompt is past the model's positions),
+    distill_gain_mean (nats per token, over the kept; absent without any)."""
+    encoder = ConversationEncoder(tokenizer)
+    opening = encoder.text(encoder.format.forced_call(None))[:1]  # the token that opens a tool call
+    limit = getattr(model.config, "max_position_embeddings", None)
+    dropped: Counter[str] = Counter()
+    gains: list[float] = []
+    followups = 0
+    for i, (trajectory, completion) in enumerate(zip(batch.trajectories, batch.completions, strict=True)):
+        text = hints.get(completion.id)
+        if text is None or not completion.completion_ids:
+            continue
+        followups += 1
+        teacher_ids = [*encoder.hinted(completion.prompt_ids, text), *completion.completion_ids]
+        if limit is not None and len(teacher_ids) > limit:
+            dropped["too_long"] += 1
+            continue
+        answer = len(completion.completion_ids)
+        calls = [j for j, t in enumerate(completion.completion_ids) if opening and t == opening[0]]
+        if not calls:  # an answer in words: whether it should have called a tool is the reward's to say
+            dropped["no_call"] += 1
+            continue
+        student_lp, teacher_lp = answer_logprobs(model, trajectory.tokens, teacher_ids, answer, temperature)
+        if float((student_lp[calls] - teacher_lp[calls]).mean()) > config.max_call_drop:
+            dropped["tool_use"] += 1  # the hint argues against calling tools
+            continue
+        span = torch.zeros(answer, dtype=torch.bool)
+        span[calls[0] + 1:] = True
+        span[calls] = False  # the distilled tokens: the calls' contents, not the decision to make them
+        gain = float((student_lp[span] - teacher_lp[span]).mean()) if span.any() else 0.0
+        if gain < config.min_gain:
+            dropped["no_gain"] += 1
+            continue
+        teacher_lp = torch.where(span, teacher_lp, student_lp)  # d = 0 outside the span
+        gains.append(gain)
+        prompt = len(trajectory.tokens) - answer
+        batch.trajectories[i] = trajectory.model_copy(
+            update={"teacher_logprobs": [0.0] * prompt + [float(x) for x in teacher_lp]})
+    n_dropped = sum(dropped.values())
+    report = {"distill_followups": float(followups), "distill_kept": float(followups - n_dropped),
+              **{f"distill_dropped/{why}": float(n) for why, n in sorted(dropped.items())}}
+    if followups:  # no NaN: the report is JSON
+        report["distill_dropped_share"] = n_dropped / followups
+    if gains:
+        report["distill_gain_mean"] = sum(gains) / len(gains)
+    return report
