@@ -24,7 +24,7 @@ PACKAGE = REPO / "flywheel"
 
 # The stages, bottom up (docs/ARCHITECTURE.md, "dependencies point one way"): each may import
 # itself, the stages below it and the libraries; `env` imports nothing of flywheel but `store`
-# (its files: the one durable-write helper).
+# (its files: the one durable-write helper) and `extras` (which imports nothing).
 STAGES = ("env", "model", "agent", "rl", "live", "tinker")
 # Libraries that know no stage: they import only themselves, `extras` and `store` (the durable writes every
 # writer shares), and every stage but env may use them. `api` is the OpenAI wire both servers and the SDK speak.
@@ -34,7 +34,7 @@ LIBRARIES = ("config", "stats", "store", "report", "extras", "api", "timing")
 def allowed_imports(unit: str) -> set[str]:
     """The units (top-level packages or modules of flywheel) that `unit` may import."""
     if unit == "env":
-        return {"env", "store"}
+        return {"env", "store", "extras"}
     if unit in STAGES:
         return set(STAGES[: STAGES.index(unit) + 1]) | set(LIBRARIES)
     if unit in LIBRARIES:
@@ -104,7 +104,7 @@ def test_the_layering_check_sees_an_arrow_running_up(tmp_path):
     finally:
         module.unlink()
     assert "sim" not in allowed_imports("live") and "sim" not in allowed_imports("rl")
-    assert allowed_imports("env") == {"env", "store"} and "live" not in allowed_imports("report")
+    assert allowed_imports("env") == {"env", "store", "extras"} and "live" not in allowed_imports("report")
     assert allowed_imports("client") == {"api"} and not {"live", "model"} & allowed_imports("api")
 
 
