@@ -23,16 +23,17 @@ What differs from SQLite, and how this module hides it:
 Reconnection: a lost connection (PostgreSQL restarted or killed, a network cut) fails the call in
 flight with `StoreUnavailable` and is dropped; the next call opens a new one, at most one attempt
 per `retry_after_s` (so an outage costs each request one refused connect, or nothing within that
-window: the server answers 503 with Retry-After in well under a second). Before a call starts a
-transaction on a connection that sat idle, the socket is checked (one poll, no round trip): a peer
-that closed it means the server restarted, and a new connection is opened first, so the first
-request after the database's return succeeds. A call that failed mid-transaction is rolled back by
-PostgreSQL; one that failed in COMMIT has an unknown outcome, which the caller's retry resolves
-(events are idempotent on their ids; a completion id is the server's, and its response was never
-sent). TCP keepalives and `tcp_user_timeout` bound how long a call waits on a peer that vanished
-without closing the connection. One connection per store object, shared by its threads under the
-caller's lock: a replica's writes are serialised, and throughput comes from batching (a request's
-events in one statement, concurrent completions in one commit) and from running more replicas.
+window: the server answers 503 with Retry-After in well under a second; `ping`, readiness, always
+tries). Before a call starts a transaction on a connection that sat idle, the socket is checked (one
+poll, no round trip): a peer that closed it means the server restarted, and a new connection is
+opened first, so the first request after the database's return succeeds. A call that failed
+mid-transaction is rolled back by PostgreSQL; one that failed in COMMIT has an unknown outcome,
+which the caller's retry resolves (events are idempotent on their ids; a completion id is the
+server's, and its response was never sent). TCP keepalives and `tcp_user_timeout` bound how long a
+call waits on a peer that vanished without closing the connection. One connection per store object,
+shared by its threads under the caller's lock: a replica's writes are serialised, and throughput
+comes from batching (a request's events in one statement, concurrent completions in one commit) and
+from running more replicas.
 """
 
 from __future__ import annotations
@@ -204,7 +205,13 @@ class PostgresDatabase:
         self.query("SELECT pg_advisory_xact_lock(hashtext(?))", (name,))
 
     def ping(self) -> None:
-        """StoreUnavailable unless the server answers a statement now (reconnecting if it must)."""
+        """StoreUnavailable unless the server answers a statement now (reconnecting if it must).
+
+        Readiness is asked rarely and must say how things are now, so a ping tries to reconnect
+        even within `retry_after_s` of a refused attempt: a store that nothing else used since the
+        server's return (the Registry's index between two deployment polls) is not reported down."""
+        if not self._depth:
+            self._next_attempt = 0.0
         self.query("SELECT 1")
 
     def close(self) -> None:

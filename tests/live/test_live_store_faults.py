@@ -24,6 +24,7 @@ from flywheel.live.records import Completion
 from flywheel.live.store import LiveStore
 from flywheel.store.database import StoreUnavailable
 from flywheel.store.pg_cluster import ThrowawayCluster, server_binaries
+from flywheel.store.postgres import PostgresDatabase
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -111,6 +112,24 @@ def test_postgresql_killed_at_random_moments_loses_no_acknowledged_completion_an
           f"refused in max {max(refusals) * 1000:.0f} ms; committing again {max(recoveries):.2f} s after restart")
     assert missing == [] and len(acked) > 20
     assert max(refusals) < 1.0 and max(recoveries) < 5.0
+
+
+def test_readiness_says_how_postgresql_is_now_even_within_the_reconnect_throttle(cluster):
+    """A store nothing else uses (the Registry's index between two deployment polls) must not be
+    reported down after the server's return because its last refused attempt was recent."""
+    db = PostgresDatabase(cluster.new_schema_url(), retry_after_s=60.0)
+    try:
+        cluster.kill()
+        for _ in range(2):  # the second is within the throttle: refused at once, still not cached
+            with pytest.raises(StoreUnavailable):
+                db.ping()
+        with pytest.raises(StoreUnavailable, match="unreachable"):
+            db.query("SELECT 1")  # an ordinary call keeps the throttle
+        cluster.restart()
+        db.ping()  # answers now, not 60 s later
+        assert db.query("SELECT 2")[0][0] == 2
+    finally:
+        db.close()
 
 
 _SQLITE_WRITER = """
