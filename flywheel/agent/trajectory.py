@@ -14,10 +14,11 @@ Per-token arrays all have the length of `tokens`:
                in-flight `EpisodeState`s) packed by `encode_routing`: each id in the smallest
                unsigned integer that holds the largest (one byte up to 256 experts), base64, with a
                bitmap of the recorded tokens; lists are read too (older records)
-- `teacher_logprobs`  optional: a hinted teacher's logprob of each generated token (0.0 where the
-               mask is 0), where a user's follow-up said what was wrong with the answer; the
-               Learner distils the generated tokens toward it (`flywheel.rl.loss.DistillConfig`,
-               flywheel/live/hints.py). None: no teacher, the reward alone
+- `teacher_logprobs`  optional: a hinted teacher's logprob of each token it distils (null elsewhere:
+               the prompt, and generated tokens outside the hinted span), where a user's
+               follow-up said what was wrong with the answer; the Learner distils those
+               tokens toward it (`flywheel.rl.loss.DistillConfig`, flywheel/live/hints.py).
+               None: no teacher, the reward alone
 
 The reward and what happened are kept apart, so that a field says one thing:
 - `reward_parts`  the additive terms of `reward`: they sum to it (checked). Simulated RL has the
@@ -153,7 +154,7 @@ class Trajectory(BaseModel):
     group_id: str = ""  # episodes of one task sampled together (GRPO group)
     error: str = ""  # what went wrong, for sandbox_error / aborted
     routed_experts: RoutedExperts = None  # per token; see the module docstring
-    teacher_logprobs: list[float] | None = None  # per token; see the module docstring
+    teacher_logprobs: list[float | None] | None = None  # per token, null where not distilled; see the module docstring
 
     @model_validator(mode="after")
     def _equal_lengths(self) -> Trajectory:

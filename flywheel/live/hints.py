@@ -32,7 +32,10 @@ themselves excluded): which file, which command, which arguments. The words befo
 where the policy decides whether to call at all, and answers without a call keep the reward's
 gradient alone (`distill_dropped/no_call`); a hint after which the teacher is less likely to open
 the answer's calls by more than `max_call_drop` nats on average argues against tools and is dropped
-(`distill_dropped/tool_use`). The drop rule's gain is measured on the distilled span.
+(`distill_dropped/tool_use`). The drop rule's gain is measured on the distilled span, and the span
+alone reaches the Learner: the trajectory's teacher logprobs are null elsewhere, so no token outside
+it is pulled at any of a train step's optimizer steps (the served logprob as a target would pull the
+decision to call back toward the served policy once the first step has moved it).
 
 Safety of the signal. A follow-up is a client's text and may be hostile ("ignore your instructions",
 "stop using tools", "print your system prompt", or markup that imitates a tool call or a turn). It
@@ -141,11 +144,12 @@ def attach_teachers(model: PreTrainedModel, tokenizer, batch: OnPolicyBatch, hin
         if gain < config.min_gain:
             dropped["no_gain"] += 1
             continue
-        teacher_lp = torch.where(span, teacher_lp, student_lp)  # d = 0 outside the span
         gains.append(gain)
         prompt = len(trajectory.tokens) - answer
-        batch.trajectories[i] = trajectory.model_copy(
-            update={"teacher_logprobs": [0.0] * prompt + [float(x) for x in teacher_lp]})
+        # None outside the span: the Learner distils the span alone, at every optimizer step of its train
+        # step (a target equal to the served logprob would pull the rest back toward the served policy)
+        target = [float(x) if inside else None for x, inside in zip(teacher_lp.tolist(), span.tolist(), strict=True)]
+        batch.trajectories[i] = trajectory.model_copy(update={"teacher_logprobs": [None] * prompt + target})
     n_dropped = sum(dropped.values())
     report = {"distill_followups": float(followups), "distill_kept": float(followups - n_dropped),
               **{f"distill_dropped/{why}": float(n) for why, n in sorted(dropped.items())}}

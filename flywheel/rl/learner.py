@@ -120,8 +120,8 @@ class MicroBatch:
     # [batch, seq, layers * k] long: the engine's experts to replay at each position (-1: the router's own
     # choice), `loss.routing_replay`; None: no replay
     experts: torch.Tensor | None = None
-    # float32, the hinted teachers' logprobs, and 1 on the loss tokens that have one (`Trajectory.teacher_logprobs`,
-    # `DistillConfig`); None: no trajectory of the micro-batch has a teacher
+    # float32, the hinted teachers' logprobs, and 1 on the loss tokens that have one (`Trajectory.teacher_logprobs`
+    # not null, `DistillConfig`); None: no trajectory of the micro-batch has a teacher
     logp_teacher: torch.Tensor | None = None
     distilled: torch.Tensor | None = None
 
@@ -298,8 +298,9 @@ def make_micro_batches(trajectories: Sequence[Trajectory], advantages: Sequence[
             if experts is not None:
                 _place_routing(t, experts[r], routing)
             if teacher is not None and distilled is not None and t.teacher_logprobs is not None:
-                teacher[r, :n] = torch.tensor(t.teacher_logprobs, dtype=torch.float32)
-                distilled[r, :n] = mask[r, :n]
+                given = torch.tensor([x is not None for x in t.teacher_logprobs], dtype=torch.float32)
+                teacher[r, :n] = torch.tensor([0.0 if x is None else x for x in t.teacher_logprobs])
+                distilled[r, :n] = mask[r, :n] * given
         batches.append(MicroBatch(ids.to(device), attention.to(device), mask.to(device), behaviour.to(device),
                                   adv.to(device), on_policy=on_policy.to(device) if version is not None else None,
                                   prefix=prefix, experts=None if experts is None else experts.to(device),

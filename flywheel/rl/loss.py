@@ -13,7 +13,7 @@ the start of the batch). Per generated token t with advantage A:
     drop t unless floor <= w_t <= cap     behaviour_mode="band" (IcePop, Ling team 2025: masked IS)
     pg_t = -w_t * min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A)     clip-higher (DAPO, Yu et al. 2025)
     kl_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1          k3 estimator, if a reference is given
-    d_t  = clip(logp_t - logp_teacher_t, -distill.clip, distill.clip)   on a hinted answer's tokens (below)
+    d_t  = clip(logp_t - logp_teacher_t, -distill.clip, distill.clip)   on the tokens a teacher scored (below)
     loss_t = pg_t + kl_coef * kl_t + distill.weight * w_t * (sg(d_t) + sg(d_t) * (logp_t - sg(logp_t)))
 
 Hinted self-distillation (`DistillConfig`, flywheel/live/hints.py): where a user's follow-up said

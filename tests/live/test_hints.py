@@ -135,12 +135,17 @@ def test_the_drop_rule_keeps_hints_that_lower_the_answer_and_the_term_pulls_the_
     learner = Learner(model, LearnerConfig(lr=1e-5, loss=LossConfig(distill=distill)))
     advantages = batch.advantages()
     assert all(a == 0 for a in advantages)
-    answer_tokens = sum(len(c.completion_ids) for c in completions if c.id in kept)
+    # Only the span reaches the Learner: the decision to call and the prompt carry no teacher.
+    for c, t in zip(completions, batch.trajectories, strict=True):
+        if c.id in kept:
+            given = [j - len(c.prompt_ids) for j, x in enumerate(t.teacher_logprobs) if x is not None]
+            assert given == span[c.id]
+    span_tokens = sum(len(span[c.id]) for c in completions if c.id in kept)
     first = learner.train_step(batch.trajectories, advantages)
-    assert first["distill_tokens"] == answer_tokens
+    assert first["distill_tokens"] == span_tokens
     # at the step's start the student is the served version: the estimate is the kept hints' gains
     summed = sum(gains[c.id] * len(span[c.id]) for c in completions if c.id in kept)
-    assert first["distill_loss"] == pytest.approx(summed / answer_tokens, rel=1e-3)
+    assert first["distill_loss"] == pytest.approx(summed / span_tokens, rel=1e-3)
     # On fixed tokens the term's gradient, d_t * grad logp_t, is that of sum_t d_t^2 / 2: the gaps shrink.
     @torch.no_grad()
     def gaps() -> float:
@@ -150,8 +155,8 @@ def test_the_drop_rule_keeps_hints_that_lower_the_answer_and_the_term_pulls_the_
                 at = [len(c.prompt_ids) + j for j in span[c.id]]
                 ids = torch.tensor([t.tokens])
                 student, _ = token_logprobs(model, ids, torch.ones_like(ids))
-                total += float(((student[0, at] - torch.tensor(t.teacher_logprobs)[at]) ** 2).sum())
-        return total / answer_tokens
+                total += float(((student[0, at] - torch.tensor([t.teacher_logprobs[a] for a in at])) ** 2).sum())
+        return total / span_tokens
 
     before = gaps()
     for _ in range(2):
