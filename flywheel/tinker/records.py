@@ -1,4 +1,4 @@
-"""What a restart of `flywheel tinker serve` keeps of its clients: sessions and training models on disk.
+"""What a restart of `flywheel tinker serve` keeps of its clients: sessions, training models, samplers.
 
 A Tinker script holds a session and training clients for hours; the server process may die under
 it (a kill -9, a deploy). So every session and every training model is written to the server's
@@ -12,6 +12,11 @@ goes on where the last acknowledged request left it.
                                            the gradient accumulated        and load_state, before its
                                            since the last optim_step,      result is acknowledged
                                            the last applied seq_id
+    root/samplers/<sampler id>.pt          owner, base, and what it        at create_sampling_session
+                                           samples: the base, a named      and at every unnamed
+                                           sampler save's path, or an      save_weights_for_sampler,
+                                           unnamed snapshot's LoRA         before its id is answered
+                                           weights (not its dense deltas)
 
 Each write replaces the whole record atomically (flywheel/store/files.py): a record is the old one
 or the new one, never half. One record per model, rewritten at each change, instead of the last
@@ -25,9 +30,13 @@ counter) of the last request applied into it; a forward_backward or optim_step w
 above it is a resend: the forward_backward is answered without adding its gradient again, the
 optim_step with the metrics the applied one returned. Nothing is applied twice.
 
+A sampler comes back like a model: the first request that names it after a restart (a sample, a
+join, a lookup) rebuilds it from its record, so an RL loop's `SamplingClient` from
+`save_weights_and_get_sampling_client` samples the same weights as before the kill. The newest
+`max_snapshots` unnamed snapshots keep a record (an evicted one's record is deleted with it).
+
 What a restart still loses: requests in flight (their futures answer 404 and fail on the client;
-the client's next requests are served), and samplers (a `save_weights_and_get_sampling_client`
-snapshot lives in memory; a sampler of a named save is made again with `create_sampling_client`).
+the client's next requests are served).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from flywheel.store.files import write_atomic
 
 SESSION_ID = re.compile(r"session-[0-9a-f]{12}")
 MODEL_ID = re.compile(r"(session-[0-9a-f]{12}):train:([0-9]{1,9})")
+SAMPLER_ID = re.compile(r"(session-[0-9a-f]{12}):sample:([0-9]{1,9})")
 
 
 def model_folder(root: Path, model_id: str) -> Path:
@@ -55,6 +65,7 @@ class ClientRecords:
     def __init__(self, root: Path):
         self.root = root
         (root / "sessions").mkdir(parents=True, exist_ok=True)
+        (root / "samplers").mkdir(parents=True, exist_ok=True)
 
     def write_session(self, session_id: str, owner: str) -> None:
         write_atomic(self.root / "sessions" / f"{session_id}.json", json.dumps({"owner": owner}))
@@ -78,6 +89,23 @@ class ClientRecords:
         if not MODEL_ID.fullmatch(model_id) or not path.is_file():
             return None
         return torch.load(path, weights_only=False)
+
+    def write_sampler(self, sampler_id: str, record: dict[str, Any]) -> None:
+        buffer = io.BytesIO()
+        torch.save(record, buffer)
+        write_atomic(self._sampler_path(sampler_id), buffer.getvalue())
+
+    def read_sampler(self, sampler_id: str) -> dict[str, Any] | None:
+        """The sampler's record, or None where there is none (or the id is not one of ours)."""
+        if not SAMPLER_ID.fullmatch(sampler_id) or not self._sampler_path(sampler_id).is_file():
+            return None
+        return torch.load(self._sampler_path(sampler_id), weights_only=False)
+
+    def drop_sampler(self, sampler_id: str) -> None:
+        self._sampler_path(sampler_id).unlink(missing_ok=True)
+
+    def _sampler_path(self, sampler_id: str) -> Path:
+        return self.root / "samplers" / f"{sampler_id.replace(':', '_')}.pt"
 
     def has_model(self, model_id: str) -> bool:
         return (model_folder(self.root, model_id) / "client.pt").is_file()

@@ -255,13 +255,13 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
     async def join(request: Request) -> dict[str, Any]:
         owner = caller(request, "sampling")
         sampler_id = (await body(request, types.JoinSamplingSessionRequest)).sampling_session_id
-        service.sampler(sampler_id, owner)
+        await asyncio.to_thread(service.sampler, sampler_id, owner)  # may rebuild it after a restart
         counters[sampler_id] = counters.get(sampler_id, 0) + 1
         return {"type": "join_sampling_session", "client_counter": counters[sampler_id]}
 
     @app.get("/api/v1/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
-        entry = service.sampler(sampler_id, caller(request, "sampling"))
+        entry = await asyncio.to_thread(service.sampler, sampler_id, caller(request, "sampling"))
         return {"sampler_id": sampler_id, "base_model": entry.base_name, "model_path": entry.model_path}
 
     @app.post("/api/v1/asample")
@@ -270,7 +270,7 @@ def create_app(service: TinkerService, config: TinkerConfig) -> FastAPI:
         req = await body(request, types.SampleRequest)
         if req.sampling_session_id is None:
             raise ApiError(400, "give sampling_session_id (create_sampling_session first)")
-        entry = service.sampler(req.sampling_session_id, owner)
+        entry = await asyncio.to_thread(service.sampler, req.sampling_session_id, owner)
         prompt = _prompt_tokens(req.prompt)
         _, tokenizer = await asyncio.to_thread(service.base, entry.base_version)  # loads it the first time
         params = _sampling_params(req, tokenizer, config)

@@ -20,8 +20,9 @@ to other keys.
 Registry: a named `save_weights_for_sampler` registers the adapter as a Registry version (`base`
 set, no organization), which `Registry.load` gives merged onto its base: the gate, `flywheel serve`
 and the live cycle's A/B take it as any version. Unnamed saves
-(`save_weights_and_get_sampling_client`, once per RL step) stay in memory, the newest
-`max_snapshots` of them (an older one answers 404: its loop has long moved on).
+(`save_weights_and_get_sampling_client`, once per RL step) are kept, the newest `max_snapshots` of
+them (an older one answers 404: its loop has long moved on). Sessions, models and samplers are
+written to disk before they are acknowledged and read back after a restart (flywheel/tinker/records.py).
 """
 
 from __future__ import annotations
@@ -194,7 +195,48 @@ class TinkerService:
             "last_optim": entry.last_optim})
 
     def sampler(self, sampler_id: str, owner: str) -> SamplerEntry:
+        """The sampler, rebuilt from its record the first time it is named after a restart (seconds:
+        it may load the base; the HTTP routes call this off their event loop)."""
+        if sampler_id not in self._samplers:
+            self._restore_sampler(sampler_id)
         return self._owned(self._samplers, sampler_id, owner, "sampling session")
+
+    def _restore_sampler(self, sampler_id: str) -> None:
+        with self._restore_lock:
+            record = None if sampler_id in self._samplers else self.records.read_sampler(sampler_id)
+            if record is None:
+                return
+            deltas = None
+            if record["model_path"] is not None:  # a named save: the Registry holds its adapter
+                deltas = self._named_sampler(record["owner"], record["model_path"]).deltas
+            elif record["adapter"] is not None:  # an unnamed snapshot: its LoRA weights on the base
+                spec = LoraSpec(**record["adapter"]["spec"])
+                snapshot = AdapterModel(self.base(record["base_version"])[0], spec, 0, self.micro_batch_tokens)
+                snapshot.load_state(record["adapter"], optimizer=False)
+                deltas = snapshot.deltas()
+            entry = SamplerEntry(record["owner"], record["base_name"], record["base_version"], deltas,
+                                 record["model_path"])
+            with self._lock:
+                self._samplers[sampler_id] = entry
+                if record["adapter"] is not None:
+                    self._snapshots.append(sampler_id)
+        log.info("restored sampler %s from its record", sampler_id)
+
+    def _keep_sampler(self, sampler_id: str, entry: SamplerEntry, adapter: dict[str, Any] | None) -> None:
+        """Write the sampler's record, then serve it (`adapter`: an unnamed snapshot's LoRA state)."""
+        self.records.write_sampler(sampler_id, {"owner": entry.owner, "base_name": entry.base_name,
+                                                "base_version": entry.base_version, "model_path": entry.model_path,
+                                                "adapter": adapter})
+        evicted = []
+        with self._lock:
+            self._samplers[sampler_id] = entry
+            if adapter is not None:
+                self._snapshots.append(sampler_id)
+                while len(self._snapshots) > self.max_snapshots:  # an RL loop makes one per step
+                    evicted.append(self._snapshots.pop(0))
+                    self._samplers.pop(evicted[-1], None)
+        for old in evicted:
+            self.records.drop_sampler(old)
 
     # ---- futures
 
@@ -357,15 +399,13 @@ class TinkerService:
     def save_for_sampler(self, owner: str, model_id: str, name: str | None, session_id: str | None,
                          sampler_seq: int | None) -> dict[str, Any]:
         entry = self.model(model_id, owner)
-        with entry.lock:
-            deltas = entry.model.deltas()
         if name is None:
+            with entry.lock:
+                deltas = entry.model.deltas()
+                state = entry.model.state()
+            adapter = {"spec": state["spec"], "adapter": state["adapter"]}  # the LoRA weights, not the optimizer
             sampler_id = f"{session_id}:sample:{sampler_seq}"
-            with self._lock:
-                self._samplers[sampler_id] = SamplerEntry(owner, entry.base_name, entry.base_version, deltas)
-                self._snapshots.append(sampler_id)
-                while len(self._snapshots) > self.max_snapshots:  # an RL loop makes one per step
-                    self._samplers.pop(self._snapshots.pop(0), None)
+            self._keep_sampler(sampler_id, SamplerEntry(owner, entry.base_name, entry.base_version, deltas), adapter)
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
         marker = self._checkpoint_file(model_id, "sampler_weights", name, ".json")
         tinker_path = f"tinker://{model_id}/sampler_weights/{name}"
@@ -385,22 +425,25 @@ class TinkerService:
                        model_path: str | None) -> str:
         sampler_id = f"{session_id}:sample:{seq}"
         if model_path is not None:
-            model_id, kind, name = parse_path(model_path)
-            if kind != "sampler_weights":
-                raise UserError(f"{model_path} is not a sampler checkpoint; save one with save_weights_for_sampler")
-            marker = self._checkpoint_file(model_id, "sampler_weights", name, ".json")
-            record = json.loads(marker.read_text()) if marker.is_file() else None
-            if record is None or record["owner"] != owner:
-                raise NotFound(f"no sampler checkpoint {model_path} for this API key")
-            adapter, _ = load_adapted(self.registry, record["version"])
-            entry = SamplerEntry(owner, record["base_name"], record["base_version"], lora_deltas(adapter), model_path)
+            entry = self._named_sampler(owner, model_path)
         elif base_name is not None:
             entry = SamplerEntry(owner, base_name, self.resolve_base(base_name), None)
         else:
             raise UserError("give base_model or model_path")
-        with self._lock:
-            self._samplers[sampler_id] = entry
+        self._keep_sampler(sampler_id, entry, None)
         return sampler_id
+
+    def _named_sampler(self, owner: str, model_path: str) -> SamplerEntry:
+        """A sampler of a named `save_weights_for_sampler` (its adapter is a Registry version)."""
+        model_id, kind, name = parse_path(model_path)
+        if kind != "sampler_weights":
+            raise UserError(f"{model_path} is not a sampler checkpoint; save one with save_weights_for_sampler")
+        marker = self._checkpoint_file(model_id, "sampler_weights", name, ".json")
+        record = json.loads(marker.read_text()) if marker.is_file() else None
+        if record is None or record["owner"] != owner:
+            raise NotFound(f"no sampler checkpoint {model_path} for this API key")
+        adapter, _ = load_adapted(self.registry, record["version"])
+        return SamplerEntry(owner, record["base_name"], record["base_version"], lora_deltas(adapter), model_path)
 
     def engine(self, sampler_id: str, entry: SamplerEntry) -> LocalEngine:
         with self._engine_lock:  # one build per sampler, however many of its samples arrive at once

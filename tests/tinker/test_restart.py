@@ -32,7 +32,7 @@ from flywheel.api.http import RunningServer
 from flywheel.model.registry import Registry
 from flywheel.tinker.records import model_folder
 from flywheel.tinker.server import TinkerConfig, create_app
-from flywheel.tinker.service import TinkerService
+from flywheel.tinker.service import NotFound, TinkerService
 from flywheel.tinker.wire import Datum, FwdBwdRequest
 
 tinker = installed("tinker")
@@ -183,5 +183,89 @@ def test_a_resent_training_request_is_not_applied_twice(server, tmp_path):
         assert all(torch.equal(w, p) for w, p in zip(weights, entry.model.params, strict=True))
         service.optim_step("alice", model_id, 4, adam)
         assert entry.model.steps == 2
+    finally:
+        service.close()
+
+
+def test_samplers_sample_the_same_weights_after_kill_9_of_the_server(server, tmp_path):
+    """Every sampler the server answered for (a base, a named save, an unnamed RL-step snapshot)
+    comes back from its record (records.py): after kills at a random moment of a snapshot-per-step
+    loop and after it, the SDK's same SamplingClient objects draw the same tokens with the same
+    logprobs as before."""
+    _, registry = server
+    life = ForkedServer(registry.root, tmp_path / "tinker")
+    life.start()
+    try:
+        service = tinker.ServiceClient(base_url=life.url, api_key="tml-alice")
+        training = service.create_lora_training_client(base_model="production", rank=4, seed=0).result()
+        tokens = training.get_tokenizer().encode("def add(a, b):\n    return a + b\n")
+        data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})]
+        prompt = types.ModelInput.from_ints(tokens[:5])
+        params = types.SamplingParams(max_tokens=8, seed=11, temperature=1.0)
+
+        def draw(sampler) -> tuple[list[int], list[float]]:
+            sequence = sampler.sample(prompt, 1, params).result().sequences[0]
+            return list(sequence.tokens), list(sequence.logprobs)
+
+        samplers = {"base": service.create_sampling_client(base_model="production").result()}
+        drawn: dict[str, tuple[list[int], list[float]]] = {}
+        rng = random.Random(os.environ.get("FLYWHEEL_FAULT_SEED"))
+        kills = []
+
+        def kill_and_restart() -> None:
+            kills.append(time.monotonic())
+            life.kill()
+            life.start()
+
+        killer = threading.Timer(rng.uniform(0.5, 4.0), kill_and_restart)
+        killer.start()
+        step, failures = 0, 0
+        while step < 6 or killer.is_alive():
+            try:
+                training.forward_backward(data, "cross_entropy").result()
+                training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+                sampler = training.save_weights_and_get_sampling_client().result()
+                drawn[f"step {step}"] = draw(sampler)
+                samplers[f"step {step}"] = sampler
+                step += 1
+            except (ValueError, tinker.APIError):  # a request in flight at the kill
+                failures += 1
+                assert failures <= len(kills), f"{failures} failed requests for {len(kills)} kills"
+        path = training.save_weights_for_sampler("named").result().path
+        samplers["named"] = service.create_sampling_client(model_path=path).result()
+        for name in ("base", "named"):
+            drawn[name] = draw(samplers[name])
+        assert len({tuple(t) for t, _ in drawn.values()}) > 2, "the samplers' weights should differ"
+
+        kill_and_restart()  # a chosen moment: every sampler acknowledged, none in use
+        assert life.lives == 3 and len(kills) == 2
+        for name, sampler in samplers.items():
+            again_tokens, again_logprobs = draw(sampler)
+            assert again_tokens == drawn[name][0], name
+            assert again_logprobs == pytest.approx(drawn[name][1], abs=1e-5), name
+    finally:
+        life.kill()
+
+
+def test_only_the_newest_snapshots_keep_a_record(server, tmp_path):
+    _, registry = server
+    service = TinkerService(registry, tmp_path, max_snapshots=2)
+    try:
+        session = service.create_session("alice")
+        model_id = service.create_model("alice", session, 0, "production", 4, 0, True, True)["model_id"]
+        ids = [service.save_for_sampler("alice", model_id, None, session, seq)["sampling_session_id"]
+               for seq in (1, 2, 3)]
+        on_disk = sorted(p.name for p in (tmp_path / "samplers").iterdir())
+        assert on_disk == sorted(f"{i.replace(':', '_')}.pt" for i in ids[1:])
+        with pytest.raises(NotFound):
+            service.sampler(ids[0], "alice")
+        restarted = TinkerService(registry, tmp_path)
+        try:
+            assert restarted.sampler(ids[2], "alice").deltas is not None
+            with pytest.raises(NotFound):
+                restarted.sampler(ids[2], "bob")  # the owner comes back with it
+        finally:
+            restarted.close()
     finally:
         service.close()
