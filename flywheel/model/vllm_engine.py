@@ -17,7 +17,12 @@
 What unblocks what: a request's coroutine waits on the gate (open unless an update is being
 applied) and on its stream; `update_weights` waits until every live server has reloaded; the
 health loop marks a server dead when its /health fails or its process exits, which cancels its
-streams, and their requests go to another server. With no live server left every waiting request
+streams, and their requests go to another server. A stream that breaks (a reset connection, a
+read timeout, a 5xx) is not proof of a death: a keep-alive connection the server closed as the
+request went out reads as a reset while the server is fine (it cost a CI run one of its two
+servers). So the server's /health is asked at once: if it answers 200 the request is resubmitted
+(`stats["stream_errors"]`) and the server stays, unless that is its `MAX_STREAM_ERRORS`th broken
+stream in a row; otherwise it is marked dead. With no live server left every waiting request
 fails with `EngineError` (nothing hangs silently).
 
 Logprobs. The servers run with `--logprobs-mode processed_logprobs` (`vllm_server.server_command`):
@@ -57,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import tempfile
 import threading
@@ -86,6 +92,8 @@ from flywheel.model.vllm_server import (
 RELOAD_METHOD = "flywheel_reload_weights"
 _AFFINITY_ENTRIES = 4096  # sessions and prompts remembered for routing (least recently used dropped first)
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(eq=False)  # identity: requests live in a set
 class _Request:
@@ -106,10 +114,16 @@ class _Server:
     inflight: int = 0
     dead: str = ""  # why it was taken for dead ("" while it serves)
     streams: set[asyncio.Task] = field(default_factory=set)
+    stream_errors: int = 0  # broken streams in a row while its /health answered (reset by a stream that ends)
 
 
 class _ServerFailed(Exception):
     """The server broke (connection, timeout, 5xx): the request goes to another server."""
+
+
+# Broken streams in a row on a server whose /health still answers before it is taken for dead: a
+# stale keep-alive connection breaks one; a server that breaks every stream is not serving.
+MAX_STREAM_ERRORS = 3
 
 
 class VLLMEngine:
@@ -127,7 +141,7 @@ class VLLMEngine:
         # update_s: each update_weights call; first_token_s: from the start of an update to the first
         # token sampled under its weights (the stall a rollout sees)
         self.stats: dict[str, Any] = {"updates": 0, "update_s": [], "first_token_s": [], "resubmitted": 0,
-                                      "server_failures": 0}
+                                      "server_failures": 0, "stream_errors": 0}
         # the update being timed: its start and its version; None once its first token came
         self._update_started, self._first_token_version = 0.0, None
         self._weights_dir = Path(self.config.weights_dir or tempfile.mkdtemp(prefix="flywheel-vllm-weights-"))
@@ -300,11 +314,12 @@ class VLLMEngine:
                         raise
                     continue  # aborted for a weight update or because its server died: resubmit
                 except _ServerFailed as exc:
-                    self._mark_dead(server, str(exc))
+                    await self._stream_broke(server, str(exc))
                     continue
                 finally:
                     server.streams.discard(stream)
                     server.inflight -= 1
+                server.stream_errors = 0
                 if reason is not None:
                     self._finish(req, reason)
                     return
@@ -379,6 +394,23 @@ class VLLMEngine:
                 while len(table) > _AFFINITY_ENTRIES:
                     table.popitem(last=False)
         return chosen
+
+    async def _stream_broke(self, server: _Server, reason: str) -> None:
+        """A stream to `server` broke: dead unless its /health answers now (then the request is
+        resubmitted; a server that breaks MAX_STREAM_ERRORS streams in a row is dead all the same)."""
+        server.stream_errors += 1
+        if server.stream_errors < MAX_STREAM_ERRORS and not server.dead:
+            try:
+                alive = (await self._http.get(f"{server.url}/health", timeout=self.config.request_timeout_s)
+                         ).status_code == 200
+            except httpx.HTTPError:
+                alive = False
+            if alive:
+                self.stats["stream_errors"] += 1
+                log.warning("a stream to %s broke (%s) while its /health answers: resubmitted", server.url, reason)
+                return
+        self._mark_dead(server, reason if server.stream_errors < MAX_STREAM_ERRORS
+                        else f"{server.stream_errors} broken streams in a row, the last: {reason}")
 
     def _mark_dead(self, server: _Server, reason: str) -> None:
         if server.dead:

@@ -4,7 +4,9 @@ A real vLLM (tests/model/test_vllm_engine.py) decides by itself how it splits a 
 stream lines and when an abort lands, so the cases below come up there only by chance: a stream
 cut after its last token but before its finish reason (once in CI: the engine asked for 0 more
 tokens, and vLLM answered HTTP 400), a stream that ends on a stop token with no finish reason, and
-a stream cut with tokens still to sample (resumed as prompt + tokens so far). The server here
+a stream cut with tokens still to sample (resumed as prompt + tokens so far), and a connection
+reset under a stream while the server lives (a stale keep-alive connection: it cost a CI run one of
+its two servers, taken for dead). The server here
 speaks the slice of vLLM's HTTP API the engine uses (/health, the weight-update routes, streamed
 /v1/completions with token ids and logprobs) and refuses what vLLM refuses (max_tokens < 1), and
 sends each completion as the test scripts it. It runs in the main environment: no vLLM needed.
@@ -13,6 +15,8 @@ sends each completion as the test scripts it. It runs in the main environment: n
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -21,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from flywheel.model.engine import SamplingParams
+from flywheel.model.engine import EngineError, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import Registry
 from flywheel.model.tokenizer import train_tokenizer
@@ -33,7 +37,9 @@ STOP = 3
 
 class ScriptedServer:
     """Answers each /v1/completions with the next script: (token ids, finish reason or None, then
-    "done" (a [DONE] line), or "hold" (keep the stream open, unfinished, until the client leaves))."""
+    "done" (a [DONE] line), "hold" (keep the stream open, unfinished, until the client leaves), or
+    "reset" (reset the connection: the client reads ECONNRESET), or "die" (reset it, and /health
+    fails from then on)). /health answers 200 while `healthy`."""
 
     def __init__(self) -> None:
         self.scripts: deque[tuple[list[int], str | None, str]] = deque()
@@ -41,6 +47,7 @@ class ScriptedServer:
         self.routes: list[str] = []
         self.holding = threading.Event()  # a "hold" stream has sent its tokens
         self.release = threading.Event()
+        self.healthy = True
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -48,7 +55,7 @@ class ScriptedServer:
                 pass
 
             def do_GET(self) -> None:
-                self._json(200, {})
+                self._json(200 if server.healthy else 503, {})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -73,6 +80,11 @@ class ScriptedServer:
                 self.wfile.flush()
                 if end == "done":
                     self.wfile.write(b"data: [DONE]\n\n")
+                    return
+                if end in ("reset", "die"):  # SO_LINGER 0: close sends RST, not FIN
+                    server.healthy = end == "reset"
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.connection.close()
                     return
                 server.holding.set()
                 server.release.wait(timeout=30)  # the client closes the connection first
@@ -169,3 +181,30 @@ def test_a_stream_vllm_ends_early_without_a_finish_reason_is_resumed(served):
     gen = engine.submit([5], SamplingParams(temperature=1.0, max_tokens=4)).result(timeout=30)
     assert gen.token_ids == [11, 12, 13, 14] and gen.finish_reason == "length"
     assert [c["max_tokens"] for c in server.completions] == [4, 3, 1]
+
+
+def test_a_reset_connection_while_the_server_answers_its_health_is_resubmitted_not_a_death(served):
+    server, engine, _ = served
+    server.scripts.extend([([11, 12], None, "reset"), ([13, 14], "length", "done")])
+    gen = engine.submit([5, 6, 7], SamplingParams(temperature=1.0, max_tokens=4)).result(timeout=30)
+    assert gen.token_ids == [11, 12, 13, 14] and gen.finish_reason == "length"
+    assert engine.live_servers() == [server.url] and engine.stats["server_failures"] == 0
+    assert engine.stats["stream_errors"] == 1 and engine.stats["resubmitted"] == 1
+    assert server.completions[1]["prompt"] == [5, 6, 7, 11, 12]
+
+
+def test_a_reset_connection_of_a_server_whose_health_fails_is_a_death(served):
+    server, engine, _ = served
+    server.scripts.append(([11], None, "die"))
+    with pytest.raises(EngineError, match="no live vLLM server"):
+        engine.submit([5, 6, 7], SamplingParams(temperature=1.0, max_tokens=4)).result(timeout=30)
+    assert engine.live_servers() == [] and engine.stats["stream_errors"] == 0
+    assert "Error" in engine._servers[0].dead and len(server.completions) == 1  # the stream's error, not /health's
+
+
+def test_a_server_that_breaks_every_stream_is_a_death_though_its_health_answers(served):
+    server, engine, _ = served
+    server.scripts.extend([([11 + i], None, "reset") for i in range(5)])
+    with pytest.raises(EngineError, match="3 broken streams in a row"):
+        engine.submit([5, 6, 7], SamplingParams(temperature=1.0, max_tokens=8)).result(timeout=30)
+    assert engine.stats["stream_errors"] == 2 and len(server.completions) == 3
