@@ -71,3 +71,18 @@ def test_the_learning_bench_runs_each_seed_to_its_cpu_budget_and_draws_the_curve
     assert result["gap_closed"]["per_seed"] == [e for e in expected if e is not None]
     svg = (tmp_path / "out" / "learning.svg").read_text()
     assert svg.startswith("<svg") and "seed 0 greedy" in svg and "seed 1 greedy" in svg
+
+    # bench/eval_policies.py scores the start and saved policies again, paired, on a set of any size:
+    # on the bench's own tasks it finds the bench's figures (greedy is deterministic)
+    policies = sorted((tmp_path / "out" / "seed-0" / "run" / "policies").glob("step-*.pt"))
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / "eval_policies.py"), "--registry",
+                          str(tmp_path / "registry"), "--tasks-per-family", "2", "--threads", "1",
+                          *[a for o in overrides for a in ("--set", o)], *map(str, policies[:1])],
+                         capture_output=True, text=True, timeout=600, cwd=SCRIPT.parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert rows[0]["greedy"] == start["greedy"] and rows[0]["tasks"] == 2
+    step = int(policies[0].stem.split("-")[1])
+    assert rows[1]["greedy"] == next(p["greedy"] for p in result["seeds"][0]["curve"] if p["step"] == step)
+    lift = rows[1]["lift"]
+    assert lift["tasks"] == 2 and lift["diff"] == pytest.approx(rows[1]["greedy"] - rows[0]["greedy"])
