@@ -28,7 +28,8 @@ from step to step at any point of a run), so the held-out numbers are the ones t
 Printed: held-out reward, share of episodes whose hidden tests all pass, tests-passed fraction and
 invalid calls per episode at each evaluation; per training step the mean reward and all-passed
 share, the first and last three steps' means, the cookbook's sampler-vs-trainer KL; seconds. One
-JSON object on stdout.
+JSON object on stdout; the curves (training reward and all-passed share per step, the held-out
+evaluations) drawn in `--out`/tinker_rl.svg.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ from flywheel.env.pool import SandboxPool
 from flywheel.model.chat import IM_END
 from flywheel.model.engine import Generation, SamplingParams
 from flywheel.model.registry import Registry
+from flywheel.report.svg import Series, line_chart
+from flywheel.store.files import write_atomic
 from flywheel.tinker.server import TinkerConfig, create_app
 from flywheel.tinker.service import TinkerService
 
@@ -96,9 +99,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-tasks", type=int, default=0,
+                        help="replay this many training tasks every step (0: fresh tasks each step); with --groups "
+                             "equal to it, every step plays the same tasks and its reward is comparable step to step")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="the cookbook's sampling temperature (its trainer scores at T=1 whatever this is)")
     parser.add_argument("--eval-tasks", type=int, default=32, help="held-out tasks the cookbook's evaluator plays")
     parser.add_argument("--eval-group-size", type=int, default=2, help="episodes per held-out task")
     parser.add_argument("--eval-every", type=int, default=12)
+    parser.add_argument("--out", type=Path, default=Path("runs/tinker_rl"), help="where the curve is drawn")
     args = parser.parse_args()
     torch.set_num_threads(2)
     os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -119,7 +128,11 @@ def main() -> None:
     del model
     register_tokenizer(MODEL, lambda: tokenizer)
     stop = tokenizer.convert_tokens_to_ids(IM_END)
-    tasks = task_set([args.family], "train", args.groups * args.steps, seed=args.seed, difficulty=args.difficulty)
+    if args.train_tasks:  # a fixed set, replayed: groups cycle through it step after step
+        fixed = task_set([args.family], "train", args.train_tasks, seed=args.seed, difficulty=args.difficulty)
+        tasks = [fixed[i % len(fixed)] for i in range(args.groups * args.steps)]
+    else:
+        tasks = task_set([args.family], "train", args.groups * args.steps, seed=args.seed, difficulty=args.difficulty)
     held_out = held_out_tasks([args.family], args.eval_tasks, args.difficulty)
     episode = EpisodeConfig(temperature=1.0, max_turns=args.max_turns, max_tokens_per_turn=args.max_tokens)
     pool = SandboxPool()
@@ -198,7 +211,7 @@ def main() -> None:
         recipe = train.Config(learning_rate=args.lr, dataset_builder=TasksBuilder(), model_name=MODEL,
                               recipe_name="flywheel_bench", max_tokens=args.max_tokens, log_path=str(work / "rl"),
                               eval_every=args.eval_every, save_every=0, lora_rank=args.rank, base_url=running.url,
-                              renderer_name=RENDERER, num_groups_to_log=0)
+                              renderer_name=RENDERER, num_groups_to_log=0, temperature=args.temperature)
         asyncio.run(train.main(recipe))
     seconds = time.monotonic() - started
     service.close()
@@ -214,15 +227,27 @@ def main() -> None:
     def mean(xs: list[float]) -> float:
         return round(sum(xs) / len(xs), 4)
 
+    tasks_said = f"{args.train_tasks} tasks replayed" if args.train_tasks else "fresh tasks each step"
+    svg = line_chart(f"Tinker cookbook RL on flywheel's {args.family} episodes ({tasks_said}, lr {args.lr:g}, "
+                     f"T {args.temperature:g})",
+                     [Series("training reward", list(enumerate(rewards))),
+                      Series("training all tests pass", list(enumerate(passed)), dashed=True),
+                      Series("held-out reward", [(e["step"], e["reward"]) for e in evals]),
+                      Series("held-out all tests pass", [(e["step"], e["all_passed"]) for e in evals], dashed=True)],
+                     x_label="step", y_label="per episode", y_range=(0, 1), width=720, height=360)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "tinker_rl.svg", svg)
+
     print(json.dumps({
         "family": args.family, "difficulty": args.difficulty, "v0": str(args.v0), "v0_metrics": start.metrics,
         "steps": len(rows), "episodes_per_step": args.groups * args.group_size, "lora_rank": args.rank,
-        "learning_rate": args.lr, "reward_per_step": rewards, "all_passed_per_step": passed,
+        "learning_rate": args.lr, "temperature": args.temperature, "train_tasks": args.train_tasks or None,
+        "reward_per_step": rewards, "all_passed_per_step": passed,
         "reward_first3": mean(rewards[:3]), "reward_last3": mean(rewards[-3:]),
         "all_passed_first3": mean(passed[:3]), "all_passed_last3": mean(passed[-3:]),
         "held_out": {"tasks": len(held_out), "episodes": len(held_out) * args.eval_group_size, "by_step": evals},
         "kl_sample_train_v1": [round(r.get("optim/kl_sample_train_v1", float("nan")), 5) for r in rows],
-        "seconds": round(seconds, 1), "work": str(work),
+        "seconds": round(seconds, 1), "work": str(work), "curve": str(args.out / "tinker_rl.svg"),
     }, indent=1))
     registry.close()
 
