@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -47,6 +48,8 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.draw_trend` when run as a script
+from bench.draw_trend import trend  # noqa: E402
 from flywheel.agent.episode import EpisodeConfig, run_episode
 from flywheel.api.http import RunningServer
 from flywheel.env.families import held_out_tasks, task_set
@@ -244,6 +247,8 @@ def main() -> None:
         "learning_rate": args.lr, "temperature": args.temperature, "train_tasks": args.train_tasks or None,
         "reward_per_step": rewards, "all_passed_per_step": passed,
         "reward_first3": mean(rewards[:3]), "reward_last3": mean(rewards[-3:]),
+        # least squares over the steps, 95% interval: with --train-tasks every step plays the same tasks
+        "reward_trend": trend(list(range(len(rewards))), rewards) if len(rewards) > 2 else None,
         "all_passed_first3": mean(passed[:3]), "all_passed_last3": mean(passed[-3:]),
         "held_out": {"tasks": len(held_out), "episodes": len(held_out) * args.eval_group_size, "by_step": evals},
         "kl_sample_train_v1": [round(r.get("optim/kl_sample_train_v1", float("nan")), 5) for r in rows],
