@@ -19,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -84,70 +85,81 @@ def record(root: Path, model_id: str) -> tuple[int, bool]:
     return saved["state"]["steps"], any(g is not None for g in saved["grads"])
 
 
-def test_a_training_client_goes_on_after_kill_9_of_the_server_and_loses_nothing_acknowledged(server, tmp_path):
+@pytest.fixture
+def life(server, tmp_path) -> Iterator[ForkedServer]:
+    """The Tinker server's first life on the package's tiny Registry; the last one killed at the end."""
     _, registry = server
     life = ForkedServer(registry.root, tmp_path / "tinker")
     life.start()
-    try:
-        service = tinker.ServiceClient(base_url=life.url, api_key="tml-alice")
-        reference = service.create_lora_training_client(base_model="production", rank=4, seed=0).result()
-        tokens = reference.get_tokenizer().encode("def add(a, b):\n    return a + b\n")
-        data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})]
-        adam = types.AdamParams(learning_rate=1e-2)
+    yield life
+    life.kill()
 
-        def loss(client) -> float:
-            return client.forward(data, "cross_entropy").result().metrics["loss:sum"]
 
-        expected = [loss(reference)]  # the loss after each step of an uninterrupted client
-        began = time.monotonic()
-        for _ in range(ROUNDS):
-            reference.forward_backward(data, "cross_entropy").result()
-            reference.optim_step(adam).result()
-            expected.append(loss(reference))
-        round_s = (time.monotonic() - began) / ROUNDS
+def code_client(service) -> tuple:
+    """A LoRA training client of the served model (seed 0), a short code sample's tokens and the
+    cross-entropy datum on them."""
+    client = service.create_lora_training_client(base_model="production", rank=4, seed=0).result()
+    tokens = client.get_tokenizer().encode("def add(a, b):\n    return a + b\n")
+    data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})]
+    return client, tokens, data
 
-        training = service.create_lora_training_client(base_model="production", rank=4, seed=0).result()
-        model_id = training.model_id
-        rng = random.Random(os.environ.get("FLYWHEEL_FAULT_SEED"))
-        kills: list[float] = []
 
-        def kill_and_restart() -> None:
-            kills.append(time.monotonic())
-            life.kill()
-            life.start()
+def test_a_training_client_goes_on_after_kill_9_of_the_server_and_loses_nothing_acknowledged(life):
+    service = tinker.ServiceClient(base_url=life.url, api_key="tml-alice")
+    reference, _, data = code_client(service)
+    adam = types.AdamParams(learning_rate=1e-2)
 
-        # One kill at a random moment of the loop below, from beside it (each kill costs the SDK's
-        # backoff, about 4 s), and one at a chosen moment once it is done.
-        killer = threading.Timer(rng.uniform(0, ROUNDS / 2) * round_s, kill_and_restart)
-        steps, pending, failures, synced, chosen = 0, False, 0, True, False
-        killer.start()
-        while steps < ROUNDS:
-            try:
-                if not synced:  # after a kill: what the server holds, and the same client scores it
-                    held, held_pending = record(life.root, model_id)
-                    assert held in (steps, steps + 1), f"the server holds step {held}, {steps} were acknowledged"
-                    assert held > steps or held_pending or not pending, "an acknowledged forward_backward was lost"
-                    steps, pending, synced = held, held_pending and held == steps, True
-                    assert loss(training) == pytest.approx(expected[steps], rel=1e-5)
-                    continue
-                if not pending:
-                    training.forward_backward(data, "cross_entropy").result()
-                    pending = True
-                if not chosen and not killer.is_alive():
-                    chosen = True  # the third kill at a chosen moment: a gradient acknowledged, not yet applied
-                    kill_and_restart()
-                training.optim_step(adam).result()
-                steps, pending = steps + 1, False
-                assert loss(training) == pytest.approx(expected[steps], rel=1e-5)
-            except (ValueError, tinker.APIError):  # a request in flight at a kill
-                failures, synced = failures + 1, False
-                assert failures <= len(kills), f"{failures} failed requests for {len(kills)} kills"
-        killer.join()
-        assert chosen and len(kills) == 2 and life.lives == 3, "the loop ended before its kills"
-        assert loss(training) == pytest.approx(expected[ROUNDS], rel=1e-5) and expected[ROUNDS] < expected[0]
-    finally:
+    def loss(client) -> float:
+        return client.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+    expected = [loss(reference)]  # the loss after each step of an uninterrupted client
+    began = time.monotonic()
+    for _ in range(ROUNDS):
+        reference.forward_backward(data, "cross_entropy").result()
+        reference.optim_step(adam).result()
+        expected.append(loss(reference))
+    round_s = (time.monotonic() - began) / ROUNDS
+
+    training = service.create_lora_training_client(base_model="production", rank=4, seed=0).result()
+    model_id = training.model_id
+    rng = random.Random(os.environ.get("FLYWHEEL_FAULT_SEED"))
+    kills: list[float] = []
+
+    def kill_and_restart() -> None:
+        kills.append(time.monotonic())
         life.kill()
+        life.start()
+
+    # One kill at a random moment of the loop below, from beside it (each kill costs the SDK's
+    # backoff, about 4 s), and one at a chosen moment once it is done.
+    killer = threading.Timer(rng.uniform(0, ROUNDS / 2) * round_s, kill_and_restart)
+    steps, pending, failures, synced, chosen = 0, False, 0, True, False
+    killer.start()
+    while steps < ROUNDS:
+        try:
+            if not synced:  # after a kill: what the server holds, and the same client scores it
+                held, held_pending = record(life.root, model_id)
+                assert held in (steps, steps + 1), f"the server holds step {held}, {steps} were acknowledged"
+                assert held > steps or held_pending or not pending, "an acknowledged forward_backward was lost"
+                steps, pending, synced = held, held_pending and held == steps, True
+                assert loss(training) == pytest.approx(expected[steps], rel=1e-5)
+                continue
+            if not pending:
+                training.forward_backward(data, "cross_entropy").result()
+                pending = True
+            if not chosen and not killer.is_alive():
+                chosen = True  # the third kill at a chosen moment: a gradient acknowledged, not yet applied
+                kill_and_restart()
+            training.optim_step(adam).result()
+            steps, pending = steps + 1, False
+            assert loss(training) == pytest.approx(expected[steps], rel=1e-5)
+        except (ValueError, tinker.APIError):  # a request in flight at a kill
+            failures, synced = failures + 1, False
+            assert failures <= len(kills), f"{failures} failed requests for {len(kills)} kills"
+    killer.join()
+    assert chosen and len(kills) == 2 and life.lives == 3, "the loop ended before its kills"
+    assert loss(training) == pytest.approx(expected[ROUNDS], rel=1e-5) and expected[ROUNDS] < expected[0]
 
 
 def test_a_resent_training_request_is_not_applied_twice(server, tmp_path):
@@ -187,65 +199,56 @@ def test_a_resent_training_request_is_not_applied_twice(server, tmp_path):
         service.close()
 
 
-def test_samplers_sample_the_same_weights_after_kill_9_of_the_server(server, tmp_path):
+def test_samplers_sample_the_same_weights_after_kill_9_of_the_server(life):
     """Every sampler the server answered for (a base, a named save, an unnamed RL-step snapshot)
     comes back from its record (records.py): after kills at a random moment of a snapshot-per-step
     loop and after it, the SDK's same SamplingClient objects draw the same tokens with the same
     logprobs as before."""
-    _, registry = server
-    life = ForkedServer(registry.root, tmp_path / "tinker")
-    life.start()
-    try:
-        service = tinker.ServiceClient(base_url=life.url, api_key="tml-alice")
-        training = service.create_lora_training_client(base_model="production", rank=4, seed=0).result()
-        tokens = training.get_tokenizer().encode("def add(a, b):\n    return a + b\n")
-        data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})]
-        prompt = types.ModelInput.from_ints(tokens[:5])
-        params = types.SamplingParams(max_tokens=8, seed=11, temperature=1.0)
+    service = tinker.ServiceClient(base_url=life.url, api_key="tml-alice")
+    training, tokens, data = code_client(service)
+    prompt = types.ModelInput.from_ints(tokens[:5])
+    params = types.SamplingParams(max_tokens=8, seed=11, temperature=1.0)
 
-        def draw(sampler) -> tuple[list[int], list[float]]:
-            sequence = sampler.sample(prompt, 1, params).result().sequences[0]
-            return list(sequence.tokens), list(sequence.logprobs)
+    def draw(sampler) -> tuple[list[int], list[float]]:
+        sequence = sampler.sample(prompt, 1, params).result().sequences[0]
+        return list(sequence.tokens), list(sequence.logprobs)
 
-        samplers = {"base": service.create_sampling_client(base_model="production").result()}
-        drawn: dict[str, tuple[list[int], list[float]]] = {}
-        rng = random.Random(os.environ.get("FLYWHEEL_FAULT_SEED"))
-        kills = []
+    samplers = {"base": service.create_sampling_client(base_model="production").result()}
+    drawn: dict[str, tuple[list[int], list[float]]] = {}
+    rng = random.Random(os.environ.get("FLYWHEEL_FAULT_SEED"))
+    kills = []
 
-        def kill_and_restart() -> None:
-            kills.append(time.monotonic())
-            life.kill()
-            life.start()
-
-        killer = threading.Timer(rng.uniform(0.5, 4.0), kill_and_restart)
-        killer.start()
-        step, failures = 0, 0
-        while step < 6 or killer.is_alive():
-            try:
-                training.forward_backward(data, "cross_entropy").result()
-                training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-                sampler = training.save_weights_and_get_sampling_client().result()
-                drawn[f"step {step}"] = draw(sampler)
-                samplers[f"step {step}"] = sampler
-                step += 1
-            except (ValueError, tinker.APIError):  # a request in flight at the kill
-                failures += 1
-                assert failures <= len(kills), f"{failures} failed requests for {len(kills)} kills"
-        path = training.save_weights_for_sampler("named").result().path
-        samplers["named"] = service.create_sampling_client(model_path=path).result()
-        for name in ("base", "named"):
-            drawn[name] = draw(samplers[name])
-        assert len({tuple(t) for t, _ in drawn.values()}) > 2, "the samplers' weights should differ"
-
-        kill_and_restart()  # a chosen moment: every sampler acknowledged, none in use
-        assert life.lives == 3 and len(kills) == 2
-        for name, sampler in samplers.items():
-            again_tokens, again_logprobs = draw(sampler)
-            assert again_tokens == drawn[name][0], name
-            assert again_logprobs == pytest.approx(drawn[name][1], abs=1e-5), name
-    finally:
+    def kill_and_restart() -> None:
+        kills.append(time.monotonic())
         life.kill()
+        life.start()
+
+    killer = threading.Timer(rng.uniform(0.5, 4.0), kill_and_restart)
+    killer.start()
+    step, failures = 0, 0
+    while step < 6 or killer.is_alive():
+        try:
+            training.forward_backward(data, "cross_entropy").result()
+            training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+            sampler = training.save_weights_and_get_sampling_client().result()
+            drawn[f"step {step}"] = draw(sampler)
+            samplers[f"step {step}"] = sampler
+            step += 1
+        except (ValueError, tinker.APIError):  # a request in flight at the kill
+            failures += 1
+            assert failures <= len(kills), f"{failures} failed requests for {len(kills)} kills"
+    path = training.save_weights_for_sampler("named").result().path
+    samplers["named"] = service.create_sampling_client(model_path=path).result()
+    for name in ("base", "named"):
+        drawn[name] = draw(samplers[name])
+    assert len({tuple(t) for t, _ in drawn.values()}) > 2, "the samplers' weights should differ"
+
+    kill_and_restart()  # a chosen moment: every sampler acknowledged, none in use
+    assert life.lives == 3 and len(kills) == 2
+    for name, sampler in samplers.items():
+        again_tokens, again_logprobs = draw(sampler)
+        assert again_tokens == drawn[name][0], name
+        assert again_logprobs == pytest.approx(drawn[name][1], abs=1e-5), name
 
 
 def test_only_the_newest_snapshots_keep_a_record(server, tmp_path):
