@@ -7,6 +7,7 @@
     inflight/*.json     the latest `EpisodeState` of each unfinished episode                   Orchestrator
     state/              learner.pt (weights, optimizer, version) + progress.json (the          training loop
                         Orchestrator's `progress()`: groups consumed and at which version)
+                        + record.json (the step's metrics line, appended after the save)
     metrics.jsonl       one line per learner step, naming the groups it trained                 training loop
     eval.jsonl          one line per held-out eval                                              training loop
 
@@ -16,6 +17,11 @@ swapped in as a folder, so the learner's weights and the progress that names wha
 on always belong together. Measured: a 36 MB state (the embedded default's weights and Adam moments)
 saves in 0.16-0.5 s with its fsyncs against 0.09 s for the bare `torch.save`; a learner step on the
 same model takes seconds, and the rollout workers go on meanwhile.
+
+A step's metrics line is appended only once its checkpoint is on disk (a resume never finds a
+recorded step it must train again), and the line is also inside that checkpoint (`record.json`):
+a kill between the two is completed by the resume (`complete_record`), so a checkpointed step is
+never missing from metrics.jsonl either.
 
 The Orchestrator and the training loop each hold a `RunFolder` on the same root and write different
 files; the lock orders the appends of one instance's threads (the rollout workers).
@@ -80,14 +86,33 @@ class RunFolder:
             states[path.stem.replace("_", "/", 1)] = EpisodeState.model_validate_json(path.read_text())
         return states
 
-    def save_state(self, learner_state: dict[str, Any], progress: dict[str, Any]) -> None:
-        """The resume point: `Learner.state()` and the Orchestrator's `progress()`, swapped in together."""
+    def save_state(self, learner_state: dict[str, Any], progress: dict[str, Any],
+                   record: tuple[str, str] | None = None) -> None:
+        """The resume point: `Learner.state()` and the Orchestrator's `progress()`, swapped in together,
+        with `record` (a file's name and the line the caller appends after this save) kept beside them
+        for `complete_record`."""
         tmp = self.root / "state.tmp"
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died halfway
         tmp.mkdir()
         torch.save(learner_state, tmp / "learner.pt")
         (tmp / "progress.json").write_text(json.dumps(progress))  # fsynced by replace_folder
+        if record is not None:
+            (tmp / "record.json").write_text(json.dumps({"name": record[0], "line": record[1]}))
         replace_folder(tmp, self.state)
+
+    def complete_record(self) -> bool:
+        """Append the last checkpoint's record if a crash came between the save and its append (the
+        resume calls this); whether it was missing. Its line is compared whole, so it lands once."""
+        folder = self._saved()
+        if folder is None or not (folder / "record.json").exists():
+            return False
+        record = json.loads((folder / "record.json").read_text())
+        path = self.root / record["name"]
+        with self._lock:
+            if path.exists() and record["line"] in path.read_text().splitlines():
+                return False
+            append_line(path, record["line"])
+        return True
 
     def save_state_later(self, snapshot: Callable[[], dict[str, Any]], progress: dict[str, Any],
                          then: tuple[str, dict[str, Any]] | None = None) -> None:
@@ -105,7 +130,7 @@ class RunFolder:
 
         def save() -> None:
             try:
-                self.save_state(snapshot(), json.loads(text))
+                self.save_state(snapshot(), json.loads(text), record=line)
                 if line is not None:
                     with self._lock:
                         append_line(self.root / line[0], line[1])

@@ -409,6 +409,7 @@ def resume(config: OrchestratorConfig, orchestrator: Orchestrator, learner: Lear
     weights, the Orchestrator its groups and episodes. Returns whether there was a run."""
     saved, progress = run.load_state(), None
     if saved is not None:
+        run.complete_record()  # the checkpointed step's metrics line, if the crash came before its append
         learner_state, progress = saved
         learner.load_state(learner_state)
         engine.update_weights(learner.weights(), learner.version, timeout_s=config.weight_update_timeout_s)

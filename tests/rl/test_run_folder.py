@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -52,6 +53,23 @@ def test_a_later_save_lands_off_the_callers_path_and_its_record_only_after_it(tm
     learner, saved = run.load_state()
     assert saved == {"step": 1} and torch.equal(learner["weights"], torch.ones(2))
     assert run.read("metrics.jsonl") == [{"step": 1, "reward": 0.5}]
+
+
+def test_a_crash_between_a_save_and_its_record_is_completed_by_the_resume_once(tmp_path):
+    """The kill lands after the checkpoint is swapped in, before its metrics line is appended: the
+    step is checkpointed (a resume goes on after it), so the resume appends the line it kept."""
+    run = RunFolder(tmp_path)
+    run.append("metrics.jsonl", {"step": 1})
+    line = json.dumps({"step": 2, "reward": 0.25}, separators=(",", ":"))
+    run.save_state({"weights": torch.ones(1)}, {"step": 2}, record=("metrics.jsonl", line))  # ... killed here
+    resumed = RunFolder(tmp_path)
+    assert resumed.complete_record() is True
+    assert resumed.complete_record() is False  # a second resume does not append it again
+    assert resumed.read("metrics.jsonl") == [{"step": 1}, {"step": 2, "reward": 0.25}]
+    # the usual path: the record was appended after its save, and nothing is added
+    run.save_state_later(lambda: {"weights": torch.ones(1)}, {"step": 3}, then=("metrics.jsonl", {"step": 3}))
+    run.wait_for_state()
+    assert RunFolder(tmp_path).complete_record() is False and len(run.read("metrics.jsonl")) == 3
 
 
 def test_a_failed_later_save_drops_its_record_and_is_raised_not_swallowed(tmp_path):
