@@ -131,11 +131,10 @@ def main() -> None:
     del model
     register_tokenizer(MODEL, lambda: tokenizer)
     stop = tokenizer.convert_tokens_to_ids(IM_END)
-    if args.train_tasks:  # a fixed set, replayed: groups cycle through it step after step
-        fixed = task_set([args.family], "train", args.train_tasks, seed=args.seed, difficulty=args.difficulty)
-        tasks = [fixed[i % len(fixed)] for i in range(args.groups * args.steps)]
-    else:
-        tasks = task_set([args.family], "train", args.groups * args.steps, seed=args.seed, difficulty=args.difficulty)
+    # --train-tasks: a fixed set, replayed (groups cycle through it step after step); else one task a group
+    drawn = task_set([args.family], "train", args.train_tasks or args.groups * args.steps, seed=args.seed,
+                     difficulty=args.difficulty)
+    tasks = [drawn[i % len(drawn)] for i in range(args.groups * args.steps)]
     held_out = held_out_tasks([args.family], args.eval_tasks, args.difficulty)
     episode = EpisodeConfig(temperature=1.0, max_turns=args.max_turns, max_tokens_per_turn=args.max_tokens)
     pool = SandboxPool()

@@ -80,9 +80,7 @@ class ClientRecords:
     def write_model(self, model_id: str, record: dict[str, Any]) -> None:
         folder = model_folder(self.root, model_id)
         folder.mkdir(parents=True, exist_ok=True)
-        buffer = io.BytesIO()
-        torch.save(record, buffer)
-        write_atomic(folder / "client.pt", buffer.getvalue())
+        _save(folder / "client.pt", record)
 
     def read_model(self, model_id: str) -> dict[str, Any] | None:
         path = model_folder(self.root, model_id) / "client.pt"
@@ -91,9 +89,7 @@ class ClientRecords:
         return torch.load(path, weights_only=False)
 
     def write_sampler(self, sampler_id: str, record: dict[str, Any]) -> None:
-        buffer = io.BytesIO()
-        torch.save(record, buffer)
-        write_atomic(self._sampler_path(sampler_id), buffer.getvalue())
+        _save(self._sampler_path(sampler_id), record)
 
     def read_sampler(self, sampler_id: str) -> dict[str, Any] | None:
         """The sampler's record, or None where there is none (or the id is not one of ours)."""
@@ -109,3 +105,10 @@ class ClientRecords:
 
     def has_model(self, model_id: str) -> bool:
         return (model_folder(self.root, model_id) / "client.pt").is_file()
+
+
+def _save(path: Path, record: dict[str, Any]) -> None:
+    """`record` as one torch file, replaced atomically (the old record or the new, never half)."""
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    write_atomic(path, buffer.getvalue())
