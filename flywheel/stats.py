@@ -171,6 +171,15 @@ def fisher_tails(successes_a: int, n_a: int, successes_b: int, n_b: int) -> tupl
             min(1.0, float(_scipy.hypergeom.sf(successes_a - 1, *table))))
 
 
+def sign_test_p(worse: int, better: int) -> float:
+    """The exact one-sided sign test: P(X >= worse) for X ~ Binomial(worse + better, 1/2), i.e. how
+    likely `worse` or more of the pairs that differ fall one way if either way were as likely (1.0
+    when no pair differs)."""
+    if worse < 0 or better < 0:
+        raise ValueError(f"sign_test_p: counts must be >= 0, got {worse} and {better}")
+    return min(1.0, float(_scipy.binom.sf(worse - 1, worse + better, 0.5))) if worse + better else 1.0
+
+
 @dataclass(frozen=True)
 class Moments:
     """Additive sufficient statistics of (x) or (x, y) samples: means, variances, correlation."""

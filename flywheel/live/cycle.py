@@ -18,7 +18,10 @@
     │             Learner.train_step, register the candidate                                             │
     │             v_c, parent v_p)                                                                       │
     │ gate     -  (v_c and v_p play the eval battery; paired      CPU + sandboxes; fails: "rejected",    │
-    │             non-inferiority + behaviour checks)             v_c is never served                    │
+    │             non-inferiority + behaviour checks; with hints  v_c is never served                    │
+    │             distilled, both answer those requests again                                            │
+    │             and their behaviour rates are compared:                                                │
+    │             flywheel/live/replay.py)                                                               │
     │ deploy   the server loading v_c for candidate_fraction      the admin call returning               │
     │          of sessions                                                                               │
     │ A/B      ab.min_per_arm closed answers on each arm          traffic on both arms + windows closing │
@@ -59,7 +62,11 @@ teacher. The Learner adds a per-token reverse-KL term toward it on the contents 
 tool calls, beside the policy gradient (flywheel/rl/loss.py), for the hints that measurably make
 the disliked calls less likely and do not argue against calling tools (docs/feedback-distill.md); the
 report's `train` holds distill_loss, distill_tokens, distill_followups, distill_kept and
-distill_dropped_share. Organizations' adapters train on the reward alone.
+distill_dropped_share; `distilled` (the state) names the completions whose hints were kept. After
+the gate, both versions answer those requests again and the monitors' behaviour rates (tool use,
+broken calls, edits) are compared request by request (`replay`, flywheel/live/replay.py): a
+significant change in the bad direction rejects the candidate, as a monitor alarm would, before a
+user sees it. Organizations' adapters train on the reward alone.
 
 On-policy: the batch holds only completions served by the current production version, so every
 token's behaviour logprob is the learner's own starting policy (staleness 0). Completions are cut
@@ -122,6 +129,7 @@ from flywheel.live.orgs import (
     train_org_adapter,
 )
 from flywheel.live.records import BACKGROUND, Completion
+from flywheel.live.replay import ReplayConfig, ReplayReport, replay_distilled
 from flywheel.live.rewards import Reward, RewardDistiller, distill_sessions
 from flywheel.live.sessions import (
     GatheredSessions,
@@ -266,6 +274,9 @@ class LiveConfig(BaseModel):
     ab: ABConfig = Field(default_factory=ABConfig)
     orgs: OrgLoopConfig = Field(default_factory=OrgLoopConfig)
     alarms_block_promotion: bool = True  # a critical alarm on the candidate stops its promotion
+    # After the gate, in cycles that distilled hints: both versions answer the distilled requests again
+    # and their behaviour rates are compared (flywheel/live/replay.py); an alarm blocks like a monitor's.
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
     # What the monitors compare every version with: "production" (this cycle's) or "first" (the
     # production of the run's first cycle, which also catches a slow drift across promotions).
     monitor_baseline: Literal["production", "first"] = "production"
@@ -415,8 +426,10 @@ class CycleState(BaseModel):
     batch: dict[str, Any] | None = None
     served: dict[str, ServedMetric] = Field(default_factory=dict)
     train: dict[str, float] | None = None
+    distilled: list[str] = Field(default_factory=list)  # completions whose hints the candidate was distilled on
     candidate: int | None = None
     gate: GateRun | None = None
+    replay: ReplayReport | None = None
     deployed_at: float | None = None
     ab: ABReport | None = None
     alarms: list[Alarm] = Field(default_factory=list)
@@ -446,6 +459,7 @@ class CycleReport(BaseModel):
     served: dict[str, ServedMetric]  # production's traffic in the batch window
     train: dict[str, float] | None  # Learner.train_step metrics
     gate: GateRun | None
+    replay: ReplayReport | None = None  # the distilled requests replayed (flywheel/live/replay.py)
     ab: ABReport | None
     alarms: list[Alarm]
     blocking_alarms: list[Alarm]
@@ -550,7 +564,7 @@ class LiveCycle:
             self._gather_and_train(state, registry, store)
         elif state.stage == "trained":
             with timed(state.timings, "gate_s"):
-                self._run_gate(state, registry)
+                self._run_gate(state, registry, store)
         elif state.stage == "gated":
             with timed(state.timings, "deploy_s"):
                 self._deploy(state)
@@ -590,6 +604,8 @@ class LiveCycle:
         if distill.weight > 0:  # the teacher is the version that served the batch: the learner's weights now
             hinted = attach_teachers(learner.model.train(), tokenizer, batch, followup_hints(store, batch.completions),
                                      distill, self.config.learner.temperature)
+        state.distilled = [c.id for t, c in zip(batch.trajectories, batch.completions, strict=True)
+                           if t.teacher_logprobs is not None]
         metrics = learner.train_step(batch.trajectories, batch.advantages())
         state.train = {k: float(v) for k, v in metrics.items()} | hinted
         if metrics["optimizer_steps"] == 0:
@@ -674,7 +690,7 @@ class LiveCycle:
             return start_engine(None, self.config.engine, version, checkpoint=registry.get(version).path)
         return LocalEngine(model, self.config.engine, version=version)
 
-    def _run_gate(self, state: CycleState, registry: Registry) -> None:
+    def _run_gate(self, state: CycleState, registry: Registry, store: LiveStore) -> None:
         assert state.candidate is not None
         cand_model, cand_tok = registry.load(state.candidate)
         prod_model, prod_tok = registry.load(state.production)
@@ -683,14 +699,26 @@ class LiveCycle:
                 SandboxPool(self.config.pool) as pool:
             run = self.gate.run(Contender(cand_engine, cand_tok, state.candidate),
                                 Contender(prod_engine, prod_tok, state.production), pool, self.gate_tasks)
+            distilled = [c for i in state.distilled if (c := store.completion(i)) is not None]
+            if distilled and self.config.replay.enabled:
+                state.replay = replay_distilled(cand_engine, prod_engine, cand_tok, distilled, self.config.replay,
+                                                self.config.learner.temperature)
         state.gate, state.stage = run, "gated"
         checks = ", ".join(f"{name} {'ok' if r.passed else 'FAIL'}" for name, r in run.decision.checks.items())
         self.log(f"cycle {state.cycle}: gate {'passed' if run.decision.passed else 'failed'} on {run.tasks} tasks "
                  f"in {run.seconds:.1f} s ({checks})")
+        if state.replay is not None:
+            self.log(f"cycle {state.cycle}: replayed {state.replay.requests} distilled requests x "
+                     f"{state.replay.samples}: {state.replay.describe()}")
+        blocking = state.replay.blocking if state.replay is not None and self.config.alarms_block_promotion else []
         if not run.decision.passed:
             state.decision = "rejected"
             state.reason = "gate: " + "; ".join(f"{name}: {run.decision.checks[name].reason}"
                                                 for name in run.decision.failed)
+        elif blocking:
+            state.decision = "rejected"
+            state.reason = (f"replay of the {state.replay.requests} distilled requests: "
+                            + state.replay.describe(blocking))
         elif self.config.deploy.promote_when == "gate":
             state.decision, state.reason = "promote", "passed the gate (deploy.promote_when = gate: no A/B test)"
 
@@ -937,8 +965,8 @@ class LiveCycle:
             cycle=state.cycle, trigger=state.trigger, started_at=state.started_at, finished_at=time.time(),
             production=state.production, candidate=state.candidate, production_after=state.production_after,
             decision=state.decision, reason=state.reason, batch=state.batch, served=state.served, train=state.train,
-            gate=state.gate, ab=state.ab, alarms=state.alarms, blocking_alarms=state.blocking_alarms,
-            monitor=state.monitor, orgs=state.orgs, timings=state.timings)
+            gate=state.gate, replay=state.replay, ab=state.ab, alarms=state.alarms,
+            blocking_alarms=state.blocking_alarms, monitor=state.monitor, orgs=state.orgs, timings=state.timings)
         folder = self._cycle_dir(state.cycle)
         write_atomic(folder / "report.json", report.model_dump_json(indent=2, by_alias=True))
         write_atomic(folder / "report.html", render_cycle(report.model_dump(mode="json", by_alias=True),

@@ -221,6 +221,23 @@ class ABMetric(_Record):
         return self
 
 
+class ReplayMetricRecord(_Record):
+    candidate: float
+    production: float
+    worse: int
+    better: int
+    p_value: float | None = None
+    alarm: bool = False
+
+
+class ReplayRecord(_Record):
+    """The distilled requests replayed by both versions (flywheel/live/replay.py)."""
+
+    requests: int
+    samples: int
+    metrics: dict[str, ReplayMetricRecord] = Field(default_factory=dict)
+
+
 class AlarmRecord(_Record):
     metric: str
     version: int
@@ -307,6 +324,7 @@ class CycleRecord(_Record):
     candidate: int | None = None  # the registry version trained this cycle
     production_after: int | None = None  # serving when the cycle ended
     gate: GateRecord | None = None  # None: the gate has not run (yet)
+    replay: ReplayRecord | None = None  # None: nothing was distilled, or it has not run
     ab: ABRecord | None = None
     decision: str | None = None  # what the cycle did: promote | rollback | rejected (gate) | skipped | abandoned
     reason: str = ""

@@ -362,6 +362,14 @@ def cycle_section(cycle: CycleRecord, monitors: bool = False) -> str:
                      f"{m.n_candidate if m.n_candidate is not None else '—'}"),
               f'<span style="color:{_ab_color(m)}">{escape(m.verdict or ("significant" if m.significant else "—"))}'
               f"</span>"] for m in cycle.ab_metrics), numeric=(1, 2)))
+    if cycle.replay is not None:
+        r = cycle.replay
+        parts.append(_table(
+            [f"distilled requests replayed ({r.requests} x {r.samples})", "production", "candidate",
+             "requests worse / better", "p (sign test)", "alarm"],
+            ([escape(name), escape(format_value(m.production)), escape(format_value(m.candidate)),
+              escape(f"{m.worse} / {m.better}"), escape(format_value(m.p_value) if m.p_value is not None else "—"),
+              _verdict(not m.alarm, "none", "blocks")] for name, m in r.metrics.items()), numeric=(1, 2)))
     if cycle.alarms:
         parts.append(_alarms_table(cycle.alarms))
     if cycle.timings:

@@ -222,7 +222,8 @@ def test_one_full_cycle_with_simulated_users(tmp_path):
     with live_world(tmp_path) as world:
         # with hinted self-distillation on: the users' follow-ups say what went wrong (flywheel/live/hints.py)
         config = _cycle_config(tmp_path, world.serve.loop,
-                               learner={"lr": 1e-5, "loss": {"distill": {"weight": 0.5, "min_gain": 0.0}}})
+                               learner={"lr": 1e-5, "loss": {"distill": {"weight": 0.5, "min_gain": 0.0}}},
+                               replay={"alarm_p": 1e-3, "max_tokens": 64})
         cycle = LiveCycle(config, ServerControl(world.server), log=lambda m: None, gate_tasks=POLICY.tasks())
         (report,) = cycle.run(1)
         deployment = world.server.deployment
@@ -232,6 +233,11 @@ def test_one_full_cycle_with_simulated_users(tmp_path):
     assert train["distill_followups"] >= 1 and train["distill_kept"] + dropped == train["distill_followups"]
     assert train["distill_dropped_share"] == pytest.approx(1 - train["distill_kept"] / train["distill_followups"])
     assert (train.get("distill_tokens", 0) > 0) == (train["distill_kept"] > 0)
+    # the distilled requests replayed by both versions after the gate (flywheel/live/replay.py)
+    assert (report.replay is not None) == (train["distill_kept"] > 0)
+    if report.replay is not None:
+        assert report.replay.requests == train["distill_kept"] and not report.replay.blocking
+        assert set(report.replay.metrics) == {"tool_use_rate", "invalid_call_rate", "edit_rate"}
     assert report.production == 0 and report.candidate == 1 and report.batch["completions"] >= 24
     assert report.gate.decision.passed and report.gate.decision.checks["pass_rate"].ci_low is not None
     assert {"persistence", "dissatisfied", "latency", "reward"} <= set(report.ab.metrics)
