@@ -56,7 +56,7 @@ def seed_config(args: argparse.Namespace, seed: int, root: Path) -> ScenarioConf
         "name": f"feedback_distill/s{seed}", "cycles": args.cycles, "measure_sessions": args.measure_sessions,
         "run_dir": root / f"s{seed}", "start": start,
         "population": base.population.model_copy(update={"seed": seed, "profiles": [honest]}),
-        "naive_distill": DistillConfig(weight=args.weight, min_gain=args.min_gain),
+        "naive_distill": DistillConfig(weight=args.weight, min_gain=args.min_gain, max_call_drop=args.max_call_drop),
         "live": base.live.model_copy(update={"seed": seed}),
     })
 
@@ -85,6 +85,8 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=2)
     parser.add_argument("--weight", type=float, default=1.0)
     parser.add_argument("--min-gain", type=float, default=DistillConfig().min_gain)
+    parser.add_argument("--max-call-drop", type=float, default=DistillConfig().max_call_drop,
+                        help="the tool-use guard (DistillConfig.max_call_drop); a large value turns it off")
     parser.add_argument("--measure-sessions", type=int, default=64)
     parser.add_argument("--sft-steps", type=int, default=500)
     args = parser.parse_args()
@@ -107,6 +109,7 @@ def main() -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = {"seeds": args.seeds, "cycles": args.cycles, "weight": args.weight, "min_gain": args.min_gain,
+              "max_call_drop": args.max_call_drop,
               "measure_sessions": args.measure_sessions, "sft_steps": args.sft_steps,
               "by_cycle": paired(by_seed, args.cycles), "distill_by_seed": distill_figures,
               "seconds": time.perf_counter() - started}
