@@ -8,8 +8,9 @@ Prints one JSON object on stdout; progress goes to stderr; the learning curve is
 `--out`/learning.svg and learning.html (flywheel/report/svg.py).
 
 1. The start, `--checkpoint` of `--registry` (the demo's version 0; `flywheel demo` or
-   bench/demo_headroom.py bootstraps it): greedy on the held-out tasks (`train.eval_tasks_per_family`
-   a family, the demo's eval), and `--samples` episodes a task at the training temperature, whose
+   bench/demo_headroom.py bootstraps it): greedy on the held-out tasks (`--tasks-per-family` a
+   family, by default the demo's curve: `train.curve_tasks_per_family`), and `--samples` episodes a
+   task at the training temperature, whose
    mean is pass@1 and whose best is pass@k: the gap between them is what a policy that made its own
    best samples its usual answers would gain, the most RL that reinforces what it samples can reach.
 2. For each seed, the demo's simulated RL (`[train]` of `--config`, with `--set` overrides) from the
@@ -188,7 +189,8 @@ def main() -> None:
     parser.add_argument("--cpu-minutes", type=float, default=30.0, help="CPU budget of each seed's run")
     parser.add_argument("--samples", type=int, default=8, help="episodes a task for pass@1 and pass@k")
     parser.add_argument("--snapshot-every", type=int, default=10, help="learner steps between saved policies")
-    parser.add_argument("--tasks-per-family", type=int, default=None, help="fewer held-out tasks, for a quick look")
+    parser.add_argument("--tasks-per-family", type=int, default=None,
+                        help="held-out tasks a family (default: the demo's curve, train.curve_tasks_per_family)")
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -198,8 +200,9 @@ def main() -> None:
         parser.error(f"--samples {args.samples}: pass@k needs at least 2 samples a task")
     torch.set_num_threads(args.threads)
     config = load_config(DemoConfig, args.config, args.set).train
-    if args.tasks_per_family is not None:
-        config = config.model_copy(update={"eval_tasks_per_family": args.tasks_per_family})
+    # the held-out tasks: --tasks-per-family, else the demo's curve (its evals during RL), else its whole set
+    per_family = args.tasks_per_family or config.curve_per_family
+    config = config.model_copy(update={"eval_tasks_per_family": per_family, "curve_tasks_per_family": None})
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     greedy, sampled = start_evals(config, args.registry, args.checkpoint, args.samples, args.out)

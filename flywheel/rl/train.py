@@ -62,6 +62,7 @@ from flywheel.rl.lora import LoraLearner
 from flywheel.rl.orchestrator import Batch, EpisodeRunner, GroupOutcome, Orchestrator, OrchestratorConfig
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.tracking import Tracker, TrackingConfig, eval_table
+from flywheel.stats import wilson_interval
 from flywheel.timing import cpu_seconds, timed
 
 
@@ -96,6 +97,17 @@ class TrainConfig(BaseModel):
     eval_tasks_per_family: int = 24  # the bootstrap's held-out set (`held_out_tasks`): same size, same difficulty
     eval_difficulty: int = 1
     eval_every: int = 0  # steps between held-out evals (0: only at the start and the end)
+    # The curve: the evals every `eval_every` steps play only the first this many of those tasks a
+    # family (a prefix of the held-out set), and eval.jsonl and the summary's curve show every eval,
+    # the start's and the end's too, on that prefix; the start-to-end `lift` is on the whole set.
+    # A large set narrows the lift's paired interval at the cost of two evals, not of every point.
+    # None (or not fewer than eval_tasks_per_family): every eval plays the whole set.
+    curve_tasks_per_family: int | None = Field(default=None, ge=1)
+
+    @property
+    def curve_per_family(self) -> int:
+        """The curve's tasks a family: `curve_tasks_per_family`, at most the whole set's."""
+        return min(self.curve_tasks_per_family or self.eval_tasks_per_family, self.eval_tasks_per_family)
     eval_at_start: bool = True  # off when the caller just evaluated the start checkpoint on the same tasks
     eval_temperature: float = 0.0
     # Stop stepping after this much wall time of training: the evals (`eval_every`'s and the end's)
@@ -175,15 +187,41 @@ def train_tasks(config: TrainConfig):
                     difficulty=config.train_difficulty)
 
 
-def eval_tasks(config: TrainConfig):
-    # The same held-out tasks the bootstrap reported on, whatever either run's seed, so the numbers compare.
-    return held_out_tasks(config.families, config.eval_tasks_per_family, config.eval_difficulty)
+def eval_tasks(config: TrainConfig, per_family: int | None = None):
+    """The held-out tasks (`per_family` of them a family: a prefix of the whole set; None: the whole set).
+    The same the bootstrap reported on, whatever either run's seed, so the numbers compare."""
+    return held_out_tasks(config.families, per_family or config.eval_tasks_per_family, config.eval_difficulty)
 
 
-def run_eval(config: TrainConfig, engine: Engine, tokenizer, pool: SandboxPool) -> dict[str, Any]:
+def run_eval(config: TrainConfig, engine: Engine, tokenizer, pool: SandboxPool,
+             per_family: int | None = None) -> dict[str, Any]:
     episode = config.orchestrator.episode.model_copy(update={"temperature": config.eval_temperature})
-    report, _ = evaluate(eval_tasks(config), engine, tokenizer, pool, episode, progress=False)
+    report, _ = evaluate(eval_tasks(config, per_family), engine, tokenizer, pool, episode, progress=False)
     return report
+
+
+def on_tasks(report: dict[str, Any], tasks: Sequence[Any]) -> dict[str, Any]:
+    """An eval `report` of a superset of `tasks` (one episode a task), restricted to `tasks`: the pass
+    rates (whole, per family, per task) recomputed from its per-task results, the whole eval's kept
+    under `whole` (tasks, pass rate, interval). Figures per-task results cannot restrict (tool calls,
+    turns, rewards) stay the whole eval's."""
+    per_task = report.get("per_task") or {}
+    missing = [t.id for t in tasks if t.id not in per_task]
+    if missing:
+        raise ValueError(f"the eval report has no result for {len(missing)} of the tasks, e.g. {missing[:3]}: "
+                         "restrict a report to tasks it played")
+
+    def rates(chosen: Sequence[Any]) -> dict[str, Any]:
+        wins = sum(per_task[t.id] for t in chosen)
+        return {"episodes": len(chosen), "pass_rate": wins / len(chosen),
+                "pass_rate_ci": list(wilson_interval(wins, len(chosen)))}
+
+    families: dict[str, list[Any]] = {}
+    for t in tasks:
+        families.setdefault(t.family, []).append(t)
+    return {**report, **rates(tasks), "per_family": {f: rates(ts) for f, ts in sorted(families.items())},
+            "per_task": {t.id: per_task[t.id] for t in tasks},
+            "whole": {"tasks": len(per_task), "pass_rate": report["pass_rate"], "pass_rate_ci": report["pass_rate_ci"]}}
 
 
 def step_line(m: dict[str, Any]) -> str:
@@ -481,10 +519,16 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
         base = base_checkpoint.version
     tasks = train_tasks(config)
     orch_config = config.orchestrator
-    evals: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []  # the curve: each eval on the curve's tasks (`curve_tasks_per_family`)
+    whole: dict[str, dict[str, Any]] = {}  # the start's eval on the whole held-out set (the end's: `final`)
+    curve_tasks = eval_tasks(config, config.curve_per_family)
     eval_s = 0.0  # wall seconds of the in-loop evals, outside `time_budget_s`
 
     def record_eval(report: dict[str, Any], step: int) -> None:
+        if step == 0 and not evals:
+            whole["start"] = report
+        if len(report.get("per_task") or {}) > len(curve_tasks):
+            report = on_tasks(report, curve_tasks)
         row = {"step": step, "policy_version": learner.version, "time_s": time.perf_counter() - start,
                "cpu_s": cpu_seconds() - cpu_start, **report}
         if step > 0 and evals and evals[0]["step"] == 0:  # the paired change from the start, so far
@@ -539,7 +583,8 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
                 if (config.eval_every and orchestrator.step % config.eval_every == 0
                         and orchestrator.step < orch_config.max_steps):
                     t_eval = time.perf_counter()
-                    record_eval(run_eval(config, engine, tokenizer, pool), orchestrator.step)
+                    record_eval(run_eval(config, engine, tokenizer, pool, config.curve_per_family),
+                                orchestrator.step)
                     eval_s += time.perf_counter() - t_eval
             run.wait_for_state()  # the last checkpoint is on disk (raises if it failed: LearnerLost restarts)
         finally:
@@ -547,14 +592,15 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
             wait_quietly(run)  # a run that failed still lets its save finish before the learner goes
         orchestrator.close()  # in-flight episodes stop at a turn boundary, saved for a resume
         final = run_eval(config, engine, tokenizer, pool)
-        record_eval(final, orchestrator.step)
+        record_eval(final, orchestrator.step)  # the whole set: whole["end"]
         trained_model = learner.model  # the Ray learner's weights come back to this copy
+    started = bool(evals) and evals[0]["step"] == 0  # the start was evaluated (or its report given)
     summary = {"steps": orchestrator.step, "policy_version": learner.version,
                "seconds": time.perf_counter() - start,
-               "pass_rate_start": evals[0]["pass_rate"] if evals and evals[0]["step"] == 0 else float("nan"),
+               "pass_rate_start": whole["start"]["pass_rate"] if started else float("nan"),
                "pass_rate_end": final["pass_rate"],
-               # the paired change on the held-out tasks, start -> end (None without a start eval)
-               "lift": paired_lift(evals[0], final) if evals and evals[0]["step"] == 0 else None,
+               # the paired change on the whole held-out set, start -> end (None without a start eval)
+               "lift": paired_lift(whole["start"], final) if started else None,
                # the held-out curve: each eval's step, pass rate, Wilson interval and change from the start
                "evals": [{k: e[k] for k in ("step", "pass_rate", "pass_rate_ci", "lift") if k in e} for e in evals],
                "anatomy": anatomy_totals(stepped)}

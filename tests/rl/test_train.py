@@ -126,3 +126,33 @@ def test_a_start_report_from_the_caller_is_the_eval_at_step_0_and_the_lift_is_pa
                                              for low, high in [e["pass_rate_ci"]])
     line = held_out_curve_line(curve)
     assert line.count(" -> ") == 2 and "v0 1.000 [" in line and f"step 2 {summary['pass_rate_end']:.3f}" in line
+
+
+def test_the_curve_plays_a_prefix_of_the_held_out_set_and_the_lift_the_whole_set(tmp_path):
+    """`curve_tasks_per_family`: the in-loop evals play the first tasks of each family only, every
+    row of eval.jsonl (the start's and the end's too) is on those, and the summary's lift pairs the
+    start and the end on the whole set."""
+    tokenizer = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 8, vocab_size=300)
+    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
+    with Registry(tmp_path / "registry") as registry:
+        registry.register(model, tokenizer, parent=None, aliases=["production"])
+    config = TrainConfig.model_validate({
+        "registry_root": tmp_path / "registry", "run_dir": tmp_path / "run", "families": ["bugfix", "implement"],
+        "train_tasks_per_family": 1, "eval_tasks_per_family": 3, "curve_tasks_per_family": 1, "threads": 1,
+        "eval_at_start": False, "eval_every": 1,
+        "orchestrator": {"group_size": 2, "groups_per_step": 1, "max_steps": 2, "filter_zero_signal": False,
+                         "episode": {"max_turns": 1, "max_tokens_per_turn": 8}}})
+    whole, prefix = [t.id for t in eval_tasks(config)], [t.id for t in eval_tasks(config, 1)]
+    assert len(whole) == 6 and len(prefix) == 2 and set(prefix) < set(whole)  # a prefix of each family's tasks
+    start = summarize([episode(task, task.split("/")[0], task in prefix) for task in whole])  # v0: the prefix only
+    _, summary = train(config, log=lambda line: None, start_report=start)
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 1, 2] and all(sorted(e["per_task"]) == sorted(prefix) for e in evals)
+    assert evals[0]["pass_rate"] == 1.0 and evals[0]["whole"] == {"tasks": 6, "pass_rate": 2 / 6,
+                                                                  "pass_rate_ci": start["pass_rate_ci"]}
+    assert "whole" not in evals[1] and evals[2]["whole"]["tasks"] == 6  # the in-loop eval played the prefix alone
+    assert set(evals[0]["per_family"]) == {"bugfix", "implement"} and evals[0]["per_family"]["bugfix"]["episodes"] == 1
+    assert summary["pass_rate_start"] == 2 / 6 and summary["lift"]["tasks"] == 6 and summary["lift"]["before"] == 2 / 6
+    assert summary["evals"][-1]["lift"]["tasks"] == 2
+    assert TrainConfig.model_validate({"eval_tasks_per_family": 2, "curve_tasks_per_family": 3}).curve_per_family == 2
