@@ -93,15 +93,21 @@ tensorboard = true
         (e["step"], round(e["pass_rate"], 5)) for e in evals]
 
 
+def tiny_production(root):
+    """A tiny untrained MoE policy, registered as production in a Registry at `root`; the model."""
+    tokenizer = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 8, vocab_size=300)
+    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
+    with Registry(root) as registry:
+        registry.register(model, tokenizer, parent=None, aliases=["production"])
+    return model
+
+
 def test_a_start_report_from_the_caller_is_the_eval_at_step_0_and_the_lift_is_paired(tmp_path):
     """The demo hands `train` the bootstrap's eval of the same held-out tasks: eval.jsonl starts at
     step 0 with it (not played again), and the summary's lift pairs it with the end's eval; the
     summary's curve holds every eval in step order, version 0 first, as the demo prints it."""
-    tokenizer = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 8, vocab_size=300)
-    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
-    with Registry(tmp_path / "registry") as registry:
-        registry.register(model, tokenizer, parent=None, aliases=["production"])
+    model = tiny_production(tmp_path / "registry")
     config = TrainConfig.model_validate({
         "registry_root": tmp_path / "registry", "run_dir": tmp_path / "run", "families": ["bugfix"],
         "train_tasks_per_family": 1, "eval_tasks_per_family": 3, "threads": 1, "eval_at_start": False,
@@ -132,11 +138,7 @@ def test_the_curve_plays_a_prefix_of_the_held_out_set_and_the_lift_the_whole_set
     """`curve_tasks_per_family`: the in-loop evals play the first tasks of each family only, every
     row of eval.jsonl (the start's and the end's too) is on those, and the summary's lift pairs the
     start and the end on the whole set."""
-    tokenizer = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 8, vocab_size=300)
-    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                                    num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
-    with Registry(tmp_path / "registry") as registry:
-        registry.register(model, tokenizer, parent=None, aliases=["production"])
+    tiny_production(tmp_path / "registry")
     config = TrainConfig.model_validate({
         "registry_root": tmp_path / "registry", "run_dir": tmp_path / "run", "families": ["bugfix", "implement"],
         "train_tasks_per_family": 1, "eval_tasks_per_family": 3, "curve_tasks_per_family": 1, "threads": 1,
