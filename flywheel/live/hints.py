@@ -129,6 +129,7 @@ def attach_teachers(model: PreTrainedModel, tokenizer, batch: OnPolicyBatch, hin
     encoder = ConversationEncoder(tokenizer)
     opening = encoder.text(encoder.format.forced_call(None))[:1]  # the token that opens a tool call
     limit = getattr(model.config, "max_position_embeddings", None)
+    form = syntax_tokens(tokenizer, [t for c in batch.completions if c.id in hints for t in c.completion_ids])
     dropped: Counter[str] = Counter()
     gains: list[float] = []
     followups = 0
@@ -153,7 +154,6 @@ def attach_teachers(model: PreTrainedModel, tokenizer, batch: OnPolicyBatch, hin
         span = torch.zeros(answer, dtype=torch.bool)
         span[calls[0] + 1:] = True
         span[calls] = False  # the distilled tokens: the calls' contents, not the decision to make them
-        form = syntax_tokens(tokenizer, completion.completion_ids)
         span &= torch.tensor([t not in form for t in completion.completion_ids])  # nor their JSON syntax
         gain = float((student_lp[span] - teacher_lp[span]).mean()) if span.any() else 0.0
         if gain < config.min_gain:

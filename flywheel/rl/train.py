@@ -103,11 +103,6 @@ class TrainConfig(BaseModel):
     # A large set narrows the lift's paired interval at the cost of two evals, not of every point.
     # None (or not fewer than eval_tasks_per_family): every eval plays the whole set.
     curve_tasks_per_family: int | None = Field(default=None, ge=1)
-
-    @property
-    def curve_per_family(self) -> int:
-        """The curve's tasks a family: `curve_tasks_per_family`, at most the whole set's."""
-        return min(self.curve_tasks_per_family or self.eval_tasks_per_family, self.eval_tasks_per_family)
     eval_at_start: bool = True  # off when the caller just evaluated the start checkpoint on the same tasks
     eval_temperature: float = 0.0
     # Stop stepping after this much wall time of training: the evals (`eval_every`'s and the end's)
@@ -148,6 +143,11 @@ class TrainConfig(BaseModel):
     # copy it saves (docs/moe-rl.md). Keeps a copy of the last weights sent (on the Ray driver: it fetches each
     # update once and sends the changes to every engine through the store). Local and Ray engines; not vLLM.
     weight_deltas: bool = False
+
+    @property
+    def curve_per_family(self) -> int:
+        """The curve's tasks a family: `curve_tasks_per_family`, at most the whole set's."""
+        return min(self.curve_tasks_per_family or self.eval_tasks_per_family, self.eval_tasks_per_family)
 
     @model_validator(mode="after")
     def _sampling_matches_learning(self) -> TrainConfig:
@@ -520,13 +520,14 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
     tasks = train_tasks(config)
     orch_config = config.orchestrator
     evals: list[dict[str, Any]] = []  # the curve: each eval on the curve's tasks (`curve_tasks_per_family`)
-    whole: dict[str, dict[str, Any]] = {}  # the start's eval on the whole held-out set (the end's: `final`)
+    start_whole: dict[str, Any] | None = None  # the start's eval on the whole held-out set (the end's: `final`)
     curve_tasks = eval_tasks(config, config.curve_per_family)
     eval_s = 0.0  # wall seconds of the in-loop evals, outside `time_budget_s`
 
     def record_eval(report: dict[str, Any], step: int) -> None:
+        nonlocal start_whole
         if step == 0 and not evals:
-            whole["start"] = report
+            start_whole = report
         if len(report.get("per_task") or {}) > len(curve_tasks):
             report = on_tasks(report, curve_tasks)
         row = {"step": step, "policy_version": learner.version, "time_s": time.perf_counter() - start,
@@ -592,15 +593,14 @@ def train_once(config: TrainConfig, log: Callable[[str], None] = print,
             wait_quietly(run)  # a run that failed still lets its save finish before the learner goes
         orchestrator.close()  # in-flight episodes stop at a turn boundary, saved for a resume
         final = run_eval(config, engine, tokenizer, pool)
-        record_eval(final, orchestrator.step)  # the whole set: whole["end"]
+        record_eval(final, orchestrator.step)
         trained_model = learner.model  # the Ray learner's weights come back to this copy
-    started = bool(evals) and evals[0]["step"] == 0  # the start was evaluated (or its report given)
     summary = {"steps": orchestrator.step, "policy_version": learner.version,
                "seconds": time.perf_counter() - start,
-               "pass_rate_start": whole["start"]["pass_rate"] if started else float("nan"),
+               "pass_rate_start": start_whole["pass_rate"] if start_whole is not None else float("nan"),
                "pass_rate_end": final["pass_rate"],
                # the paired change on the whole held-out set, start -> end (None without a start eval)
-               "lift": paired_lift(whole["start"], final) if started else None,
+               "lift": paired_lift(start_whole, final) if start_whole is not None else None,
                # the held-out curve: each eval's step, pass rate, Wilson interval and change from the start
                "evals": [{k: e[k] for k in ("step", "pass_rate", "pass_rate_ci", "lift") if k in e} for e in evals],
                "anatomy": anatomy_totals(stepped)}
