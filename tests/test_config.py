@@ -90,8 +90,8 @@ def test_train_refuses_moe_rl_settings_the_run_could_not_honour():
         load_config(TrainConfig, CONFIGS / "train.toml", ["learner.loss.routing_replay=true",
                                                           "orchestrator.episode.routed_experts=true",
                                                           'engine.backend="vllm"'])
-    with pytest.raises(ConfigError, match="weight_deltas is wired for the local engines"):
-        load_config(TrainConfig, CONFIGS / "train.toml", ["weight_deltas=true", 'engine.backend="vllm"'])
+    on_vllm = load_config(TrainConfig, CONFIGS / "train.toml", ["weight_deltas=true", 'engine.backend="vllm"'])
+    assert on_vllm.weight_deltas  # the vLLM engine sends the deltas to its servers' workers
     on_ray = load_config(TrainConfig, CONFIGS / "train.toml", ["weight_deltas=true", 'cluster.backend="ray"'])
     assert on_ray.weight_deltas
     config = load_config(TrainConfig, CONFIGS / "train.toml", ["learner.loss.routing_replay=true", "weight_deltas=true",

@@ -45,7 +45,17 @@ with VLLM_SERVER_DEV_MODE=1). That method is flywheel's worker extension
 again, which vLLM's reload skips (its logprobs were then off by up to 0.08 nats on unchanged
 weights); with it a reload of the same weights gives the first load's tensors bit for bit (vLLM's
 /weight_checker checksums) and the same logprobs. The folder must be readable by the servers (same
-machine or a shared filesystem). On GPUs vLLM also offers NCCL / CUDA IPC weight transfer (/init_weight_transfer_engine,
+machine or a shared filesystem).
+
+With `VLLMConfig.weight_deltas` each update after the first is a `WeightDelta` file instead
+(flywheel/model/weight_delta.py): the weights in transformers' on-disk layout and the servers' dtype
+compared bit for bit with the last ones sent, the changed elements or blocks written, and each
+server's worker applies them to the copy it kept at its last full reload and reloads the groups of
+tensors that changed (`flywheel_apply_delta`, flywheel/model/vllm_worker.py). A server whose worker
+holds another version (restarted, or it missed an update) refuses it and gets the whole folder,
+written then. `last_update_bytes` is what the servers read: the delta file, or the folder.
+
+On GPUs vLLM also offers NCCL / CUDA IPC weight transfer (/init_weight_transfer_engine,
 /update_weights); this engine does not use them yet. In-flight requests are aborted at the update and
 resubmitted, not paused in place: the tokens after the update are then all sampled from the new
 weights with a KV cache recomputed under them (LocalEngine's `kv_on_update = "recompute"`), and
@@ -86,10 +96,12 @@ from flywheel.model.vllm_server import (
     check_servable,
     start_servers,
 )
+from flywheel.model.weight_delta import DeltaSender
 
 # The worker extension's exact reload (flywheel/model/vllm_worker.py): vLLM's own `reload_weights`,
 # then the CPU MoE experts prepacked again
 RELOAD_METHOD = "flywheel_reload_weights"
+DELTA_METHOD = "flywheel_apply_delta"  # the same extension: a weight delta applied to the worker's kept copy
 _AFFINITY_ENTRIES = 4096  # sessions and prompts remembered for routing (least recently used dropped first)
 
 log = logging.getLogger(__name__)
@@ -147,6 +159,9 @@ class VLLMEngine:
         self._weights_dir = Path(self.config.weights_dir or tempfile.mkdtemp(prefix="flywheel-vllm-weights-"))
         self._weights_dir.mkdir(parents=True, exist_ok=True)
         self._skeleton: torch.nn.Module | None = None  # the model whose save_pretrained writes updates
+        # weight_deltas: the last weights sent, in the servers' layout and dtype
+        self._sender = DeltaSender() if self.config.weight_deltas else None
+        self.last_update_bytes: int | None = None  # weight_deltas: bytes the servers read for the last update
         processes = []
         if not self.config.urls:
             self.serve_dir = serving_folder(self.model_dir, self._weights_dir / "serve")
@@ -165,7 +180,7 @@ class VLLMEngine:
             # Servers someone else started may hold any weights (a previous run's last update): load
             # the checkpoint's, so that this engine's `version` names what they serve.
             folder = serving_folder(self.model_dir, self._weights_dir / f"v{version}")
-            asyncio.run_coroutine_threadsafe(self._update(folder, version, self.config.startup_timeout_s),
+            asyncio.run_coroutine_threadsafe(self._update(version, self.config.startup_timeout_s, folder=folder),
                                              self._loop).result()
 
     # ---- the Engine interface ----
@@ -204,27 +219,49 @@ class VLLMEngine:
         return [f.result() for f in futures]
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, timeout_s: float = 60.0) -> None:
-        """Write `weights` as a checkpoint folder, reload every server from it, resume under `version`."""
+        """Write `weights` as a checkpoint folder (or, with weight deltas, what changed since the last
+        update), reload every server from it, resume under `version`."""
         if self._closed:
             raise EngineError("engine is closed; build a new one")
         start = time.perf_counter()
         self._update_started, self._first_token_version = start, version
-        folder = self._write_weights(weights, version)
+        written: list[Path] = []
+
+        def whole() -> Path:  # the folder, written once (with deltas: only if a server refuses the delta)
+            if not written:
+                written.append(self._write_weights(weights, version))
+            return written[0]
+
+        delta_path = None
+        if self._sender is not None:
+            delta = self._sender.delta(self._served_tensors(weights), version)
+            if delta.base_version is not None:
+                delta_path = self._weights_dir / f"delta-v{version}.pt"
+                torch.save({"version": delta.version, "base_version": delta.base_version, "full": delta.full,
+                            "blocks": delta.blocks}, delta_path)
+        folder = None if delta_path is not None else whole()
         write_s = time.perf_counter() - start
-        future = asyncio.run_coroutine_threadsafe(self._update(folder, version, timeout_s), self._loop)
+        job = self._update(version, timeout_s, folder=folder, delta_path=delta_path, whole=whole)
+        future = asyncio.run_coroutine_threadsafe(job, self._loop)
         try:
             reload_s = future.result(timeout=timeout_s)
         except TimeoutError:
             future.cancel()
             raise EngineError(f"weight update to version {version} not applied within {timeout_s} s; "
                               "the vLLM servers are stuck (see their logs)") from None
+        read = sum(p.stat().st_size for p in written[0].glob("*.safetensors")) if written else 0
+        if delta_path is not None:
+            read += delta_path.stat().st_size
+            delta_path.unlink()
         for old in self._weights_dir.glob("v*"):
-            if old.is_dir() and old != folder:
+            if old.is_dir() and old not in written:
                 shutil.rmtree(old, ignore_errors=True)
         self.stats["updates"] += 1
         self.stats["update_s"].append(time.perf_counter() - start)
         self.stats["last_update"] = {"write_s": write_s, "reload_s": reload_s,
-                                     "total_s": time.perf_counter() - start}
+                                     "total_s": time.perf_counter() - start, "read_bytes": read}
+        if self._sender is not None:
+            self.last_update_bytes = read
 
     def close(self) -> None:
         if self._closed:
@@ -237,9 +274,11 @@ class VLLMEngine:
         for server in self._servers:
             if server.process is not None:
                 server.process.stop()
-        for folder in self._weights_dir.glob("*v*"):  # the weight folders; the servers' logs stay
+        for folder in self._weights_dir.glob("*v*"):  # the weight folders and deltas; the servers' logs stay
             if folder.is_dir():
                 shutil.rmtree(folder, ignore_errors=True)
+            elif folder.name.startswith("delta-"):
+                folder.unlink(missing_ok=True)
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -255,6 +294,18 @@ class VLLMEngine:
         process.kill()
 
     # ---- weights ----
+
+    def _served_tensors(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`weights` as the servers hold them: transformers' on-disk names and layout (what
+        `_write_weights` saves), in the servers' dtype (cast as vLLM's loader casts)."""
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: PLC0415
+
+        if self._skeleton is None:
+            self._skeleton = _untied_skeleton(self.model_dir)
+        self._skeleton.load_state_dict(_unshared(weights), strict=True, assign=True)
+        dtype = getattr(torch, self.config.dtype)
+        on_disk = revert_weight_conversion(self._skeleton, dict(self._skeleton.state_dict()))
+        return {name: t.detach().to(dtype) for name, t in on_disk.items()}
 
     def _write_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> Path:
         """`weights` (keyed as model.state_dict()) as an HF folder vLLM loads: save_pretrained writes
@@ -436,7 +487,10 @@ class VLLMEngine:
         except httpx.HTTPError as exc:
             self._mark_dead(server, f"/health failed: {type(exc).__name__}")
 
-    async def _update(self, folder: Path, version: int, timeout_s: float) -> float:
+    async def _update(self, version: int, timeout_s: float, folder: Path | None = None,
+                      delta_path: Path | None = None, whole: Any = None) -> float:
+        """Every live server to `version`: reloaded from `folder`, or given `delta_path`, and those
+        that refuse it reloaded from `whole()` (the folder, written on demand)."""
         start = time.perf_counter()
         self._gate.clear()
         try:
@@ -446,8 +500,30 @@ class VLLMEngine:
             live = [s for s in self._servers if not s.dead]
             if not live:
                 raise EngineError("no live vLLM server to update; restart them")
-            results = await asyncio.gather(*(self._reload(s, folder, timeout_s) for s in live),
-                                           return_exceptions=True)
+            writing: list[asyncio.Future] = []
+
+            async def one(server: _Server) -> None:
+                if delta_path is not None:
+                    results = await self._reload(server, DELTA_METHOD, {"delta_path": str(delta_path)}, timeout_s)
+                    refused = [r["refused"] for r in results if isinstance(r, dict) and "refused" in r]
+                    if not refused:
+                        answers[server.url] = results
+                        return
+                    log.info("%s refused the weight delta (%s): it gets the whole weights", server.url, refused[0])
+                    self.stats["delta_refused"] = self.stats.get("delta_refused", 0) + 1
+                    if not writing:
+                        writing.append(asyncio.get_running_loop().run_in_executor(None, whole))
+                    target = await writing[0]
+                else:
+                    target = folder
+                kwargs = {"weights_path": str(target)}
+                if self._sender is not None:  # the worker keeps what it loaded, for the next delta
+                    kwargs.update(version=str(version), keep="1")
+                answers[server.url] = await self._reload(server, RELOAD_METHOD, kwargs, timeout_s)
+
+            answers: dict[str, list[Any]] = {}  # what each server's workers answered (stats["last_reload"])
+            results = await asyncio.gather(*(one(s) for s in live), return_exceptions=True)
+            self.stats["last_reload"] = answers
             for server, result in zip(live, results, strict=True):
                 if isinstance(result, _ServerFailed):
                     self._mark_dead(server, f"weight reload failed: {result}")
@@ -460,25 +536,29 @@ class VLLMEngine:
             self._gate.set()
         return time.perf_counter() - start
 
-    async def _reload(self, server: _Server, folder: Path, timeout_s: float) -> None:
+    async def _reload(self, server: _Server, rpc: str, rpc_kwargs: dict[str, str], timeout_s: float) -> list[Any]:
+        """Pause `server`, run the worker extension's `rpc` on its workers, reset its prefix cache,
+        resume it; returns what each worker answered."""
         calls = [("POST", "/pause", {"params": {"mode": "abort"}}),
-                 ("POST", "/collective_rpc", {"json": {"method": RELOAD_METHOD,
-                                                       "kwargs": {"weights_path": str(folder)}}}),
+                 ("POST", "/collective_rpc", {"json": {"method": rpc, "kwargs": rpc_kwargs}}),
                  ("POST", "/reset_prefix_cache", {}),
                  ("POST", "/resume", {})]
+        answers: list[Any] = []
         for method, path, kwargs in calls:
             for _attempt in range(50):
                 try:
                     response = await self._http.request(method, server.url + path, timeout=timeout_s, **kwargs)
                 except httpx.HTTPError as exc:
                     raise _ServerFailed(f"{path}: {type(exc).__name__}: {exc}") from None
-                if path == "/collective_rpc" and RELOAD_METHOD in response.text and "not implemented" in response.text:
-                    raise EngineError(f"{server.url} has no {RELOAD_METHOD} (a vLLM started without flywheel's "
+                if path == "/collective_rpc" and rpc in response.text and "not implemented" in response.text:
+                    raise EngineError(f"{server.url} has no {rpc} (a vLLM started without flywheel's "
                                       f"worker extension; its own reload scrambles CPU MoE weights): start it with "
                                       f"`flywheel engine serve`, or add --worker-extension-cls {WORKER_EXTENSION} "
                                       f"with {PACKAGE_ROOT} on its PYTHONPATH")
                 if response.status_code != 200:
                     raise _ServerFailed(f"{path} answered {response.status_code}: {response.text[:300]}")
+                if path == "/collective_rpc" and response.content:
+                    answers = response.json().get("results") or []
                 # The prefix cache holds KV of the old weights; vLLM refuses to reset it while blocks are
                 # still held (an aborted request not yet freed): retry, and never resume on stale KV.
                 if path != "/reset_prefix_cache" or response.json().get("success"):
@@ -487,6 +567,7 @@ class VLLMEngine:
             else:
                 raise _ServerFailed("/reset_prefix_cache kept failing after the abort: KV of the old weights "
                                     "may remain; the server is not used again")
+        return answers
 
     async def _shutdown(self) -> None:
         self._health.cancel()

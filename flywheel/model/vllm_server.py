@@ -17,8 +17,9 @@ Why these flags (`server_command`):
   top-p 1 that is log_softmax(logits / T), what the Learner scores (flywheel.rl.learner).
 - `VLLM_SERVER_DEV_MODE=1` mounts the routes a trainer needs: /pause, /resume, /collective_rpc
   (weight reload from a folder), /reset_prefix_cache.
-- `--dtype float32`: flywheel's checkpoints are float32 and its Learner scores in float32; the
-  logprob agreement test holds them to a tight tolerance.
+- `--dtype float32` (`VLLMConfig.dtype`): flywheel's checkpoints are float32 and its Learner scores
+  in float32; the logprob agreement test holds them to a tight tolerance. "bfloat16" is offered for
+  weight deltas and the mismatch bench (docs/moe-rl.md).
 - On CPU, `--gpu-memory-utilization` is the fraction of host memory vLLM reserves, and it refuses to
   start when that much is not free; the KV cache is sized by `VLLM_CPU_KVCACHE_SPACE` (GiB) instead.
 
@@ -84,6 +85,13 @@ class VLLMConfig(BaseModel):
     # anything, a model its attention kernel cannot run (`check_servable`); "gpu" (the `vllm` package)
     # leaves the choice of kernel to vLLM.
     device: Literal["cpu", "gpu"] = "cpu"
+    # The servers' weights and arithmetic: "float32" (the default: the Learner's own, the logprobs agree
+    # to 1e-6) or "bfloat16" (vllm-cpu needs AVX-512 BF16 or AMX; logprobs then differ from the Learner's
+    # by bf16 rounding, docs/moe-rl.md).
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Every update after the first sends only the changed weights: a delta file the servers' workers
+    # apply to a kept copy (flywheel/model/vllm_worker.py); `train.weight_deltas` turns it on.
+    weight_deltas: bool = False
 
 
 class ServerError(RuntimeError):
@@ -119,7 +127,7 @@ def free_port() -> int:
 
 def server_command(python: Path, model_dir: Path, port: int, config: VLLMConfig) -> list[str]:
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", config.dtype,
             "--max-model-len", str(config.max_model_len), "--logprobs-mode", "processed_logprobs",
             "--gpu-memory-utilization", "0.05", "--tensor-parallel-size", str(config.tensor_parallel),
             "--served-model-name", "flywheel", "--worker-extension-cls", WORKER_EXTENSION, *config.extra_args]

@@ -113,9 +113,13 @@ class LocalCluster:
                pool: PoolConfig, version: int = 0, checkpoint: Any = None,
                weight_deltas: bool = False) -> Iterator[Any]:
         # checkpoint: the start checkpoint's folder, which engine.backend = "vllm" serves; weight_deltas:
-        # every update after the first sends only the changed weights (flywheel.model.weight_delta)
+        # every update after the first sends only the changed weights (flywheel.model.weight_delta; the
+        # vLLM engine writes them for its servers' workers to apply, flywheel.model.vllm_worker)
+        vllm = engine.backend == "vllm"
+        if weight_deltas and vllm:
+            engine = engine.model_copy(update={"vllm": engine.vllm.model_copy(update={"weight_deltas": True})})
         with start_engine(model, engine, version=version, checkpoint=checkpoint) as started:
-            yield DeltaPush(started) if weight_deltas else started
+            yield DeltaPush(started) if weight_deltas and not vllm else started
 
     def runner(self, engine: Any) -> None:
         return None  # the Orchestrator plays episodes on its own threads

@@ -141,7 +141,8 @@ class TrainConfig(BaseModel):
     # (bf16 at a pretrained model's learning rate: 5.7% of the bytes, bench/engine.py --weight-deltas); in float32
     # AdamW moves every weight and the delta is a full push plus the cost of comparing, which on one host exceeds the
     # copy it saves (docs/moe-rl.md). Keeps a copy of the last weights sent (on the Ray driver: it fetches each
-    # update once and sends the changes to every engine through the store). Local and Ray engines; not vLLM.
+    # update once and sends the changes to every engine through the store; vLLM's workers apply a delta file to a
+    # copy they keep, flywheel/model/vllm_worker.py).
     weight_deltas: bool = False
 
     @property
@@ -161,10 +162,6 @@ class TrainConfig(BaseModel):
                              "every "
                              "token would carry a spurious importance weight; set learner.temperature = "
                              "orchestrator.episode.temperature")
-        if self.weight_deltas and self.engine.backend != "local":
-            raise ValueError("weight_deltas is wired for the local engines (in-process, engine.separate_process, Ray "
-                             "engine actors); vLLM reloads whole checkpoints: set engine.backend = 'local', or "
-                             "weight_deltas = false")
         if self.learner.loss.routing_replay and not self.orchestrator.episode.routed_experts:
             raise ValueError("learner.loss.routing_replay replays the experts the engine chose: set "
                              "orchestrator.episode.routed_experts = true so that episodes record them")

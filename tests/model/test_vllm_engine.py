@@ -255,11 +255,13 @@ def test_gate_evaluates_a_version_through_vllm(engine, registry):
 
 
 def test_train_runs_rl_steps_on_vllm_with_weight_updates_mid_rollout(engine, registry, tmp_path):
-    """`flywheel train` with engine.backend = "vllm" against the module's servers (their URLs)."""
+    """`flywheel train` with engine.backend = "vllm" against the module's servers (their URLs), the
+    updates after the first sent as weight deltas (in float32 AdamW moves every weight: the whole
+    model in a delta file; what is checked is that the weights the servers sample from are the Learner's)."""
     config = TrainConfig.model_validate({
         "registry_root": str(registry.root), "run_dir": str(tmp_path / "run"), "families": ["bugfix"],
         "train_tasks_per_family": 2, "eval_tasks_per_family": 1, "eval_at_start": False, "threads": 1,
-        "register_checkpoint": False,
+        "register_checkpoint": False, "weight_deltas": True,
         "orchestrator": {"group_size": 4, "groups_per_step": 1, "max_staleness": 1, "concurrency": 8, "max_steps": 3,
                          "filter_zero_signal": False,
                          "episode": {"max_turns": 2, "max_tokens_per_turn": 24, "temperature": 0.7}},
@@ -272,13 +274,51 @@ def test_train_runs_rl_steps_on_vllm_with_weight_updates_mid_rollout(engine, reg
     assert [s["policy_version"] for s in steps] == [1, 2, 3]
     mismatch = [s["engine_logprob_mismatch_max"] for s in steps if s["engine_logprob_mismatch_max"] == s[
         "engine_logprob_mismatch_max"]]  # NaN where a batch held no token of the step's starting weights
-    assert mismatch and max(mismatch) < LOGPROB_TOLERANCE  # its servers' weights came by reload
+    assert mismatch and max(mismatch) < LOGPROB_TOLERANCE  # its servers' weights came by reload and deltas
+    assert all(s["weight_update_bytes"] > 0 for s in steps)
     print(f"train on vLLM: weight updates {[round(s['weight_update_s'], 2) for s in steps]} s, "
           f"engine/learner mismatch max {max(mismatch):.1e}")
     trajectories = [json.loads(line)["trajectory"]
                     for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
     versions = {v for t in trajectories for v, m in zip(t["versions"], t["loss_mask"], strict=True) if m}
     assert versions >= {0, 1}
+
+
+def test_weight_deltas_reach_the_servers_bit_for_bit_and_a_server_that_missed_one_gets_the_whole(engine, registry):
+    """A second engine on the module's servers with `weight_deltas`: after a full push, an update
+    that changes one expert and one token's embedding sends a delta file, the workers reload only the
+    three groups it touches (the MLP, the embeddings, the head), and every server tensor equals a full
+    push of the same weights. Then the module engine pushes whole weights meanwhile (the workers drop
+    their kept copy): the next delta is refused and those servers get the whole folder, bit for bit."""
+    base = {name: t.detach().clone() for name, t in registry.state_dict(1).items()}
+    changed = {name: t.clone() for name, t in base.items()}
+    changed["model.layers.0.mlp.experts.gate_up_proj"][2] += 0.01  # one expert of the MoE layer
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # one token's row, tied as the Learner's are
+        changed[name][7] += 0.01
+    config = vllm_config(urls=engine.servers, weight_deltas=True)
+    with VLLMEngine(registry.get(0).path, config) as deltas:
+        deltas.update_weights(base, 1)  # the first update is whole: nothing was sent before
+        full_bytes = deltas.last_update_bytes
+        base_sums = checksums(deltas)
+        deltas.update_weights(changed, 2)
+        delta_sums = checksums(deltas)
+        print(f"full update {full_bytes} B, delta {deltas.last_update_bytes} B; {deltas.stats['last_reload']}")
+        assert deltas.last_update_bytes < full_bytes / 3
+        for answers in deltas.stats["last_reload"].values():
+            assert answers == [{"reloaded_groups": 3, "reloaded_tensors": 15, "repacked_moe_layers": 1}]
+        engine.update_weights(changed, engine.version + 1)  # the same weights, whole, from the module's engine
+        assert checksums(engine) == delta_sums
+        moved = {name for name, digest in delta_sums[0].items() if base_sums[0][name] != digest}
+        assert moved and all("experts" in name or "embed" in name or "lm_head" in name for name in moved), moved
+
+        deltas.update_weights(base, 3)  # the workers hold no kept copy now: refused, then whole
+        assert deltas.stats["delta_refused"] == 2 and deltas.last_update_bytes >= full_bytes
+        assert checksums(deltas) == base_sums
+        gen = deltas.generate([prompt(offset=35)], SamplingParams(temperature=1.0, max_tokens=50))[0]
+        model, _ = registry.load(1)
+        scored = learner_logprobs(model, prompt(offset=35), gen.token_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(scored, gen.logprobs, strict=True)) < LOGPROB_TOLERANCE
+    engine.update_weights(registry.state_dict(0), engine.version + 1)  # what the module's later tests expect
 
 
 def test_group_and_session_affinity(engine):
