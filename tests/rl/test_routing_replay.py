@@ -164,3 +164,26 @@ def test_the_learner_replays_recorded_routing_and_refuses_trajectories_without_i
     recorder.context([1, 2, 3])
     with pytest.raises(ValueError, match="routed experts for no positions"):
         recorder.generated([5, 6], [-1.0, -1.0], [0, 0], None)
+
+
+@pytest.mark.slow  # a subprocess that builds the default model, samples and scores: 12 s on 2 cores
+def test_the_mismatch_bench_in_its_quick_mode_reports_replay_removing_the_routing_mismatch():
+    """bench/routing_replay.py --quick (float32 and bfloat16 on both sides): the script runs, every
+    row has both routings, and replay's top-k difference is 0 (measured after replay's hooks) with
+    a KL no larger than the Learner's own routing's."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "routing_replay.py"
+    run = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    settings = json.loads(run.stdout)["settings"]
+    assert set(settings) == {"float32", "bfloat16"}
+    for name, row in settings.items():
+        own, replayed = row["own_routing"], row["replay"]
+        assert own["tokens"] == replayed["tokens"] > 0
+        assert replayed["topk_differs_frac"] == 0.0, name
+        assert replayed["kl"] <= own["kl"] + 1e-9, (name, row)
+    assert settings["float32"]["replay"]["abs_logprob_diff_max"] < 1e-3  # float noise once routing agrees
