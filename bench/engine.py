@@ -345,6 +345,15 @@ def bench_weight_deltas(args, model, tokenizer, prompt_pool: list[list[int]]) ->
     return report
 
 
+def _lm_step(policy, optimizer, sequences: list[list[int]]) -> dict[str, torch.Tensor]:
+    """One AdamW step of LM loss on the rollout-like sequences (128 tokens, zero-padded); the new weights."""
+    batch = torch.tensor([s[:128] + [0] * (128 - len(s[:128])) for s in sequences])
+    optimizer.zero_grad()
+    policy(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    return {k: v.detach() for k, v in policy.state_dict().items()}
+
+
 def _weight_delta_setting(model, dtype, lr: float, sequences: list[list[int]], steps: int, kinds: list[str],
                           tokenizer) -> dict:
     policy = copy.deepcopy(model).to(dtype).train()
@@ -360,11 +369,7 @@ def _weight_delta_setting(model, dtype, lr: float, sequences: list[list[int]], s
     sent, pickled, full_pickled, ray_sent = [], [], 0, []
     full_bytes = sum(t.numel() * t.element_size() for t in start.values())
     for version in range(1, steps + 1):
-        batch = torch.tensor([s[:128] + [0] * (128 - len(s[:128])) for s in sequences])
-        optimizer.zero_grad()
-        policy(input_ids=batch, labels=batch).loss.backward()
-        optimizer.step()
-        weights = {k: v.detach() for k, v in policy.state_dict().items()}
+        weights = _lm_step(policy, optimizer, sequences)
         for kind in kinds:
             order = ("full", "delta") if version % 2 else ("delta", "full")  # A/B: load shifts hit both
             for side in order:
@@ -455,11 +460,7 @@ def _weight_delta_vllm(model, dtype, lr: float, sequences: list[list[int]], step
     seconds: dict[str, list[float]] = {"full": [], "delta": []}
     sent = []
     for step in range(1, steps + 1):
-        batch = torch.tensor([s[:128] + [0] * (128 - len(s[:128])) for s in sequences])
-        optimizer.zero_grad()
-        policy(input_ids=batch, labels=batch).loss.backward()
-        optimizer.step()
-        weights = {k: v.detach() for k, v in policy.state_dict().items()}
+        weights = _lm_step(policy, optimizer, sequences)
         version += 1
         for side in ("full", "delta") if step % 2 else ("delta", "full"):  # A/B: load shifts hit both
             t = time.perf_counter()
