@@ -8,6 +8,9 @@ have is here, in plain Python on top of them. What each function assumes:
 - `mean_interval`: the t interval of a mean. Normal approximation of the sample mean, so it wants
   n >= ~10 for 0/1 data; callers enforce their own minimum sample.
 - `welch_interval`: difference of two means with unequal variances (Welch-Satterthwaite df).
+- `design_effect`: how much drawing values in clusters (an A/B test's answers in sessions, the
+  unit it randomizes) widens the variance of their mean: the cluster-robust variance over the
+  i.i.d. one. Dividing n by it gives the effective sample size the intervals above then use.
 - `wilson_interval`: a proportion's score interval. Unlike the Wald interval it stays inside [0, 1]
   and keeps its coverage at rates near 0 or 1 (a pass rate of 0.95 over 40 tasks).
 - `paired_proportion_interval`: difference of two 0/1 outcomes paired per item (the same eval
@@ -24,7 +27,8 @@ have is here, in plain Python on top of them. What each function assumes:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import NamedTuple
@@ -67,8 +71,37 @@ def mean_and_variance(values: Sequence[float]) -> tuple[float, float]:
     return mean, var
 
 
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Score interval of the proportion successes / n at normal quantile z; (0, 1) when n is 0."""
+def design_effect(values: Sequence[float], clusters: Sequence[Hashable]) -> float:
+    """Var(mean) with `values` drawn in `clusters` (clusters[i]: the unit values[i] came from) over
+    Var(mean) had they been drawn one by one: Kish's design effect, estimated with the
+    cluster-robust (sandwich) variance of the mean, k / (k - 1) * sum_c (T_c - n_c * mean)^2 / n^2
+    over k clusters of n_c values summing to T_c. At least 1: a clustered analysis is never
+    narrower than the per-value one (the estimate falls below 1 by chance when clusters are
+    independent). 1 when each value is its own cluster or the values are constant; n when they are
+    all one cluster (one independent draw)."""
+    n = len(values)
+    if n != len(clusters):
+        raise ValueError(f"{n} values but {len(clusters)} cluster labels; give one label per value")
+    if n < 2:
+        return 1.0
+    mean, var = mean_and_variance(values)
+    if var == 0.0:
+        return 1.0
+    deviations: dict[Hashable, float] = defaultdict(float)
+    for value, cluster in zip(values, clusters, strict=True):
+        deviations[cluster] += value - mean
+    k = len(deviations)
+    if k == n:
+        return 1.0
+    if k == 1:
+        return float(n)
+    clustered = k / (k - 1) * math.fsum(d * d for d in deviations.values()) / (n * n)
+    return max(1.0, clustered / (var / n))
+
+
+def wilson_interval(successes: float, n: float, z: float = 1.96) -> tuple[float, float]:
+    """Score interval of the proportion successes / n at normal quantile z; (0, 1) when n is 0. The
+    counts may be effective ones (n divided by a design effect, successes scaled with it)."""
     if n == 0:
         return (0.0, 1.0)
     p = successes / n
@@ -88,24 +121,27 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval
     return Interval(mean, mean - half, mean + half)
 
 
-def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> Interval:
-    """Two-sided Welch interval of mean(a) - mean(b)."""
+def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0.95,
+                   design: tuple[float, float] = (1.0, 1.0)) -> Interval:
+    """Two-sided Welch interval of mean(a) - mean(b); `design`: each group's design effect (its
+    values drawn in clusters: each mean's variance multiplied by it, each df from n over it)."""
     if len(a) < 2 or len(b) < 2:
         raise ValueError(f"Welch's interval needs at least 2 values per group, got {len(a)} and {len(b)}")
     ma, va = mean_and_variance(a)
     mb, vb = mean_and_variance(b)
-    sa, sb = va / len(a), vb / len(b)
+    sa, sb = va / len(a) * design[0], vb / len(b) * design[1]
     diff = ma - mb
     if sa + sb == 0.0:  # both groups constant: the difference is known exactly
         return Interval(diff, diff, diff)
-    df = (sa + sb) ** 2 / (sa**2 / (len(a) - 1) + sb**2 / (len(b) - 1))
+    dfa, dfb = max(1.0, len(a) / design[0] - 1), max(1.0, len(b) / design[1] - 1)
+    df = max(1.0, (sa + sb) ** 2 / (sa**2 / dfa + sb**2 / dfb))
     half = t_quantile(0.5 + confidence / 2, df) * math.sqrt(sa + sb)
     return Interval(diff, diff - half, diff + half)
 
 
-def newcombe_interval(successes_a: int, n_a: int, successes_b: int, n_b: int,
+def newcombe_interval(successes_a: float, n_a: float, successes_b: float, n_b: float,
                       confidence: float = 0.95) -> Interval:
-    """Two-sided Newcombe hybrid score interval of p_a - p_b."""
+    """Two-sided Newcombe hybrid score interval of p_a - p_b (counts may be effective ones)."""
     if n_a == 0 or n_b == 0:
         raise ValueError(f"a difference of proportions needs both groups non-empty, got n={n_a} and n={n_b}")
     z = z_quantile(0.5 + confidence / 2)

@@ -27,3 +27,26 @@ def test_more_confidence_widens_it_and_bad_counts_are_refused():
     assert l99 < l90 and h99 > h90
     with pytest.raises(ValueError, match="wins \\+ losses <= n"):
         paired_proportion_interval(30, 30, 50)
+
+
+def test_the_design_effect_is_the_cluster_size_when_clusters_agree_within_and_1_when_each_value_stands_alone():
+    import random  # noqa: PLC0415
+
+    from flywheel.stats import design_effect, welch_interval  # noqa: PLC0415
+
+    rng = random.Random(0)
+    per_cluster = [rng.random() for _ in range(40)]
+    values = [v for v in per_cluster for _ in range(5)]  # 40 clusters of 5 equal values
+    clusters = [c for c in range(40) for _ in range(5)]
+    assert design_effect(values, clusters) == pytest.approx(5 * 40 * 199 / (39 * 200))  # k(n-1)/((k-1)n) x 5
+    assert design_effect(values, list(range(200))) == 1.0  # each value its own cluster
+    assert design_effect(values, [0] * 200) == 200.0  # one cluster: one draw
+    assert design_effect([1.0] * 10, [0, 1] * 5) == 1.0  # constant: nothing to widen
+    independent = [rng.random() for _ in range(200)]  # clusters that do not agree within: about 1
+    assert 1.0 <= design_effect(independent, clusters) < 1.6
+    with pytest.raises(ValueError, match="one label per value"):
+        design_effect(values, clusters[:-1])
+    a, b = [rng.gauss(0, 1) for _ in range(200)], [rng.gauss(0.3, 1) for _ in range(200)]
+    plain, clustered = welch_interval(a, b), welch_interval(a, b, design=(4.0, 4.0))
+    assert clustered.estimate == plain.estimate
+    assert 1.95 < (clustered.high - clustered.low) / (plain.high - plain.low) < 2.1  # sqrt(4), a t a little wider

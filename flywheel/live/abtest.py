@@ -29,13 +29,20 @@ Decision, in order:
    of among the guardrails, as configs/live.toml does).
 4. otherwise `rollback`: a candidate that shows no gain is not worth the risk of a change.
 
+Sessions, not answers, are the randomization unit, and answers of one session are correlated (one
+user, one task, one stretch of the machine's load). So every interval above is computed on each
+arm's effective sample size, its answers divided by their design effect over sessions
+(`flywheel.stats.design_effect`: the cluster-robust variance of the arm's mean over the i.i.d. one,
+at least 1); `MetricComparison.design_effect` reports it per arm. An arm of one-answer sessions is
+analysed exactly as before; one of 10 sessions of 5 identical answers counts as 10. `cluster_by =
+"answer"` turns it off (the per-answer analysis, too narrow when sessions are long).
+
 Error rates. Each interval is two-sided at `confidence`, so one metric falsely looks better with
 probability (1 - confidence) / 2; with k success metrics a candidate equal to production is promoted
-at most k (1 - confidence) / 2 of the time (2.5% each at 0.95; union bound). Two caveats the
-numbers do not capture: answers in one session are correlated (sessions are the randomization
-unit), which makes intervals somewhat too narrow when sessions are long; and deciding again after
-every batch ("peeking") inflates the false-promote rate. `min_per_arm` keeps both in check, it does
-not remove them; decide once, at a planned sample, when the stakes are high.
+at most k (1 - confidence) / 2 of the time (2.5% each at 0.95; union bound). A caveat the numbers
+do not capture: deciding again after every batch ("peeking") inflates the false-promote rate.
+`min_per_arm` keeps it in check, it does not remove it; decide once, at a planned sample, when the
+stakes are high.
 
 Floating-point resolution. A difference is only significant when its interval clears 0 by more
 than the rounding error of the means (`_RESOLUTION` times the largest value's magnitude): two arms
@@ -57,7 +64,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.live.records import Completion
 from flywheel.live.rewards import EDIT_TOOLS, Reward, RewardStatus, made_edit
-from flywheel.stats import mean_interval, newcombe_interval, welch_interval, wilson_interval, z_quantile
+from flywheel.stats import (
+    design_effect,
+    mean_interval,
+    newcombe_interval,
+    welch_interval,
+    wilson_interval,
+    z_quantile,
+)
 
 ARMS = ("production", "candidate")
 # Relative rounding error allowed for a mean of floats (module docstring): far above fsum's and the
@@ -78,6 +92,9 @@ class ABConfig(BaseModel):
     # (1 - confidence) / 2 to the false-promote rate (module docstring).
     success_metrics: list[Metric] = Field(default_factory=lambda: ["persistence", "reward"], min_length=1)
     guardrails: list[Metric] = Field(default_factory=lambda: ["dissatisfied", "latency", "invalid_calls"])
+    # The unit the intervals treat as independent: "session" (the unit the split randomizes; module
+    # docstring) or "answer" (each answer independent: too narrow when sessions are long).
+    cluster_by: Literal["session", "answer"] = "session"
     edit_tools: list[str] = Field(default_factory=lambda: list(EDIT_TOOLS), min_length=1)
 
     @model_validator(mode="after")
@@ -103,6 +120,9 @@ class MetricComparison(BaseModel):
     ci_low: float | None
     ci_high: float | None
     verdict: Verdict
+    # Each arm's design effect over sessions (production, candidate): its answers over its effective
+    # sample size (module docstring); 1 for one-answer sessions and with cluster_by = "answer".
+    design_effect: tuple[float, float] = (1.0, 1.0)
 
 
 class ABReport(BaseModel):
@@ -132,23 +152,33 @@ _METRICS = {
 
 def metric_samples(name: str, arm: Sequence[tuple[Completion, Reward]], edit_tools: Sequence[str]) -> list[float]:
     """The metric's per-answer values in one arm (0/1 for rates)."""
+    return [value for value, _ in metric_rows(name, arm, edit_tools)]
+
+
+def metric_rows(name: str, arm: Sequence[tuple[Completion, Reward]],
+                edit_tools: Sequence[str]) -> list[tuple[float, str]]:
+    """The metric's per-answer values in one arm with each answer's session."""
     closed = [(c, r) for c, r in arm if r.status is not RewardStatus.PENDING]
     match name:
         case "persistence":
-            return [float(r.signals.get("edit_persisted", 0) > 0) for c, r in closed if made_edit(c, edit_tools)]
+            return [(float(r.signals.get("edit_persisted", 0) > 0), c.session_id) for c, r in closed
+                    if made_edit(c, edit_tools)]
         case "dissatisfied":
-            return [float(r.signals.get("followup_dissatisfied", 0) > 0) for _, r in closed]
+            return [(float(r.signals.get("followup_dissatisfied", 0) > 0), c.session_id) for c, r in closed]
         case "invalid_calls":
-            return [float(c.invalid_tool_calls > 0) for c, _ in arm]
+            return [(float(c.invalid_tool_calls > 0), c.session_id) for c, _ in arm]
         case "latency":
-            return [c.latency_ms / 1000 for c, _ in arm]
+            return [(c.latency_ms / 1000, c.session_id) for c, _ in arm]
         case "reward":
-            return [r.reward for _, r in arm if r.trainable]
+            return [(r.reward, c.session_id) for c, r in arm if r.trainable]
     raise ValueError(f"unknown A/B metric {name!r}; the metrics are: {', '.join(_METRICS)}")
 
 
-def compare(name: str, production: Sequence[float], candidate: Sequence[float], confidence: float) -> MetricComparison:
-    """One metric's per-arm values, the interval of candidate - production and its verdict."""
+def compare(name: str, production: Sequence[float], candidate: Sequence[float], confidence: float,
+            sessions: tuple[Sequence[str], Sequence[str]] | None = None) -> MetricComparison:
+    """One metric's per-arm values, the interval of candidate - production and its verdict.
+    `sessions`: each value's session per arm (production, candidate); the intervals then use each
+    arm's effective sample size (module docstring). None: every value independent."""
     spec = _METRICS[name]
     method = "newcombe" if spec.proportion else "welch"
     base = {"name": name, "higher_is_better": spec.higher_is_better, "method": method,
@@ -156,16 +186,22 @@ def compare(name: str, production: Sequence[float], candidate: Sequence[float], 
     if len(production) < 2 or len(candidate) < 2:
         return MetricComparison(**base, production=None, candidate=None, production_ci=None, candidate_ci=None,
                                 diff=None, ci_low=None, ci_high=None, verdict="insufficient")
+    dp, dc = (1.0, 1.0) if sessions is None else (design_effect(production, sessions[0]),
+                                                   design_effect(candidate, sessions[1]))
     if spec.proportion:
         z = z_quantile(0.5 + confidence / 2)
-        sp, sc = int(sum(production)), int(sum(candidate))
-        diff = newcombe_interval(sc, len(candidate), sp, len(production), confidence)
-        arms = {"production": (sp / len(production), wilson_interval(sp, len(production), z)),
-                "candidate": (sc / len(candidate), wilson_interval(sc, len(candidate), z))}
+        # effective counts: each arm's answers over its design effect, its rate unchanged
+        np_, nc = len(production) / dp, len(candidate) / dc
+        pp, pc = sum(production) / len(production), sum(candidate) / len(candidate)
+        diff = newcombe_interval(pc * nc, nc, pp * np_, np_, confidence)
+        arms = {"production": (pp, wilson_interval(pp * np_, np_, z)),
+                "candidate": (pc, wilson_interval(pc * nc, nc, z))}
     else:
-        diff = welch_interval(candidate, production, confidence)
-        mp, mc = mean_interval(production, confidence), mean_interval(candidate, confidence)
-        arms = {"production": (mp.estimate, (mp.low, mp.high)), "candidate": (mc.estimate, (mc.low, mc.high))}
+        diff = welch_interval(candidate, production, confidence, design=(dc, dp))
+        arms = {arm: (m.estimate, (m.estimate - (m.estimate - m.low) * math.sqrt(d),
+                                   m.estimate + (m.high - m.estimate) * math.sqrt(d)))
+                for arm, m, d in (("production", mean_interval(production, confidence), dp),
+                                  ("candidate", mean_interval(candidate, confidence), dc))}
     # An interval inside the means' rounding error says nothing (module docstring).
     resolution = _RESOLUTION * max((abs(v) for v in (*production, *candidate) if math.isfinite(v)), default=0.0)
     above, below = diff.low > resolution, diff.high < -resolution
@@ -174,7 +210,8 @@ def compare(name: str, production: Sequence[float], candidate: Sequence[float], 
         verdict = "better" if above == spec.higher_is_better else "worse"
     return MetricComparison(**base, production=arms["production"][0], candidate=arms["candidate"][0],
                             production_ci=arms["production"][1], candidate_ci=arms["candidate"][1],
-                            diff=diff.estimate, ci_low=diff.low, ci_high=diff.high, verdict=verdict)
+                            diff=diff.estimate, ci_low=diff.low, ci_high=diff.high, verdict=verdict,
+                            design_effect=(dp, dc))
 
 
 def analyze(completions: Sequence[Completion], rewards: Sequence[Reward], config: ABConfig | None = None) -> ABReport:
@@ -192,9 +229,13 @@ def analyze(completions: Sequence[Completion], rewards: Sequence[Reward], config
         arms[c.arm].append((c, by_id[c.id]))
     closed = {arm: sum(r.status is not RewardStatus.PENDING for _, r in pairs) for arm, pairs in arms.items()}
     names = list(dict.fromkeys([*config.success_metrics, *config.guardrails]))
-    metrics = {name: compare(name, metric_samples(name, arms["production"], config.edit_tools),
-                             metric_samples(name, arms["candidate"], config.edit_tools), config.confidence)
-               for name in names}
+    metrics = {}
+    for name in names:
+        rows = {arm: metric_rows(name, arms[arm], config.edit_tools) for arm in ARMS}
+        values = {arm: [v for v, _ in rows[arm]] for arm in ARMS}
+        sessions = (None if config.cluster_by == "answer"
+                    else ([s for _, s in rows["production"]], [s for _, s in rows["candidate"]]))
+        metrics[name] = compare(name, values["production"], values["candidate"], config.confidence, sessions)
     versions = {arm: sorted({c.version for c, _ in pairs}) for arm, pairs in arms.items()}
 
     def report(decision: Literal["promote", "rollback", "wait"], reason: str) -> ABReport:

@@ -165,3 +165,46 @@ def test_identical_zero_variance_arms_do_not_promote():
     rewards = [r.model_copy(update={"reward": 0.1}) for r in rewards]
     report = analyze(completions, rewards, ABConfig(min_per_arm=2, success_metrics=["reward"], guardrails=["latency"]))
     assert report.metrics["reward"].verdict == "no_difference" and report.decision == "rollback", report.reason
+
+
+def session_traffic(arm: str, sessions: int, unhappy_sessions: int, answers: int = 5):
+    """`sessions` sessions of `answers` answers each in one arm; every answer of the first
+    `unhappy_sessions` sessions draws an unhappy follow-up (one user's mood spans the session)."""
+    completions, events = [], []
+    for s in range(sessions):
+        for a in range(answers):
+            cid = f"{arm}-{s}-{a}"
+            completions.append(Completion(
+                id=cid, session_id=f"{arm}-{s}", user_id=f"u{s}", version=1 if arm == "production" else 2,
+                prompt_ids=[1], completion_ids=[2], logprobs=[-0.1], latency_ms=1000.0 + 500 * (s % 3) + a,
+                tool_calls=[CompletionToolCall(name="read_file", arguments={})], arm=arm, created_at=float(a)))
+            events.append(Event(id=f"f-{cid}", type=EventType.FOLLOWUP, session_id=f"{arm}-{s}", completion_id=cid,
+                                time=30.0 + a, payload={"dissatisfied": s < unhappy_sessions}))
+    return completions, events
+
+
+def test_answers_of_one_session_count_as_one_draw_not_as_five():
+    """20 sessions of 5 answers an arm, the mood of each session shared by its answers: unhappy in 4
+    sessions against 1. Counted answer by answer (100 against 100) the candidate looks significantly
+    better; the split randomized sessions, and 4 of 20 against 1 of 20 is not significant. The
+    design effect is about the session size."""
+    pc, pe = session_traffic("production", 20, 4)
+    cc, ce = session_traffic("candidate", 20, 1)
+    rewards = RewardDistiller().distill(pc + cc, pe + ce, NOW)
+    config = ABConfig(success_metrics=["persistence", "reward", "dissatisfied"], guardrails=["latency"],
+                      min_per_arm=20)
+    by_answer = analyze(pc + cc, rewards, config.model_copy(update={"cluster_by": "answer"}))
+    by_session = analyze(pc + cc, rewards, config)
+    assert by_answer.metrics["dissatisfied"].verdict == "better" and by_answer.decision == "promote"
+    clustered = by_session.metrics["dissatisfied"]
+    assert clustered.verdict == "no_difference" and by_session.decision == "rollback", by_session.reason
+    assert clustered.diff == by_answer.metrics["dissatisfied"].diff  # the rates are the same; only the width
+    assert all(4.5 < d < 6.5 for d in clustered.design_effect), clustered.design_effect
+    assert by_answer.metrics["dissatisfied"].design_effect == (1.0, 1.0)
+
+
+def test_one_answer_sessions_are_analysed_as_before():
+    """Every answer its own session (the cases above): the clustered analysis is the per-answer one."""
+    by_session = run(1000, seed=0, persist=0.65)
+    by_answer = run(1000, seed=0, config=ABConfig(cluster_by="answer"), persist=0.65)
+    assert by_session.metrics == by_answer.metrics
