@@ -105,8 +105,9 @@ class LocalCluster:
     `EngineConfig.separate_process`), episodes on the Orchestrator's threads."""
 
     def learner(self, model: PreTrainedModel, config: LearnerConfig, version: int = 0,
-                threads: int = 1) -> AbstractContextManager[Learner]:
-        return nullcontext(Learner(model.train(), config, version=version))  # threads: the process's own
+                threads: int = 1, ref_model: PreTrainedModel | None = None) -> AbstractContextManager[Learner]:
+        # threads: the process's own; ref_model: the KL term's reference (loss.kl_coef > 0)
+        return nullcontext(Learner(model.train(), config, ref_model=ref_model, version=version))
 
     @contextmanager
     def engine(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, engine: EngineConfig,

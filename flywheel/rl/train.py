@@ -34,6 +34,7 @@ staleness is the difference of two of them. A run's policy 5 is not registry v5.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -50,7 +51,7 @@ from flywheel.agent.evaluate import evaluate, paired_lift, passed
 from flywheel.agent.trajectory import Status
 from flywheel.env.families import FAMILIES, held_out_tasks, task_set
 from flywheel.env.pool import PoolConfig, SandboxPool
-from flywheel.model.adapters import LoraConfig, start_lora
+from flywheel.model.adapters import LoraConfig, merged, start_lora
 from flywheel.model.engine import Engine, EngineConfig
 from flywheel.model.registry import Checkpoint, Registry
 from flywheel.rl.advantages import outcome_tied
@@ -162,6 +163,10 @@ class TrainConfig(BaseModel):
                              "every "
                              "token would carry a spurious importance weight; set learner.temperature = "
                              "orchestrator.episode.temperature")
+        if self.learner.loss.kl_coef > 0 and (self.cluster.backend != "local" or self.dist is not None):
+            raise ValueError("learner.loss.kl_coef > 0 (a KL term to the run's start policy) is wired for the local "
+                             "Learner and LoRA; the Ray learner actor and the torchrun ranks hold no reference "
+                             "model: set cluster.backend = 'local' without [dist], or learner.loss.kl_coef = 0")
         if self.learner.loss.routing_replay and not self.orchestrator.episode.routed_experts:
             raise ValueError("learner.loss.routing_replay replays the experts the engine chose: set "
                              "orchestrator.episode.routed_experts = true so that episodes record them")
@@ -486,12 +491,26 @@ def train(config: TrainConfig, log: Callable[[str], None] = print,
 
 def learner_for(config: TrainConfig, cluster: Any, model: Any, start: int) -> AbstractContextManager[Any]:
     """The Learner: rank 0's `LeaderLearner` over the torchrun ranks when `dist` is set (Registry
-    version `start` is what the other ranks load), a `LoraLearner` over an adapter, else the cluster's."""
+    version `start` is what the other ranks load), a `LoraLearner` over an adapter, else the cluster's.
+    With `learner.loss.kl_coef > 0` (local and LoRA only: TrainConfig refuses the others) the KL
+    term's reference is the run's start policy, frozen: a copy of `model` made before a resume
+    loads the run's state into it (for LoRA, the start's weights with its adapter merged)."""
+    ref = reference_policy(model, lora=config.lora is not None) if config.learner.loss.kl_coef > 0 else None
     if config.lora is not None:
-        return nullcontext(LoraLearner(model, config.learner))
+        return nullcontext(LoraLearner(model, config.learner, ref_model=ref))
     if config.dist is None:
+        if ref is not None:
+            return cluster.learner(model, config.learner, threads=config.threads, ref_model=ref)
         return cluster.learner(model, config.learner, threads=config.threads)
     return leading(model, start, config.learner, config.dist, config.run_dir / "learner")
+
+
+def reference_policy(model: Any, lora: bool) -> Any:
+    """A frozen copy of `model` as it is now (with a LoRA adapter: its merged weights)."""
+    ref = merged(model) if lora else copy.deepcopy(model)
+    for param in ref.parameters():
+        param.requires_grad_(False)
+    return ref.eval()
 
 
 def train_once(config: TrainConfig, log: Callable[[str], None] = print,

@@ -158,3 +158,29 @@ def test_the_curve_plays_a_prefix_of_the_held_out_set_and_the_lift_the_whole_set
     assert summary["pass_rate_start"] == 2 / 6 and summary["lift"]["tasks"] == 6 and summary["lift"]["before"] == 2 / 6
     assert summary["evals"][-1]["lift"]["tasks"] == 2
     assert TrainConfig.model_validate({"eval_tasks_per_family": 2, "curve_tasks_per_family": 3}).curve_per_family == 2
+
+
+@pytest.mark.slow  # two short runs of the tiny policy: ~20 s on 2 cores
+def test_a_kl_term_to_the_start_policy_is_wired_and_its_reference_survives_a_resume(tmp_path):
+    """`learner.loss.kl_coef > 0`: the Learner's reference is the run's start policy. The KL is 0 at
+    step 1 (the policy is the start) and positive once the policy moved; a run resumed from its
+    folder keeps the start as its reference (its first step's KL is not 0, as it would be against
+    the resumed weights). Ray and torchrun runs are refused at config load with the reason."""
+    model, tokenizer = broken_call_policy(vocab_size=300)  # its groups' rewards differ: the policy moves
+    with Registry(tmp_path / "registry") as registry:
+        registry.register(model, tokenizer, parent=None, aliases=["production"])
+    settings = {
+        "registry_root": tmp_path / "registry", "run_dir": tmp_path / "run", "families": ["bugfix"],
+        "train_tasks_per_family": 1, "eval_tasks_per_family": 1, "threads": 1, "eval_at_start": False,
+        "register_checkpoint": False, "learner": {"lr": 0.03, "loss": {"kl_coef": 0.5}},
+        "orchestrator": {"group_size": 8, "groups_per_step": 2, "max_steps": 2, "filter_zero_signal": False,
+                         "episode": {"max_turns": 1, "max_tokens_per_turn": 16}}}
+    train(TrainConfig.model_validate(settings), log=lambda line: None)
+    settings["orchestrator"]["max_steps"] = 3
+    train(TrainConfig.model_validate(settings), log=lambda line: None)  # resumes at step 2
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert steps[1]["kl"] > 1e-6 and steps[2]["kl"] > 1e-6, [s["kl"] for s in steps]
+    with pytest.raises(ValueError, match="kl_coef"):
+        TrainConfig.model_validate({**settings, "cluster": {"backend": "ray"}})
