@@ -150,14 +150,9 @@ _METRICS = {
 }
 
 
-def metric_samples(name: str, arm: Sequence[tuple[Completion, Reward]], edit_tools: Sequence[str]) -> list[float]:
-    """The metric's per-answer values in one arm (0/1 for rates)."""
-    return [value for value, _ in metric_rows(name, arm, edit_tools)]
-
-
 def metric_rows(name: str, arm: Sequence[tuple[Completion, Reward]],
                 edit_tools: Sequence[str]) -> list[tuple[float, str]]:
-    """The metric's per-answer values in one arm with each answer's session."""
+    """The metric's per-answer values in one arm (0/1 for rates), each with the answer's session."""
     closed = [(c, r) for c, r in arm if r.status is not RewardStatus.PENDING]
     match name:
         case "persistence":
@@ -214,6 +209,14 @@ def compare(name: str, production: Sequence[float], candidate: Sequence[float], 
                             design_effect=(dp, dc))
 
 
+def compare_rows(name: str, production: Sequence[tuple[float, str]], candidate: Sequence[tuple[float, str]],
+                 config: ABConfig) -> MetricComparison:
+    """`compare` on two arms' `metric_rows`, their sessions counted as `config.cluster_by` says."""
+    sessions = (None if config.cluster_by == "answer"
+                else ([s for _, s in production], [s for _, s in candidate]))
+    return compare(name, [v for v, _ in production], [v for v, _ in candidate], config.confidence, sessions)
+
+
 def analyze(completions: Sequence[Completion], rewards: Sequence[Reward], config: ABConfig | None = None) -> ABReport:
     """Compare the arms and decide (module docstring). Every completion needs its reward."""
     config = config or ABConfig()
@@ -229,13 +232,9 @@ def analyze(completions: Sequence[Completion], rewards: Sequence[Reward], config
         arms[c.arm].append((c, by_id[c.id]))
     closed = {arm: sum(r.status is not RewardStatus.PENDING for _, r in pairs) for arm, pairs in arms.items()}
     names = list(dict.fromkeys([*config.success_metrics, *config.guardrails]))
-    metrics = {}
-    for name in names:
-        rows = {arm: metric_rows(name, arms[arm], config.edit_tools) for arm in ARMS}
-        values = {arm: [v for v, _ in rows[arm]] for arm in ARMS}
-        sessions = (None if config.cluster_by == "answer"
-                    else ([s for _, s in rows["production"]], [s for _, s in rows["candidate"]]))
-        metrics[name] = compare(name, values["production"], values["candidate"], config.confidence, sessions)
+    metrics = {name: compare_rows(name, metric_rows(name, arms["production"], config.edit_tools),
+                                  metric_rows(name, arms["candidate"], config.edit_tools), config)
+               for name in names}
     versions = {arm: sorted({c.version for c, _ in pairs}) for arm, pairs in arms.items()}
 
     def report(decision: Literal["promote", "rollback", "wait"], reason: str) -> ABReport:

@@ -114,7 +114,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from flywheel.config import include_file, refuse_moved
 from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.env.task import Task, read_tasks
-from flywheel.live.abtest import ARMS, ABConfig, ABReport, analyze, compare, metric_rows
+from flywheel.live.abtest import ARMS, ABConfig, ABReport, analyze, compare_rows, metric_rows
 from flywheel.live.batch import OnPolicyBatch, on_policy_batch
 from flywheel.live.deploy import PINNED, Deployment
 from flywheel.live.gate import Contender, Gate, GateConfig, GateRun
@@ -894,10 +894,8 @@ class LiveCycle:
         out = {}
         for name in SERVED_METRICS:
             rows = metric_rows(name, pairs, self.config.ab.edit_tools)
-            samples, sessions = [v for v, _ in rows], [s for _, s in rows]
-            clustered = None if self.config.ab.cluster_by == "answer" else (sessions, sessions)
-            m = compare(name, samples, samples, self.config.ab.confidence, clustered)
-            out[name] = ServedMetric(value=m.production, ci=m.production_ci, n=len(samples))
+            m = compare_rows(name, rows, rows, self.config.ab)
+            out[name] = ServedMetric(value=m.production, ci=m.production_ci, n=len(rows))
         return out
 
     def _watch(self, state: CycleState, store: LiveStore) -> None:

@@ -78,7 +78,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,7 +153,7 @@ class VLLMEngine:
         # update_s: each update_weights call; first_token_s: from the start of an update to the first
         # token sampled under its weights (the stall a rollout sees)
         self.stats: dict[str, Any] = {"updates": 0, "update_s": [], "first_token_s": [], "resubmitted": 0,
-                                      "server_failures": 0, "stream_errors": 0}
+                                      "server_failures": 0, "stream_errors": 0, "delta_refused": 0}
         # the update being timed: its start and its version; None once its first token came
         self._update_started, self._first_token_version = 0.0, None
         self._weights_dir = Path(self.config.weights_dir or tempfile.mkdtemp(prefix="flywheel-vllm-weights-"))
@@ -488,7 +488,7 @@ class VLLMEngine:
             self._mark_dead(server, f"/health failed: {type(exc).__name__}")
 
     async def _update(self, version: int, timeout_s: float, folder: Path | None = None,
-                      delta_path: Path | None = None, whole: Any = None) -> float:
+                      delta_path: Path | None = None, whole: Callable[[], Path] | None = None) -> float:
         """Every live server to `version`: reloaded from `folder`, or given `delta_path`, and those
         that refuse it reloaded from `whole()` (the folder, written on demand)."""
         start = time.perf_counter()
@@ -510,7 +510,7 @@ class VLLMEngine:
                         answers[server.url] = results
                         return
                     log.info("%s refused the weight delta (%s): it gets the whole weights", server.url, refused[0])
-                    self.stats["delta_refused"] = self.stats.get("delta_refused", 0) + 1
+                    self.stats["delta_refused"] += 1
                     if not writing:
                         writing.append(asyncio.get_running_loop().run_in_executor(None, whole))
                     target = await writing[0]

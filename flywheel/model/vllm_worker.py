@@ -72,10 +72,11 @@ class ReloadExtension:
 
     def flywheel_reload_weights(self, weights_path: str, version: str = "", keep: str = "") -> dict[str, Any]:
         self.reload_weights(weights_path=weights_path)
-        out = {"repacked_moe_layers": repack_cpu_moe(self.model_runner.get_model())}
+        model = self.model_runner.get_model()
+        out = {"repacked_moe_layers": repack_cpu_moe(model)}
         self._flywheel_kept, self._flywheel_version = None, None
-        if keep:
-            self._flywheel_kept = _read_folder(Path(weights_path), _served_dtype(self.model_runner.get_model()))
+        if keep:  # in the dtype vLLM holds them in, as its loader cast them
+            self._flywheel_kept = _read_folder(Path(weights_path), next(model.parameters()).dtype)
             self._flywheel_version = int(version)
         return out
 
@@ -97,10 +98,6 @@ class ReloadExtension:
         self._flywheel_version = delta.version
         return {"reloaded_groups": len(groups), "reloaded_tensors": len(names),
                 "repacked_moe_layers": repack_cpu_moe(model, groups)}
-
-
-def _served_dtype(model: Any) -> Any:
-    return next(model.parameters()).dtype
 
 
 def _read_folder(folder: Path, dtype: Any) -> dict:
