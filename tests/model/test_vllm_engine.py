@@ -157,14 +157,15 @@ def test_logprobs_agree_with_the_learners_at_the_sampling_temperature(engine, re
 def test_weight_update_mid_rollout_resumes_under_the_new_weights(engine, registry):
     models = {0: registry.load(0)[0], 1: registry.load(1)[0]}  # registry checkpoint -> its model
     served = {engine.version: 0}  # engine version -> the checkpoint it serves (the fixture starts on 0)
-    params = SamplingParams(temperature=1.0, max_tokens=1000)
     # An update resumes a request only if the request still has tokens to sample when the update
     # cuts its stream. On a loaded machine 1,000 tokens outlast the update; on a quiet one the tiny
-    # model can finish them first (CI saw all four requests end under one version). So the
-    # scenario runs up to three times, alternating the two checkpoints, until an update catches a
-    # request in flight; every try's tokens are checked against the weights their version names.
+    # model can finish them first (CI saw all four requests end under one version, three tries
+    # running). So the scenario runs up to three times, alternating the two checkpoints and asking
+    # for 1,000 more tokens each time, until an update catches a request in flight; every try's
+    # tokens are checked against the weights their version names.
     mixed = 0
-    for _attempt in range(3):
+    for attempt in range(3):
+        params = SamplingParams(temperature=1.0, max_tokens=1000 * (attempt + 1))  # < max_model_len 4096
         version, checkpoint = engine.version + 1, 1 - served[engine.version]
         futures = [engine.submit(prompt(offset=k), params) for k in range(4)]
         # Update as soon as one has tokens under the current version (on a loaded machine the first
@@ -180,7 +181,7 @@ def test_weight_update_mid_rollout_resumes_under_the_new_weights(engine, registr
         print(f"weight update to v{version}: {update_s:.2f} s ({engine.stats['last_update']})")
         assert engine.version == version
         for k, gen in enumerate(gens):
-            assert len(gen.token_ids) == 1000 and gen.finish_reason == "length"
+            assert len(gen.token_ids) == params.max_tokens and gen.finish_reason == "length"
             assert gen.versions == sorted(gen.versions) and set(gen.versions) <= {version - 1, version}
             mixed += version - 1 in gen.versions and version in gen.versions
             # Each token's logprob is that of the weights its version names: the old ones before the

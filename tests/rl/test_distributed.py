@@ -52,7 +52,7 @@ LAUNCHES = {
     4: ["step:2x2", "step:2x2ep2", "step:1x4ep4", "ep_layer:4", "resume:2x2ep2", "same_mesh:1x4ep4"],
 }
 WEIGHT_TOL = 1e-5
-ROUTER_TOL = 2e-4  # for routers trained on real episodes: see the killed-and-resumed `flywheel train` test
+ROUTER_TOL = 5e-4  # for routers trained on real episodes: see the killed-and-resumed `flywheel train` test
 
 
 def torchrun(nproc: int, out: Path, checks: list[str]) -> None:
@@ -262,7 +262,8 @@ def test_flywheel_train_distributed_killed_and_resumed_under_another_mesh_equals
     summation order is the only difference), and each step's loss and grad norm agree (1e-6, 1e-5
     relative). The router is the exception: its gradients (median 2e-10) are below AdamW's eps
     (1e-8), where a step moves a weight by lr / eps = 1e5 times its gradient, so summation-order
-    noise of 5e-10 shows as 5e-5 (measured); bounded at ROUTER_TOL, a fifth of one step."""
+    noise of 5e-10 shows as 5e-5 (measured; CI once saw 2.3e-4 after the three steps); bounded at
+    ROUTER_TOL, half of what one step can move a weight."""
     from flywheel.agent.trajectory import Status  # noqa: PLC0415
     from flywheel.rl.advantages import AdvantageConfig  # noqa: PLC0415
     from flywheel.rl.learner import Learner, LearnerConfig  # noqa: PLC0415

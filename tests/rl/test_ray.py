@@ -120,11 +120,17 @@ def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_an
     def kill_a_worker_then_a_node() -> None:
         workers = named_actors("rollout-")
         where = [ray.get(w.where.remote()) for w in workers]
-        # the victim is a worker playing an episode past its first turn, so that one resumes mid-episode
+        # the victim is a worker playing an episode past its first turn, so that one resumes mid-episode:
+        # still past it a moment later, so that the turn's state has streamed to the driver (a worker
+        # counts a turn before the driver holds its state; killed in between, it resumes from turn 0)
         deadline, victim = time.monotonic() + 60, None
         while victim is None and time.monotonic() < deadline:
             playing = ray.get([w.playing.remote() for w in workers])
             victim = next((i for i, turns in enumerate(playing) if turns and turns[0] >= 1), None)
+            if victim is not None:
+                time.sleep(0.3)
+                turns = ray.get(workers[victim].playing.remote())
+                victim = victim if turns and turns[0] >= 1 else None
             time.sleep(0.02)
         victim = 0 if victim is None else victim  # (then the mid-episode assertion below says so)
         engine_of, node_of = [i for i in range(3) if i != victim]
