@@ -282,7 +282,9 @@ def test_train_runs_rl_steps_on_vllm_with_weight_updates_mid_rollout(engine, reg
     trajectories = [json.loads(line)["trajectory"]
                     for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
     versions = {v for t in trajectories for v, m in zip(t["versions"], t["loss_mask"], strict=True) if m}
-    assert versions >= {0, 1}
+    # the start's tokens and those of weights pushed since (which of them depends on the timing: on a
+    # quiet machine CI saw {0, 2, 3})
+    assert 0 in versions and len(versions) >= 2, versions
 
 
 def test_weight_deltas_reach_the_servers_bit_for_bit_and_a_server_that_missed_one_gets_the_whole(engine, registry):
