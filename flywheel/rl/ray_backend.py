@@ -859,7 +859,10 @@ class RayCluster:
 
     @contextmanager
     def learner(self, model: PreTrainedModel, config: LearnerConfig, version: int = 0,
-                threads: int = 1) -> Iterator[RemoteLearner]:
+                threads: int = 1, ref_model: PreTrainedModel | None = None) -> Iterator[RemoteLearner]:
+        if ref_model is not None:  # TrainConfig refuses kl_coef > 0 on Ray at load; this says it here too
+            raise ValueError("the Ray learner actor holds no KL reference model: set cluster.backend = \"local\" "
+                             "or learner.loss.kl_coef = 0")
         learner = RemoteLearner(model, config, self.config, version, threads)
         self._actors.append(learner)
         try:

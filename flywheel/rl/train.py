@@ -499,9 +499,7 @@ def learner_for(config: TrainConfig, cluster: Any, model: Any, start: int) -> Ab
     if config.lora is not None:
         return nullcontext(LoraLearner(model, config.learner, ref_model=ref))
     if config.dist is None:
-        if ref is not None:
-            return cluster.learner(model, config.learner, threads=config.threads, ref_model=ref)
-        return cluster.learner(model, config.learner, threads=config.threads)
+        return cluster.learner(model, config.learner, threads=config.threads, ref_model=ref)
     return leading(model, start, config.learner, config.dist, config.run_dir / "learner")
 
 
