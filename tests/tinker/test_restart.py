@@ -137,6 +137,8 @@ def test_a_training_client_goes_on_after_kill_9_of_the_server_and_loses_nothing_
     steps, pending, failures, synced, chosen = 0, False, 0, True, False
     killer.start()
     while steps < ROUNDS:
+        if steps == ROUNDS - 1 and killer.is_alive():  # the loop ran faster than the reference's rounds:
+            killer.join()  # the random kill still lands inside it (CI saw the loop end before the timer)
         try:
             if not synced:  # after a kill: what the server holds, and the same client scores it
                 held, held_pending = record(life.root, model_id)
