@@ -183,11 +183,14 @@ class ConversationEncoder:
     def conversation(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]:
         """(tokens, loss mask) of a demonstration, segment by segment as the episode runner appends them.
 
-        messages: system, user, then alternating assistant turns and their answers (tool results or
-        a user reply). Only the assistant bodies carry mask 1."""
-        tokens = self.encode(messages[:2], self.tools)
-        mask = [0] * len(tokens)
+        messages: system, one or more user messages, then alternating assistant turns and their
+        answers: tool results, a user reply, or tool results then a user reply (a user's follow-up
+        to a `finish` call). Only the assistant bodies carry mask 1."""
         i = 2
+        while i < len(messages) - 1 and messages[i]["role"] == "user":  # a second message before any answer
+            i += 1
+        tokens = self.encode(messages[:i], self.tools)
+        mask = [0] * len(tokens)
         while i < len(messages):
             message = messages[i]
             if message["role"] != "assistant":
@@ -198,14 +201,19 @@ class ConversationEncoder:
             j = i + 1
             while j < len(messages) and messages[j]["role"] == "tool":
                 j += 1
-            answer = None
-            if j > i + 1:
-                answer = [m["content"] for m in messages[i + 1 : j]]
-            elif j < len(messages) and messages[j]["role"] == "user":
-                answer = messages[j]["content"]
+            answer: list[dict[str, Any]] | None = None
+            if j < len(messages) and messages[j]["role"] == "user":
+                answer = list(messages[i + 1 : j + 1])  # a user reply, after the tool results if any
                 j += 1
+            elif j > i + 1:
+                answer = list(messages[i + 1 : j])
             if answer is not None and j < len(messages):  # the answer to the last turn is never seen
-                ids = self.tool_reply(answer) if isinstance(answer, list) else self.user_reply(answer)
+                if len(answer) == 1 and answer[0]["role"] == "user":
+                    ids = self.user_reply(answer[0]["content"])
+                elif all(m["role"] == "tool" for m in answer):
+                    ids = self.tool_reply([m["content"] for m in answer])
+                else:
+                    ids = self.continuation(answer)
                 tokens += ids
                 mask += [0] * len(ids)
             i = j

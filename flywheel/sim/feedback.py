@@ -1,7 +1,9 @@
 """What a simulated user writes in a follow-up, drawn from what went wrong in the episode.
 
 A real user's follow-up says what they saw: "you changed notes.txt, the bug is in calc.py", "you
-never ran the tests", "I did not need a question, just do it", "your edit call was broken". The
+never ran the tests", "I did not need a question, just do it", "your edit call was broken", and,
+when the right file was changed the wrong way, what it should say ("In app/config.py it should
+say: MODE = "fast""). The
 simulated user writes the same from the episode's `Trail` (what the agent did, which the user
 watched) and the task's reference edits (where the fix belongs, which the user knows as the task's
 author). Real users are also vague ("still broken") or wrong (naming a file that is fine): a
@@ -72,6 +74,23 @@ def maybe_hostile(text: str, rng: random.Random, hostile_share: float) -> str:
     return text
 
 
+def expected_line(task: Task, path: str) -> str | None:
+    """The first line the reference fix writes in `path` that was not there before (what a user who
+    knows the fix would quote), or None."""
+    for edit in task.reference_edits:
+        if edit.path == path:
+            for line in edit.new.splitlines():
+                if line.strip() and line not in edit.old.splitlines():
+                    return line.strip()
+    return None
+
+
+def should_say(task: Task, path: str) -> str | None:
+    """"In `path` it should say: <the line the fix writes>" (no full stop), or None."""
+    line = expected_line(task, path)
+    return f"In {path} it should say: {line}" if line else None
+
+
 def _draw(rng: random.Random, vague_share: float, wrong_share: float) -> str:
     x = rng.random()
     return "vague" if x < vague_share else "wrong" if x < vague_share + wrong_share else "specific"
@@ -98,6 +117,10 @@ def words_for_failing_tests(task: Task, trail: Trail, rng: random.Random, vague_
         said.append(f"You did not change anything; the problem is in {', '.join(missed)}.")
     if not trail.ran_tests:
         said.append(f"You never ran the tests: run `{task.test_command}` before you say it is done.")
+    for path in (p for p in fix_paths if p in trail.edited):  # the right file, changed the wrong way
+        if words := should_say(task, path):  # last: the words after "say:" are the line, as it stands
+            said.append(words)
+            break
     return " ".join(["That did not work: the tests still fail.", *said]) if said else TESTS_FAIL
 
 

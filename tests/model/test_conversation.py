@@ -56,6 +56,36 @@ def test_a_demonstration_is_the_episode_s_segments_in_order(tokenizer):
     assert tokenizer.decode(tokens) + "\n" == render_messages(DEMO, encoder.tools)
 
 
+FINISH = {"id": "c1", "type": "function", "function": {"name": "finish", "arguments": {"summary": "Fixed."}}}
+
+
+def test_a_follow_up_after_tool_results_is_what_the_server_reads_for_the_same_messages(tokenizer):
+    """A user's follow-up to a `finish` call comes after the call's result (flywheel/sim/users.py):
+    the demonstration's ids up to the next answer are the prompt the server encodes for those messages."""
+    encoder = ConversationEncoder(tokenizer)
+    demo = [*DEMO[:4], {"role": "assistant", "content": "Done.", "tool_calls": [FINISH]},
+            {"role": "tool", "content": "finished: Fixed."},
+            {"role": "user", "content": "That did not work: the tests still fail."},
+            {"role": "assistant", "content": "Looking again.", "tool_calls": [CALL]}]
+    tokens, mask = encoder.conversation(demo)
+    prompt = encoder.encode(demo[:-1], encoder.tools)
+    last = encoder.text(render_assistant_body(demo[-1]))
+    assert tokens == [*prompt, *last]
+    assert mask[len(prompt):] == [1] * len(last) and sum(mask) == len(last) + sum(
+        len(encoder.text(render_assistant_body(m))) for m in demo[2:6] if m["role"] == "assistant")
+    assert tokenizer.decode(tokens) + "\n" == render_messages(demo, encoder.tools)
+
+
+def test_a_second_user_message_before_any_answer_is_part_of_the_opening(tokenizer):
+    encoder = ConversationEncoder(tokenizer)
+    demo = [*DEMO[:2], {"role": "user", "content": "It is in a.py."}, *DEMO[2:4],
+            {"role": "assistant", "content": "Done.", "tool_calls": [FINISH]}]
+    tokens, mask = encoder.conversation(demo)
+    opening_ids = encoder.encode(demo[:3], encoder.tools)
+    assert tokens[: len(opening_ids)] == opening_ids and not any(mask[: len(opening_ids)])
+    assert tokens == [*encoder.encode(demo[:-1], encoder.tools), *encoder.text(render_assistant_body(demo[-1]))]
+
+
 def test_an_episode_opens_with_the_server_s_prompt_of_the_same_messages(tokenizer):
     encoder = ConversationEncoder(tokenizer)
     task = generate("bugfix", "train", 1, seed=0, difficulty=1)[0]

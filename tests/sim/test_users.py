@@ -37,7 +37,14 @@ from flywheel.live.store import LiveStore  # noqa: E402
 from flywheel.model.chat import IM_END  # noqa: E402
 from flywheel.model.engine import Generation, SamplingParams  # noqa: E402
 from flywheel.model.tokenizer import load_tokenizer  # noqa: E402
-from flywheel.sim.feedback import TESTS_FAIL, VAGUE, Trail, words_for_failing_tests, words_for_needless_question  # noqa: E402
+from flywheel.sim.feedback import (  # noqa: E402
+    TESTS_FAIL,
+    VAGUE,
+    Trail,
+    expected_line,
+    words_for_failing_tests,
+    words_for_needless_question,
+)
 from flywheel.sim.orgs import HouseRules, general_fix  # noqa: E402
 from flywheel.sim.users import (  # noqa: E402
     WORK_ALONE,
@@ -358,9 +365,18 @@ def test_follow_up_words_name_what_went_wrong_and_a_share_are_vague_or_wrong():
     said = words_for_failing_tests(task, trail, random.Random(0))
     assert "(edit_file: path must be a string)" in said and "You changed notes.txt" in said
     assert f"the problem is in {', '.join(fix_paths)}" in said and "You never ran the tests" in said
-    # The right files edited and the tests run: nothing specific is left to say.
+    # The right files edited the wrong way and the tests run: the user quotes the line the fix writes.
     done = Trail(edited=fix_paths, ran_tests=True)
-    assert words_for_failing_tests(task, done, random.Random(0)) == TESTS_FAIL
+    said = words_for_failing_tests(task, done, random.Random(0))
+    path, line = next((p, expected_line(task, p)) for p in fix_paths if expected_line(task, p))
+    assert said == f"{TESTS_FAIL.split(' Please')[0]} In {path} it should say: {line}"
+    assert any(line in e.new.splitlines()[i].strip() for e in task.reference_edits
+               for i in range(len(e.new.splitlines())) if e.path == path)
+    assert line not in next(e.old for e in task.reference_edits if e.path == path)
+    # Nothing the fix writes is new (it only deletes): nothing specific is left to say.
+    deleting = task.model_copy(update={"reference_edits": tuple(e.model_copy(update={"new": ""})
+                                                                for e in task.reference_edits)})
+    assert words_for_failing_tests(deleting, done, random.Random(0)) == TESTS_FAIL
     # The configured shares, over many follow-ups: vague ones name nothing, wrong ones a file the fix does not touch.
     rng, n = random.Random(1), 2000
     words = [words_for_failing_tests(task, trail, rng, vague_share=0.3, wrong_share=0.2) for _ in range(n)]
