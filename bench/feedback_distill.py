@@ -50,13 +50,14 @@ def log(message: str) -> None:
 def seed_config(args: argparse.Namespace, seed: int, root: Path) -> ScenarioConfig:
     base = load_config(ScenarioConfig, CONFIG, [])
     honest = base.population.profiles[0].model_copy(update={"name": "dev", "followup_hostile_share": 0.0})
-    start = base.start.model_copy(update={"seed": seed, "sft": base.start.sft.model_copy(
-        update={"steps": args.sft_steps})})
+    start = base.start.model_copy(update={"seed": seed, "corrections": args.corrections, "told": args.told,
+                                          "sft": base.start.sft.model_copy(update={"steps": args.sft_steps})})
     return base.model_copy(update={
         "name": f"feedback_distill/s{seed}", "cycles": args.cycles, "measure_sessions": args.measure_sessions,
         "run_dir": root / f"s{seed}", "start": start,
         "population": base.population.model_copy(update={"seed": seed, "profiles": [honest]}),
-        "naive_distill": DistillConfig(weight=args.weight, min_gain=args.min_gain, max_call_drop=args.max_call_drop),
+        "naive_distill": DistillConfig(weight=args.weight, min_gain=args.min_gain, max_call_drop=args.max_call_drop,
+                                       hint_at=args.hint_at),
         "live": base.live.model_copy(update={"seed": seed}),
     })
 
@@ -89,6 +90,15 @@ def main() -> int:
                         help="the tool-use guard (DistillConfig.max_call_drop); a large value turns it off")
     parser.add_argument("--measure-sessions", type=int, default=64)
     parser.add_argument("--sft-steps", type=int, default=500)
+    parser.add_argument("--hint-at", choices=("answer", "turn"), default=DistillConfig().hint_at,
+                        help="DistillConfig.hint_at: the answer a follow-up is tied to, or its whole turn")
+    parser.add_argument("--told", type=float, default=0.0,
+                        help="StartPolicyConfig.told: edit demonstrations after a second user message saying what "
+                             "the file should say")
+    parser.add_argument("--corrections", type=float, default=0.0,
+                        help="share of the start policy's edit demonstrations that correct a wrong edit after "
+                             "the user's follow-up (StartPolicyConfig.corrections): a start policy that acts on "
+                             "what users say")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -110,7 +120,8 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     result = {"seeds": args.seeds, "cycles": args.cycles, "weight": args.weight, "min_gain": args.min_gain,
               "max_call_drop": args.max_call_drop,
-              "measure_sessions": args.measure_sessions, "sft_steps": args.sft_steps,
+              "measure_sessions": args.measure_sessions, "sft_steps": args.sft_steps, "corrections": args.corrections,
+              "told": args.told, "hint_at": args.hint_at,
               "by_cycle": paired(by_seed, args.cycles), "distill_by_seed": distill_figures,
               "seconds": time.perf_counter() - started}
     print(json.dumps(result, indent=2))

@@ -602,8 +602,9 @@ class LiveCycle:
         hinted: dict[str, float] = {}
         distill = self.config.learner.loss.distill
         if distill.weight > 0:  # the teacher is the version that served the batch: the learner's weights now
-            hinted = attach_teachers(learner.model.train(), tokenizer, batch, followup_hints(store, batch.completions),
-                                     distill, self.config.learner.temperature)
+            hints = followup_hints(store, batch.completions, distill.hint_at)
+            hinted = attach_teachers(learner.model.train(), tokenizer, batch, hints, distill,
+                                     self.config.learner.temperature)
         state.distilled = [c.id for t, c in zip(batch.trajectories, batch.completions, strict=True)
                            if t.teacher_logprobs is not None]
         metrics = learner.train_step(batch.trajectories, batch.advantages())

@@ -1,6 +1,6 @@
 """Hinted teachers: what a user's follow-up said, turned into per-token targets for the answer it was about.
 
-    hints = followup_hints(store, batch.completions)          completion id -> the user's words
+    hints = followup_hints(store, batch.completions, at)      completion id -> the user's words (at: "answer" | "turn")
     report = attach_teachers(model, tokenizer, batch, hints, loss.distill, temperature)
     learner.train_step(batch.trajectories, batch.advantages())   the distillation term beside the reward's
 
@@ -50,7 +50,15 @@ having read the hint, and every candidate is gated and monitored like any other 
 edit rates among the monitors'); the hostile_hints scenario (flywheel/sim/scenario.py) measures a population of hostile
 hints.
 
-Departures from the report: one hint per answer (the last dissatisfied follow-up with text), the
+Where the hint goes (`DistillConfig.hint_at`): at the answer the follow-up is tied to, or at every
+answer of the turn it answered. A follow-up comes after the agent's turn (the simulated users speak
+after a failing `finish`, flywheel/sim/users.py), so the answer that failed is often the edit
+before the `finish` call; "turn" hints it too, and the drop rule then keeps the answers the words
+move. That is where the words are about, but it pays only with a teacher that reads them
+(bench/hint_teacher.py measures it); docs/feedback-distill.md has what it did with the scenario
+world's start policy.
+
+Departures from the report: one hint per answer (the follow-up that answered its turn), the
 teacher is the served version itself (no separate, frozen teacher), and only the answer's tokens are
 distilled, not later turns the hint might also have changed.
 """
@@ -82,17 +90,44 @@ def syntax_tokens(tokenizer, tokens: Sequence[int]) -> set[int]:
     return {t for t in set(tokens) if t in markup or set(tokenizer.decode([t], skip_special_tokens=False)) <= SYNTAX}
 
 
-def followup_hints(store: LiveStore, completions: Sequence[Completion]) -> dict[str, str]:
-    """Completion id -> the text of the last dissatisfied follow-up about it that has any words.
+def followup_hints(store: LiveStore, completions: Sequence[Completion], at: str = "answer") -> dict[str, str]:
+    """Completion id -> the words of the dissatisfied follow-up about it (the last such event with
+    words, if one completion drew several); a satisfied one (the answer to a clarifying question) is
+    no hint: nothing was wrong.
 
-    A satisfied follow-up (the answer to a clarifying question) is no hint: nothing was wrong."""
-    out: dict[str, str] = {}
+    at="answer": the completions the follow-ups are tied to. at="turn": a follow-up is tied to the
+    completion it came after, but it is about the agent's whole turn, every answer since the user last
+    spoke ("the tests still fail; it should say X" comes after the `finish` call, and the answer that
+    failed is the edit before it), so each completion gets the words of the first follow-up (of any
+    kind) tied to it or to a later completion of its session, when that one is dissatisfied with
+    words. A turn is read from `completions` alone (a session's completions in time order, split after
+    each one that drew a follow-up), so give a batch's whole sessions where it has them."""
+    if at not in ("answer", "turn"):
+        raise ValueError(f"at must be 'answer' or 'turn', got {at!r}")
+    drew: set[str] = set()  # completions a user's message followed
+    words: dict[str, str] = {}
     for completion_id, events in store.events_for_completions(c.id for c in completions).items():
         for e in events:
+            if e.type != EventType.FOLLOWUP:
+                continue
+            drew.add(completion_id)
             text = e.payload.get("text")
-            if (e.type == EventType.FOLLOWUP and e.payload.get("dissatisfied") is True and isinstance(text, str)
-                    and text.strip()):
-                out[completion_id] = text
+            if e.payload.get("dissatisfied") is True and isinstance(text, str) and text.strip():
+                words[completion_id] = text
+    if at == "answer":
+        return words
+    sessions: dict[str, list[Completion]] = {}
+    for c in completions:
+        sessions.setdefault(c.session_id, []).append(c)
+    out: dict[str, str] = {}
+    for session in sessions.values():
+        turn: list[str] = []
+        for c in sorted(session, key=lambda c: (c.created_at, c.id)):
+            turn.append(c.id)
+            if c.id in drew:
+                if c.id in words:
+                    out |= dict.fromkeys(turn, words[c.id])
+                turn = []
     return out
 
 
@@ -122,7 +157,7 @@ def attach_teachers(model: PreTrainedModel, tokenizer, batch: OnPolicyBatch, hin
 
     `model` is the version that served the batch, in the mode the Learner trains it in (train: the
     teacher's and the student's logprobs then agree with the Learner's at the step's start).
-    Returns the report's figures: distill_followups (hints with words for the batch's answers),
+    Returns the report's figures: distill_followups (the batch's answers with a hint, `followup_hints`),
     distill_kept, distill_dropped_share (of distill_followups; absent without any), distill_dropped/<why>
     (no_call, tool_use, no_gain; too_long: the hinted prompt is past the model's positions),
     distill_gain_mean (nats per token, over the kept; absent without any)."""

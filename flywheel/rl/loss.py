@@ -109,6 +109,13 @@ class DistillConfig(BaseModel):
     # flywheel/live/hints.py.) Lower drops more hints; this one already drops honest "the tests still fail"
     # after a finish call (docs/feedback-distill.md: most dropped follow-ups are dropped here).
     max_call_drop: float = Field(default=0.1, ge=0)
+    # Where the hint goes. "answer": the answer the follow-up is tied to (after a failing "done", the
+    # `finish` call). "turn": every answer of the agent's turn it answered (flywheel/live/hints.py
+    # `followup_hints`), so the edit that wrote the wrong line reads it too: what the hint is about, but
+    # only worth it with a teacher that reads hints; with the scenario world's start policy it moved
+    # the teacher away from the right edit and cut tool use on the distilled requests
+    # (docs/feedback-distill.md, bench/hint_teacher.py).
+    hint_at: Literal["answer", "turn"] = "answer"
 
 
 class LossConfig(BaseModel):

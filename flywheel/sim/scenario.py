@@ -71,16 +71,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flywheel.config import read_toml
+from flywheel.env.environments import task_environment
 from flywheel.env.families.workspace import Draft, to_task
 from flywheel.env.pool import SandboxPool
 from flywheel.env.task import Task
+from flywheel.env.tools import Toolbox
 from flywheel.env.toolspec import ToolCall
 from flywheel.live.cycle import LiveConfig, LiveCycle, ServerControl
 from flywheel.live.records import Completion
 from flywheel.live.rewards import RewardConfig, made_edit
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.settings import StoreConfig
-from flywheel.model.chat import render_messages, tool_schemas
+from flywheel.model.chat import SYSTEM_PROMPT, openai_tool_call, render_messages, tool_schemas
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import PRODUCTION, Registry
@@ -88,6 +90,7 @@ from flywheel.model.tokenizer import train_tokenizer
 from flywheel.rl.loss import DistillConfig
 from flywheel.rl.sft import SFTConfig, train_sft
 from flywheel.sim.expert import CLARIFYING_QUESTION, Action, demonstration_messages, run_policy
+from flywheel.sim.feedback import Trail, should_say, words_for_failing_tests
 from flywheel.sim.users import Population, SimStats, UserProfile, run_population
 from flywheel.stats import fisher_tails
 
@@ -159,6 +162,16 @@ class StartPolicyConfig(BaseModel):
     # rise under RL shows.
     mixture: dict[str, float] = Field(default_factory=lambda: {"edit": 0.75, "ask": 0.17, "broken": 0.08})
     correct_easy: float = Field(0.9, ge=0, le=1)  # share of demonstrated edits that are right on easy tasks
+    # Share of edit demonstrations that are corrections (`correction_demonstration`): a wrong edit, a
+    # failing "done", the user's specific follow-up as the simulated users write it, then the right
+    # edit. A start policy that has learnt to act on what users say, as a pretrained model has; 0 (the
+    # scenarios' worlds) shows none, and the policy reads follow-ups only as RL teaches it to.
+    corrections: float = Field(0.0, ge=0, le=1)
+    # Share of the other edit demonstrations in which the user, before any answer, says in a second
+    # message what the file should say (the words a specific follow-up ends with: "In app/config.py it
+    # should say: MODE = "fast""), and the edit follows it. With `corrections`, what teaches the start
+    # policy to read users' words, where a hard task's instruction does not name the mode.
+    told: float = Field(0.0, ge=0, le=1)
     vocab_size: int = Field(1024, ge=300)
     model: ModelConfig = Field(default_factory=lambda: TINY_MODEL.model_copy())
     # Small batches, many steps: the demonstrations are short and the shared system prompt is
@@ -222,9 +235,45 @@ def scripted(task: Task, behaviour: str, correct: bool) -> Generator[Action, Any
         yield Action("Done.", (ToolCall(id="call_f", name="finish", arguments={"summary": "Fixed it."}),))
 
 
+def correction_demonstration(task: Task, pool: SandboxPool, words: random.Random) -> list[dict[str, Any]]:
+    """A wrong edit and a failing "done"; the user's follow-up, specific, as `words_for_failing_tests`
+    writes it from what the agent did; then the edit that makes the file right, and "done". Tool
+    outputs real; the messages are what a simulated user's session sends (the follow-up after the
+    `finish` call's result)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
+                                      {"role": "user", "content": task.instruction}]
+    box = pool.acquire(task.files, environment=task_environment(task))
+    try:
+        with Toolbox(box) as tools:
+            def act(text: str, calls: tuple[ToolCall, ...]) -> list[bool]:
+                outputs = tools.execute(calls)
+                messages.append({"role": "assistant", "content": text,
+                                 "tool_calls": [openai_tool_call(c) for c in calls]})
+                messages.extend({"role": "tool", "tool_call_id": c.id, "content": o.content}
+                                for c, o in zip(calls, outputs, strict=True))
+                return [o.ok for o in outputs]
+
+            (wrong,) = edit_calls(task, correct=False)
+            trail = Trail()
+            trail.saw([wrong], act("Making the change.", (wrong,)))
+            act("Done.", (ToolCall(id="call_f", name="finish", arguments={"summary": "Fixed it."}),))
+            messages.append({"role": "user", "content": words_for_failing_tests(task, trail, words)})
+            (right,) = edit_calls(task, correct=True)
+            fix = ToolCall(id="call_c", name="edit_file", arguments={**right.arguments, "old": wrong.arguments["new"]})
+            act("Making the change.", (fix,))
+    finally:
+        pool.release(box)
+    messages.append({"role": "assistant", "content": "Done.", "tool_calls": [openai_tool_call(
+        ToolCall(id="call_g", name="finish", arguments={"summary": "Fixed it."}))]})
+    return messages
+
+
 def demonstrations(config: StartPolicyConfig, pool: SandboxPool) -> list[list[dict[str, Any]]]:
-    """`demos_per_task` conversations per task, behaviours drawn from the mixture, tool outputs real."""
+    """`demos_per_task` conversations per task, behaviours drawn from the mixture, tool outputs real;
+    `corrections` of the edit demonstrations are corrections after a user's follow-up, and `told` of
+    the rest follow a second message that says what the file should say."""
     rng = random.Random(config.seed)
+    words = random.Random(f"corrections/{config.seed}")
     names, weights = list(config.mixture), list(config.mixture.values())
     demos = []
     for task in config.tasks():
@@ -234,6 +283,13 @@ def demonstrations(config: StartPolicyConfig, pool: SandboxPool) -> list[list[di
         for _ in range(max(1, config.demos_per_task // config.hard_variants) if hard else config.demos_per_task):
             behaviour = rng.choices(names, weights)[0]
             correct = hard or rng.random() < config.correct_easy
+            if behaviour == "edit" and config.corrections and words.random() < config.corrections:
+                demos.append(correction_demonstration(task, pool, words))
+                continue
+            if behaviour == "edit" and config.told and words.random() < config.told:
+                demo = demonstration_messages(task, run_policy(task, scripted(task, "edit", True), pool))
+                demos.append([*demo[:2], {"role": "user", "content": should_say(task, CONFIG_PATH)}, *demo[2:]])
+                continue
             episode = run_policy(task, scripted(task, behaviour, correct), pool)
             demos.append(demonstration_messages(task, episode))
     return demos

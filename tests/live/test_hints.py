@@ -85,6 +85,40 @@ def _served(model, tokenizer, n: int) -> list[Completion]:
     return out
 
 
+def test_a_follow_up_hints_every_answer_of_the_turn_it_answered(tmp_path):
+    """The user speaks after a failing `finish`; the edit before it is the answer that failed."""
+    def answer(cid: str, session: str, at: float) -> Completion:
+        return Completion(id=cid, session_id=session, user_id="u", version=0, prompt_ids=[1], completion_ids=[2],
+                          logprobs=[-0.1], latency_ms=1.0, created_at=at)
+
+    # session s: edit, finish | "should say" | question | satisfied answer | edit, finish | "Still broken." | edit
+    # session t, interleaved in time: read, finish | "Just do it." (no text on its own event)
+    a = [answer(f"a{i}", "s", 10.0 + 2 * i) for i in range(6)]
+    b = [answer(f"b{i}", "t", 11.0 + 2 * i) for i in range(2)]
+
+    def followup(i: int, c: Completion, dissatisfied: bool, text: str | None) -> Event:
+        return Event(id=f"e{i}", type=EventType.FOLLOWUP, session_id=c.session_id, completion_id=c.id,
+                     time=c.created_at + 0.5, payload={"dissatisfied": dissatisfied, "text": text})
+
+    with LiveStore(tmp_path / "live.sqlite") as store:
+        for c in a + b:
+            store.add_completion(c)
+        store.add_events([followup(0, a[1], True, 'In app/config.py it should say: MODE = "fast"'),
+                          followup(1, a[2], False, "Fast, please."), followup(2, a[4], True, "Still broken."),
+                          followup(3, b[1], True, None), followup(4, b[1], True, "Just do it.")])
+        # at the answers the follow-ups are tied to (the default)
+        assert followup_hints(store, [*a, *b]) == {"a1": 'In app/config.py it should say: MODE = "fast"',
+                                                   "a4": "Still broken.", "b1": "Just do it."}
+        found = followup_hints(store, [*a, *b], at="turn")
+        assert found == {"a0": 'In app/config.py it should say: MODE = "fast"',
+                         "a1": 'In app/config.py it should say: MODE = "fast"',
+                         "a3": "Still broken.", "a4": "Still broken.", "b0": "Just do it.", "b1": "Just do it."}
+        # A batch holding only part of a session: its turns are read from what it holds
+        assert followup_hints(store, [a[3], a[4], a[5]], at="turn") == {"a3": "Still broken.", "a4": "Still broken."}
+        with pytest.raises(ValueError, match="at must be"):
+            followup_hints(store, a, at="session")
+
+
 def test_the_drop_rule_keeps_hints_that_lower_the_answer_and_the_term_pulls_the_student_to_the_teacher(
         tiny, tmp_path):
     model, tokenizer = tiny

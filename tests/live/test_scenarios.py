@@ -11,6 +11,7 @@ first-answer behaviour deterministically, so no model has to be trained.
 
 from __future__ import annotations
 
+import random
 import re
 import statistics
 import time
@@ -33,15 +34,20 @@ from flywheel.live.rewards import RewardDistiller
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.settings import LoopConfig
 from flywheel.live.store import LiveStore
-from flywheel.model.chat import IM_END, parse_assistant, render_assistant_body, tool_schemas
+from flywheel.model.chat import IM_END, parse_assistant, render_assistant_body, render_messages, tool_schemas
+from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.engine import Generation, SamplingParams
-from flywheel.model.tokenizer import load_tokenizer
+from flywheel.model.tokenizer import load_tokenizer, train_tokenizer
 from flywheel.sim.expert import CLARIFYING_QUESTION, Action, demonstration_messages, run_policy
+from flywheel.sim.feedback import should_say
 from flywheel.sim.scenario import (
+    CONFIG_PATH,
     MODES,
     ScenarioConfig,
     behaviour,
     broken_call,
+    correction_demonstration,
+    demonstrations,
     edit_calls,
     first_answers,
     scripted,
@@ -65,6 +71,42 @@ def test_tasks_grade_as_designed_and_hard_variants_share_one_prompt():
     easy = [t for t in tasks if t.metadata.difficulty == 1]
     assert all(re.search(rf"\b{'|'.join(MODES)}\b", t.instruction) for t in easy)
     assert not any(re.search(rf"\b{'|'.join(MODES)}\b", t.instruction) for t in hard)
+
+
+def test_a_correction_demonstration_is_a_session_the_users_would_have_and_ends_right():
+    """A wrong edit, "done", the user's specific words (the line the fix writes), the edit that makes it right."""
+    config = POLICY.model_copy(update={"corrections": 0.5, "told": 0.5})
+    with SandboxPool(PoolConfig(max_active=4, warm=1)) as pool:
+        for task in (config.tasks()[0], config.tasks()[-1]):  # an easy task and a hard task's variant
+            demo = correction_demonstration(task, pool, random.Random(0))
+            roles = [m["role"] for m in demo]
+            assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "user", "assistant", "tool",
+                             "assistant"]
+            (line,) = [ln for ln in task.reference_edits[0].new.splitlines() if "MODE" in ln]
+            assert demo[6]["content"].endswith(f"In {CONFIG_PATH} it should say: {line}")
+            assert "error" not in demo[3]["content"].lower() and "error" not in demo[8]["content"].lower()
+            calls = [c["function"] for m in demo if m["role"] == "assistant" for c in m["tool_calls"]]
+            assert [c["name"] for c in calls] == ["edit_file", "finish", "edit_file", "finish"]
+            assert calls[0]["arguments"]["new"] != line and calls[2]["arguments"] == {
+                "path": CONFIG_PATH, "old": calls[0]["arguments"]["new"], "new": task.reference_edits[0].new}
+            tokenizer = train_tokenizer([render_messages(demo, tool_schemas())] * 20, vocab_size=500)
+            tokens, mask = ConversationEncoder(tokenizer).conversation(demo)  # SFT reads it
+            assert sum(mask) > 0 and len(tokens) == len(mask)
+        # the share of edit demonstrations that are corrections; none in the scenarios' worlds (corrections 0)
+        # and of the rest, the share told what the file should say in a second message before any answer
+        shares = []
+        for policy in (config, POLICY):
+            demos = demonstrations(policy, pool)
+            told = [d for d in demos if d[2]["role"] == "user"]
+            for d in told:  # the words name the line the demonstrated (right) edit writes
+                new = d[3]["tool_calls"][0]["function"]["arguments"]["new"]
+                assert d[2]["content"] == f"In {CONFIG_PATH} it should say: {new.strip()}"
+                assert any(should_say(t, CONFIG_PATH) == d[2]["content"] for t in policy.tasks())
+            edits = [d for d in demos if [c["function"]["name"] for c in d[2].get("tool_calls", [])][:1]
+                     == ["edit_file"]]
+            shares.append((sum(any(m["role"] == "user" for m in d[2:]) for d in edits) / max(1, len(edits)),
+                           len(told) / max(1, len(told) + len(edits))))
+    assert 0.3 < shares[0][0] < 0.7 and 0.15 < shares[0][1] < 0.5 and shares[1] == (0.0, 0.0)
 
 
 def test_a_broken_call_is_invalid_on_the_server_and_a_wrong_edit_applies():
