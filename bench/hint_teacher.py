@@ -114,15 +114,17 @@ def main() -> int:
     parser.add_argument("--sft-steps", type=int, default=None, help="default: the scenario's [start] sft.steps")
     parser.add_argument("--corrections", type=float, default=0.0)
     parser.add_argument("--told", type=float, default=0.0)
+    parser.add_argument("--easy-tasks", type=int, default=None, help="default: the scenario's [start] easy_tasks")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
     base = load_config(ScenarioConfig, CONFIG, [])
-    result = {"corrections": args.corrections, "told": args.told, "seeds": {}}
+    result = {"corrections": args.corrections, "told": args.told, "easy_tasks": args.easy_tasks, "seeds": {}}
     for seed in range(args.seeds):
         sft = base.start.sft if args.sft_steps is None else base.start.sft.model_copy(update={"steps": args.sft_steps})
         config = base.start.model_copy(update={"seed": seed, "sft": sft, "corrections": args.corrections,
-                                               "told": args.told})
+                                               "told": args.told,
+                                               "easy_tasks": args.easy_tasks or base.start.easy_tasks})
         with SandboxPool(PoolConfig(max_active=4, warm=1)) as pool:
             model, tokenizer, metrics = start_policy(config, pool, log=lambda m: print(m, file=sys.stderr))
         model.train()  # the mode the cycle scores teachers in (hints.attach_teachers)
