@@ -53,12 +53,12 @@ CONFIG = Path("configs/scenario_hostile_hints.toml")
 def spans(tokenizer, ids: list[int], texts: dict[str, str]) -> dict[str, list[int]]:
     """Token positions of `ids` whose decoded characters fall inside the first occurrence of each text,
     searched left to right after the previous one (the edit's old, then its new value)."""
+    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
     offsets, at = [], 0
-    for t in ids:
-        piece = tokenizer.decode([t], skip_special_tokens=False)
+    for piece in pieces:
         offsets.append((at, at + len(piece)))
         at += len(piece)
-    decoded = "".join(tokenizer.decode([t], skip_special_tokens=False) for t in ids)
+    decoded = "".join(pieces)
     out, start = {}, 0
     for name, text in texts.items():
         begin = decoded.index(text, start)
@@ -142,16 +142,16 @@ def main() -> int:
     started = time.perf_counter()
     base = load_config(ScenarioConfig, CONFIG, [])
     result = {"corrections": args.corrections, "told": args.told, "easy_tasks": args.easy_tasks, "seeds": {}}
+    if args.pretrained is not None:  # one model, the same for every seed: imported once
+        model, tokenizer = pretrained(args.pretrained)
+        metrics = {"sft_loss_final": float("nan")}
+        result["pretrained"] = str(args.pretrained)
     for seed in range(args.seeds):
         sft = base.start.sft if args.sft_steps is None else base.start.sft.model_copy(update={"steps": args.sft_steps})
         config = base.start.model_copy(update={"seed": seed, "sft": sft, "corrections": args.corrections,
                                                "told": args.told,
                                                "easy_tasks": args.easy_tasks or base.start.easy_tasks})
-        if args.pretrained is not None:
-            model, tokenizer = pretrained(args.pretrained)
-            metrics = {"sft_loss_final": float("nan")}
-            result["pretrained"] = str(args.pretrained)
-        else:
+        if args.pretrained is None:
             with SandboxPool(PoolConfig(max_active=4, warm=1)) as pool:
                 model, tokenizer, metrics = start_policy(config, pool, log=lambda m: print(m, file=sys.stderr))
         model.train()  # the mode the cycle scores teachers in (hints.attach_teachers)

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
@@ -90,7 +91,8 @@ def syntax_tokens(tokenizer, tokens: Sequence[int]) -> set[int]:
     return {t for t in set(tokens) if t in markup or set(tokenizer.decode([t], skip_special_tokens=False)) <= SYNTAX}
 
 
-def followup_hints(store: LiveStore, completions: Sequence[Completion], at: str = "answer") -> dict[str, str]:
+def followup_hints(store: LiveStore, completions: Sequence[Completion],
+                   at: Literal["answer", "turn"] = "answer") -> dict[str, str]:
     """Completion id -> the words of the dissatisfied follow-up about it (the last such event with
     words, if one completion drew several); a satisfied one (the answer to a clarifying question) is
     no hint: nothing was wrong.

@@ -79,8 +79,9 @@ def expected_line(task: Task, path: str) -> str | None:
     knows the fix would quote), or None."""
     for edit in task.reference_edits:
         if edit.path == path:
+            before = set(edit.old.splitlines())
             for line in edit.new.splitlines():
-                if line.strip() and line not in edit.old.splitlines():
+                if line.strip() and line not in before:
                     return line.strip()
     return None
 

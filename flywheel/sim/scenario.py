@@ -221,6 +221,11 @@ def edit_calls(task: Task, correct: bool) -> tuple[ToolCall, ...]:
     return (ToolCall(id="call_e", name="edit_file", arguments={"path": edit.path, "old": edit.old, "new": new}),)
 
 
+def finish_call(call_id: str = "call_f") -> ToolCall:
+    """The demonstrations' "done": finish with a one-line summary."""
+    return ToolCall(id=call_id, name="finish", arguments={"summary": "Fixed it."})
+
+
 def scripted(task: Task, behaviour: str, correct: bool) -> Generator[Action, Any, None]:
     """One two-answer demonstration: the first answer shows `behaviour`; the second edits (after a
     question or a broken call) or finishes (after an edit). Short on purpose: SFT time is per token."""
@@ -232,7 +237,7 @@ def scripted(task: Task, behaviour: str, correct: bool) -> Generator[Action, Any
         yield Action("Let me try.", (broken_call(task),))
     yield Action("Making the change.", edit_calls(task, correct))
     if behaviour == "edit":
-        yield Action("Done.", (ToolCall(id="call_f", name="finish", arguments={"summary": "Fixed it."}),))
+        yield Action("Done.", (finish_call(),))
 
 
 def correction_demonstration(task: Task, pool: SandboxPool, words: random.Random) -> list[dict[str, Any]]:
@@ -256,15 +261,14 @@ def correction_demonstration(task: Task, pool: SandboxPool, words: random.Random
             (wrong,) = edit_calls(task, correct=False)
             trail = Trail()
             trail.saw([wrong], act("Making the change.", (wrong,)))
-            act("Done.", (ToolCall(id="call_f", name="finish", arguments={"summary": "Fixed it."}),))
+            act("Done.", (finish_call(),))
             messages.append({"role": "user", "content": words_for_failing_tests(task, trail, words)})
             (right,) = edit_calls(task, correct=True)
             fix = ToolCall(id="call_c", name="edit_file", arguments={**right.arguments, "old": wrong.arguments["new"]})
             act("Making the change.", (fix,))
     finally:
         pool.release(box)
-    messages.append({"role": "assistant", "content": "Done.", "tool_calls": [openai_tool_call(
-        ToolCall(id="call_g", name="finish", arguments={"summary": "Fixed it."}))]})
+    messages.append({"role": "assistant", "content": "Done.", "tool_calls": [openai_tool_call(finish_call("call_g"))]})
     return messages
 
 
