@@ -73,13 +73,16 @@ ecosystem-env: $(ECO_STAMP)
 lint: setup
 	$(VENV)/bin/ruff check flywheel tests bench
 
-# The 40 slowest tests are listed at the end: the suite's budget is 25 minutes on 2 cores.
+# The 40 slowest tests are listed at the end: the suite's budget is 25 minutes on 2 cores. Two
+# pytest-xdist workers, one torch thread each, a module to one worker whole (tests/conftest.py):
+# one worker's test waiting on a process, a server or a timeout leaves its core to the other's.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest --durations=40
+	$(PY) -m pytest -n $(TEST_WORKERS) --durations=40
 
 # A few minutes on 2 cores: every test but those marked slow (each marked one says what it costs).
 check: lint
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow"
 
 demo: setup-core
 	$(VENV)/bin/flywheel demo --config configs/demo.toml
