@@ -25,8 +25,8 @@ Prints one JSON object on stdout; progress goes to stderr; the learning curve is
    (flywheel/agent/evaluate.py `paired_lift`); the mean greedy change over seeds with its t interval.
 
 The goal the bench is held to (issue 48): at least half the gap closed on average over 4 seeds of
-30 CPU-minutes each. A 30-CPU-minute seed takes about 15 minutes of wall time on an idle 2-core
-machine, plus its evals.
+30 CPU-minutes each. A 30-CPU-minute seed takes about 20 minutes of wall time on an idle 2-core
+machine (its processes use about 1.5 cores), plus about 4 minutes of evals (docs/learning.md).
 """
 
 from __future__ import annotations
