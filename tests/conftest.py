@@ -18,7 +18,7 @@ the other core to what a test starts beside it.
 `make test` runs the suite on two pytest-xdist workers. Each worker's tests start on one torch
 thread (`worker_threads`; the processes they start inherit OMP_NUM_THREADS=1 and a passive OpenMP
 wait unless they set their own), so the two workers share the 2 cores instead of oversubscribing
-them. Each test file goes to one worker whole (`pytest_xdist_make_scheduler`), so a module's
+them. Each test file goes to one worker whole (`pytest_xdist_make_scheduler`, `file_group`), so a module's
 fixtures are built once; the Ray files go to one worker together (each test starts and kills nodes
 of its own cluster), as does tests/tinker/ (one server); and the longest files go first (`FIRST`).
 """
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # before torch is imported: its thread pool reads them once
+XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))  # this process is one of `make test`'s workers
+if XDIST_WORKER:  # before torch is imported: its thread pool reads them once
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # A process that asks for two threads (a config's `threads`) beside the other worker's: its idle
     # thread sleeps instead of spinning on a core the other process needs.
@@ -81,7 +81,6 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-TESTS = Path(__file__).resolve().parent
 # Test files that must not run beside each other, one worker running the set in turn: each Ray test
 # starts a cluster and kills nodes of it.
 SHARED_GROUPS = {"rl/test_ray.py": "ray", "rl/test_ray_fleet.py": "ray", "rl/test_ray_join.py": "ray"}
@@ -91,36 +90,38 @@ FIRST = ["ray", "rl/test_bootstrap.py", "rl/test_distributed.py", "live/test_cyc
          "rl/test_learning_bench.py", "model/test_vllm_engine.py", "test_own_model.py"]
 
 
-def xdist_group(test_file: str) -> str:
-    """The group of a test file (a path under tests/): the file, but for the shared groups and
-    tests/tinker/ (one server for the folder)."""
+def file_group(nodeid: str) -> str:
+    """The worker group of a test (its node id, `tests/<file>::<name>`): its file, but for the shared
+    groups and tests/tinker/ (one server for the folder)."""
+    test_file = nodeid.split("::")[0].removeprefix("tests/")
     if test_file.startswith("tinker/"):
         return "tinker"
     return SHARED_GROUPS.get(test_file, test_file)
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: without xdist the suite runs in one process
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """pytest-xdist's scope scheduling with `xdist_group`'s scopes, in collection order."""
+    """pytest-xdist's scope scheduling with `file_group`'s scopes, in collection order."""
     from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415  (only where xdist runs the suite)
 
     class FileGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return xdist_group(nodeid.split("::")[0].removeprefix("tests/"))
+            return file_group(nodeid)
 
     config.option.loadscopereorder = False  # FIRST's order, not the groups' test counts
     return FileGroups(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order
+    if XDIST_WORKER:  # every worker collects the same order
         rank = {group: i for i, group in enumerate(FIRST)}
-        items.sort(key=lambda item: rank.get(xdist_group(item.path.relative_to(TESTS).as_posix()), len(FIRST)))
+        items.sort(key=lambda item: rank.get(file_group(item.nodeid), len(FIRST)))
 
 
 @pytest.fixture(autouse=True)
 def worker_threads() -> Iterator[None]:
     """Under xdist, each test starts on one torch thread, whatever the test before it set (a config's
     `threads` sets the process's)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if XDIST_WORKER:
         torch.set_num_threads(1)
     yield
