@@ -23,6 +23,12 @@ Prints one JSON object on stdout; progress goes to stderr; the learning curve is
 3. Per seed and on average: `gap_closed` = (pass@1 at the end - pass@1 at the start) / (pass@k at
    the start - pass@1 at the start), and the held-out greedy change with its paired 95% interval
    (flywheel/agent/evaluate.py `paired_lift`); the mean greedy change over seeds with its t interval.
+4. With `--practised N`: the start and the end greedy, paired, on up to N tasks a family of the
+   run's own training set that it trained on (a group of theirs reached the Learner:
+   `practised_lift`), and on up to N a family that it never drew (`undrawn_lift`; none once a long
+   run has drawn the whole set). Whether the run learnt the tasks it practised, and how much of that
+   carries over to tasks it did not see: an optimizer that does not improve the policy is told from
+   a policy whose gains stay with the prompts they were earned on (docs/learning.md).
 
 The goal the bench is held to (issue 48): at least half the gap closed on average over 4 seeds of
 30 CPU-minutes each. A 30-CPU-minute seed takes about 20 minutes of wall time on an idle 2-core
@@ -44,14 +50,15 @@ from typing import Any
 
 import torch
 
-from flywheel.agent.evaluate import evaluate
+from flywheel.agent.evaluate import evaluate, paired_lift
 from flywheel.config import load_config
 from flywheel.demo import DemoConfig
 from flywheel.env.pool import SandboxPool
+from flywheel.env.task import Task
 from flywheel.model.engine import LocalEngine
 from flywheel.model.registry import Registry
 from flywheel.report.svg import PALETTE, RefLine, Series, line_chart
-from flywheel.rl.train import TrainConfig, eval_tasks, train
+from flywheel.rl.train import TrainConfig, eval_tasks, train, train_tasks
 from flywheel.stats import mean_interval
 from flywheel.store.files import write_atomic
 
@@ -61,15 +68,16 @@ def log(message: str) -> None:
 
 
 def held_out(config: TrainConfig, registry_root: Path, version: int, samples: int,
-             weights: Path | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Greedy on the held-out tasks (the demo's eval), and with `samples` > 1 also `samples`
-    episodes a task at the training temperature (None otherwise). `weights`: a saved policy
-    (`TrainConfig.save_policy_every`) loaded over the registry version's model."""
+             weights: Path | None = None,
+             tasks: list[Task] | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Greedy on the held-out tasks (the demo's eval; or `tasks`), and with `samples` > 1 also
+    `samples` episodes a task at the training temperature (None otherwise). `weights`: a saved
+    policy (`TrainConfig.save_policy_every`) loaded over the registry version's model."""
     with Registry(registry_root) as registry:
         model, tokenizer = registry.load(version)
     if weights is not None:
         model.load_state_dict(torch.load(weights, weights_only=True))
-    tasks = eval_tasks(config)
+    tasks = tasks if tasks is not None else eval_tasks(config)
     episode = config.orchestrator.episode
     with LocalEngine(model, config.engine) as engine, SandboxPool(config.pool) as pool:
         greedy, _ = evaluate(tasks, engine, tokenizer, pool, episode.model_copy(
@@ -78,6 +86,26 @@ def held_out(config: TrainConfig, registry_root: Path, version: int, samples: in
         if samples > 1:
             sampled, _ = evaluate(tasks, engine, tokenizer, pool, episode, progress=False, samples=samples)
     return greedy, sampled
+
+
+def practised_tasks(config: TrainConfig, steps: list[dict[str, Any]],
+                    per_family: int) -> tuple[list[Task], list[Task]]:
+    """Up to `per_family` tasks a family of the run's training set (`train_tasks`) that it trained on,
+    by the draws its steps recorded (metrics.jsonl `draw`: a group not filtered reached the Learner),
+    and up to `per_family` a family that no group drew."""
+    drawn, trained = set(), set()
+    for step in steps:
+        for group in step.get("draw", []):
+            drawn.update(group["tasks"])
+            if group["filtered"] is None:
+                trained.update(group["tasks"])
+    trained_on: list[Task] = []
+    undrawn: list[Task] = []
+    for task in train_tasks(config):
+        kind = trained_on if task.id in trained else undrawn if task.id not in drawn else None
+        if kind is not None and sum(t.family == task.family for t in kind) < per_family:
+            kind.append(task)
+    return trained_on, undrawn
 
 
 def start_evals(config: TrainConfig, registry_root: Path, version: int, samples: int,
@@ -111,8 +139,9 @@ def seeded(config: TrainConfig, seed: int, registry_root: Path, run_dir: Path, c
 
 
 def run_seed(config: TrainConfig, seed: int, start_registry: Path, start_version: int, start: dict[str, Any],
-             out: Path, cpu_s: float, snapshot_every: int, samples: int) -> dict[str, Any]:
-    """One seed's run (in a copy of the start's registry), then its saved policies' evals."""
+             out: Path, cpu_s: float, snapshot_every: int, samples: int, practised: int = 0) -> dict[str, Any]:
+    """One seed's run (in a copy of the start's registry), then its saved policies' evals; with
+    `practised` > 0 also the start and the end on tasks of its training set (`practised_tasks`)."""
     folder = out / f"seed-{seed}"
     shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(start_registry, folder / "registry")
@@ -138,12 +167,27 @@ def run_seed(config: TrainConfig, seed: int, start_registry: Path, start_version
         curve.append({"step": summary["steps"], "cpu_minutes": steps[-1]["cpu_s"] / 60 if steps else 0.0,
                       "greedy": summary["pass_rate_end"]})
         end_greedy = summary["lift"]
+    practised_lift = undrawn_lift = None
+    if practised and checkpoint is not None:
+        trained_on, undrawn = practised_tasks(run_config, steps, practised)
+        log(f"seed {seed}: the start and the end greedy on {len(trained_on)} tasks it trained on and "
+            f"{len(undrawn)} of its set it never drew")
+        lifts = []
+        for tasks in (trained_on, undrawn):
+            if not tasks:
+                lifts.append(None)
+                continue
+            before, _ = held_out(run_config, folder / "registry", start_version, 1, tasks=tasks)
+            after, _ = held_out(run_config, folder / "registry", checkpoint.version, 1, tasks=tasks)
+            lifts.append(paired_lift(before, after))
+        practised_lift, undrawn_lift = lifts
     return {"seed": seed, "steps": summary["steps"], "wall_s": round(wall, 1),
             "cpu_minutes": round(steps[-1]["cpu_s"] / 60, 2) if steps else 0.0,
             "episodes_trained": sum(s["episodes_trained"] for s in steps),
             "frontier_share": _mean([s["frontier_share"] for s in steps]),
             "greedy_lift": end_greedy, "pass_at_1_end": end_sampled["pass_rate"] if end_sampled else None,
-            "pass_at_k_end": end_sampled.get("pass_at_k") if end_sampled else None, "curve": curve}
+            "pass_at_k_end": end_sampled.get("pass_at_k") if end_sampled else None,
+            "practised_lift": practised_lift, "undrawn_lift": undrawn_lift, "curve": curve}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -191,6 +235,9 @@ def main() -> None:
     parser.add_argument("--snapshot-every", type=int, default=10, help="learner steps between saved policies")
     parser.add_argument("--tasks-per-family", type=int, default=None,
                         help="held-out tasks a family (default: the demo's curve, train.curve_tasks_per_family)")
+    parser.add_argument("--practised", type=int, default=0,
+                        help="also the greedy change on up to this many tasks a family of the run's training set "
+                             "that it trained on, and as many that it never drew")
     parser.add_argument("--out", type=Path, default=Path("runs/learning"))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -220,7 +267,7 @@ def main() -> None:
             continue
         log(f"seed {seed}: {args.cpu_minutes:g} CPU-minutes of simulated RL")
         result = run_seed(config, seed, args.registry, args.checkpoint, greedy, args.out, args.cpu_minutes * 60,
-                          args.snapshot_every, args.samples)
+                          args.snapshot_every, args.samples, args.practised)
         result["gap_closed"] = gap_closed(start["pass_at_1"], start["pass_at_k"], result["pass_at_1_end"])
         write_atomic(args.out / f"seed-{seed}.json", json.dumps(result, indent=2))  # kept if a later seed is cut off
         seeds.append(result)

@@ -40,13 +40,22 @@ def test_the_learning_bench_runs_each_seed_to_its_cpu_budget_and_draws_the_curve
         assert run.returncode == 0, run.stderr[-3000:]
         return run
 
-    first = json.loads(bench("--seeds", "1").stdout)["seeds"][0]
+    # seed 0 also plays its start and its end greedily on the tasks of its set it trained on and on
+    # those it never drew (of its two), each paired
+    first = json.loads(bench("--seeds", "1", "--practised", "2").stdout)["seeds"][0]
+    metrics = [json.loads(line) for line in
+               (tmp_path / "out" / "seed-0" / "run" / "metrics.jsonl").read_text().splitlines()]
+    drawn = {task for m in metrics for group in m["draw"] for task in group["tasks"]}
+    assert drawn and [first["practised_lift"]["tasks"], (first["undrawn_lift"] or {"tasks": 0})["tasks"]] == [
+        len(drawn), 2 - len(drawn)]
+    practised = first["practised_lift"]
+    assert practised["diff"] == pytest.approx(practised["after"] - practised["before"])
     # a second bench on the same out: the start's evals and seed 0 are read, only seed 1 runs
     run = bench("--seeds", "2", "--reuse-seeds")
     assert "the start's evals from" in run.stderr and "seed 0: from" in run.stderr
     assert "seed 1: 0.1 CPU-minutes" in run.stderr and "seed 0: 0.1 CPU-minutes" not in run.stderr
     result = json.loads(run.stdout)
-    assert result["seeds"][0] == first
+    assert result["seeds"][0] == first and result["seeds"][1]["practised_lift"] is None
     # a third sums up the saved seeds only: seed 2 has none and is left out, not run
     summed = bench("--seeds", "3", "--reuse-seeds", "--saved-only")
     assert "seed 2: no saved figures, left out" in summed.stderr
