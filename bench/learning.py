@@ -108,6 +108,15 @@ def practised_tasks(config: TrainConfig, steps: list[dict[str, Any]],
     return trained_on, undrawn
 
 
+def greedy_change(config: TrainConfig, registry_root: Path, before: int, after: int,
+                  tasks: list[Task]) -> dict[str, Any] | None:
+    """Version `after` against version `before`, greedy on `tasks`, paired (None without tasks)."""
+    if not tasks:
+        return None
+    return paired_lift(held_out(config, registry_root, before, 1, tasks=tasks)[0],
+                       held_out(config, registry_root, after, 1, tasks=tasks)[0])
+
+
 def start_evals(config: TrainConfig, registry_root: Path, version: int, samples: int,
                 out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The start's greedy and sampled held-out evals, kept in `out`/start.json and read from there
@@ -172,15 +181,8 @@ def run_seed(config: TrainConfig, seed: int, start_registry: Path, start_version
         trained_on, undrawn = practised_tasks(run_config, steps, practised)
         log(f"seed {seed}: the start and the end greedy on {len(trained_on)} tasks it trained on and "
             f"{len(undrawn)} of its set it never drew")
-        lifts = []
-        for tasks in (trained_on, undrawn):
-            if not tasks:
-                lifts.append(None)
-                continue
-            before, _ = held_out(run_config, folder / "registry", start_version, 1, tasks=tasks)
-            after, _ = held_out(run_config, folder / "registry", checkpoint.version, 1, tasks=tasks)
-            lifts.append(paired_lift(before, after))
-        practised_lift, undrawn_lift = lifts
+        practised_lift, undrawn_lift = (greedy_change(run_config, folder / "registry", start_version,
+                                                      checkpoint.version, tasks) for tasks in (trained_on, undrawn))
     return {"seed": seed, "steps": summary["steps"], "wall_s": round(wall, 1),
             "cpu_minutes": round(steps[-1]["cpu_s"] / 60, 2) if steps else 0.0,
             "episodes_trained": sum(s["episodes_trained"] for s in steps),
