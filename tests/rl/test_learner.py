@@ -254,8 +254,11 @@ def test_a_shared_prefix_gives_the_step_of_every_row_computed_alone(tokenizer):
     (shared, shared_weights), (alone, alone_weights) = results[True], results[False]
     for key in ("loss", "grad_norm", "entropy", "is_weight_mean", "loss_tokens", "engine_logprob_mismatch_max"):
         assert shared[key] == pytest.approx(alone[key], rel=1e-5, abs=1e-6), key
-    for name, weight in alone_weights.items():  # Adam's step is lr-sized (1e-2) even where a gradient is ~0,
-        torch.testing.assert_close(shared_weights[name], weight, rtol=1e-5, atol=1e-5)  # where rounding shows
+    # Adam's step is lr-sized (1e-2) even where a gradient is ~0, where the two summation orders'
+    # rounding shows (up to 1.3e-5 seen); a prefix computed wrong shows in the loss and the gradient
+    # norm above, compared to 1e-5
+    for name, weight in alone_weights.items():
+        torch.testing.assert_close(shared_weights[name], weight, rtol=1e-5, atol=5e-5)
     # the on-policy episode's behaviour logprobs are the model's own less 0.2: recomputed through the
     # shared prefix to within 1e-5 of that
     assert shared["engine_logprob_mismatch_max"] == pytest.approx(0.2, abs=1e-5)
