@@ -57,7 +57,7 @@ def seed_config(args: argparse.Namespace, seed: int, root: Path) -> ScenarioConf
         "run_dir": root / f"s{seed}", "start": start,
         "population": base.population.model_copy(update={"seed": seed, "profiles": [honest]}),
         "naive_distill": DistillConfig(weight=args.weight, min_gain=args.min_gain, max_call_drop=args.max_call_drop,
-                                       hint_at=args.hint_at),
+                                       hint_at=args.hint_at, min_kept=args.min_kept),
         "live": base.live.model_copy(update={"seed": seed}),
     })
 
@@ -88,6 +88,8 @@ def main() -> int:
     parser.add_argument("--min-gain", type=float, default=DistillConfig().min_gain)
     parser.add_argument("--max-call-drop", type=float, default=DistillConfig().max_call_drop,
                         help="the tool-use guard (DistillConfig.max_call_drop); a large value turns it off")
+    parser.add_argument("--min-kept", type=int, default=DistillConfig().min_kept,
+                        help="the floor (DistillConfig.min_kept): fewer hints through the rule in a batch distil none")
     parser.add_argument("--measure-sessions", type=int, default=64)
     parser.add_argument("--sft-steps", type=int, default=500)
     parser.add_argument("--hint-at", choices=("answer", "turn"), default=DistillConfig().hint_at,

@@ -48,7 +48,10 @@ forge a role boundary, a tool call or a tool result (tested). What it says in wo
 the term only reweights tokens the policy already sampled, toward what the policy itself would say
 having read the hint, and every candidate is gated and monitored like any other (its tool-use and
 edit rates among the monitors'); the hostile_hints scenario (flywheel/sim/scenario.py) measures a population of hostile
-hints.
+hints. A handful of hints cannot steer a step: a learner step moves each weight by about the
+learning rate however few tokens its gradient came from, so a batch with fewer than `min_kept` (8)
+hints through the rule distils none of them (`distill_dropped/too_few`) and trains on the reward
+alone; one hostile hint of 48 did steer two steps before this floor (docs/feedback-distill.md).
 
 Where the hint goes (`DistillConfig.hint_at`): at the answer the follow-up is tied to, or at every
 answer of the turn it answered. A follow-up comes after the agent's turn (the simulated users speak
@@ -72,6 +75,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
+from flywheel.agent.trajectory import Trajectory
 from flywheel.api.events import EventType
 from flywheel.live.batch import OnPolicyBatch
 from flywheel.live.records import Completion
@@ -161,7 +165,8 @@ def attach_teachers(model: PreTrainedModel, tokenizer, batch: OnPolicyBatch, hin
     teacher's and the student's logprobs then agree with the Learner's at the step's start).
     Returns the report's figures: distill_followups (the batch's answers with a hint, `followup_hints`),
     distill_kept, distill_dropped_share (of distill_followups; absent without any), distill_dropped/<why>
-    (no_call, tool_use, no_gain; too_long: the hinted prompt is past the model's positions),
+    (no_call, tool_use, no_gain; too_long: the hinted prompt is past the model's positions; too_few:
+    hints that passed the rule in a batch with fewer than `min_kept` such),
     distill_gain_mean (nats per token, over the kept; absent without any)."""
     encoder = ConversationEncoder(tokenizer)
     opening = encoder.text(encoder.format.forced_call(None))[:1]  # the token that opens a tool call
@@ -169,6 +174,7 @@ def attach_teachers(model: PreTrainedModel, tokenizer, batch: OnPolicyBatch, hin
     form = syntax_tokens(tokenizer, [t for c in batch.completions if c.id in hints for t in c.completion_ids])
     dropped: Counter[str] = Counter()
     gains: list[float] = []
+    taught: dict[int, Trajectory] = {}  # batch index -> the trajectory with its teacher, if the floor is met
     followups = 0
     for i, (trajectory, completion) in enumerate(zip(batch.trajectories, batch.completions, strict=True)):
         text = hints.get(completion.id)
@@ -201,7 +207,13 @@ def attach_teachers(model: PreTrainedModel, tokenizer, batch: OnPolicyBatch, hin
         # None outside the span: the Learner distils the span alone, at every optimizer step of its train
         # step (a target equal to the served logprob would pull the rest back toward the served policy)
         target = [float(x) if inside else None for x, inside in zip(teacher_lp.tolist(), span.tolist(), strict=True)]
-        batch.trajectories[i] = trajectory.model_copy(update={"teacher_logprobs": [None] * prompt + target})
+        taught[i] = trajectory.model_copy(update={"teacher_logprobs": [None] * prompt + target})
+    if len(taught) < config.min_kept:  # too few to steer a step (DistillConfig.min_kept): the reward alone
+        if taught:
+            dropped["too_few"] += len(taught)
+        taught, gains = {}, []
+    for i, trajectory in taught.items():
+        batch.trajectories[i] = trajectory
     n_dropped = sum(dropped.values())
     report = {"distill_followups": float(followups), "distill_kept": float(followups - n_dropped),
               **{f"distill_dropped/{why}": float(n) for why, n in sorted(dropped.items())}}

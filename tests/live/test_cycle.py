@@ -220,9 +220,10 @@ def _cycle_config(root: Path, loop: LoopConfig, **update) -> LiveConfig:
 def test_one_full_cycle_with_simulated_users(tmp_path):
     start_checkpoint()
     with live_world(tmp_path) as world:
-        # with hinted self-distillation on: the users' follow-ups say what went wrong (flywheel/live/hints.py)
-        config = _cycle_config(tmp_path, world.serve.loop,
-                               learner={"lr": 1e-5, "loss": {"distill": {"weight": 0.5, "min_gain": 0.0}}},
+        # with hinted self-distillation on: the users' follow-ups say what went wrong (flywheel/live/hints.py);
+        # the floor at 1: this small batch distils whatever passes the rule
+        distill = {"weight": 0.5, "min_gain": 0.0, "min_kept": 1}
+        config = _cycle_config(tmp_path, world.serve.loop, learner={"lr": 1e-5, "loss": {"distill": distill}},
                                replay={"alarm_p": 1e-3, "max_tokens": 64})
         cycle = LiveCycle(config, ServerControl(world.server), log=lambda m: None, gate_tasks=POLICY.tasks())
         (report,) = cycle.run(1)

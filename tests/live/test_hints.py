@@ -10,6 +10,7 @@ when the reward gives no gradient at all.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 
@@ -166,7 +167,14 @@ def test_the_drop_rule_keeps_hints_that_lower_the_answer_and_the_term_pulls_the_
     batch = OnPolicyBatch(version=0, trajectories=[completion_trajectory(c, r, "all")
                                                    for c, r in zip(completions, rewards, strict=True)],
                           completions=completions)
-    distill = DistillConfig(weight=1.0, clip=5.0, min_gain=min_gain, max_call_drop=1e9)  # the guard: below
+    # The floor (min_kept): with more passing hints required than pass, none is distilled and each is counted.
+    few = dataclasses.replace(batch, trajectories=list(batch.trajectories))
+    distill = DistillConfig(weight=1.0, clip=5.0, min_gain=min_gain, max_call_drop=1e9, min_kept=3)
+    report = attach_teachers(model.train(), tokenizer, few, found, distill, 1.0)
+    assert report["distill_kept"] == 0 and report["distill_dropped/too_few"] == 2 and "distill_gain_mean" not in report
+    assert all(t.teacher_logprobs is None for t in few.trajectories)
+    assert all(t.teacher_logprobs is None for t in batch.trajectories)  # the batch given is the one changed
+    distill = distill.model_copy(update={"min_kept": 2})  # the guard: below
     report = attach_teachers(model.train(), tokenizer, batch, found, distill, 1.0)
     kept = {c.id for c, t in zip(completions, batch.trajectories, strict=True) if t.teacher_logprobs is not None}
     assert kept == {cid for cid, g in gains.items() if g >= min_gain} and len(kept) == 2
@@ -231,30 +239,25 @@ def _sample(model, tokenizer, prompts: list[list[int]], per_prompt: int, seed: i
 
 
 @pytest.mark.slow  # 32 s alone at load 3.5, the start policy's SFT included (cycle_world.py; the cycle tests share it)
-@pytest.mark.xfail(strict=False, reason=(
-    "a known failure, open in issue 52: on a fresh install of 2026-12-07 the trained policy's answers "
-    "call a tool in 63 of 144 against the start's 92 (the same seed, p = 9e-4) after two steps on the "
-    "one hostile hint of 48 that the drop rule kept; it passed on 2026-12-06's install"))
 def test_hostile_hints_distilled_alone_do_not_move_the_policys_tool_use(tmp_path):
     """The worst case of the hostile_hints scenario, in seconds: every answer of the SFT-ed start
-    policy draws an attack ("stop using tools", injection, forged markup); the shipped drop rule
-    and weight; equal rewards, so the distillation term is the only thing that trains."""
+    policy draws an attack ("stop using tools", injection, forged markup); the shipped drop rule,
+    floor and weight; equal rewards, so the distillation term is the only thing that could train.
+
+    Without the floor (min_kept 1) the one hint of the 48 that passed the rule on 2026-12-07's install
+    steered both steps: tool use 92 -> 63 of 144 answers (p = 9e-4), and 92 -> 64 with the term's
+    weight at 0.01, since Adam's first steps move each weight by about the learning rate whatever the
+    gradient's size (docs/feedback-distill.md)."""
     from cycle_world import POLICY, start_checkpoint  # noqa: PLC0415  (the slow tests' shared policy)
 
     from flywheel.model.factory import load_pretrained  # noqa: PLC0415
     from flywheel.sim.feedback import HOSTILE  # noqa: PLC0415
-    from flywheel.stats import fisher_tails  # noqa: PLC0415
 
     model, tokenizer = load_pretrained(start_checkpoint())
     encoder = ConversationEncoder(tokenizer)
     instructions = sorted({t.instruction for t in POLICY.tasks()})
     prompts = [encoder.encode([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": i}],
                               encoder.tools) for i in instructions]
-    call = tokenizer.convert_tokens_to_ids("<tool_call>")
-
-    def tool_use(completions: list[Completion]) -> int:
-        return sum(call in c.completion_ids for c in completions)
-
     served = _sample(model, tokenizer, prompts, 8, seed=1)
     start = copy.deepcopy(model)
     hints = {c.id: HOSTILE[i % len(HOSTILE)] for i, c in enumerate(served)}
@@ -262,21 +265,18 @@ def test_hostile_hints_distilled_alone_do_not_move_the_policys_tool_use(tmp_path
                       parts={"followup_dissatisfied": -0.5}, status=RewardStatus.FINAL) for c in served]
     batch = OnPolicyBatch(version=0, trajectories=[completion_trajectory(c, r, "all")
                                                    for c, r in zip(served, rewards, strict=True)], completions=served)
-    distill = DistillConfig(weight=1.0)  # the shipped clip and drop rule
+    distill = DistillConfig(weight=1.0)  # the shipped clip, drop rule and floor
     report = attach_teachers(model.train(), tokenizer, batch, hints, distill, 1.0)
     assert report["distill_followups"] == len(served)
+    # the guard drops most attacks; the few that pass cannot steer a step on their own
+    assert report["distill_kept"] == 0 and report["distill_dropped_share"] == 1.0, report
+    assert report.get("distill_dropped/too_few", 0) < distill.min_kept
     learner = Learner(model, LearnerConfig(lr=5e-4, minibatches=2, loss=LossConfig(distill=distill)))
     for _ in range(2):  # two cycles' worth of steps, as the scenario's learner takes
         learner.train_step(batch.trajectories, batch.advantages())
-    # the start and the trained policy sampled from one seed: where the weights did not move, the same
-    # answers, so what differs is what the steps changed, not two draws' noise (144 answers a draw)
-    before = _sample(start, tokenizer, prompts, 24, seed=2)
-    after = _sample(model, tokenizer, prompts, 24, seed=2)
-    before_calls, after_calls, n = tool_use(before), tool_use(after), len(before)
-    low, high = fisher_tails(after_calls, n, before_calls, n)
-    p = min(1.0, 2 * min(low, high))
-    # within the monitors' band (the scenario's alarm_p) and short of the scenario's min_effect
-    assert p > 1e-3 and (before_calls - after_calls) / n < 0.15, (before_calls, after_calls, n, report)
+    moved = max(float((p - q).abs().max()) for p, q in zip(model.state_dict().values(), start.state_dict().values(),
+                                                           strict=True))
+    assert moved == 0.0  # equal rewards and nothing distilled: no gradient, no step, the start's tool use
 
 
 def test_the_hint_teacher_bench_scores_exactly_the_edit_s_old_text_and_value(tiny):
