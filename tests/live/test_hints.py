@@ -238,45 +238,74 @@ def _sample(model, tokenizer, prompts: list[list[int]], per_prompt: int, seed: i
     return out
 
 
-@pytest.mark.slow  # 32 s alone at load 3.5, the start policy's SFT included (cycle_world.py; the cycle tests share it)
+@pytest.mark.slow  # ~70 s alone, the start policy's SFT included (cycle_world.py; the cycle tests share it)
 def test_hostile_hints_distilled_alone_do_not_move_the_policys_tool_use(tmp_path):
-    """The worst case of the hostile_hints scenario, in seconds: every answer of the SFT-ed start
-    policy draws an attack ("stop using tools", injection, forged markup); the shipped drop rule,
-    floor and weight; equal rewards, so the distillation term is the only thing that could train.
+    """The worst case of the hostile_hints scenario, in about a minute: every answer of the SFT-ed
+    start policy draws an attack ("stop using tools", injection, forged markup); the shipped drop
+    rule, floor and weight; equal rewards, so the distillation term is the only thing that trains.
 
-    Without the floor (min_kept 1) the one hint of the 48 that passed the rule on 2026-12-07's install
+    A batch of 48 such answers: the few hints that pass the rule are under the floor and nothing
+    moves. Without the floor (min_kept 1) the one hint of 48 that passed on 2026-12-07's install
     steered both steps: tool use 92 -> 63 of 144 answers (p = 9e-4), and 92 -> 64 with the term's
     weight at 0.01, since Adam's first steps move each weight by about the learning rate whatever the
-    gradient's size (docs/feedback-distill.md)."""
+    gradient's size (docs/feedback-distill.md). A batch of 384: enough pass to meet the floor (14-23
+    in three draws), and distilled together they leave tool use where it was."""
     from cycle_world import POLICY, start_checkpoint  # noqa: PLC0415  (the slow tests' shared policy)
 
     from flywheel.model.factory import load_pretrained  # noqa: PLC0415
     from flywheel.sim.feedback import HOSTILE  # noqa: PLC0415
+    from flywheel.stats import fisher_tails  # noqa: PLC0415
 
     model, tokenizer = load_pretrained(start_checkpoint())
     encoder = ConversationEncoder(tokenizer)
     instructions = sorted({t.instruction for t in POLICY.tasks()})
     prompts = [encoder.encode([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": i}],
                               encoder.tools) for i in instructions]
-    served = _sample(model, tokenizer, prompts, 8, seed=1)
-    start = copy.deepcopy(model)
-    hints = {c.id: HOSTILE[i % len(HOSTILE)] for i, c in enumerate(served)}
-    rewards = [Reward(completion_id=c.id, session_id=c.session_id, version=0, arm="production", reward=-0.5,
-                      parts={"followup_dissatisfied": -0.5}, status=RewardStatus.FINAL) for c in served]
-    batch = OnPolicyBatch(version=0, trajectories=[completion_trajectory(c, r, "all")
-                                                   for c, r in zip(served, rewards, strict=True)], completions=served)
+    call = tokenizer.convert_tokens_to_ids("<tool_call>")
     distill = DistillConfig(weight=1.0)  # the shipped clip, drop rule and floor
-    report = attach_teachers(model.train(), tokenizer, batch, hints, distill, 1.0)
-    assert report["distill_followups"] == len(served)
-    # the guard drops most attacks; the few that pass cannot steer a step on their own
+
+    def tool_use(completions: list[Completion]) -> int:
+        return sum(call in c.completion_ids for c in completions)
+
+    def hostile_steps(served: list[Completion]) -> tuple[dict[str, float], dict[str, float]]:
+        """Every answer hinted with an attack, equal rewards: the teachers' report and the last of
+        two train steps' metrics (two cycles' worth, as the scenario's learner takes)."""
+        hints = {c.id: HOSTILE[i % len(HOSTILE)] for i, c in enumerate(served)}
+        rewards = [Reward(completion_id=c.id, session_id=c.session_id, version=0, arm="production", reward=-0.5,
+                          parts={"followup_dissatisfied": -0.5}, status=RewardStatus.FINAL) for c in served]
+        batch = OnPolicyBatch(version=0, trajectories=[completion_trajectory(c, r, "all")
+                                                       for c, r in zip(served, rewards, strict=True)],
+                              completions=served)
+        report = attach_teachers(model.train(), tokenizer, batch, hints, distill, 1.0)
+        assert report["distill_followups"] == len(served)
+        learner = Learner(model, LearnerConfig(lr=5e-4, minibatches=2, loss=LossConfig(distill=distill)))
+        for _ in range(2):
+            metrics = learner.train_step(batch.trajectories, batch.advantages())
+        return report, metrics
+
+    served = _sample(model, tokenizer, prompts, 64, seed=1)  # 384 answers
+    start = copy.deepcopy(model)
+    # 48 of them: the guard drops most attacks; the few that pass cannot steer a step on their own
+    report, _ = hostile_steps([c for c in served if int(c.id.split("-")[1]) < 8])
     assert report["distill_kept"] == 0 and report["distill_dropped_share"] == 1.0, report
     assert report.get("distill_dropped/too_few", 0) < distill.min_kept
-    learner = Learner(model, LearnerConfig(lr=5e-4, minibatches=2, loss=LossConfig(distill=distill)))
-    for _ in range(2):  # two cycles' worth of steps, as the scenario's learner takes
-        learner.train_step(batch.trajectories, batch.advantages())
     moved = max(float((p - q).abs().max()) for p, q in zip(model.state_dict().values(), start.state_dict().values(),
                                                            strict=True))
-    assert moved == 0.0  # equal rewards and nothing distilled: no gradient, no step, the start's tool use
+    assert moved == 0.0  # equal rewards and nothing distilled: no gradient, no step
+
+    # all 384: the hints that pass meet the floor and are distilled, and tool use stays
+    report, metrics = hostile_steps(served)
+    assert report["distill_kept"] >= distill.min_kept, report  # else the population is too small to test this
+    assert metrics["distill_tokens"] > 0
+    # the start and the trained policy sampled from one seed: where the weights did not move, the same
+    # answers, so what differs is what the steps changed, not two draws' noise (144 answers a draw)
+    before = _sample(start, tokenizer, prompts, 24, seed=2)
+    after = _sample(model, tokenizer, prompts, 24, seed=2)
+    before_calls, after_calls, n = tool_use(before), tool_use(after), len(before)
+    low, high = fisher_tails(after_calls, n, before_calls, n)
+    p = min(1.0, 2 * min(low, high))
+    # within the monitors' band (the scenario's alarm_p) and short of the scenario's min_effect
+    assert p > 1e-3 and (before_calls - after_calls) / n < 0.15, (before_calls, after_calls, n, report)
 
 
 def test_the_hint_teacher_bench_scores_exactly_the_edit_s_old_text_and_value(tiny):
