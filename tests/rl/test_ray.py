@@ -211,6 +211,7 @@ def test_kills_at_random_moments_keep_every_version_invariant(cluster, registry_
     holds on the records. Weights go out as deltas (`weight_deltas`), so a replaced engine or a
     restarted run's engines start from the driver's copy of the last weights pushed."""
     seed = int(os.environ.get("FLYWHEEL_FAULT_SEED") or random.randrange(2**32))  # set it to replay a failure
+    print(f"FLYWHEEL_FAULT_SEED={seed}")  # shown with any failure below, the audit's included
     rng = random.Random(seed)
     # two per run, so both land within its steps on a loaded machine; over runs, every kind and order
     kinds = ["learner", rng.choice(["pool", "worker", "engine", "node"])]
