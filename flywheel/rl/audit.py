@@ -15,7 +15,10 @@ resume struck it out), its start version the last record of groups.jsonl. The in
 - lineage: every trained token's version names the weights that sampled it. A token a lost policy
   sampled is recognised by its fingerprint, taken before the resume: the tokens up to it, its
   logprob and its version (weights that differ give it another logprob), so a trajectory that
-  carries it into training is caught whatever version the resumed run has reached by then.
+  carries it into training is caught whatever version the resumed run has reached by then. Unless
+  the resumed run made that version again with the very same weights (policies.jsonl: each
+  version's digest, written before the engines got it): a retrain on the same batch does, and its
+  samples are then the same tokens with the same logprobs, rightly called by that version.
 - start: a trained group's start version exists: 0 ≤ start ≤ the version it was trained from,
   and no token of the group is older than its start.
 - staleness: the version a group is trained from is at most its start + max_staleness, and at
@@ -32,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +46,12 @@ Fingerprint = tuple[str, float, int]  # (sha1 of the token ids up to it, its log
 
 @dataclass(frozen=True)
 class LostSamples:
-    """What a kill took with it: the policy its resume goes back to, and the first token of every
-    record sampled by a newer policy, by prefix length (tokens up to and including it)."""
+    """What a kill took with it: the policy its resume goes back to, the first token of every
+    record sampled by a newer policy, by prefix length (tokens up to and including it), and the
+    digests of those newer policies' weights (policies.jsonl; a version missing had none written)."""
     resumes_at: int
     first_lost: Mapping[int, frozenset[Fingerprint]]
+    digests: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def records(self) -> int:
@@ -84,7 +89,14 @@ def lost_samples(run_dir: str | Path) -> LostSamples:
                  None)
         if p is not None:
             lost.setdefault(p + 1, set()).add((_prefix(r["tokens"], p + 1), r["logprobs"][p], r["versions"][p]))
-    return LostSamples(version, {n: frozenset(f) for n, f in lost.items()})
+    digests = {v: d for v, d in policy_digests(run).items() if v > version}
+    return LostSamples(version, {n: frozenset(f) for n, f in lost.items()}, digests)
+
+
+def policy_digests(run: RunFolder) -> dict[int, int]:
+    """Each policy version's weights digest (`flywheel.rl.learner.weights_digest`): its last record in
+    policies.jsonl, the weights the run holds under that version now."""
+    return {int(r["version"]): int(r["digest"]) for r in run.read("policies.jsonl")}
 
 
 def trained_steps(run: RunFolder) -> dict[int, dict[str, Any]]:
@@ -112,9 +124,11 @@ def audit(run_dir: str | Path, lost: Iterable[LostSamples], max_staleness: int, 
             violations.append(f"episode {r['episode']} has two trajectories with no strike between")
         finished[r["episode"]] = r["trajectory"]
     fingerprints: dict[int, set[Fingerprint]] = {}
+    made = policy_digests(run)
     for samples in lost:
+        remade = {v for v, d in samples.digests.items() if made.get(v) == d}  # the same weights again
         for n, f in samples.first_lost.items():
-            fingerprints.setdefault(n, set()).update(f)
+            fingerprints.setdefault(n, set()).update(p for p in f if p[2] not in remade)
     consumed = (run.load_progress() or {}).get("consumed", {})
 
     trained_in: dict[str, int] = {}

@@ -14,6 +14,7 @@
           loss or grad norm not finite?  skip the step and count it: no NaN reaches the weights
           clip the grad norm, AdamW step
       version += 1 if any step was taken; weights() is what the engine loads next
+      policy_digest     a hash of the new weights' bytes (`weights_digest`), in the step's metrics
 
 The loss is decoupled PPO (`flywheel.rl.loss`). The proximal policy is the weights at the start of
 `train_step`. With ppo_epochs = minibatches = 1 (the default) there is one optimizer step and the
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import random
 import time
 from collections import Counter
@@ -403,6 +405,21 @@ def merge_stats(into: dict[str, torch.Tensor], stats: Mapping[str, torch.Tensor]
             into[key] = torch.maximum(into[key], value) if key == "is_weight_max" else into[key] + value
 
 
+def weights_digest(model: torch.nn.Module) -> int:
+    """53 bits of a hash of the weights' bytes and names (state_dict order; a sharded tensor's local
+    shard): equal weights give equal digests on any machine, different ones collide with chance 2^-53.
+    The training loop writes each policy's digest to the run's policies.jsonl before the engines get
+    it, so flywheel/rl/audit.py can tell a resumed run's policy N from the lost one it replaced (a
+    retrain on the same batch makes the same weights, and their samples are then rightly called N).
+    Costs one read of the weights: about 10 ms for the embedded default's 8 MB."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name, tensor in model.state_dict().items():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # DTensor: this rank's shard
+        digest.update(name.encode())
+        digest.update(local.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+    return int.from_bytes(digest.digest(), "big") >> 11  # exact as a float (metrics.jsonl)
+
+
 @contextmanager
 def intra_op_threads(threads: int | None) -> Iterator[None]:
     """PyTorch's intra-op thread count for the calling thread, restored on exit (None: unchanged)."""
@@ -547,7 +564,8 @@ class Learner:
         loss_tokens = float(self._reduce(sum((b.mask.sum().cpu() for b in flat), torch.zeros(()))))
         totals = {k: self._reduce(v.cpu(), "max" if k == "is_weight_max" else "sum") for k, v in totals.items()}
         return (self._metrics(trajectories, staleness, totals, losses, grad_norms, entropy, loss_tokens, taken,
-                              skipped, elapsed) | mismatch | {f"learner_{k}": v for k, v in seconds.items()})
+                              skipped, elapsed) | mismatch | {f"learner_{k}": v for k, v in seconds.items()}
+                | {"policy_digest": float(weights_digest(self.model))})
 
     def _metrics(self, trajectories: Sequence[Trajectory], staleness: dict[int, int], totals: dict[str, torch.Tensor],
                  losses: list[torch.Tensor], grad_norms: list[torch.Tensor], entropy: torch.Tensor,

@@ -255,6 +255,8 @@ def learning_step(config: OrchestratorConfig, orchestrator: Orchestrator, learne
         with timed(seconds, "train_s"):
             metrics = dict(learner.train_step(trajectories, advantages))  # its staleness_max: the batch's
 
+        if (digest := metrics.pop("policy_digest", None)) is not None:  # on disk before any engine holds them
+            run.append("policies.jsonl", {"version": learner.version, "digest": int(digest)})  # rl/audit.py
         with timed(seconds, "weight_update_s"):
             engine.update_weights(learner.weights(), learner.version, timeout_s=config.weight_update_timeout_s)
         if (sent := getattr(engine, "last_update_bytes", None)) is not None:  # weight_deltas: what the push carried

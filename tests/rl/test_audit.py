@@ -83,3 +83,29 @@ def test_tokens_of_a_lost_policy_are_found_whatever_version_the_run_reached_sinc
           {e: t for e, t in episodes.items() if e != "g1/0"},
           extra=[{"episode": "g1/0", "discarded": 0}, {"episode": "g1/0", "trajectory": trajectory([0, 1], -0.3)}])
     assert audit(tmp_path / "replayed", [lost], 1, 2) == []
+
+
+def test_a_lost_policy_made_again_with_the_same_weights_rightly_names_its_tokens(tmp_path):
+    """Policy 1 was pushed, sampled and lost before its checkpoint; the resumed run makes version 1
+    again. With the same weights (a retrain on the same batch: equal digests in policies.jsonl) an
+    episode played again samples the very same tokens and logprobs, and they are policy 1's: no
+    violation. With other weights (another digest), or with the lost policy's digest unknown, the
+    same trajectory is one that carried the lost token into training."""
+    kept = trajectory([0, 1], logprob=-0.25)
+    episodes = {"g0/0": trajectory([0]), "g0/1": trajectory([0]), "g1/0": kept, "g1/1": trajectory([0, 1])}
+    for remade, written, found in ((7, True, False), (8, True, True), (7, False, True)):
+        root = tmp_path / f"{remade}-{written}"
+        run = RunFolder(root)
+        run.save_state({"version": 0}, {"step": 0, "policy_version": 0, "consumed": {}, "counts": {}})
+        if written:
+            run.append("policies.jsonl", {"version": 1, "digest": 7})
+        (root / "inflight" / "g1_0.json").write_text(json.dumps(kept))
+        lost = lost_samples(root)
+        assert lost.records == 1 and lost.digests == ({1: 7} if written else {})
+        (root / "inflight" / "g1_0.json").unlink()  # the resume drops it; the episode plays again
+        run.append("policies.jsonl", {"version": 1, "digest": remade})
+        run.append("policies.jsonl", {"version": 2, "digest": 9})
+        write(root, {"g0": 0, "g1": 0}, [(["g0"], 1), (["g1"], 2)], episodes)
+        violations = audit(root, [lost], 1, 2)
+        assert any("sampled by weights the run lost" in v and "g1/0" in v for v in violations) == found, violations
+        assert found or violations == []

@@ -40,7 +40,7 @@ def local_config(registry_root: Path, run_dir: Path, steps: int = 5, checkpoint_
         "orchestrator": {"group_size": 4, "groups_per_step": 2, "max_staleness": 1, "concurrency": 16,
                          "max_steps": steps, "filter_zero_signal": False, "checkpoint_every": checkpoint_every,
                          "episode": {"max_turns": 4, "max_tokens_per_turn": 24, "temperature": 0.5}},
-        "learner": {"lr": 0.01, "temperature": 0.5},
+        "learner": {"lr": 1e-4, "temperature": 0.5},
         "engine": {"threads": 1},
         "pool": {"warm": 0}})
 

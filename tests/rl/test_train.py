@@ -21,6 +21,7 @@ from flywheel.demo import held_out_curve_line
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.registry import Registry
 from flywheel.model.tokenizer import train_tokenizer
+from flywheel.rl.learner import weights_digest
 from flywheel.rl.train import LOOP_STAGES, TrainConfig, eval_tasks, train
 from tests.agent.test_evaluate import episode
 from tests.rl.broken_call_policy import broken_call_policy
@@ -81,6 +82,12 @@ tensorboard = true
     with Registry(tmp_path / "registry") as registry:
         (_, _, trained) = registry.list()
         assert trained.version == 2 and trained.parent == 1 and trained.metrics["train_steps"] == 10
+        trained_model, _ = registry.load(2)
+    # Each policy's weights digest, on disk before the engines got it: one per version, all different
+    # (the weights moved), the last one the registered weights'.
+    policies = [json.loads(line) for line in (tmp_path / "run" / "policies.jsonl").read_text().splitlines()]
+    assert [p["version"] for p in policies] == list(range(1, 11))
+    assert len({p["digest"] for p in policies}) == 10 and policies[-1]["digest"] == weights_digest(trained_model)
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 10] and [e["policy_version"] for e in evals] == [0, 10]
     # The tracker got a copy of the same rows (flywheel/rl/tracking.py; read back from its event files).
