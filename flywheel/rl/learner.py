@@ -406,17 +406,29 @@ def merge_stats(into: dict[str, torch.Tensor], stats: Mapping[str, torch.Tensor]
 
 
 def weights_digest(model: torch.nn.Module) -> int:
-    """53 bits of a hash of the weights' bytes and names (state_dict order; a sharded tensor's local
-    shard): equal weights give equal digests on any machine, different ones collide with chance 2^-53.
+    """53 bits of a hash of the weights and their names (state_dict order; a sharded tensor's local
+    shard): equal weights give equal digests, different ones collide with chance about 2^-53.
     The training loop writes each policy's digest to the run's policies.jsonl before the engines get
     it, so flywheel/rl/audit.py can tell a resumed run's policy N from the lost one it replaced (a
     retrain on the same batch makes the same weights, and their samples are then rightly called N).
-    Costs one read of the weights: about 10 ms for the embedded default's 8 MB."""
+
+    A tensor in host memory is hashed whole (about 10 ms for the embedded default's 8 MB); one on an
+    accelerator by its float64 sum and sum of squares, reduced there and copied back together, so a
+    step of a large model does not copy its weights to the host for this (any update that moves
+    weights moves those sums)."""
     digest = hashlib.blake2b(digest_size=8)
+    on_device: list[torch.Tensor] = []
     for name, tensor in model.state_dict().items():
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # DTensor: this rank's shard
+        local = local.detach().reshape(-1)
         digest.update(name.encode())
-        digest.update(local.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+        if local.device.type == "cpu":
+            digest.update(local.contiguous().view(torch.uint8).numpy())
+        else:
+            wide = local.double()
+            on_device += [wide.sum(), wide.square().sum()]
+    if on_device:
+        digest.update(torch.stack(on_device).cpu().numpy().tobytes())
     return int.from_bytes(digest.digest(), "big") >> 11  # exact as a float (metrics.jsonl)
 
 

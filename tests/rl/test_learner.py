@@ -21,6 +21,7 @@ from flywheel.rl.learner import (
     proximal_pass,
     staleness_histogram,
     token_logprobs,
+    weights_digest,
 )
 from flywheel.rl.loss import LossConfig, loss_denominator
 from flywheel.rl.sft import masked_ce_loss
@@ -441,3 +442,23 @@ def test_a_step_on_a_gpu_moves_the_weights_as_on_the_cpu(tokenizer):
     assert all(w.device.type == "cuda" for w in learner.weights().values())
     for name, p in cpu.named_parameters():
         torch.testing.assert_close(gpu.get_parameter(name).detach().cpu(), p.detach(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", id="gpu", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_the_weights_digest_tells_equal_weights_from_moved_ones(tokenizer, device):
+    """What flywheel/rl/audit.py relies on (policies.jsonl): a copy of the weights has the digest,
+    a step, or one weight nudged by a rounding step, gives another; a step's metrics carry it (an
+    integer a float holds exactly). On a GPU (`gpu` in its id for bench/gpu_check.sh) by sums."""
+    cpu = build_model(TINY, tokenizer)
+    batch = [trajectory(cpu, 20, seed=1)]
+    model = copy.deepcopy(cpu).to(device)
+    start = weights_digest(model)
+    assert weights_digest(copy.deepcopy(model)) == start and 0 <= start < 2**53
+    nudged = copy.deepcopy(model)
+    with torch.no_grad():
+        weight = next(nudged.parameters())
+        weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(1.0, device=device))
+    assert weights_digest(nudged) != start
+    metrics = Learner(model, LearnerConfig(lr=1e-2)).train_step(batch, [1.0])
+    assert metrics["policy_digest"] == weights_digest(model) != start
