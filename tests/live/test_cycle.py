@@ -334,7 +334,9 @@ def killed_cycle_trial(root: Path, stage: str, delay_s: float, seed: int) -> Non
         api = openai.OpenAI(base_url=f"{world.url}/v1", api_key=KEY, max_retries=0, timeout=60)
         answer = api.chat.completions.create(model="flywheel", max_tokens=8, tools=tool_schemas(), messages=[
             {"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": POLICY.tasks()[0].instruction}])
-        assert answer.id, said
+        assert answer.model_extra["flywheel"]["version"] in world.server.deployment.versions, said
+        if killed_at == "deployed":  # killed in its A/B test: the candidate's arm stays up for the rerun
+            assert world.server.deployment.candidate is not None, said
         rerun = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
         assert rerun.returncode == 0, f"{said}: " + rerun.stdout[-3000:] + rerun.stderr[-3000:]
         deployment = world.server.deployment
