@@ -32,8 +32,9 @@ def registry_root(tmp_path_factory) -> Path:
     return register_question_policy(tmp_path_factory.mktemp("faults") / "registry")
 
 
-def local_config(registry_root: Path, run_dir: Path, steps: int = 5, checkpoint_every: int = 2) -> TrainConfig:
-    return TrainConfig.model_validate({
+def local_config(registry_root: Path, run_dir: Path, steps: int = 5, checkpoint_every: int = 2,
+                 **update) -> TrainConfig:
+    return TrainConfig.model_validate(update | {
         "registry_root": str(registry_root), "run_dir": str(run_dir), "families": ["bugfix"],
         "train_tasks_per_family": 2, "eval_tasks_per_family": 1, "eval_at_start": False, "threads": 1,
         "register_checkpoint": False,
@@ -45,9 +46,13 @@ def local_config(registry_root: Path, run_dir: Path, steps: int = 5, checkpoint_
         "pool": {"warm": 0}})
 
 
-def test_a_driver_killed_at_random_moments_trains_only_on_what_its_own_weights_sampled(registry_root, tmp_path):
+@pytest.mark.parametrize("update", [{}, {"lora": {"rank": 4}}], ids=["full", "lora"])
+def test_a_driver_killed_at_random_moments_trains_only_on_what_its_own_weights_sampled(registry_root, tmp_path, update):
+    """lora: the run trains an adapter on the policy (flywheel/rl/lora.py); its checkpoint holds the
+    adapter and its optimizer, the engines sample with the merged weights."""
     seed = int(os.environ.get("FLYWHEEL_FAULT_SEED") or random.randrange(2**32))  # set it to replay a failure
-    trial = KilledRun(local_config(registry_root, tmp_path / "run"), random.Random(seed)).run(kills=2, targeted=1)
+    config = local_config(registry_root, tmp_path / "run", **update)
+    trial = KilledRun(config, random.Random(seed)).run(kills=2, targeted=1)
     said = f"seed {seed}, kills {trial.kills}; logs in {tmp_path}"
     assert len(trial.kills) == 2, said
     assert trial.kills[0].kind == "lost policy" and trial.lost[0].records > 0, said  # the bug's moment was reached
