@@ -9,8 +9,8 @@
                         Orchestrator's `progress()`: groups consumed and at which version)
                         + record.json (the step's metrics line, appended after the save)
     metrics.jsonl       one line per learner step, naming the groups it trained                 training loop
-    policies.jsonl      every policy version made, with its weights' digest, written before the training loop
-                        engines get it (a resume that makes version N again adds a record)
+    policies.jsonl      each policy version's weights digest, on disk before the engines get   training loop
+                        the weights (a resume that makes version N again adds a record)
     eval.jsonl          one line per held-out eval                                              training loop
 
 Every write goes through `flywheel.store.files` (fsync, then rename or append): a line cut by a crash

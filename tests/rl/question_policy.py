@@ -5,8 +5,8 @@ is `max_turns` turns with a saved state after each, then graded: every episode h
 to resume from and to kill between. Built in a few seconds, once per test module.
 
 One demonstration in three opens each question with an unclosed `<tool_call>` (the policy then
-does so at about one turn in seven, at temperature 0.5), which costs `invalid_call_penalty`: about
-half the episodes hold one, so most groups' rewards differ, the Learner's steps move the weights,
+does so at about one turn in seven, at temperature 0.5), which costs `invalid_call_penalty`: a fifth
+to a third of the episodes hold one, so most groups' rewards differ, the Learner's steps move the weights,
 and each policy version is other weights. A policy that never moved (this one before: every reward
 equal) makes the audit's lineage check (flywheel/rl/audit.py) vacuous: every version samples alike.
 """
