@@ -44,6 +44,7 @@ from flywheel.live.store import LiveStore
 from flywheel.model.chat import SYSTEM_PROMPT, tool_schemas
 from flywheel.model.engine import LocalEngine
 from flywheel.model.registry import CANDIDATE, PRODUCTION, CheckpointNotFound, Registry
+from tests.rl.fault_injection import fault_seed
 
 torch.set_num_threads(1)
 
@@ -297,8 +298,7 @@ def test_cycles_killed_at_random_moments_leave_production_serving_and_their_reru
     what the server serves and the Registry names, and no version but production and the cycle's
     candidate was ever served (a candidate registered just before a kill stays unserved, with no
     alias). Set FLYWHEEL_FAULT_SEED to replay a failure's draw."""
-    seed = int(os.environ.get("FLYWHEEL_FAULT_SEED") or random.randrange(2**32))
-    print(f"FLYWHEEL_FAULT_SEED={seed}")  # shown with any failure below
+    seed = fault_seed()
     rng = random.Random(seed)
     start_checkpoint()
     for trial, stage in enumerate(rng.sample(sorted(KILL_STAGES), 3)):
@@ -317,9 +317,9 @@ def killed_cycle_trial(root: Path, stage: str, delay_s: float, seed: int) -> Non
         try:
             deadline = time.monotonic() + 180
             order = (*KILL_STAGES, "done")  # in order; one may be skipped (a rejected candidate is never deployed)
-            while order.index(_stage(state_file) or "started") < order.index(stage) or _stage(state_file) is None:
+            while (now := _stage(state_file)) is None or order.index(now) < order.index(stage):
                 assert first.poll() is None, f"{said}: the cycle ended first: {first.communicate()[0][-3000:]}"
-                assert time.monotonic() < deadline, f"{said}: not there after 180 s; state: {_stage(state_file)}"
+                assert time.monotonic() < deadline, f"{said}: not there after 180 s; state: {now}"
                 time.sleep(0.001 if stage == "decided" else 0.05)
             time.sleep(delay_s)
         finally:

@@ -40,6 +40,14 @@ from flywheel.rl.train import TrainConfig
 REPO = Path(__file__).resolve().parents[2]
 
 
+def fault_seed() -> int:
+    """The seed of a test's random kill moments: FLYWHEEL_FAULT_SEED when set (to replay a failure),
+    else a new one. Printed, so that pytest shows it with any failure."""
+    seed = int(os.environ.get("FLYWHEEL_FAULT_SEED") or random.randrange(2**32))
+    print(f"FLYWHEEL_FAULT_SEED={seed}")
+    return seed
+
+
 def overrides(data: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
     """A config's values as `flywheel train --set` items (TOML literals), tables flattened to dotted keys."""
     for key, value in data.items():

@@ -12,7 +12,6 @@ more trials of both. Real CLI, engine, sandboxes, grading and Learner: no mocks.
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 from flywheel.rl.audit import trained_steps
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.train import TrainConfig
-from tests.rl.fault_injection import KilledRun
+from tests.rl.fault_injection import KilledRun, fault_seed
 from tests.rl.question_policy import register_question_policy
 
 pytestmark = pytest.mark.slow  # one run killed twice: ~40 s on 2 shared cores
@@ -50,7 +49,7 @@ def local_config(registry_root: Path, run_dir: Path, steps: int = 5, checkpoint_
 def test_a_driver_killed_at_random_moments_trains_only_on_what_its_own_weights_sampled(registry_root, tmp_path, update):
     """lora: the run trains an adapter on the policy (flywheel/rl/lora.py); its checkpoint holds the
     adapter and its optimizer, the engines sample with the merged weights."""
-    seed = int(os.environ.get("FLYWHEEL_FAULT_SEED") or random.randrange(2**32))  # set it to replay a failure
+    seed = fault_seed()
     config = local_config(registry_root, tmp_path / "run", **update)
     trial = KilledRun(config, random.Random(seed)).run(kills=2, targeted=1)
     said = f"seed {seed}, kills {trial.kills}; logs in {tmp_path}"

@@ -38,7 +38,7 @@ from flywheel.rl.ray_backend import ActorHung, RayRollouts
 from flywheel.rl.ray_engine import RayEngine, start_engine_actor
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.train import TrainConfig, train
-from tests.rl.fault_injection import ActorFaults, KilledRun, named_actors
+from tests.rl.fault_injection import ActorFaults, KilledRun, fault_seed, named_actors
 from tests.rl.question_policy import register_question_policy
 from tests.rl.ray_cluster import rollout_node, simulated_cluster
 
@@ -210,8 +210,7 @@ def test_kills_at_random_moments_keep_every_version_invariant(cluster, registry_
     the run from its checkpoint, the rest heal in place, and every invariant of flywheel/rl/audit.py
     holds on the records. Weights go out as deltas (`weight_deltas`), so a replaced engine or a
     restarted run's engines start from the driver's copy of the last weights pushed."""
-    seed = int(os.environ.get("FLYWHEEL_FAULT_SEED") or random.randrange(2**32))  # set it to replay a failure
-    print(f"FLYWHEEL_FAULT_SEED={seed}")  # shown with any failure below, the audit's included
+    seed = fault_seed()
     rng = random.Random(seed)
     # two per run, so both land within its steps on a loaded machine; over runs, every kind and order
     kinds = ["learner", rng.choice(["pool", "worker", "engine", "node"])]
