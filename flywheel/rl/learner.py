@@ -406,19 +406,23 @@ def merge_stats(into: dict[str, torch.Tensor], stats: Mapping[str, torch.Tensor]
 
 
 def weights_digest(model: torch.nn.Module) -> int:
-    """53 bits of a hash of the weights and their names (state_dict order; a sharded tensor's local
-    shard): equal weights give equal digests, different ones collide with chance about 2^-53.
-    The training loop writes each policy's digest to the run's policies.jsonl before the engines get
-    it, so flywheel/rl/audit.py can tell a resumed run's policy N from the lost one it replaced (a
-    retrain on the same batch makes the same weights, and their samples are then rightly called N).
+    """53 bits of a hash of the trainable weights and their names (`named_parameters` order; a
+    sharded tensor's local shard): equal weights give equal digests, different ones collide with
+    chance about 2^-53. The training loop writes each policy's digest to the run's policies.jsonl
+    before the engines get it, so flywheel/rl/audit.py can tell a resumed run's policy N from the lost
+    one it replaced (a retrain on the same batch makes the same weights, and their samples are then
+    rightly called N).
 
-    A tensor in host memory is hashed whole (about 10 ms for the embedded default's 8 MB); one on an
-    accelerator by its float64 sum and sum of squares, reduced there and copied back together, so a
-    step of a large model does not copy its weights to the host for this (any update that moves
-    weights moves those sums)."""
+    Only what a step can move is hashed: a frozen parameter (a LoRA run's base model, about 540 MB
+    for SmolLM2-135M) is the same in every version of a run. A tensor in host memory is hashed whole
+    (about 10 ms for the embedded default's 8 MB); one on an accelerator by its float64 sum and sum of
+    squares, reduced there and copied back together, so a step of a large model does not copy its
+    weights to the host for this (any update that moves weights moves those sums)."""
     digest = hashlib.blake2b(digest_size=8)
     on_device: list[torch.Tensor] = []
-    for name, tensor in model.state_dict().items():
+    for name, tensor in model.named_parameters():
+        if not tensor.requires_grad:
+            continue
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # DTensor: this rank's shard
         local = local.detach().reshape(-1)
         digest.update(name.encode())

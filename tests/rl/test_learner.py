@@ -448,7 +448,8 @@ def test_a_step_on_a_gpu_moves_the_weights_as_on_the_cpu(tokenizer):
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def test_the_weights_digest_tells_equal_weights_from_moved_ones(tokenizer, device):
     """What flywheel/rl/audit.py relies on (policies.jsonl): a copy of the weights has the digest,
-    a step, or one weight nudged by a rounding step, gives another; a step's metrics carry it (an
+    a step, or one weight nudged by a rounding step, gives another; frozen weights are left out (a
+    moved frozen weight keeps it, a moved trainable one changes it); a step's metrics carry it (an
     integer a float holds exactly). On a GPU (`gpu` in its id for bench/gpu_check.sh) by sums."""
     cpu = build_model(TINY, tokenizer)
     batch = [trajectory(cpu, 20, seed=1)]
@@ -460,5 +461,18 @@ def test_the_weights_digest_tells_equal_weights_from_moved_ones(tokenizer, devic
         weight = next(nudged.parameters())
         weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(1.0, device=device))
     assert weights_digest(nudged) != start
+    frozen = copy.deepcopy(model)  # a LoRA run's base: no step moves it, so it is not hashed
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    weight = next(frozen.parameters())
+    weight.requires_grad_(True)
+    trainable_only = weights_digest(frozen)
+    with torch.no_grad():
+        for p in list(frozen.parameters())[1:]:
+            p.add_(1.0)
+    assert weights_digest(frozen) == trainable_only != start
+    with torch.no_grad():
+        weight.add_(1.0)
+    assert weights_digest(frozen) != trainable_only
     metrics = Learner(model, LearnerConfig(lr=1e-2)).train_step(batch, [1.0])
     assert metrics["policy_digest"] == weights_digest(model) != start
