@@ -93,8 +93,9 @@ def check_run(run_dir: Path, steps: int, staleness: int = 1, lost: Sequence[Lost
     return metrics
 
 
-def when_inflight(run_dir: Path, n: int, then, timeout_s: float = 120.0) -> threading.Thread:
-    """Call `then()` once at least `n` episodes of the run have a saved in-flight state."""
+def when_inflight(run_dir: Path, n: int, then, timeout_s: float = 400.0) -> threading.Thread:
+    """Call `then()` once at least `n` episodes of the run have a saved in-flight state (the run's
+    actors start first: 20-30 s on 2 shared cores, minutes when other test suites load them)."""
     def watch() -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -148,8 +149,9 @@ def test_a_run_on_ray_records_what_the_local_run_does_through_a_killed_worker_an
         _, summary = train(run_config(registry_root, run_dir, steps=5, rollout_workers=3), log=logs.append)
     finally:
         watcher.join(timeout=60)
-        cluster.add_node(**rollout_node())
-        cluster.wait_for_nodes()
+        if faults and faults[-1][0] == "removed node of":  # back to the module cluster's three rollout nodes
+            cluster.add_node(**rollout_node())
+            cluster.wait_for_nodes()
     assert summary["steps"] == 5
     assert [f[0] for f in faults] == ["killed", "killed the engine of", "removed node of"], faults
     ray_metrics = check_run(run_dir, 5)
