@@ -1,8 +1,9 @@
 """Kills at random moments, many more than the tests make: violations of the version invariants
 (must be 0) and the recovery time of each kill, per process kind.
 
-    python bench/faults.py                                   # both parts (~15 min on 2 shared cores)
+    python bench/faults.py                                   # every part (~20 min on 2 shared cores)
     python bench/faults.py --parts local --trials 6 --kills 3
+    python bench/faults.py --parts engine --trials 3
     python bench/faults.py --parts ray --trials 2
 
 Prints one JSON object on stdout; progress goes to stderr. Every run is a real `flywheel train` of
@@ -16,7 +17,12 @@ start version exists, staleness within the bound, no episode trained twice, ever
    token newer than the checkpoint), the others at drawn moments; checkpoint_every alternates 1
    and 2 between trials. Recovery: from the kill to the restarted run's next finished step (the
    restart, imports and model load included).
-2. ray: a simulated cluster on loopback (a head and three rollout nodes, tests/rl/ray_cluster.py).
+2. engine: the local run's engine in a process of its own (`engine.separate_process`, as the demo
+   runs it) SIGKILLed `--kills` times a trial at drawn moments, the driver alive: it starts another
+   engine process with the latest weights and the requests in flight go on there
+   (flywheel/model/process_engine.py; `resent_requests` counts them). Recovery: from the kill to
+   the next finished step.
+3. ray: a simulated cluster on loopback (a head and three rollout nodes, tests/rl/ray_cluster.py).
    Per trial, one run driven in this process whose learner actor, a rollout worker, an engine, a
    node's sandbox pool and a whole node are killed in a random order at random moments (the
    learner once a lost policy has sampled), and one run whose driver (the CLI, joined to the
@@ -24,7 +30,7 @@ start version exists, staleness within the bound, no episode trained twice, ever
    `replacement_s`: from a worker's or engine's death being noticed to its replacement serving
    (metrics.jsonl's `replacements`), in those runs and on an idle fleet of two workers where a
    worker, an engine and a worker's node are killed in turn.
-3. mechanism: what keeping the invariant costs a step. The resume rewinds what a lost policy
+4. mechanism: what keeping the invariant costs a step. The resume rewinds what a lost policy
    sampled, which adds nothing to a step but the batch's group ids in its metrics line (timed
    here); the alternative, engines taking policy N only once N's checkpoint is on disk, would add
    the checkpoint's write to every step: timed here for the tiny policy and the embedded default
@@ -55,7 +61,7 @@ sys.path.insert(0, str(REPO))  # the kill harness and the tiny policy are the te
 from flywheel.rl.audit import audit, trained_steps  # noqa: E402
 from flywheel.rl.run_folder import RunFolder  # noqa: E402
 from flywheel.rl.train import TrainConfig  # noqa: E402
-from tests.rl.fault_injection import ActorFaults, KilledRun  # noqa: E402
+from tests.rl.fault_injection import ActorFaults, EngineKilledRun, KilledRun  # noqa: E402
 from tests.rl.question_policy import register_question_policy  # noqa: E402
 
 
@@ -124,6 +130,28 @@ def local_part(args, registry: Path, work: Path) -> dict:
     return {"trials": args.trials, "kills": {"driver": kills}, "kills_with_lost_policy": lost_kills,
             "rewound_episodes": redone, "violations": len(violations), "violation_examples": violations[:5],
             "recovery_s": {"driver": spread(recovery)}}
+
+
+def engine_part(args, registry: Path, work: Path) -> dict:
+    """The local run's engine in its own process (`engine.separate_process`, the demo's), SIGKILLed
+    `--kills` times a trial at drawn moments while the driver lives: the driver starts another."""
+    violations, recovery, kills, resent = [], [], 0, 0
+    for trial in range(args.trials):
+        seed = args.seed * 1000 + 300 + trial
+        cfg = config(registry, work / f"engine-{trial}", args.steps + 3 * args.kills, checkpoint_every=1 + trial % 2)
+        cfg.engine = cfg.engine.model_copy(update={"separate_process": True, "process_restarts": args.kills})
+        run = EngineKilledRun(cfg, random.Random(seed), timeout_s=600).run(kills=args.kills)
+        found = run.violations
+        violations += [f"engine trial {trial} (seed {seed}): {v}" for v in found]
+        recovery += [k.recovery_s for k in run.kills if k.recovery_s is not None]
+        kills += len(run.kills)
+        steps = trained_steps(RunFolder(cfg.run_dir))
+        resent += int(steps[max(steps)].get("engine_resent_requests", 0))
+        log(f"engine trial {trial}: {len(run.kills)} engine kills, {len(found)} violations, next step after "
+            f"{[round(k.recovery_s or 0, 1) for k in run.kills]} s")
+    return {"trials": args.trials, "kills": {"engine_process": kills}, "violations": len(violations),
+            "violation_examples": violations[:5], "resent_requests": resent,
+            "recovery_s": {"engine_process": spread(recovery)}}
 
 
 def ray_part(args, registry: Path, work: Path) -> dict:
@@ -274,9 +302,9 @@ def mechanism_part(registry: Path, work: Path, step_s: float | None) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default="local,ray,mechanism")
+    parser.add_argument("--parts", default="local,engine,ray,mechanism")
     parser.add_argument("--trials", type=int, default=4)
-    parser.add_argument("--kills", type=int, default=3, help="driver kills per local trial")
+    parser.add_argument("--kills", type=int, default=3, help="driver (engine process) kills per local (engine) trial")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -290,12 +318,14 @@ def main() -> None:
         t0 = time.perf_counter()
         if "local" in parts:
             out["local"] = local_part(args, registry, work)
+        if "engine" in parts:
+            out["engine"] = engine_part(args, registry, work)
         if "ray" in parts:
             out["ray"] = ray_part(args, registry, work)
         steps = [b - a for d in work.glob("local-*") if d.is_dir() for a, b in _pairs(d)]
         if "mechanism" in parts:
             out["mechanism"] = mechanism_part(registry, work, round(statistics.median(steps), 3) if steps else None)
-        out["violations"] = sum(out[p]["violations"] for p in ("local", "ray") if p in out)
+        out["violations"] = sum(out[p]["violations"] for p in ("local", "engine", "ray") if p in out)
         out["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out, indent=2), file=stdout)
 

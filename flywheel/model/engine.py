@@ -177,6 +177,12 @@ class EngineConfig(BaseModel):
     # Run the engine in a process of its own (`process_engine.ProcessEngine`, through `start_engine`):
     # its decode loop then does not share the GIL with rollout threads and the learner.
     separate_process: bool = False
+    # How many times such a process that died (killed, out of memory) is started again in its
+    # engine's life, with the latest weights; the requests in flight go on there, a streamed one
+    # from its last streamed token (those keep the versions that sampled them), the others from
+    # their prompts. The parent keeps a pickled copy of the latest weights for it (8 MB for the
+    # embedded default). 0: the first death fails every request and every later call.
+    process_restarts: int = Field(default=3, ge=0)
     # Decode steps through `decode.LeanDecoder` (Qwen3 and Qwen3-MoE models; others always use the
     # `transformers` forward, as prefills do). False: the `transformers` forward for every step.
     lean_decode: bool = True

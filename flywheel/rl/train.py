@@ -261,6 +261,8 @@ def learning_step(config: OrchestratorConfig, orchestrator: Orchestrator, learne
             engine.update_weights(learner.weights(), learner.version, timeout_s=config.weight_update_timeout_s)
         if (sent := getattr(engine, "last_update_bytes", None)) is not None:  # weight_deltas: what the push carried
             metrics["weight_update_bytes"] = float(sent)
+        if (restarts := getattr(engine, "restarts", None)) is not None:  # a ProcessEngine's, in this driver's life
+            metrics["engine_restarts"], metrics["engine_resent_requests"] = restarts, engine.resent
         orchestrator.consumed(batch.group_ids, learner.version)
 
         counts = orchestrator.counts()

@@ -6,6 +6,10 @@ call's opening is a prompt token, never trained on), /v1/completions with token-
 from __future__ import annotations
 
 import json
+import os
+import random
+import signal
+import threading
 import time
 
 import httpx
@@ -196,7 +200,7 @@ def test_n_choices_are_a_group_each_stored_as_its_own_completion(live):
     assert [c["message"]["content"] for c in again["choices"]] == [c["message"]["content"] for c in choices]
 
 
-def stream_chunks(http: httpx.Client, **body) -> list[tuple[float, dict]]:
+def stream_chunks(http: httpx.Client, on_chunk=lambda: None, **body) -> list[tuple[float, dict]]:
     """(arrival time, chunk) of every server-sent chunk of a streamed chat request, [DONE] excluded."""
     out = []
     with http.stream("POST", "/v1/chat/completions", json={"model": "flywheel", "messages": MESSAGES,
@@ -205,6 +209,7 @@ def stream_chunks(http: httpx.Client, **body) -> list[tuple[float, dict]]:
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 out.append((time.perf_counter(), json.loads(line[6:])))
+                on_chunk()
     return out
 
 
@@ -241,7 +246,7 @@ def test_n_choices_stream_interleaved_by_index_each_stored_as_its_own_completion
 
 
 @pytest.mark.slow  # 39 s on the shared 2-core machine (load ~10)
-def test_a_model_served_in_its_own_process_streams_tokens_as_they_are_sampled(registry_root, tmp_path):
+def test_a_model_served_in_its_own_process_streams_tokens_as_sampled_and_outlives_its_death(registry_root, tmp_path):
     config = ServeConfig(loop=LoopConfig.at(tmp_path / "live.sqlite", registry_root), keys=KEYS, candidate_fraction=0.0,
                          threads=1, engine=EngineConfig(separate_process=True))
     server = LiveServer.from_config(config)
@@ -251,10 +256,40 @@ def test_a_model_served_in_its_own_process_streams_tokens_as_they_are_sampled(re
         assert isinstance(lease.engine, ProcessEngine)
         with serve_in_thread(server) as running, httpx.Client(base_url=running.url, headers=AUTH, timeout=60) as http:
             timed = stream_chunks(http, max_tokens=64, temperature=1.0, seed=7, logprobs=True)
+            # Its process killed while requests stream and wait (at a random moment): the engine starts
+            # another, and every request is answered whole, a streamed one with no token twice.
+            seed = random.randrange(2**32)
+            answers: dict[int, object] = {}
+            streaming = threading.Event()
+
+            def ask(i: int) -> None:
+                body = {"max_tokens": 400, "temperature": 1.0, "seed": i, "logprobs": True}
+                answers[i] = stream_chunks(http, on_chunk=streaming.set, **body) if i % 2 else chat(http, **body)
+
+            asking = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+            for thread in asking:
+                thread.start()
+            streaming.wait(60)
+            time.sleep(random.Random(seed).uniform(0.0, 0.2))
+            os.kill(lease.engine.pid, signal.SIGKILL)
+            for thread in asking:
+                thread.join(120)
+            after = chat(http, max_tokens=8)
         chunks = [c for _, c in timed]
         stored = server.store.completion(chunks[0]["id"])
+        restarted = {i: server.store.completion((a[0][1] if i % 2 else a.json())["id"]) for i, a in answers.items()}
     finally:
         server.close()
+    said = f"kill seed {seed}"
+    assert lease.engine.restarts == 1 and lease.engine.resent >= 1 and after.status_code == 200, said
+    assert sorted(answers) == [0, 1, 2, 3] and all(answers[i].status_code == 200 for i in (0, 2)), said
+    for i in (1, 3):
+        streamed = [c["choices"][0] for _, c in answers[i] if c["choices"]]
+        assert "".join(c["delta"].get("content") or "" for c in streamed) == restarted[i].content, said
+        lps = [t["logprob"] for c in streamed if c["logprobs"] for t in c["logprobs"]["content"]]
+        assert lps == pytest.approx(restarted[i].logprobs) and len(lps) == len(restarted[i].completion_ids), said
+    for i in (0, 2):
+        assert answers[i].json()["choices"][0]["message"]["content"] == restarted[i].content, said
     contents = [(t, c) for t, c in timed if c["choices"] and c["choices"][0]["delta"].get("content")]
     assert len(contents) >= 2, "the answer arrived in one piece, not as it was sampled"
     assert contents[-1][0] - contents[0][0] > 0  # spread over the generation

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,7 @@ from flywheel.model.engine import (
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.process_engine import ProcessEngine
 from flywheel.model.tokenizer import train_tokenizer
+from tests.rl.fault_injection import engine_processes
 
 TIMEOUT_S = 120.0
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
@@ -560,7 +563,8 @@ def test_process_engine_answers_as_the_local_engine_does(model, other_weights, p
 
 @pytest.mark.slow  # 7 s on the shared 2-core machine (load ~10)
 def test_process_engine_checks_requests_and_fails_loudly_when_its_process_dies(model, prompts):
-    with ProcessEngine(model, EngineConfig(max_batch=2)) as engine:
+    """With no restarts allowed (`process_restarts = 0`) a death fails every request and later call."""
+    with ProcessEngine(model, EngineConfig(max_batch=2, process_restarts=0)) as engine:
         with pytest.raises(ValueError, match="outside the model's vocabulary"):
             engine.submit([10**6], SamplingParams())
         with pytest.raises(ValueError, match="empty prompt"):
@@ -574,6 +578,75 @@ def test_process_engine_checks_requests_and_fails_loudly_when_its_process_dies(m
             engine.submit(prompts[0], SamplingParams())
         with pytest.raises(EngineError, match="engine process exited"):
             engine.update_weights({}, 1)
+
+
+@pytest.mark.slow  # 4 trials of a child killed and started again: ~30 s on the shared 2-core machine
+def test_process_engine_starts_a_dead_process_again_and_its_requests_go_on(model, other_weights, prompts):
+    """The child SIGKILLed at random moments (after a drawn number of streamed tokens, while its
+    replacement starts, or while a weight update is on its way): every request still completes
+    once, a streamed one with exactly the tokens its caller was streamed, each token with the
+    version that sampled it; the new child
+    holds the latest weights (its greedy tokens are those weights', not the start's), and its
+    counters answer. A weight update the dead child never acknowledged is done."""
+    seed = int(os.environ.get("FLYWHEEL_FAULT_SEED") or random.randrange(2**32))
+    print(f"FLYWHEEL_FAULT_SEED={seed}")
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=48)
+    with engine_for(model) as local:
+        local.update_weights(other_weights, 1)
+        expected = [g.token_ids for g in local.generate(prompts, params)]
+    with ProcessEngine(model, EngineConfig(max_batch=4, process_restarts=5)) as engine:
+        engine.update_weights(other_weights, 1)
+        for trial in range(4):
+            said = f"seed {seed}, trial {trial}"
+            if trial == 3:  # an update in flight: the dead child never answers it, the new one starts with it
+                updating = threading.Thread(target=engine.update_weights, args=(other_weights, 2))
+                updating.start()
+                time.sleep(rng.random() * 0.05)
+                engine._process.kill()
+                updating.join(TIMEOUT_S)
+                assert not updating.is_alive() and engine.version == 2, said
+                done = engine.generate(prompts, params)
+                assert [g.token_ids for g in done] == expected and all(set(g.versions) == {2} for g in done), said
+                break
+            streamed: list[list[int]] = [[] for _ in prompts]
+            futures = [engine.submit(p, replace(params, on_token=lambda t, lp, got=streamed[i]: got.append(t)) if i % 2
+                                     else params) for i, p in enumerate(prompts)]
+            kill_after = rng.randrange(1, 30)  # streamed tokens of the first streamed request
+            deadline = time.monotonic() + TIMEOUT_S
+            while len(streamed[1]) < kill_after and not futures[1].done() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            first = engine.pid
+            engine._process.kill()
+            if trial == 1:  # its replacement killed too, while it starts (importing torch): a third one serves
+                while not (starting := [p for p in engine_processes(os.getpid()) if p != first]):
+                    assert time.monotonic() < deadline, said
+                    time.sleep(0.001)
+                time.sleep(rng.random() * 0.5)
+                os.kill(starting[0], signal.SIGKILL)
+            results = wait_all(futures, TIMEOUT_S)
+            assert engine.restarts == trial + 1 + (trial >= 1), said
+            assert [g.token_ids for g in results] == expected, said
+            for i, gen in enumerate(results):
+                assert gen.versions == [1] * len(gen.token_ids) and len(gen.logprobs) == len(gen.token_ids), said
+                if i % 2:
+                    assert streamed[i] == gen.token_ids, said  # none twice, none missing
+            after = engine.generate(prompts[:2], params)  # the new child's own: version 1's weights
+            assert [g.token_ids for g in after] == expected[:2], said
+            assert engine.counters()["decode_steps"] >= 0, said
+
+
+@pytest.mark.slow  # ~8 s
+def test_process_engine_fails_every_request_once_its_restarts_are_spent(model, prompts):
+    with ProcessEngine(model, EngineConfig(max_batch=2, process_restarts=1)) as engine:
+        engine._process.kill()
+        assert len(engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))[0].token_ids) == 4
+        waiting = engine.submit(prompts[0], SamplingParams(temperature=1.0, max_tokens=10_000))
+        engine._process.kill()
+        with pytest.raises(EngineError, match=r"exited .*1 restarts spent"):
+            waiting.result(TIMEOUT_S)
+        with pytest.raises(EngineError, match="restarts spent"):
+            engine.submit(prompts[0], SamplingParams())
 
 
 # A program that starts a ProcessEngine, forks a child that keeps the engine's pipe open (as a

@@ -20,6 +20,7 @@ sandboxes, grading and Learner.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -145,6 +146,84 @@ class KilledRun:
     def violations(self) -> list[str]:
         o = self.config.orchestrator
         return audit(self.run_dir, self.lost, o.staleness_bound, o.group_size)
+
+
+def engine_processes(parent: int) -> list[int]:
+    """The pids of `parent`'s ProcessEngine children (spawned: `multiprocessing.spawn` in their command)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == parent and b"multiprocessing.spawn" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # it exited meanwhile
+            continue
+    return found
+
+
+@dataclass
+class EngineKill:
+    after_step: int  # steps the run had finished when the kill's step began
+    fraction: float  # how far into the next step it landed, in steps
+    pid: int  # the engine process killed
+    replaced_s: float | None = None  # from the kill to its replacement process running
+    recovery_s: float | None = None  # from the kill to the next finished step
+
+
+@dataclass
+class EngineKilledRun:
+    """One run of `config` (a `separate_process` engine) whose engine process, not the driver, is
+    SIGKILLed at random moments drawn from `rng`: the driver starts another in its place and goes on."""
+    config: TrainConfig
+    rng: random.Random
+    timeout_s: float = 300.0
+    kills: list[EngineKill] = field(default_factory=list)
+
+    def run(self, kills: int) -> EngineKilledRun:
+        killed = KilledRun(self.config, self.rng, self.timeout_s)
+        self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        run = RunFolder(self.config.run_dir)
+        proc = killed.start()
+        until = functools.partial(self._until, proc, time.monotonic() + self.timeout_s)
+        try:
+            while len(self.kills) < kills:
+                after = min(len(trained_steps(run)) + self.rng.randrange(2), self.config.orchestrator.max_steps - 2)
+                fraction = self.rng.random()
+                until(lambda after=after: killed._training(proc) and len(trained_steps(run)) >= after)
+                time.sleep(fraction * step_seconds(run))
+                until(lambda: len(engine_processes(proc.pid)) == 1)  # not the previous one's replacement starting
+                pid = engine_processes(proc.pid)[0]
+                os.kill(pid, signal.SIGKILL)
+                at, lines = time.monotonic(), len(run.read("metrics.jsonl"))
+                self.kills.append(EngineKill(after, fraction, pid))
+                until(lambda pid=pid: engine_processes(proc.pid) not in ([], [pid]))
+                self.kills[-1].replaced_s = time.monotonic() - at
+                until(lambda lines=lines: len(run.read("metrics.jsonl")) > lines)
+                self.kills[-1].recovery_s = time.monotonic() - at
+            until(lambda: proc.poll() is not None)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if proc.returncode != 0:
+            raise RuntimeError(f"the run exited {proc.returncode}; see {killed._log()}")
+        return self
+
+    def _until(self, proc: subprocess.Popen, deadline: float, ready: Any) -> None:
+        while not ready():
+            if proc.poll() is not None and not ready():
+                raise RuntimeError(f"the run exited {proc.returncode} after {len(self.kills)} engine kills, before "
+                                   "the moment it was waited for")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the run did not finish within {self.timeout_s:.0f} s")
+            time.sleep(0.02)
+
+    @property
+    def violations(self) -> list[str]:
+        o = self.config.orchestrator
+        return audit(self.config.run_dir, [], o.staleness_bound, o.group_size)
 
 
 def step_seconds(run: RunFolder, default: float = 1.0) -> float:

@@ -20,7 +20,7 @@ import pytest
 from flywheel.rl.audit import trained_steps
 from flywheel.rl.run_folder import RunFolder
 from flywheel.rl.train import TrainConfig
-from tests.rl.fault_injection import KilledRun, fault_seed
+from tests.rl.fault_injection import EngineKilledRun, KilledRun, fault_seed
 from tests.rl.question_policy import register_question_policy
 
 pytestmark = pytest.mark.slow  # one run killed twice: ~40 s on 2 shared cores
@@ -33,7 +33,7 @@ def registry_root(tmp_path_factory) -> Path:
 
 def local_config(registry_root: Path, run_dir: Path, steps: int = 5, checkpoint_every: int = 2,
                  **update) -> TrainConfig:
-    return TrainConfig.model_validate(update | {
+    return TrainConfig.model_validate({
         "registry_root": str(registry_root), "run_dir": str(run_dir), "families": ["bugfix"],
         "train_tasks_per_family": 2, "eval_tasks_per_family": 1, "eval_at_start": False, "threads": 1,
         "register_checkpoint": False,
@@ -42,7 +42,7 @@ def local_config(registry_root: Path, run_dir: Path, steps: int = 5, checkpoint_
                          "episode": {"max_turns": 4, "max_tokens_per_turn": 24, "temperature": 0.5}},
         "learner": {"lr": 1e-4, "temperature": 0.5},
         "engine": {"threads": 1},
-        "pool": {"warm": 0}})
+        "pool": {"warm": 0}} | update)
 
 
 @pytest.mark.parametrize("update", [{}, {"lora": {"rank": 4}}], ids=["full", "lora"])
@@ -67,3 +67,22 @@ def test_a_driver_killed_at_random_moments_trains_only_on_what_its_own_weights_s
     rewound = (steps[5]["rewound_episodes"] >= 1 or any("discarded" in r for r in records)
                or any("restarted_from" in g for g in groups))
     assert rewound or trial.kills[1].resumes_at == trial.kills[0].resumes_at, said
+
+
+def test_an_engine_process_killed_at_random_moments_is_started_again_and_the_run_goes_on(registry_root, tmp_path):
+    """~40 s. The demo's engine runs in a process of its own (`engine.separate_process`). Killed three times
+    at random moments of a run (rollouts, the learner step, a weight update alike), it is started
+    again with the latest weights each time and its requests go on there: the driver never stops, every
+    step is trained once at its version, and the run's records keep every invariant of the audit."""
+    seed = fault_seed()
+    config = local_config(registry_root, tmp_path / "run", steps=14, checkpoint_every=2,
+                          engine={"threads": 1, "separate_process": True})
+    trial = EngineKilledRun(config, random.Random(seed)).run(kills=3)
+    said = f"seed {seed}, kills {trial.kills}; logs in {tmp_path}"
+    assert len({k.pid for k in trial.kills}) == 3, said
+    assert trial.violations == [], said
+    steps = trained_steps(RunFolder(trial.config.run_dir))
+    assert [steps[k]["policy_version"] for k in sorted(steps)] == list(range(1, 15)), said
+    assert steps[14]["engine_restarts"] == 3, said
+    log = (tmp_path / "run-driver-0.log").read_text()
+    assert log.count("engine: the engine process exited (code -9)") == 3, said
