@@ -637,6 +637,26 @@ def test_process_engine_starts_a_dead_process_again_and_its_requests_go_on(model
 
 
 @pytest.mark.slow  # ~8 s
+def test_a_process_engine_closed_while_it_restarts_leaves_no_process_behind(model, prompts):
+    engine = ProcessEngine(model, EngineConfig(max_batch=2))
+    waiting = engine.submit(prompts[0], SamplingParams(temperature=1.0, max_tokens=10_000))
+    first = engine.pid
+    engine._process.kill()
+    deadline = time.monotonic() + TIMEOUT_S
+    while not [p for p in engine_processes(os.getpid()) if p != first]:  # the replacement is starting
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 20.0
+    with pytest.raises(EngineError):
+        waiting.result(TIMEOUT_S)
+    while engine_processes(os.getpid()):  # the replacement is stopped once it is ready, not left running
+        assert time.monotonic() < deadline, engine_processes(os.getpid())
+        time.sleep(0.1)
+
+
+@pytest.mark.slow  # ~8 s
 def test_process_engine_fails_every_request_once_its_restarts_are_spent(model, prompts):
     with ProcessEngine(model, EngineConfig(max_batch=2, process_restarts=1)) as engine:
         engine._process.kill()
