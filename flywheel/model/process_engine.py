@@ -180,7 +180,7 @@ class ProcessEngine:
         self._send_lock = threading.Lock()
         self._requests: dict[int, _Request] = {}
         # weight updates (with what they sent) and counters asked for, by id
-        self._pending: dict[int, tuple[str, Future[Any], tuple | None]] = {}
+        self._pending: dict[int, tuple[str, Future[Any], tuple]] = {}
         self._ids = itertools.count()
         self._error: str | None = None
         self._closed = False
@@ -259,10 +259,11 @@ class ProcessEngine:
         with self._lock:
             self._check_alive()
             uid = next(self._ids)
-            self._pending[uid] = ("counters", reply, ("counters", uid))
+            message = ("counters", uid)
+            self._pending[uid] = ("counters", reply, message)
             conn = None if self._restarting else self._conn  # else the restart asks the new child
         if conn is not None:
-            self._send(conn, ("counters", uid))
+            self._send(conn, message)
         try:
             return reply.result(timeout=timeout_s)
         except TimeoutError:

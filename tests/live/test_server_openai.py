@@ -26,6 +26,7 @@ from flywheel.model.engine import EngineConfig
 from flywheel.model.process_engine import ProcessEngine
 from flywheel.model.registry import Registry
 from flywheel.model.tokenizer import train_tokenizer
+from tests.rl.fault_injection import fault_seed
 
 MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Fix the failing test."}]
 AUTH = {"authorization": "Bearer inference-key"}
@@ -258,7 +259,7 @@ def test_a_model_served_in_its_own_process_streams_tokens_as_sampled_and_outlive
             timed = stream_chunks(http, max_tokens=64, temperature=1.0, seed=7, logprobs=True)
             # Its process killed while requests stream and wait (at a random moment): the engine starts
             # another, and every request is answered whole, a streamed one with no token twice.
-            seed = random.randrange(2**32)
+            seed = fault_seed()
             answers: dict[int, object] = {}
             streaming = threading.Event()
 

@@ -37,7 +37,7 @@ from flywheel.model.engine import (
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.process_engine import ProcessEngine
 from flywheel.model.tokenizer import train_tokenizer
-from tests.rl.fault_injection import engine_processes
+from tests.rl.fault_injection import engine_processes, fault_seed
 
 TIMEOUT_S = 120.0
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
@@ -588,8 +588,7 @@ def test_process_engine_starts_a_dead_process_again_and_its_requests_go_on(model
     version that sampled it; the new child
     holds the latest weights (its greedy tokens are those weights', not the start's), and its
     counters answer. A weight update the dead child never acknowledged is done."""
-    seed = int(os.environ.get("FLYWHEEL_FAULT_SEED") or random.randrange(2**32))
-    print(f"FLYWHEEL_FAULT_SEED={seed}")
+    seed = fault_seed()
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=48)
     with engine_for(model) as local:

@@ -168,7 +168,6 @@ class EngineKill:
     after_step: int  # steps the run had finished when the kill's step began
     fraction: float  # how far into the next step it landed, in steps
     pid: int  # the engine process killed
-    replaced_s: float | None = None  # from the kill to its replacement process running
     recovery_s: float | None = None  # from the kill to the next finished step
 
 
@@ -198,8 +197,7 @@ class EngineKilledRun:
                 os.kill(pid, signal.SIGKILL)
                 at, lines = time.monotonic(), len(run.read("metrics.jsonl"))
                 self.kills.append(EngineKill(after, fraction, pid))
-                until(lambda pid=pid: engine_processes(proc.pid) not in ([], [pid]))
-                self.kills[-1].replaced_s = time.monotonic() - at
+                until(lambda pid=pid: engine_processes(proc.pid) not in ([], [pid]))  # its replacement started
                 until(lambda lines=lines: len(run.read("metrics.jsonl")) > lines)
                 self.kills[-1].recovery_s = time.monotonic() - at
             until(lambda: proc.poll() is not None)
