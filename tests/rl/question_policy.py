@@ -30,13 +30,14 @@ from flywheel.rl.sft import SFTConfig, train_sft
 SAY = "Which file?"
 
 
-def register_question_policy(root: Path) -> Path:
+def register_question_policy(root: Path, head_dim: int = 16) -> Path:
     """A Registry at `root` whose `production` is the policy, for the 2 bugfix tasks (difficulty 1,
-    seed 100) that `train_tasks_per_family = 2` draws. Returns `root`."""
+    seed 100) that `train_tasks_per_family = 2` draws. Returns `root`. `head_dim = 32`: one vLLM's
+    CPU attention can serve (bench/faults.py's vllm part)."""
     torch.manual_seed(0)
     tasks = task_set(["bugfix"], "train", 2, seed=100, difficulty=1)
     tokenizer = train_tokenizer([initial_prompt(t) + SAY for t in tasks] * 4, vocab_size=300)
-    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+    model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=head_dim,
                                     num_experts=4, experts_per_token=2, moe_intermediate_size=32), tokenizer)
     encoder = ConversationEncoder(tokenizer)
     say = tokenizer(SAY + IM_END, add_special_tokens=False)["input_ids"]

@@ -191,3 +191,15 @@ def test_a_kl_term_to_the_start_policy_is_wired_and_its_reference_survives_a_res
     assert steps[1]["kl"] > 1e-6 and steps[2]["kl"] > 1e-6, [s["kl"] for s in steps]
     with pytest.raises(ValueError, match="kl_coef"):
         TrainConfig.model_validate({**settings, "cluster": {"backend": "ray"}})
+
+
+def test_an_episode_longer_than_the_vllm_servers_context_is_refused_at_the_start(tmp_path):
+    """An episode may grow to `orchestrator.episode.max_tokens`; vLLM refuses a request past its
+    `max_model_len`. Caught with the config, not an hour into the run when a long episode reaches it."""
+    settings = {"registry_root": tmp_path / "registry", "run_dir": tmp_path / "run",
+                "orchestrator": {"episode": {"max_tokens": 4096}},
+                "engine": {"backend": "vllm", "vllm": {"max_model_len": 2048}}}
+    with pytest.raises(ValueError, match="exceeds engine.vllm.max_model_len 2048"):
+        TrainConfig.model_validate(settings)
+    settings["engine"]["vllm"]["max_model_len"] = 4096
+    assert TrainConfig.model_validate(settings).engine.vllm.max_model_len == 4096
