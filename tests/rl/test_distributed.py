@@ -19,6 +19,7 @@ expert gradients within 1e-5 relative to their largest entry.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -233,7 +234,8 @@ def kill_run(pid: int) -> None:
 
     ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent(p) == pid]
     for target in [pid, *ranks]:
-        os.kill(target, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # one that exited since (the run's own end: asserted after)
+            os.kill(target, signal.SIGKILL)
 
 
 def trained_batches(run: Path) -> list[list[Trajectory]]:
