@@ -386,7 +386,7 @@ class VLLMEngine:
                 await self._gate.wait()
                 server = self._pick(req)
                 if server is None:
-                    if any(s.replacement is not None for s in self._servers):
+                    if self._restarting():
                         await self._changed.wait()  # one is being started again
                         continue
                     reasons = "; ".join(f"{s.url}: {s.dead}" for s in self._servers)
@@ -521,6 +521,10 @@ class VLLMEngine:
             server.replacement = VLLMServer(self.serve_dir, self.config)  # before a task: close() sees it
             self._loop.create_task(self._restart(server))
 
+    def _restarting(self) -> bool:
+        """Whether a server is being started again (requests and updates wait for it, not fail)."""
+        return any(s.replacement is not None for s in self._servers)
+
     def _servers_changed(self) -> None:
         """A server came back or will not: requests waiting for one look again."""
         self._changed.set()
@@ -646,8 +650,7 @@ class VLLMEngine:
                 for stream in list(server.streams):
                     stream.cancel()
             live = [s for s in self._servers if not s.dead]
-            restarting = any(s.replacement is not None for s in self._servers)
-            if not live and not restarting:
+            if not live and not self._restarting():
                 raise EngineError("no live vLLM server to update; restart them")
             writing: list[asyncio.Future] = []
 
@@ -678,7 +681,7 @@ class VLLMEngine:
                     self._mark_dead(server, f"weight reload failed: {result}")
                 elif isinstance(result, BaseException):
                     raise result
-            if all(s.dead for s in self._servers) and not any(s.replacement is not None for s in self._servers):
+            if all(s.dead for s in self._servers) and not self._restarting():
                 raise EngineError(f"every vLLM server failed to reload the weights of version {version}")
             # A server being started again loads these weights before it serves (`_restore`).
             self._version, self._updated = version, True
